@@ -1,0 +1,113 @@
+"""Bytes and FLOPs of each stage and the time floor at a bandwidth (METHOD: the two numbers).
+
+A stage's bytes are what its kernel must move at least: each input read once, each
+output written once (the indexer scores count for both scoring and top-k, since they
+are separate kernels). The step floor counts each tensor once across the step: the
+scores, an intermediate, are left out. At decode batch sizes every stage is
+memory-bound, so the floor is bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shapes import RankShape, check_batch
+
+H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (KINDS.md)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    name: str
+    stream: str  # "main" or "side" in the fork mode
+    weight_bytes: int  # read once per step whatever the batch
+    io_bytes: int  # activations, cache reads and writes
+    flops: int
+    intermediate_bytes: int = 0  # part of io_bytes that a fused step would not move
+    cache_bytes: int = 0  # part of io_bytes read from a KV or indexer cache
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.io_bytes
+
+    def floor_us(self, bandwidth: float = H200_COPY_BW) -> float:
+        return self.bytes / bandwidth * 1e6
+
+
+def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
+    """Per-stage costs of one step of `batch` tokens at `context` cached tokens each."""
+    check_batch(batch)
+    check_batch(context, "context")
+    m, topo = shape.model, shape.topology
+    b, bf16 = batch, 2
+    local = -(-context // topo.dcp)  # tokens of each sequence on this rank
+    topk = min(m.index_topk, context)
+    local_topk = -(-topk // topo.dcp)
+    q_row_bytes = m.query_row * shape.q_bytes
+    scores = b * local * 4
+    index_q = b * m.index_heads * (m.index_dim + 4)  # fp8 queries + fp32 head weights
+    costs = [
+        StageCost("query_norm", "main", m.q_lora_rank * bf16, 2 * b * m.q_lora_rank * bf16, 3 * b * m.q_lora_rank),
+        StageCost(
+            "index_query", "main",
+            m.index_heads * m.index_dim * m.q_lora_rank * bf16,
+            b * (m.q_lora_rank + m.index_heads) * bf16 + index_q,
+            2 * b * m.q_lora_rank * m.index_heads * m.index_dim,
+        ),
+        StageCost("index_key", "main", 2 * m.index_dim * bf16, b * (m.index_dim * bf16 + m.index_token_bytes), 10 * b * m.index_dim),
+        StageCost(
+            "index_score", "main", 0, b * local * m.index_token_bytes + index_q + scores,
+            2 * b * local * m.index_heads * m.index_dim,
+            intermediate_bytes=scores, cache_bytes=b * local * m.index_token_bytes,
+        ),
+        StageCost("top_k", "main", 0, scores + b * m.index_topk * 4, 0, intermediate_bytes=scores),
+        StageCost(
+            "mla_query", "side",
+            shape.heads * m.qk_head_dim * m.q_lora_rank * bf16
+            + shape.heads * m.qk_nope_dim * m.kv_lora_rank * bf16 + (m.q_lora_rank + m.kv_lora_rank) * bf16,
+            b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim) * bf16
+            + b * shape.heads * q_row_bytes * topo.dcp  # own rows, published to every rank's mailbox
+            + b * shape.mla_token_bytes,
+            2 * b * m.q_lora_rank * shape.heads * m.qk_head_dim + 2 * b * shape.heads * m.qk_nope_dim * m.kv_lora_rank,
+        ),
+    ]
+    if topo.dcp > 1:
+        costs.append(StageCost("query_wait", "side", 0, b * shape.gathered * q_row_bytes, 0))
+    costs.append(
+        StageCost(
+            "sparse_core", "main", 0,
+            b * local_topk * (shape.mla_token_bytes + 4) + b * shape.gathered * (q_row_bytes + m.kv_lora_rank * bf16 + 4),
+            4 * b * shape.gathered * local_topk * m.query_row,
+            cache_bytes=b * local_topk * shape.mla_token_bytes,
+        )
+    )
+    return costs
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    costs: tuple[StageCost, ...]
+    bandwidth: float
+
+    @property
+    def bytes(self) -> int:
+        """Each tensor once across the step (intermediates left out)."""
+        return sum(c.bytes - c.intermediate_bytes for c in self.costs)
+
+    @property
+    def us(self) -> float:
+        return self.bytes / self.bandwidth * 1e6
+
+    @property
+    def indexer_bytes(self) -> int:
+        """wq_b weights + the indexer cache read once: DESIGN.md §8's floor."""
+        by = {c.name: c for c in self.costs}
+        return by["index_query"].weight_bytes + by["index_score"].cache_bytes
+
+    @property
+    def indexer_us(self) -> float:
+        return self.indexer_bytes / self.bandwidth * 1e6
+
+
+def step_floor(shape: RankShape, batch: int, context: int, bandwidth: float = H200_COPY_BW) -> StepFloor:
+    return StepFloor(tuple(stage_costs(shape, batch, context)), bandwidth)

@@ -1,0 +1,71 @@
+"""Which part of the query stage overlaps on the side stream, per batch size.
+
+serial:    MlaQuery on the main stream writes q_c itself (store_qc) and, under DCP,
+           spins on the mailbox itself (poll).
+fork:      QueryNorm writes q_c on the main stream; MlaQuery and QueryWait run on
+           the side stream, joined before the sparse core.
+fork_poll: fork, but MlaQuery polls the mailbox itself instead of QueryWait.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+MODES = ("serial", "fork", "fork_poll")
+# TP1's split query has no mailbox to poll.
+WIDE_MODES = ("serial", "fork")
+TOPOLOGIES = ("tp1", "tp", "dcp", "dcp_split")
+
+# Per-topology default tables ("rows:mode,..." or one mode). They start as fork
+# everywhere; `graphstep tune` measures every mode and prints the table to put here.
+QUERY_OVERLAP: dict[str, str] = {topology: "fork" for topology in TOPOLOGIES}
+
+
+def batch_table(policy: str) -> dict[int, str]:
+    """Parse "rows:mode,rows:mode,..." into {rows: mode}; every bad entry raises."""
+    table: dict[int, str] = {}
+    for entry in policy.split(","):
+        rows, sep, mode = (part.strip() for part in entry.partition(":"))
+        if not sep or not rows or not mode:
+            raise ValueError(f"overlap policy entry {entry!r}: expected 'rows:mode' in {policy!r}")
+        if not rows.isdigit() or int(rows) <= 0:
+            raise ValueError(f"overlap policy entry {entry!r}: rows must be a positive int")
+        if mode not in MODES:
+            raise ValueError(f"overlap policy entry {entry!r}: mode {mode!r} not in {MODES}")
+        if int(rows) in table:
+            raise ValueError(f"overlap policy entry {entry!r}: rows {int(rows)} given twice in {policy!r}")
+        table[int(rows)] = mode
+    return table
+
+
+def topology_key(dcp: bool = False, wide: bool = False, split: bool = False) -> str:
+    topology = "tp1" if wide else "dcp" if dcp else "tp"
+    if split and dcp and not wide:
+        topology = "dcp_split"
+    return topology
+
+
+def overlap_for(batch: int, policy: str | None = None, dcp: bool = False, wide: bool = False, split: bool = False) -> str:
+    """The query overlap mode of `batch` rows.
+
+    policy is a mode or a "rows:mode,..." table (default QUERY_OVERLAP of the topology;
+    rows missing from a table are "fork"). wide: the split query of TP1, WIDE_MODES only;
+    split: the split query of fewer heads, under DCP its own table.
+    """
+    policy = policy or QUERY_OVERLAP[topology_key(dcp, wide, split)]
+    if policy in MODES or (":" not in policy and "," not in policy):
+        mode = policy.strip()
+    else:
+        mode = batch_table(policy).get(batch, "fork")
+    modes = WIDE_MODES if wide else MODES
+    if mode not in modes:
+        raise ValueError(f"DSA query overlap {mode!r}: expected one of {modes}")
+    return mode
+
+
+@cache
+def side_stream(device_index: int):
+    """The query side stream of a device: one per device, shared by every step."""
+    import torch
+
+    return torch.cuda.Stream(device=device_index)

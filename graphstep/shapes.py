@@ -1,0 +1,231 @@
+"""Model shapes, the parallel topology and the per-rank sizes derived from them.
+
+Every size the harness, the reference and the kernels use comes from here, so a
+preset or topology change moves all of them together (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+Q_FORMATS = ("bf16", "fp8")
+MLA_CACHE_FORMATS = ("bf16", "fp8")
+
+
+def _positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The query-stage shapes of one DSA layer (TP1 sizes; per-rank sizes in `RankShape`)."""
+
+    name: str
+    hidden: int = 7168
+    heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_dim: int = 128
+    qk_rope_dim: int = 64
+    v_head_dim: int = 128
+    index_heads: int = 64
+    index_dim: int = 128
+    index_rope_dim: int = 64
+    index_topk: int = 2048
+    page_size: int = 64
+    rms_eps: float = 1e-6
+    index_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Fields whose values are assumed rather than taken from a public config.
+    assumed: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        ints = {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
+        _positive("ModelShape", **ints)
+        if self.q_lora_rank != 1536:
+            # QueryNorm's thread mappings (192 x 8 and 32 lanes x 48) are written for 1536.
+            raise ValueError(f"ModelShape.q_lora_rank must be 1536 (the kernels' mapping), got {self.q_lora_rank}")
+        if self.qk_rope_dim % 2 or self.index_rope_dim % 2:
+            raise ValueError("ModelShape rope dims must be even (RoPE rotates pairs)")
+        if self.index_rope_dim > self.index_dim:
+            raise ValueError("ModelShape.index_rope_dim must be <= index_dim")
+        if self.kv_lora_rank % 128:
+            raise ValueError(f"ModelShape.kv_lora_rank must be a multiple of 128, got {self.kv_lora_rank}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of Q_B's output: nope then rope."""
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def query_row(self) -> int:
+        """Absorbed query row: kv_lora_rank latent + rope = 576."""
+        return self.kv_lora_rank + self.qk_rope_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    @property
+    def packed_columns(self) -> dict[str, tuple[int, int]]:
+        """Column ranges (start, end) of the packed projection row qkv [B, P]."""
+        widths = [
+            ("q_a", self.q_lora_rank),
+            ("kv_a", self.kv_lora_rank),
+            ("k_pe", self.qk_rope_dim),
+            ("idx_k", self.index_dim),
+            ("idx_w", self.index_heads),
+        ]
+        spans, start = {}, 0
+        for name, width in widths:
+            spans[name] = (start, start + width)
+            start += width
+        return spans
+
+    @property
+    def packed_width(self) -> int:
+        return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim + self.index_dim + self.index_heads
+
+    @property
+    def index_token_bytes(self) -> int:
+        """Indexer cache bytes per token: fp8 key + one fp32 scale (132)."""
+        return self.index_dim + 4
+
+    def mla_token_bytes(self, cache_format: str = "bf16") -> int:
+        """MLA cache bytes per token: bf16 576 x 2, or fp8 512 + 4 fp32 scales + 64 bf16 rope."""
+        if cache_format == "bf16":
+            return 2 * self.query_row
+        if cache_format == "fp8":
+            return self.kv_lora_rank + 4 * (self.kv_lora_rank // 128) + 2 * self.qk_rope_dim
+        raise ValueError(f"MLA cache format {cache_format!r}: expected one of {MLA_CACHE_FORMATS}")
+
+
+PRESETS: dict[str, ModelShape] = {
+    "deepseek-v3.2": ModelShape(name="deepseek-v3.2"),
+    # Kimi K2 family sizes; no public K3.1 config exists, so the DSA-specific fields
+    # (heads, indexer) are assumptions.
+    "kimi-k3.1": ModelShape(
+        name="kimi-k3.1",
+        heads=64,
+        assumed=("heads", "index_heads", "index_dim", "index_topk", "index_rope_dim"),
+    ),
+}
+
+
+def preset(name: str) -> ModelShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How one layer is spread: TP over heads, DCP over cached tokens.
+
+    wide: the split query of TP1 (all heads on one rank); split: the split query of
+    fewer heads under DCP. rank: the DCP rank this process simulates. q_format: the
+    element format of the query rows and the DCP mailbox. mla_cache: the MLA cache format.
+    """
+
+    tp: int = 1
+    dcp: int = 1
+    wide: bool = False
+    split: bool = False
+    rank: int = 0
+    q_format: str = "bf16"
+    mla_cache: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _positive("Topology", tp=self.tp, dcp=self.dcp)
+        if self.q_format not in Q_FORMATS:
+            raise ValueError(
+                f"Topology.q_format (query rows and mailbox) must be one of {Q_FORMATS}, got {self.q_format!r}"
+            )
+        if self.mla_cache not in MLA_CACHE_FORMATS:
+            raise ValueError(f"Topology.mla_cache must be one of {MLA_CACHE_FORMATS}, got {self.mla_cache!r}")
+        if self.wide and (self.tp != 1 or self.dcp != 1):
+            raise ValueError(f"Topology.wide is the split query of TP1: needs tp=1, dcp=1, got tp={self.tp}, dcp={self.dcp}")
+        if self.split and self.dcp == 1:
+            raise ValueError("Topology.split is the split query under DCP: needs dcp > 1, got dcp=1")
+        if not 0 <= self.rank < self.dcp:
+            raise ValueError(f"Topology.rank must be in [0, {self.dcp}), got {self.rank}")
+
+    @property
+    def name(self) -> str:
+        parts = [f"tp{self.tp}"]
+        if self.dcp > 1:
+            parts.append(f"dcp{self.dcp}")
+        if self.wide:
+            parts.append("wide")
+        if self.split:
+            parts.append("split")
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """Per-rank sizes of a shape under a topology."""
+
+    model: ModelShape
+    topology: Topology
+
+    def __post_init__(self) -> None:
+        if self.model.heads % self.topology.tp:
+            raise ValueError(
+                f"Topology.tp={self.topology.tp} must divide ModelShape.heads={self.model.heads} "
+                f"(allowed tp: {[t for t in range(1, self.model.heads + 1) if self.model.heads % t == 0]})"
+            )
+
+    @property
+    def heads(self) -> int:
+        """MLA heads computed on this rank."""
+        return self.model.heads // self.topology.tp
+
+    @property
+    def gathered(self) -> int:
+        """Query head rows per token after the DCP gather (DCP x H/t)."""
+        return self.topology.dcp * self.heads
+
+    @property
+    def q_heads(self) -> int:
+        """Row stride of the query rows / mailbox per token: gathered, rounded up to the
+        sparse core's head tile of 16 (pad rows are never published nor polled)."""
+        return -(-self.gathered // 16) * 16
+
+    @property
+    def q_bytes(self) -> int:
+        return 2 if self.topology.q_format == "bf16" else 1
+
+    @property
+    def mailbox_row_chunks(self) -> int:
+        """16-byte chunks per head row: 576 x q_bytes / 16 = 36 x q_bytes."""
+        return self.model.query_row * self.q_bytes // 16
+
+    @property
+    def mla_token_bytes(self) -> int:
+        return self.model.mla_token_bytes(self.topology.mla_cache)
+
+    def with_topology(self, **changes) -> "RankShape":
+        return RankShape(self.model, replace(self.topology, **changes))
+
+
+def check_batch(batch: int, what: str = "batch") -> int:
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        raise ValueError(f"{what} must be a positive int, got {batch!r}")
+    return batch
+
+
+def tiled_from(heads: int) -> int:
+    """The batch from which the q_a RMSNorm uses the tiled (row per warp) variant.
+
+    The row variant spends a 256-thread CTA per row; once a batch has enough rows
+    that MlaQuery's grid (one CTA per head group) would recompute many rows per CTA,
+    eight rows per CTA win. With fewer heads per rank there are fewer head groups,
+    so the crossover comes later.
+    """
+    if heads <= 0:
+        raise ValueError(f"heads must be positive, got {heads}")
+    return 8 if heads >= 64 else 16

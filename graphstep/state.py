@@ -1,0 +1,192 @@
+"""Seeded weights, caches and step inputs in the real formats (DESIGN.md §2-3).
+
+Everything is random (never zeros) and drawn on the target device from a seeded
+generator, so a state of many GB builds in seconds on a GPU and the same seed gives
+the same state on the same device type.
+
+Under DCP the caches are sharded by token: position p lives on rank p % dcp at local
+index p // dcp. This state is the one rank `topology.rank` holds; block tables map
+local indices to pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import formats
+from .shapes import RankShape, check_batch
+
+
+@dataclass
+class LayerWeights:
+    gamma_q: torch.Tensor  # [1536] bf16, q_a RMSNorm
+    gamma_kv: torch.Tensor  # [512] bf16, kv_a RMSNorm
+    w_qb: torch.Tensor  # [heads x 192, 1536] bf16 (out, in): per head 128 nope then 64 rope
+    w_uk: torch.Tensor  # [heads, 128, 512] bf16: q_nope -> latent absorption
+    wq_b_index: torch.Tensor  # [index_heads x index_dim, 1536] bf16, the indexer's wq_b
+    index_norm_weight: torch.Tensor  # [index_dim] bf16, LayerNorm of the indexer key
+    index_norm_bias: torch.Tensor  # [index_dim] bf16
+    rope_cos: torch.Tensor  # [max_positions, 32] fp32, MLA (interleaved)
+    rope_sin: torch.Tensor
+    index_rope_cos: torch.Tensor  # [max_positions, index_rope_dim / 2] fp32, indexer (NeoX)
+    index_rope_sin: torch.Tensor
+
+
+@dataclass
+class LayerCaches:
+    index_cache: torch.Tensor  # uint8 [pages, 64 x 132]
+    mla_cache: torch.Tensor  # bf16 [pages, 64, 576] or uint8 [pages, 64, 656]
+    block_tables: torch.Tensor  # int32 [max_batch, pages per sequence]: local index // 64 -> page
+    mailbox: torch.Tensor  # uint8 [max_batch, q_heads, 576 x q_bytes], armed
+
+
+@dataclass
+class StepInputs:
+    """What a serving loop hands the query stage for one decode step of `batch` tokens."""
+
+    qkv: torch.Tensor  # bf16 [B, P] packed projection rows
+    context_lens: torch.Tensor  # int32 [B] global tokens per sequence, the new one included
+    slot_mapping: torch.Tensor  # int32 [B] this rank's cache slot of the new token, -1 if not here
+    block_tables: torch.Tensor  # int32 [B, pages per sequence]
+
+    @property
+    def batch(self) -> int:
+        return self.qkv.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Global position of each new token (its RoPE position)."""
+        return self.context_lens.long() - 1
+
+
+@dataclass
+class PeerInputs:
+    """Under DCP on one GPU, what the other ranks would contribute to this rank's step:
+    the query rows they publish into its mailbox and their local top-k candidates
+    (global positions, scores). This rank's own parts are ignored."""
+
+    rows: torch.Tensor  # fp32 [B, gathered, 576]
+    positions: torch.Tensor  # int32 [B, dcp, topk], -1 padded
+    scores: torch.Tensor  # fp32 [B, dcp, topk], descending, -inf padded
+
+
+def local_lens(context_lens: torch.Tensor, dcp: int, rank: int) -> torch.Tensor:
+    """Tokens of each sequence held by `rank`: positions p < len with p % dcp == rank."""
+    return torch.div(context_lens.long() - rank + dcp - 1, dcp, rounding_mode="floor").clamp_min(0)
+
+
+def _normal(shape, generator, device, scale=1.0, dtype=torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(shape, generator=generator, device=device) * scale).to(dtype)
+
+
+class LayerState:
+    """Weights and caches of one DSA layer on one rank, sized for max_batch x max_context."""
+
+    def __init__(self, shape: RankShape, max_batch: int, max_context: int, seed: int = 0, device="cpu"):
+        self.shape = shape
+        self.max_batch = check_batch(max_batch, "max_batch")
+        self.max_context = check_batch(max_context, "max_context")
+        self.device = torch.device(device)
+        self.seed = seed
+        model, topo = shape.model, shape.topology
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        dev = self.device
+
+        cos, sin = formats.rope_table(max_context, model.qk_rope_dim, model.rope_theta)
+        icos, isin = formats.rope_table(max_context, model.index_rope_dim, model.rope_theta)
+        self.weights = LayerWeights(
+            gamma_q=(1 + _normal(model.q_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
+            gamma_kv=(1 + _normal(model.kv_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
+            w_qb=_normal((shape.heads * model.qk_head_dim, model.q_lora_rank), gen, dev, model.q_lora_rank ** -0.5),
+            w_uk=_normal((shape.heads, model.qk_nope_dim, model.kv_lora_rank), gen, dev, model.qk_nope_dim ** -0.5),
+            wq_b_index=_normal((model.index_heads * model.index_dim, model.q_lora_rank), gen, dev, model.q_lora_rank ** -0.5),
+            index_norm_weight=(1 + _normal(model.index_dim, gen, dev, 0.1, torch.float32)).bfloat16(),
+            index_norm_bias=_normal(model.index_dim, gen, dev, 0.1),
+            rope_cos=cos.to(dev), rope_sin=sin.to(dev),
+            index_rope_cos=icos.to(dev), index_rope_sin=isin.to(dev),
+        )
+
+        page = model.page_size
+        local_max = int(local_lens(torch.tensor([max_context]), topo.dcp, topo.rank)[0])
+        self.pages_per_seq = max(1, -(-local_max // page))
+        pages = max_batch * self.pages_per_seq
+        # Each sequence owns pages scattered over the pool, as a paged allocator leaves them.
+        order = torch.randperm(pages, generator=gen, device=dev).to(torch.int32)
+        block_tables = order.view(max_batch, self.pages_per_seq)
+
+        keys, scales = formats.quantize_fp8_rows(_normal((pages, page, model.index_dim), gen, dev))
+        index_cache = torch.empty(pages, formats.index_page_bytes(page, model.index_dim), dtype=torch.uint8, device=dev)
+        cache_keys, cache_scales = formats.index_cache_views(index_cache, page, model.index_dim)
+        cache_keys.copy_(keys)
+        cache_scales.copy_(scales)
+
+        rows = _normal((pages, page, model.query_row), gen, dev)
+        if topo.mla_cache == "bf16":
+            mla_cache = rows
+        else:
+            mla_cache = formats.pack_mla_fp8(rows.float(), model.kv_lora_rank)
+        mailbox = torch.empty(max_batch, shape.q_heads, model.query_row * shape.q_bytes, dtype=torch.uint8, device=dev)
+        self.caches = LayerCaches(index_cache, mla_cache, block_tables, formats.arm(mailbox))
+        self._gen = gen
+
+    def inputs(self, batch: int, context_lens=None, seed: int | None = None) -> StepInputs:
+        """Fresh random inputs for `batch` tokens. context_lens: an int for every sequence,
+        a list, or None for random lengths in [1, max_context]."""
+        check_batch(batch)
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the state's max_batch {self.max_batch}")
+        model, topo, dev = self.shape.model, self.shape.topology, self.device
+        gen = self._gen if seed is None else torch.Generator(device=dev).manual_seed(seed)
+        if context_lens is None:
+            lens = torch.randint(1, self.max_context + 1, (batch,), generator=gen, device=dev)
+        elif isinstance(context_lens, int):
+            lens = torch.full((batch,), context_lens, device=dev)
+        else:
+            lens = torch.as_tensor(list(context_lens), device=dev)
+        if lens.shape != (batch,):
+            raise ValueError(f"context_lens must give {batch} lengths, got shape {tuple(lens.shape)}")
+        if int(lens.min()) < 1 or int(lens.max()) > self.max_context:
+            raise ValueError(f"context_lens must be in [1, {self.max_context}], got {lens.tolist()}")
+        lens = lens.to(torch.int32)
+        block_tables = self.caches.block_tables[:batch]
+        qkv = _normal((batch, model.packed_width), gen, dev)
+        return StepInputs(qkv, lens, self.new_token_slots(lens, block_tables), block_tables)
+
+    def peer_inputs(self, inputs: StepInputs, seed: int | None = None) -> PeerInputs:
+        """Random but well-formed peer contributions for a DCP step: each rank r offers
+        min(topk, its local length) distinct positions p with p % dcp == r."""
+        s, dev = self.shape, self.device
+        topo, k, batch = s.topology, s.model.index_topk, inputs.batch
+        gen = self._gen if seed is None else torch.Generator(device=dev).manual_seed(seed)
+        rows = _normal((batch, s.gathered, s.model.query_row), gen, dev, dtype=torch.float32)
+        positions = torch.full((batch, topo.dcp, k), -1, dtype=torch.int32, device=dev)
+        scores = torch.full((batch, topo.dcp, k), float("-inf"), device=dev)
+        for rank in range(topo.dcp):
+            lens = local_lens(inputs.context_lens, topo.dcp, rank)
+            width = max(1, int(lens.max()))
+            shuffle = torch.rand((batch, width), generator=gen, device=dev)
+            shuffle = shuffle.masked_fill(torch.arange(width, device=dev)[None] >= lens[:, None], 2.0)
+            picks = shuffle.argsort(dim=1)[:, :k]
+            count = lens.clamp(max=k)[:, None]
+            keep = torch.arange(picks.shape[1], device=dev)[None] < count
+            value = torch.randn((batch, picks.shape[1]), generator=gen, device=dev).sort(dim=1, descending=True).values
+            n = picks.shape[1]
+            positions[:, rank, :n] = torch.where(keep, picks * topo.dcp + rank, -1).to(torch.int32)
+            scores[:, rank, :n] = torch.where(keep, value, float("-inf"))
+        return PeerInputs(rows, positions, scores)
+
+    def new_token_slots(self, context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """This rank's cache slot of each new token (position len - 1), -1 if another rank holds it."""
+        topo, page = self.shape.topology, self.shape.model.page_size
+        pos = context_lens.long() - 1
+        local = torch.div(pos, topo.dcp, rounding_mode="floor")
+        pages = block_tables.long().gather(1, torch.div(local, page, rounding_mode="floor")[:, None])[:, 0]
+        slots = pages * page + local % page
+        return torch.where(pos % topo.dcp == topo.rank, slots, -1).to(torch.int32)
+
+    def clone_caches(self) -> LayerCaches:
+        c = self.caches
+        return LayerCaches(c.index_cache.clone(), c.mla_cache.clone(), c.block_tables.clone(), c.mailbox.clone())

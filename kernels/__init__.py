@@ -1,0 +1,1 @@
+"""CuTe DSL kernels of the query stage (installed as graphstep.kernels)."""

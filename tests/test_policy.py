@@ -1,0 +1,76 @@
+import pytest
+
+from graphstep import policy
+from graphstep.policy import MODES, WIDE_MODES, batch_table, overlap_for
+
+
+def test_defaults_are_fork_everywhere():
+    for dcp, wide, split in [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]:
+        assert overlap_for(1, dcp=dcp, wide=wide, split=split) == "fork"
+
+
+def test_a_mode_applies_to_every_batch():
+    assert [overlap_for(b, "serial") for b in (1, 7, 128)] == ["serial"] * 3
+
+
+def test_table_rows_and_missing_rows_default_to_fork():
+    table = "1:serial, 2:fork_poll,16:serial"
+    assert overlap_for(1, table) == "serial"
+    assert overlap_for(2, table) == "fork_poll"
+    assert overlap_for(16, table) == "serial"
+    assert overlap_for(3, table) == "fork"
+
+
+def test_batch_table_parses():
+    assert batch_table("1:serial,8:fork") == {1: "serial", 8: "fork"}
+
+
+@pytest.mark.parametrize("bad, quoted", [
+    ("4:", "'4:'"), ("x:fork", "'x:fork'"), ("0:fork", "'0:fork'"), ("-1:fork", "'-1:fork'"),
+    ("1:serial,1:fork", "'1:fork'"), ("2:warp", "'2:warp'"), (":fork", "':fork'"), ("1:fork,", "''"),
+])
+def test_malformed_tables_quote_the_entry(bad, quoted):
+    with pytest.raises(ValueError) as error:
+        batch_table(bad)
+    assert quoted in str(error.value)
+
+
+def test_unknown_mode_names_mode_and_allowed_set():
+    with pytest.raises(ValueError) as error:
+        overlap_for(1, "bogus")
+    assert "'bogus'" in str(error.value) and str(MODES) in str(error.value)
+
+
+def test_wide_allows_only_wide_modes():
+    assert overlap_for(4, "serial", wide=True) == "serial"
+    with pytest.raises(ValueError) as error:
+        overlap_for(4, "fork_poll", wide=True)
+    assert "'fork_poll'" in str(error.value) and str(WIDE_MODES) in str(error.value)
+    with pytest.raises(ValueError):
+        overlap_for(4, "4:fork_poll", wide=True)
+    assert overlap_for(5, "4:fork_poll", dcp=True) == "fork"
+
+
+def test_topologies_pick_their_own_tables(monkeypatch):
+    tables = {"tp1": "1:serial", "tp": "1:fork_poll", "dcp": "2:serial", "dcp_split": "2:fork_poll"}
+    monkeypatch.setattr(policy, "QUERY_OVERLAP", tables)
+    assert overlap_for(1, wide=True) == "serial"
+    assert overlap_for(1) == "fork_poll"
+    assert overlap_for(2, dcp=True) == "serial"
+    assert overlap_for(2, dcp=True, split=True) == "fork_poll"
+    # split without DCP is the tp table; wide wins over split.
+    assert overlap_for(1, split=True) == "fork_poll"
+    assert overlap_for(1, wide=True, split=True, dcp=True) == "serial"
+
+
+def test_side_stream_is_cached_per_device(monkeypatch):
+    import torch
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    policy.side_stream.cache_clear()
+    try:
+        a, b, c = policy.side_stream(0), policy.side_stream(0), policy.side_stream(1)
+        assert a is b and a is not c and made == [0, 1]
+    finally:
+        policy.side_stream.cache_clear()
