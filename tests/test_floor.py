@@ -1,0 +1,41 @@
+import pytest
+
+from graphstep.floor import stage_costs, step_floor
+from graphstep.shapes import RankShape, Topology, preset
+
+
+def test_design_indexer_floor_by_hand():
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    step = step_floor(shape, 1, 32768)
+    wq_b = 64 * 128 * 1536 * 2
+    cache = 32768 * 132
+    assert step.indexer_bytes == wq_b + cache == 29_491_200
+    assert step.indexer_us == pytest.approx(6.858, abs=1e-3)
+    # DESIGN.md §8's floors at B = 4, 16, 64
+    assert [round(step_floor(shape, b, 32768).indexer_us, 1) for b in (4, 16, 64)] == [9.9, 21.9, 70.2]
+
+
+def test_mla_query_and_sparse_core_by_hand_under_dcp():
+    shape = RankShape(preset("kimi-k3.1"), Topology(tp=8, dcp=2))
+    by = {c.name: c for c in stage_costs(shape, 4, 1000)}
+    assert by["mla_query"].weight_bytes == 8 * 192 * 1536 * 2 + 8 * 128 * 512 * 2 + (1536 + 512) * 2
+    assert by["mla_query"].io_bytes == 4 * (1536 + 512 + 64) * 2 + 4 * 8 * 1152 * 2 + 4 * 1152
+    # top-k 1000 of 1000 tokens, half of them on this rank; 16 gathered heads
+    assert by["sparse_core"].bytes == 4 * 500 * (1152 + 4) + 4 * 16 * (1152 + 1024 + 4)
+    assert by["query_wait"].bytes == 4 * 16 * 1152
+    assert by["index_score"].cache_bytes == 4 * 500 * 132
+
+
+def test_step_floor_leaves_intermediates_out():
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    step = step_floor(shape, 16, 32768)
+    scores = 16 * 32768 * 4
+    assert step.bytes == sum(c.bytes for c in step.costs) - 2 * scores
+
+
+def test_floor_rejects_bad_sizes():
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    with pytest.raises(ValueError, match="batch"):
+        stage_costs(shape, 0, 10)
+    with pytest.raises(ValueError, match="context"):
+        stage_costs(shape, 1, -1)
