@@ -1,0 +1,153 @@
+"""Host side of the CuTe DSL kernels: torch tensors in, launches on the current stream.
+
+`Kernels` binds the compiled kernels of one RankShape to a state's weights. Compile
+everything with `warm()` before any graph capture: a module load inside capture fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .shapes import RankShape, tiled_from
+from .state import LayerWeights
+
+INT32_MAX = 2**31 - 1
+DEFAULT_BUDGET_NS = 200_000_000  # 200 ms: far beyond any healthy publish, far below a hang
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+             torch.uint8: cutlass.Uint8}
+    try:
+        return table[dtype]
+    except KeyError:
+        raise TypeError(f"no kernel pointer type for {dtype}") from None
+
+
+def ptr(tensor: torch.Tensor, align: int = 16):
+    """A global pointer to a CUDA tensor's first element."""
+    from .kernels.primitives import gmem_ptr
+
+    if not tensor.is_cuda:
+        raise ValueError(f"kernel arguments must be CUDA tensors, got one on {tensor.device}")
+    if tensor.data_ptr() % align:
+        raise ValueError(f"kernel argument at {tensor.data_ptr():#x} is not {align}-byte aligned")
+    return gmem_ptr(_cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
+
+
+def current_stream():
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+class MailboxTimeout(RuntimeError):
+    """A mailbox chunk never landed within QueryWait's budget."""
+
+    def __init__(self, token: int, row: int, chunk: int):
+        super().__init__(f"DCP mailbox: token {token}, head row {row}, chunk {chunk} was never published "
+                         f"(QueryWait gave up after its budget; the step's outputs are invalid)")
+        self.token, self.row, self.chunk = token, row, chunk
+
+
+@dataclass
+class ErrorWord:
+    """int32 [2] on the device: (flag, lowest missing linear chunk index)."""
+
+    word: torch.Tensor
+
+    @classmethod
+    def new(cls, device) -> "ErrorWord":
+        return cls(torch.tensor([0, INT32_MAX], dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        self.word.copy_(torch.tensor([0, INT32_MAX], dtype=torch.int32))
+
+    def check(self, gathered: int, row_chunks: int) -> None:
+        """Raise MailboxTimeout if a poll gave up (synchronizes with the device), then re-arm."""
+        flag, index = self.word.tolist()
+        if flag:
+            self.reset()
+            token, rest = divmod(index, gathered * row_chunks)
+            raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks)
+
+
+class Kernels:
+    """The compiled kernels of one rank, bound to its weights."""
+
+    def __init__(self, shape: RankShape, weights: LayerWeights, pdl: bool = True):
+        self.shape, self.weights, self.pdl = shape, weights, pdl
+        # The absorption reads W_UK with K (the nope dim) contiguous: a one-time transpose.
+        self.w_uk_t = weights.w_uk.transpose(1, 2).contiguous()
+        self.eps = shape.model.rms_eps
+
+    def tiled(self, batch: int) -> bool:
+        return batch >= tiled_from(self.shape.heads)
+
+    def _query_norm_op(self, tiled: bool):
+        from .kernels import catalog, query_norm
+
+        op = query_norm.QueryNorm(tiled, self.shape.model.packed_width, self.pdl)
+        return catalog.compile_op(op, query_norm.compile_args())
+
+    def _mla_query_op(self, tiled: bool, store_qc: bool, poll: bool):
+        from .kernels import catalog, mla_query
+
+        s, topo = self.shape, self.shape.topology
+        op = mla_query.MlaQuery(s.heads, topo.rank * s.heads, s.q_heads, s.gathered, s.model.packed_width, tiled,
+                                store_qc, poll, topo.q_format == "fp8", topo.mla_cache == "fp8", self.pdl)
+        return catalog.compile_op(op, mla_query.compile_args())
+
+    def _query_wait_op(self):
+        from .kernels import catalog, query_wait
+
+        s = self.shape
+        return catalog.compile_op(query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args())
+
+    def warm(self, polls=(False, True)) -> None:
+        """Compile every variant this rank can launch (no launches)."""
+        for tiled in (False, True):
+            self._query_norm_op(tiled)
+            for store_qc in (False, True):
+                for poll in polls if self.shape.topology.dcp > 1 else (False,):
+                    self._mla_query_op(tiled, store_qc, poll)
+        if self.shape.topology.dcp > 1:
+            self._query_wait_op()
+
+    # -- launches on the current stream ------------------------------------------------
+
+    def query_norm(self, qkv: torch.Tensor, qc: torch.Tensor, batch: int) -> None:
+        from cutlass import Float32, Int32
+
+        self._query_norm_op(self.tiled(batch))(ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch),
+                                               Float32(self.eps), current_stream())
+
+    def mla_query(self, qkv, context_lens, slots, qc, workspace, q_rows, mla_cache, error: ErrorWord, batch: int,
+                  store_qc: bool, poll: bool, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
+        """q_rows: the uint8 query-row buffer / mailbox [>= batch, q_heads, 576 x q_bytes];
+        workspace: fp32 [>= round_up(batch, 16), heads, 192]; mla_cache: the cache as bytes."""
+        from cutlass import Float32, Int32, Int64
+
+        w = self.weights
+        op = self._mla_query_op(self.tiled(batch), store_qc, poll)
+        op(ptr(qkv), ptr(w.gamma_q), ptr(w.gamma_kv), ptr(w.w_qb), ptr(self.w_uk_t), ptr(w.rope_cos),
+           ptr(w.rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(qc), ptr(workspace), ptr(q_rows),
+           ptr(mla_cache.view(torch.uint8)), ptr(error.word, 8), Int32(batch), Float32(self.eps), Int64(budget_ns), current_stream())
+
+    def query_wait(self, q_rows: torch.Tensor, error: ErrorWord, batch: int, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
+        from cutlass import Int32, Int64
+
+        from .kernels.query_wait import grid_for
+
+        op = self._query_wait_op()
+        chunks = batch * self.shape.gathered * self.shape.mailbox_row_chunks
+        op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
+
+
+def workspace_rows(batch: int) -> int:
+    """Rows MlaQuery's workspace needs for a batch (whole batch tiles of 16)."""
+    return -(-batch // 16) * 16

@@ -1,0 +1,90 @@
+"""Every kernel variant of a shape, compiled once and kept alive, and its PTX on disk.
+
+Compiling needs no GPU (`cute.GPUArch("sm_90a")`), which is how the CPU tests and
+`graphstep ptx` check the generated code. A compiled function owns its CUDA module
+(its finalizer unloads it), so the cache keeps every one alive for the process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import cutlass.cute as cute
+from cutlass.base_dsl.compiler import DumpDir
+from cutlass.cute.runtime import make_fake_stream
+
+from . import mla_query, query_norm, query_wait
+
+_CACHE: dict[tuple, object] = {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # says which kernel and which compile-time choices
+    op: object
+    args: tuple  # placeholder arguments for compilation
+
+
+def _key(op, arch) -> tuple:
+    return (type(op).__name__, arch, tuple(sorted(vars(op).items())))
+
+
+def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
+    """Compile `op` (a kernel class instance) for its placeholder args, once per config."""
+    key = _key(op, arch)
+    if key in _CACHE and dump_dir is None:
+        return _CACHE[key]
+    options = []
+    if arch is not None:
+        options.append(cute.GPUArch(arch))
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += [cute.KeepPTX(), DumpDir(dump_dir)]
+    compiler = cute.compile[tuple(options)] if options else cute.compile
+    fn = compiler(op, *args, make_fake_stream())
+    _CACHE[key] = fn
+    return fn
+
+
+def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) -> list[Variant]:
+    """The kernel variants a step of `shape` (a graphstep RankShape) can launch."""
+    m, topo = shape.model, shape.topology
+    q_fp8, mla_fp8 = topo.q_format == "fp8", topo.mla_cache == "fp8"
+    out = []
+    for tiled in norms:
+        norm = "tiled" if tiled else "rows"
+        out.append(Variant(f"query_norm_{norm}", query_norm.QueryNorm(tiled, m.packed_width, pdl), query_norm.compile_args()))
+        for store_qc in (False, True):
+            for poll in polls if topo.dcp > 1 else (False,):
+                op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
+                                        m.packed_width, tiled, store_qc, poll, q_fp8, mla_fp8, pdl)
+                name = f"mla_query_{norm}{'_store_qc' if store_qc else ''}{'_poll' if poll else ''}"
+                out.append(Variant(name, op, mla_query.compile_args()))
+    if topo.dcp > 1:
+        out.append(Variant("query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
+                           query_wait.compile_args()))
+    return out
+
+
+def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]:
+    """Compile every variant for `arch` and write `<variant>.ptx` files into out_dir.
+    batch: only the norm variant that batch would use."""
+    from graphstep.shapes import tiled_from
+
+    norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for variant in variants(shape, norms=norms):
+        with tempfile.TemporaryDirectory() as tmp:
+            compile_op(variant.op, variant.args, arch, tmp)
+            ptx = [p for p in Path(tmp).iterdir() if p.suffix == ".ptx"]
+            if len(ptx) != 1:
+                raise RuntimeError(f"{variant.name}: expected one PTX file, found {[p.name for p in ptx]}")
+            target = out / f"{variant.name}.{arch}.ptx"
+            target.write_text(ptx[0].read_text())
+            written.append(target)
+    return written

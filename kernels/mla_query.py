@@ -1,0 +1,243 @@
+"""MlaQuery: the query side of MLA for one rank, as two PDL-chained kernels.
+
+project (grid: H x 12 m-tiles of 16 Q_B rows, x batch tiles of 16 rows; 128 threads)
+    the q_a RMSNorm of its batch tile, one warp per row, in the FP32 order of the
+    QueryNorm variant of this batch (bit-identical q_c), into shared memory; with
+    store_qc, m-tile 0 also writes q_c for the indexer. Q_B for its 16 rows on the tensor
+    cores (mma.sync m16n8k16, weights as A so the batch is the narrow N side), the four
+    warps splitting K and reducing in a fixed order; raw q [B, H, 192] fp32 to a
+    workspace. m-tile 1 does the MLA KV insert of its tile's new tokens (kv_a RMSNorm
+    512 + interleaved-RoPE k_pe 64, bf16 or the fp8 656-byte row; slot -1 writes nothing).
+absorb (grid: H x 8 latent slices of 64, x batch tiles)
+    W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
+    [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
+    query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
+    head_base + h of q_rows: under DCP that is the mailbox publish. With poll, every
+    thread of the grid then polls a share of the peers' head rows (its own rank's rows
+    are written by this very grid, whose CTAs need not all be resident).
+
+Each kernel bulk-prefetches its weight slice into L2 before griddepcontrol_wait, so
+the weight stream starts while the previous kernel drains.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+
+from . import primitives as P
+
+THREADS = 128
+BATCH_TILE = 16
+QB_TILES = 12  # 192 Q_B rows per head / 16
+LATENT_SLICES = 8  # 512 latent / 64
+K = 1536
+SMEM_ROW = K + 8  # bf16 elements per q_c row in shared memory (+16 B against bank conflicts)
+
+
+class MlaQuery:
+    def __init__(self, heads: int, head_base: int, q_heads: int, gathered: int, row_stride: int, tiled: bool,
+                 store_qc: bool, poll: bool, q_fp8: bool, mla_fp8: bool, pdl: bool = True):
+        self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
+        self.row_stride, self.tiled, self.store_qc, self.poll = row_stride, tiled, store_qc, poll
+        self.q_fp8, self.mla_fp8, self.pdl = q_fp8, mla_fp8, pdl
+        self.q_bytes = 1 if q_fp8 else 2
+        self.row_chunks = 36 * self.q_bytes
+
+    @cute.jit
+    def __call__(self, qkv: cute.Pointer, gamma_q: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer,
+                 w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
+                 slots: cute.Pointer, qc: cute.Pointer, workspace: cute.Pointer, q_rows: cute.Pointer,
+                 mla_cache: cute.Pointer, error: cute.Pointer, batch: Int32, eps: Float32, budget_ns: Int64,
+                 stream: cuda.CUstream):
+        tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
+        self.project(qkv, gamma_q, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache,
+                     batch, eps).launch(grid=[self.heads * QB_TILES, tiles, 1], block=[THREADS, 1, 1],
+                                        stream=stream, use_pdl=self.pdl)
+        self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
+            grid=[self.heads * LATENT_SLICES, tiles, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    # -- project ----------------------------------------------------------------------
+
+    @cute.kernel
+    def project(self, qkv: cute.Pointer, gamma_q: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer,
+                cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer,
+                qc: cute.Pointer, workspace: cute.Pointer, mla_cache: cute.Pointer, batch: Int32, eps: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        mtile, tile, _ = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        qc_tile = smem.allocate_tensor(BFloat16, cute.make_layout(BATCH_TILE * SMEM_ROW), byte_alignment=16)
+        partial = smem.allocate_tensor(Float32, cute.make_layout(4 * 16 * BATCH_TILE), byte_alignment=16)
+        weights = w_qb + mtile * 16 * K
+        if tid == 0:
+            P.prefetch_l2(weights, 16 * K * 2)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # q_a RMSNorm, one warp per row, into the shared q_c tile.
+        gamma = []
+        for i in cutlass.range_constexpr(6):
+            gamma += P.unpack_bf16x8(P.load_u32x4_nc(gamma_q + 256 * i + 8 * lane))
+        for r in cutlass.range_constexpr(BATCH_TILE // 4):
+            local = warp + 4 * r
+            row = tile * BATCH_TILE + local
+            # Rows past the batch repeat the last one: their columns of the MMA are discarded.
+            source = qkv + cutlass.min(row, batch - 1) * self.row_stride
+            values = []
+            for i in cutlass.range_constexpr(6):
+                values += P.unpack_bf16x8(P.load_u32x4(source + 256 * i + 8 * lane))
+            rr = P.lane_norm_rr(values, eps, self.tiled)
+            normed = P.pack_words([P.mul_rn(P.mul_rn(values[e], rr), gamma[e]) for e in range(48)], False)
+            for i in cutlass.range_constexpr(6):
+                P.sts_u32x4(qc_tile.iterator + local * SMEM_ROW + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
+            if cutlass.const_expr(self.store_qc):
+                if mtile == 0 and row < batch:
+                    for i in cutlass.range_constexpr(6):
+                        P.store_u32x4(qc + row * K + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
+            if mtile == 1 and row < batch:
+                self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
+        cute.arch.sync_threads()
+
+        # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight and
+        # q_c words are split the same way (k 8t..8t+3 then 8t+4..8t+7) across two MMAs.
+        acc = [[Float32(0)] * 4 for _ in range(2)]
+        for c in cutlass.range_constexpr(K // 4 // 32):
+            k = warp * (K // 4) + 32 * c + 8 * t
+            lo = P.load_u32x4_nc(weights + g * K + k)
+            hi = P.load_u32x4_nc(weights + (g + 8) * K + k)
+            for nt in cutlass.range_constexpr(2):
+                b = P.lds_u32x4(qc_tile.iterator + (nt * 8 + g) * SMEM_ROW + k)
+                acc[nt] = P.mma_bf16_16816((lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]), acc[nt])
+                acc[nt] = P.mma_bf16_16816((lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]), acc[nt])
+        for nt in cutlass.range_constexpr(2):
+            col = nt * 8 + 2 * t
+            for q in cutlass.range_constexpr(4):
+                partial[(warp * 16 + g + 8 * (q // 2)) * BATCH_TILE + col + q % 2] = acc[nt][q]
+        cute.arch.sync_threads()
+
+        # Fixed-order reduction over the four K quarters; thread -> (token, two rows).
+        token, pair = tid % BATCH_TILE, tid // BATCH_TILE
+        sums = [Float32(0), Float32(0)]
+        for w in cutlass.range_constexpr(4):
+            for j in cutlass.range_constexpr(2):
+                sums[j] = P.add_rn(sums[j], partial[(w * 16 + 2 * pair + j) * BATCH_TILE + token])
+        row = tile * BATCH_TILE + token
+        if row < batch:
+            head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
+            P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
+
+    @cute.jit
+    def kv_insert(self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps):
+        """The new token's MLA cache row: kv_a RMSNorm (512) then interleaved-RoPE k_pe (64)."""
+        slot = P.load_i32(slots + row)
+        if slot >= 0:
+            base = qkv + row * self.row_stride + K
+            values, gammas = [], []
+            for j in cutlass.range_constexpr(2):
+                values += P.unpack_bf16x8(P.load_u32x4(base + 256 * j + 8 * lane))
+                gammas += P.unpack_bf16x8(P.load_u32x4_nc(gamma_kv + 256 * j + 8 * lane))
+            total = Float32(0)
+            for e in cutlass.range_constexpr(16):
+                total = P.fma_rn(values[e], values[e], total)
+            rr = cute.math.rsqrt(P.warp_sum(total) / Float32(512) + eps)
+            latent = [values[e] * rr * gammas[e] for e in range(16)]
+            pe = P.unpack_bf16x2(P.load_u32(base + 512 + 2 * lane))
+            pos = P.load_i32(context_lens + row) - 1
+            c, s = P.load_f32_nc(cos + pos * 32 + lane), P.load_f32_nc(sin + pos * 32 + lane)
+            rope = P.pack_bf16x2(pe[0] * c - pe[1] * s, pe[0] * s + pe[1] * c)
+            if cutlass.const_expr(self.mla_fp8):
+                # mla_cache is a byte pointer in both formats. [512 e4m3 | 4 fp32 scales, one per 128 | 64 bf16 rope] = 656 bytes
+                dst = mla_cache + slot * 656
+                for j in cutlass.range_constexpr(2):
+                    amax = Float32(0)
+                    for e in cutlass.range_constexpr(8):
+                        amax = cute.arch.fmax(amax, cute.math.abs(latent[8 * j + e]))
+                    for offset in cutlass.range_constexpr(4):  # the 16 lanes of one 128 block
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8 >> offset))
+                    scale = cute.arch.fmax(amax, Float32(1e-4)) / Float32(448.0)
+                    quads = P.pack_words([latent[8 * j + e] / scale for e in range(8)], True)
+                    P.store_u32x2(dst + 256 * j + 8 * lane, quads[0], quads[1])
+                    if lane % 16 == 0:
+                        P.store_f32(dst + 512 + 4 * (2 * j + lane // 16), scale)
+                P.store_u32(dst + 528 + 4 * lane, rope)
+            else:
+                dst = mla_cache + slot * 1152  # bf16 [576]
+                for j in cutlass.range_constexpr(2):
+                    P.store_u32x4(dst + (256 * j + 8 * lane) * 2, P.pack_words(latent[8 * j: 8 * j + 8], False))
+                P.store_u32(dst + 1024 + 4 * lane, rope)
+
+    # -- absorb -------------------------------------------------------------------------
+
+    @cute.kernel
+    def absorb(self, w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
+               workspace: cute.Pointer, q_rows: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        x, tile, _ = cute.arch.block_idx()
+        grid_x, grid_y, _ = cute.arch.grid_dim()
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        head, part = x // LATENT_SLICES, x % LATENT_SLICES
+        smem = cutlass.memory.SmemAllocator()
+        out = smem.allocate_tensor(Float32, cute.make_layout(BATCH_TILE * 68), byte_alignment=16)
+        slice_base = w_uk_t + (head * 512 + part * 64) * 128
+        if tid == 0:
+            P.prefetch_l2(slice_base, 64 * 128 * 2)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        weights = slice_base + warp * 16 * 128
+        acc = [[Float32(0)] * 4 for _ in range(2)]
+        for c in cutlass.range_constexpr(4):
+            k = 32 * c + 8 * t
+            lo = P.load_u32x4_nc(weights + g * 128 + k)
+            hi = P.load_u32x4_nc(weights + (g + 8) * 128 + k)
+            for nt in cutlass.range_constexpr(2):
+                row = cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1)
+                src = workspace + (row * self.heads + head) * 192 + k
+                b = P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
+                acc[nt] = P.mma_bf16_16816((lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]), acc[nt])
+                acc[nt] = P.mma_bf16_16816((lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]), acc[nt])
+        for nt in cutlass.range_constexpr(2):
+            for q in cutlass.range_constexpr(4):
+                out[(nt * 8 + 2 * t + q % 2) * 68 + warp * 16 + g + 8 * (q // 2)] = acc[nt][q]
+        cute.arch.sync_threads()
+
+        per_chunk = 16 // self.q_bytes  # elements per 16-byte chunk
+        chunks = 64 // per_chunk  # chunks per token of this latent slice (and of the rope)
+        token, chunk = tid // chunks, tid % chunks
+        row = tile * BATCH_TILE + token
+        if token < BATCH_TILE and row < batch:
+            dst = q_rows + ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
+            latent = [out[token * 68 + chunk * per_chunk + e] for e in range(per_chunk)]
+            P.store_u32x4(dst + (part * 64 + chunk * per_chunk) * self.q_bytes, P.pack_words(latent, self.q_fp8))
+            if part == 0:
+                src = workspace + (row * self.heads + head) * 192 + 128 + chunk * per_chunk
+                raw = []
+                for i in cutlass.range_constexpr(per_chunk // 4):
+                    raw += list(P.load_f32x4(src + 4 * i))
+                pos = P.load_i32(context_lens + row) - 1
+                rope = []
+                for p in cutlass.range_constexpr(per_chunk // 2):
+                    pair = chunk * per_chunk // 2 + p
+                    c, s = P.load_f32_nc(cos + pos * 32 + pair), P.load_f32_nc(sin + pos * 32 + pair)
+                    even, odd = raw[2 * p], raw[2 * p + 1]
+                    rope += [even * c - odd * s, even * s + odd * c]
+                P.store_u32x4(dst + (512 + chunk * per_chunk) * self.q_bytes, P.pack_words(rope, self.q_fp8))
+
+        if cutlass.const_expr(self.poll and self.gathered > self.heads):
+            ctas = grid_x * grid_y
+            P.poll_mailbox(q_rows, error, (tile * grid_x + x) * THREADS + tid, ctas * THREADS, batch,
+                           P.globaltimer() + budget_ns, self.gathered, self.q_heads, self.row_chunks,
+                           self.head_base, self.heads)
+
+
+def compile_args():
+    bf16 = P.gmem_ptr(BFloat16)
+    f32 = P.gmem_ptr(Float32)
+    i32 = P.gmem_ptr(Int32, align=4)
+    return (bf16, bf16, bf16, bf16, bf16, f32, f32, i32, i32, bf16, f32, P.gmem_ptr(Uint8), P.gmem_ptr(Uint8),
+            P.gmem_ptr(Int32, align=8), Int32(1), Float32(1e-6), Int64(1))

@@ -1,0 +1,298 @@
+"""Device primitives shared by every kernel: 16-byte global and shared accesses, bf16 /
+e4m3 packing, exact-order FP32 arithmetic, the warp butterfly, the q_a norm's rsqrt,
+bounded mailbox polling, warp MMA, and the PDL launch helper.
+
+FP32 arithmetic that a torch model must reproduce bit-for-bit goes through explicit
+`.rn` PTX instructions (`add_rn`, `mul_rn`, `fma_rn`): ptxas never contracts or
+reorders them, whatever the compiler's fast-math defaults.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import AddressSpace
+
+BUTTERFLY = (16, 8, 4, 2, 1)  # graphstep/order.py models this order
+NORM_COLUMNS = 1536
+SENTINEL_WORD = 0xFFFFFFFF  # graphstep/formats.py: no published word can be this
+
+_u32x4 = [Uint32] * 4
+
+
+# -- global and shared memory ------------------------------------------------------------
+
+def load_u32x4(ptr) -> tuple:
+    """16-byte global load of data an earlier kernel may have written (after the wait)."""
+    return cute.arch.inline_ptx("ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=_u32x4, read_only_args=[ptr])
+
+
+def load_u32x4_nc(ptr) -> tuple:
+    """16-byte read-only (non-coherent) global load: weights, never written by the step."""
+    return cute.arch.inline_ptx("ld.global.nc.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=_u32x4, read_only_args=[ptr])
+
+
+def load_u32x4_volatile(ptr) -> tuple:
+    """16-byte volatile global load: every poll goes to memory, never a cached copy."""
+    return cute.arch.inline_ptx("ld.volatile.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=_u32x4, read_only_args=[ptr])
+
+
+def store_u32x4(ptr, words):
+    """16-byte global store: one chunk lands whole, as the mailbox protocol needs."""
+    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[ptr, words[0], words[1], words[2], words[3]])
+
+
+def store_u32(ptr, word):
+    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[ptr, word])
+
+
+def store_f32(ptr, value):
+    cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
+def load_f32x4(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[ptr])
+
+
+def load_f32x4_nc(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.global.nc.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[ptr])
+
+
+def store_f32x2(ptr, a, b):
+    cute.arch.inline_ptx("st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
+
+
+def store_u32x2(ptr, a, b):
+    cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
+
+
+def prefetch_l2(ptr, size: int):
+    """Bulk-prefetch `size` bytes (a multiple of 16) into L2: weights stream in while the
+    kernel waits on its predecessor (griddepcontrol) and normalizes."""
+    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {size};", read_only_args=[ptr])
+
+
+def load_f32(ptr) -> Float32:
+    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
+
+
+def load_f32_nc(ptr) -> Float32:
+    return cute.arch.inline_ptx("ld.global.nc.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
+
+
+def load_u32(ptr) -> Uint32:
+    return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[ptr])
+
+
+def load_i32(ptr) -> Int32:
+    return cute.arch.inline_ptx("ld.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
+
+
+def lds_u32x4(address) -> tuple:
+    """16-byte shared load (a shared-memory pointer lowers to a 32-bit shared address)."""
+    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=_u32x4, read_only_args=[address])
+
+
+def sts_u32x4(address, words):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[address, words[0], words[1], words[2], words[3]])
+
+
+def lds_f32(address) -> Float32:
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address])
+
+
+def sts_f32(address, value):
+    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, value])
+
+
+# -- packing ---------------------------------------------------------------------------------
+
+def unpack_bf16x2(word) -> tuple:
+    """A word of two bf16 -> (low, high) as fp32 (exact)."""
+    return cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;\n\tand.b32 {$w1}, {$r0}, 0xffff0000;",
+                                write_only_types=[Float32, Float32], read_only_args=[word])
+
+
+def unpack_bf16x8(words) -> list:
+    values = []
+    for i in range(4):
+        lo, hi = unpack_bf16x2(words[i])
+        values += [lo, hi]
+    return values
+
+
+def pack_bf16x2(low, high) -> Uint32:
+    """Round two fp32 to nearest-even bf16: low in bits 0-15 (NaN -> 0x7FFF)."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                read_only_args=[high, low])
+
+
+def pack_e4m3x4(v0, v1, v2, v3) -> Uint32:
+    """Round four fp32 to saturated e4m3 bytes, v0 in bits 0-7 (NaN -> 0x7F)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.satfinite.e4m3x2.f32 lo, {$r1}, {$r0};\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, {$r3}, {$r2};\n\tmov.b32 {$w0}, {lo, hi};\n\t}",
+        write_only_types=[Uint32], read_only_args=[v0, v1, v2, v3])
+
+
+def pack_words(values, fp8: bool) -> list:
+    """fp32 values -> 32-bit words of bf16 pairs or e4m3 quads."""
+    words = []
+    if fp8:
+        for i in range(0, len(values), 4):
+            words.append(pack_e4m3x4(values[i], values[i + 1], values[i + 2], values[i + 3]))
+    else:
+        for i in range(0, len(values), 2):
+            words.append(pack_bf16x2(values[i], values[i + 1]))
+    return words
+
+
+# -- exact-order arithmetic ------------------------------------------------------------------
+
+def add_rn(a, b) -> Float32:
+    return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
+
+
+def mul_rn(a, b) -> Float32:
+    return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
+
+
+def fma_rn(a, b, c) -> Float32:
+    return cute.arch.inline_ptx("fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Float32],
+                                read_only_args=[a, b, c])
+
+
+def fma2(a, b, c) -> tuple:
+    """Packed FP32x2 FMA (two independent lanes; sm_90 issues them as two FMAs)."""
+    return fma_rn(a[0], b[0], c[0]), fma_rn(a[1], b[1], c[1])
+
+
+def mul2(a, b) -> tuple:
+    return mul_rn(a[0], b[0]), mul_rn(a[1], b[1])
+
+
+def warp_sum(value) -> Float32:
+    """Butterfly sum: every lane ends with the same total, in BUTTERFLY order."""
+    for offset in range(len(BUTTERFLY)):
+        value = add_rn(value, cute.arch.shuffle_sync_bfly(value, offset=BUTTERFLY[offset]))
+    return value
+
+
+def warp_max(value) -> Float32:
+    for offset in range(len(BUTTERFLY)):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=BUTTERFLY[offset]))
+    return value
+
+
+def query_norm_rsqrt(total, eps) -> Float32:
+    """1 / sqrt(total / 1536 + eps), each op IEEE-rounded (graphstep/order.py)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .f32 m, s;\n\tdiv.rn.f32 m, {$r0}, 0f44C00000;\n\tadd.rn.f32 m, m, {$r1};\n\t"
+        "sqrt.rn.f32 s, m;\n\trcp.rn.f32 {$w0}, s;\n\t}",
+        write_only_types=[Float32], read_only_args=[total, eps])
+
+
+def lane_norm_rr(values, eps, tiled: bool) -> Float32:
+    """One warp, one 1536-wide row; lane l holds columns 256 i + 8 l + j as values[8 i + j].
+
+    tiled: QueryNorm.tiled's order (accumulator e % 4, (c0 + c1) + (c2 + c3), one butterfly).
+    else:  QueryNorm.kernel's order, with lane l standing in for threads l + 32 i: chain i is
+           thread 32 i + l's sequential FMA chain, butterfly i is warp i's, and the partials
+           add in warp order (warps 6 and 7 of the row kernel only add zeros)."""
+    total = Float32(0)
+    if tiled:
+        zero = (Float32(0), Float32(0))
+        chains = [zero, zero]
+        for e in range(0, 48, 2):
+            x = (values[e], values[e + 1])
+            chains[e % 4 // 2] = fma2(x, x, chains[e % 4 // 2])
+        (c0, c1), (c2, c3) = chains
+        total = warp_sum(add_rn(add_rn(c0, c1), add_rn(c2, c3)))
+    else:
+        for i in range(6):
+            chain = Float32(0)
+            for j in range(8):
+                chain = fma_rn(values[8 * i + j], values[8 * i + j], chain)
+            total = add_rn(total, warp_sum(chain))
+    return query_norm_rsqrt(total, eps)
+
+
+# -- mailbox ------------------------------------------------------------------------------
+
+def chunk_published(words) -> cutlass.Boolean:
+    """A chunk has landed when none of its four words is the sentinel word."""
+    landed = words[0] != Uint32(SENTINEL_WORD)
+    for i in range(1, 4):
+        landed = landed & (words[i] != Uint32(SENTINEL_WORD))
+    return landed
+
+
+def globaltimer() -> Int64:
+    """The GPU-wide nanosecond timer (the same on every SM, unlike clock64)."""
+    return Int64(cute.arch.globaltimer())
+
+
+def report_missing(error, linear_chunk):
+    """error: int32 [2] = (flag, lowest missing chunk index): set the flag, keep the minimum."""
+    cute.arch.inline_ptx("red.global.min.s32 [{$r0}], {$r1};\n\tst.global.s32 [{$r2}], 1;",
+                         read_only_args=[error + 1, linear_chunk, error])
+
+
+POLL_IN_FLIGHT = 8
+
+
+@cute.jit
+def poll_mailbox(mailbox: cute.Pointer, error: cute.Pointer, first: Int32, threads: Int32, batch: Int32,
+                 deadline: Int64, gathered: cutlass.Constexpr[int], q_heads: cutlass.Constexpr[int],
+                 row_chunks: cutlass.Constexpr[int], skip_lo: cutlass.Constexpr[int], skip_n: cutlass.Constexpr[int]):
+    """Spin until every chunk of head rows [0, gathered) but [skip_lo, skip_lo + skip_n) of
+    `batch` tokens is published, this thread taking chunks first, first + threads, ...
+    with 8 volatile loads in flight. A chunk still missing at `deadline` (globaltimer ns)
+    goes to report_missing as its linear index over [batch, gathered, row_chunks]."""
+    token_chunks = (gathered - skip_n) * row_chunks
+    chunks = batch * token_chunks
+    steps = (chunks + threads - 1) // threads
+    for i0 in range(0, steps, POLL_IN_FLIGHT):
+        picks = [cutlass.min(first + (i0 + i) * threads, chunks - 1) for i in range(POLL_IN_FLIGHT)]
+        tokens = [c // token_chunks for c in picks]
+        rows = [c % token_chunks // row_chunks for c in picks]
+        if skip_n:
+            rows = [r + Int32(cutlass.select_(r >= skip_lo, skip_n, 0)) for r in rows]
+        parts = [c % row_chunks for c in picks]
+        sources = [mailbox + ((tokens[i] * q_heads + rows[i]) * row_chunks + parts[i]) * 16 for i in range(POLL_IN_FLIGHT)]
+        loads = [load_u32x4_volatile(source) for source in sources]
+        for i in cutlass.range_constexpr(POLL_IN_FLIGHT):  # the loads above are in flight
+            landed = chunk_published(loads[i])
+            while not landed and globaltimer() < deadline:
+                landed = chunk_published(load_u32x4_volatile(sources[i]))
+            if not landed:
+                report_missing(error, (tokens[i] * gathered + rows[i]) * row_chunks + parts[i])
+
+
+# -- warp MMA -----------------------------------------------------------------------------
+
+def mma_bf16_16816(a, b, c) -> list:
+    """mma.sync m16n8k16 bf16 -> fp32: a 4 words, b 2 words, c 4 fp32 (accumulated)."""
+    out = cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
+    return list(out)
+
+
+# -- host side ----------------------------------------------------------------------------
+
+def gmem_ptr(dtype, address: int = 0, align: int = 16):
+    """A global pointer argument (address 0 for compilation only)."""
+    return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)

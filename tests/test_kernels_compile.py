@@ -1,0 +1,105 @@
+"""Every CuTe DSL kernel variant compiles for sm_90a without a GPU, and its PTX has what
+the design needs: PDL in every kernel, 16-byte global accesses, no local memory, the
+exact-order FP32 ops the order model assumes, tensor-core MMAs in MlaQuery."""
+
+import re
+
+import pytest
+
+from graphstep.cli import main
+from graphstep.kernels import catalog
+from graphstep.shapes import RankShape, Topology, preset
+
+SHAPES = {
+    "tp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
+    "kimi-dcp2-fp8": RankShape(preset("kimi-k3.1"), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")),
+}
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    out = {}
+    for shape_name, shape in SHAPES.items():
+        folder = tmp_path_factory.mktemp(shape_name)
+        for path in catalog.write_ptx(folder, "sm_90a", shape):
+            out[(shape_name, path.name.split(".")[0])] = path.read_text()
+    return out
+
+
+def _entries(text):
+    """PTX text of each kernel entry."""
+    starts = [m.start() for m in re.finditer(r"\.entry ", text)]
+    return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+
+
+def test_every_variant_compiled(ptx):
+    names = {name for _, name in ptx}
+    assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows_store_qc", "mla_query_tiled", "query_wait",
+            "mla_query_tiled_store_qc_poll"} <= names
+    assert len(ptx) == 6 + 11
+
+
+def test_every_kernel_waits_and_releases(ptx):
+    for (shape, name), text in ptx.items():
+        entries = _entries(text)
+        assert entries, (shape, name)
+        for entry in entries:
+            assert "griddepcontrol.wait;" in entry, (shape, name)
+            assert "griddepcontrol.launch_dependents;" in entry, (shape, name)
+            # the wait comes before any load of data a predecessor wrote
+            wait = entry.index("griddepcontrol.wait;")
+            assert not re.search(r"ld\.global\.(v4\.)?(b32|f32|s32)", entry[:wait]), (shape, name)
+            assert "sm_90a" in text
+
+
+def test_wide_global_accesses_and_no_local_memory(ptx):
+    for (shape, name), text in ptx.items():
+        assert re.search(r"ld\.(volatile\.)?global(\.nc)?\.v4\.", text), (shape, name)
+        assert ".local" not in text, (shape, name)
+        if not name.startswith("query_wait"):
+            assert "st.global.v4.b32" in text, (shape, name)
+
+
+def test_query_norm_uses_the_order_models_ieee_ops(ptx):
+    for variant in ("query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled"):
+        text = ptx[("tp8", variant)]
+        for op in ("fma.rn.f32", "add.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "rcp.rn.f32",
+                   "shfl.sync.bfly.b32", "cvt.rn.bf16x2.f32"):
+            assert op in text, (variant, op)
+    norm = ptx[("tp8", "query_norm_rows")] + ptx[("tp8", "query_norm_tiled")]
+    assert "approx" not in norm
+    # gamma is loaded before the wait (weights do not depend on the previous kernel)
+    for variant in ("query_norm_rows", "query_norm_tiled"):
+        text = ptx[("tp8", variant)]
+        assert text.index("ld.global.nc.v4") < text.index("griddepcontrol.wait")
+
+
+def test_mla_query_streams_weights_on_tensor_cores(ptx):
+    for (shape, name), text in ptx.items():
+        if name.startswith("mla_query"):
+            assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 32, name
+            assert text.count("cp.async.bulk.prefetch.L2.global") == 2, name
+            entries = _entries(text)
+            assert len(entries) == 2  # project, absorb
+            for entry in entries:
+                assert entry.index("cp.async.bulk.prefetch.L2") < entry.index("griddepcontrol.wait")
+
+
+def test_fp8_variants_convert_with_saturation(ptx):
+    text = ptx[("kimi-dcp2-fp8", "mla_query_rows")]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx[("tp8", "mla_query_rows")]
+
+
+def test_polling_is_volatile_and_bounded(ptx):
+    for name in ("query_wait", "mla_query_rows_poll"):
+        text = ptx[("kimi-dcp2-fp8", name)]
+        assert "ld.volatile.global.v4.b32" in text and "%globaltimer" in text and "red.global.min.s32" in text
+    assert "ld.volatile" not in ptx[("kimi-dcp2-fp8", "mla_query_rows")]
+
+
+def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
+    assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["mla_query_rows.sm_90a.ptx", "mla_query_rows_store_qc.sm_90a.ptx", "query_norm_rows.sm_90a.ptx"]
+    assert "3 kernel variants" in capsys.readouterr().out

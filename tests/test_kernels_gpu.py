@@ -1,0 +1,183 @@
+"""The query-stage kernels on an sm_90 GPU against the torch reference and the order model.
+Fresh random inputs every run; outputs are poisoned before each launch."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from graphstep import formats, order, reference as ref
+from graphstep.launch import ErrorWord, Kernels, MailboxTimeout, workspace_rows
+from graphstep.shapes import RankShape, Topology, preset, tiled_from
+from graphstep.state import LayerState
+
+pytestmark = pytest.mark.gpu
+POISON = -1  # 0xFFFF bf16 words: a NaN no kernel writes
+
+
+def _state(topology, max_batch=128, max_context=4096, seed=None):
+    shape = RankShape(preset("deepseek-v3.2"), topology)
+    seed = torch.randint(0, 2**31, ()).item() if seed is None else seed
+    return LayerState(shape, max_batch=max_batch, max_context=max_context, seed=seed, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def tp8():
+    state = _state(Topology(tp=8))
+    kernels = Kernels(state.shape, state.weights)
+    kernels.warm()
+    return state, kernels
+
+
+def _buffers(state, batch):
+    s = state.shape
+    return dict(
+        qc=torch.full((batch, 1536), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16),
+        workspace=torch.full((workspace_rows(batch), s.heads, 192), float("nan"), device="cuda"),
+        q_rows=formats.arm(torch.empty(batch, s.q_heads, 576 * s.q_bytes, dtype=torch.uint8, device="cuda")),
+    )
+
+
+def _batches(heads):
+    edge = tiled_from(heads)
+    return sorted({1, edge - 1, edge, 37, 128})
+
+
+@pytest.mark.parametrize("batch", _batches(16))
+def test_query_norm_equals_order_model(tp8, batch):
+    state, kernels = tp8
+    inputs = state.inputs(batch)
+    qc = _buffers(state, batch)["qc"]
+    kernels.query_norm(inputs.qkv, qc, batch)
+    torch.cuda.synchronize()
+    expect = order.query_norm(inputs.qkv[:, :1536].contiguous(), state.weights.gamma_q, 1e-6, state.shape.heads)
+    assert torch.equal(qc, expect)
+    other = order.query_norm_rows if kernels.tiled(batch) else order.query_norm_tiled
+    assert not torch.equal(qc, other(inputs.qkv[:, :1536].contiguous(), state.weights.gamma_q, 1e-6))
+
+
+@pytest.mark.parametrize("batch", _batches(16))
+def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
+    state, kernels = tp8
+    inputs = state.inputs(batch)
+    caches = state.clone_caches()
+    buf = _buffers(state, batch)
+    norm_qc = _buffers(state, batch)["qc"]
+    kernels.query_norm(inputs.qkv, norm_qc, batch)
+    error = ErrorWord.new("cuda")
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+                      caches.mla_cache, error, batch, store_qc=True, poll=False)
+    torch.cuda.synchronize()
+    assert torch.equal(buf["qc"], norm_qc), "MlaQuery's q_c must be bit-identical to QueryNorm's"
+    q_c = ref.query_norm(state, inputs)
+    expect = ref.mla_query(state, inputs, q_c)
+    got = formats.decode_q_rows(buf["q_rows"], "bf16")[:, : state.shape.heads]
+    assert torch.isfinite(got).all()
+    assert rel_err(got[..., :512], expect[..., :512]) < 1e-2
+    assert rel_err(got[..., 512:], expect[..., 512:]) < 1e-2
+    error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
+
+
+def test_kv_insert_writes_exactly_the_new_slots(tp8):
+    state, kernels = tp8
+    batch = 24
+    inputs = state.inputs(batch)
+    inputs.slot_mapping[5] = -1  # a pad row writes nothing
+    caches = state.clone_caches()
+    caches.mla_cache.view(torch.int16).fill_(POISON)
+    before = caches.mla_cache.clone()
+    buf = _buffers(state, batch)
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+                      caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
+    torch.cuda.synchronize()
+    rows = caches.mla_cache.view(-1, 576)
+    changed = (rows.view(torch.int16) != before.view(-1, 576).view(torch.int16)).any(-1).nonzero().flatten()
+    slots = inputs.slot_mapping[inputs.slot_mapping >= 0].long()
+    assert sorted(changed.tolist()) == sorted(slots.tolist())
+    assert (rows[slots].view(torch.int16) != POISON).all(), "every element of a new row is written"
+    expect = ref.kv_row(state, inputs)[inputs.slot_mapping >= 0]
+    assert rel_err(rows[slots].float(), expect) < 1e-2
+
+
+def test_fp8_query_rows_and_cache(tp8):
+    state = _state(Topology(tp=8, q_format="fp8", mla_cache="fp8"), max_batch=16)
+    kernels = Kernels(state.shape, state.weights)
+    batch = 16
+    inputs = state.inputs(batch)
+    caches = state.clone_caches()
+    buf = _buffers(state, batch)
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+                      caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
+    torch.cuda.synchronize()
+    expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
+    got = formats.decode_q_rows(buf["q_rows"], "fp8")[:, :16]
+    assert rel_err(got, expect.clamp(-448, 448)) < 0.05  # e4m3: 3 mantissa bits
+    rows = formats.unpack_mla_fp8(caches.mla_cache.view(-1, 656)[inputs.slot_mapping.long()], 512)
+    assert rel_err(rows, ref.kv_row(state, inputs)) < 0.05
+
+
+@pytest.fixture(scope="module")
+def dcp2():
+    state = _state(Topology(tp=8, dcp=2, rank=1), max_batch=32)
+    kernels = Kernels(state.shape, state.weights)
+    kernels.warm()
+    return state, kernels
+
+
+def _publish_peers(state, q_rows, batch, skip=None):
+    """Rank 0's rows (the peer) written as a remote publisher would, optionally leaving out
+    one (token, row, chunk)."""
+    peers = torch.randn(batch, state.shape.heads, 576, device="cuda")
+    encoded = formats.encode_q_rows(peers, state.shape.topology.q_format).view(batch, state.shape.heads, -1)
+    q_rows[:batch, : state.shape.heads] = encoded
+    if skip is not None:
+        token, row, chunk = skip
+        q_rows[token, row, 16 * chunk: 16 * chunk + 16] = formats.SENTINEL_BYTE
+
+
+@pytest.mark.parametrize("poll_in_mla", [False, True])
+def test_publish_then_wait_returns(dcp2, poll_in_mla):
+    state, kernels = dcp2
+    batch = 19
+    inputs = state.inputs(batch)
+    buf = _buffers(state, batch)
+    _publish_peers(state, buf["q_rows"], batch)
+    error = ErrorWord.new("cuda")
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+                      state.clone_caches().mla_cache, error, batch, store_qc=False, poll=poll_in_mla)
+    if not poll_in_mla:
+        kernels.query_wait(buf["q_rows"], error, batch)
+    torch.cuda.synchronize()
+    error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
+    assert formats.first_missing(buf["q_rows"], batch, state.shape.gathered) is None
+    own = formats.decode_q_rows(buf["q_rows"][:, 16:32], "bf16")
+    expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
+    assert rel_err(own, expect) < 1e-2
+
+
+@pytest.mark.parametrize("poll_in_mla", [False, True])
+def test_missing_publisher_is_reported_and_the_next_step_works(dcp2, poll_in_mla):
+    state, kernels = dcp2
+    batch = 7
+    inputs = state.inputs(batch)
+    buf = _buffers(state, batch)
+    missing = (5, 11, 40)  # token 5, rank 0's head row 11, chunk 40
+    _publish_peers(state, buf["q_rows"], batch, skip=missing)
+    error = ErrorWord.new("cuda")
+    args = (inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+            state.clone_caches().mla_cache, error, batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    kernels.mla_query(*args, store_qc=False, poll=poll_in_mla, budget_ns=20_000_000)
+    if not poll_in_mla:
+        kernels.query_wait(buf["q_rows"], error, batch, budget_ns=20_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    assert 20 <= start.elapsed_time(end) < 2000  # gave up after its 20 ms budget, not never
+    with pytest.raises(MailboxTimeout) as timeout:
+        error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
+    assert (timeout.value.token, timeout.value.row, timeout.value.chunk) == missing
+    # the process is usable: publish the chunk and the next step passes
+    _publish_peers(state, buf["q_rows"], batch)
+    kernels.query_wait(buf["q_rows"], error, batch)
+    torch.cuda.synchronize()
+    error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
