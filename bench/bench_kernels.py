@@ -115,6 +115,17 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
                     flat.index_copy_(0, slots, torch.cat([kv, k_pe.bfloat16()], dim=-1))
             return body
 
+        def cublas_qb_uk():
+            """The bar of issue 3: cuBLAS Q_B GEMM + the W_UK bmm alone."""
+            w_sets = [s.weights for s in copies.states]
+
+            def body():
+                for i in range(n):
+                    w = w_sets[i % len(w_sets)]
+                    q = torch.nn.functional.linear(qc, w.w_qb).view(batch, shape.heads, 192)
+                    torch.bmm(q[..., :128].transpose(0, 1), w.w_uk)
+            return body
+
         def torch_norm():
             w_sets = [s.weights for s in copies.states]
 
@@ -131,6 +142,7 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             "mla_query_pdl": graph_time_us(mla(copies.kernels), n),
             "mla_query_nopdl": graph_time_us(mla(copies.kernels_nopdl), n),
             "torch_mla_query": graph_time_us(torch_mla(), n),
+            "cublas_qb_uk": graph_time_us(cublas_qb_uk(), n),
         }
         floor_us = cost.bytes / H200_COPY_BW * 1e6
         rows.append(dict(heads=shape.heads, batch=batch, floor_us=floor_us,
@@ -149,11 +161,13 @@ def main() -> int:
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         rows += bench_shape(heads, batches)
-    headers = ["H", "B", "norm pdl", "norm no-pdl", "torch norm", "mla pdl", "mla no-pdl", "torch mla",
-               "floor", "mla %4.3TB/s", "mla vs torch"]
+    headers = ["H", "B", "norm pdl", "norm no-pdl", "torch norm", "mla pdl", "mla no-pdl", "cublas qb+uk",
+               "torch mla", "floor", "mla %4.3TB/s", "cublas/mla", "torch/mla"]
     print(table(headers, [[r["heads"], r["batch"], r["query_norm_pdl"], r["query_norm_nopdl"], r["torch_rmsnorm"],
-                           r["mla_query_pdl"], r["mla_query_nopdl"], r["torch_mla_query"], r["floor_us"],
-                           round(100 * r["mla_bw_frac"], 1), round(r["torch_mla_query"] / r["mla_query_pdl"], 2)]
+                           r["mla_query_pdl"], r["mla_query_nopdl"], r["cublas_qb_uk"], r["torch_mla_query"],
+                           r["floor_us"], round(100 * r["mla_bw_frac"], 1),
+                           round(r["cublas_qb_uk"] / r["mla_query_pdl"], 2),
+                           round(r["torch_mla_query"] / r["mla_query_pdl"], 2)]
                           for r in rows], markdown=True))
     print("times in us per launch (median of graph replays)")
     if args.json:

@@ -1,14 +1,15 @@
 """MlaQuery: the query side of MLA for one rank, as two PDL-chained kernels.
 
-project (grid: H x 12 m-tiles of 16 Q_B rows, x batch tiles of 16 rows; 128 threads)
-    the q_a RMSNorm of its batch tile, one warp per row, in the FP32 order of the
-    QueryNorm variant of this batch (bit-identical q_c), into shared memory; with
-    store_qc, m-tile 0 also writes q_c for the indexer. Q_B for its 16 rows on the tensor
-    cores (mma.sync m16n8k16, weights as A so the batch is the narrow N side), the four
-    warps splitting K and reducing in a fixed order; raw q [B, H, 192] fp32 to a
-    workspace. m-tile 1 does the MLA KV insert of its tile's new tokens (kv_a RMSNorm
-    512 + interleaved-RoPE k_pe 64, bf16 or the fp8 656-byte row; slot -1 writes nothing).
-absorb (grid: H x 8 latent slices of 64, x batch tiles)
+project (grid: H x 12 m-tiles of 16 Q_B rows; 128 threads)
+    holds its 16 rows of Q_B in registers (each warp a quarter of K), then for each
+    batch tile of 16 rows: the q_a RMSNorm, one warp per row, in the FP32 order of the
+    QueryNorm variant of this batch (bit-identical q_c), into shared memory (with
+    store_qc, m-tile 0 also writes q_c for the indexer); Q_B on the tensor cores
+    (mma.sync m16n8k16, weights as A so the batch is the narrow N side); a fixed-order
+    reduction of the four K quarters; raw q [B, H, 192] fp32 to a workspace. m-tile 1
+    also does the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE
+    k_pe 64, bf16 or the fp8 656-byte row; slot -1 writes nothing).
+absorb (grid: H x 8 latent slices of 64; 128 threads, W_UK slice in registers)
     W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
     [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
     query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
@@ -52,12 +53,11 @@ class MlaQuery:
                  slots: cute.Pointer, qc: cute.Pointer, workspace: cute.Pointer, q_rows: cute.Pointer,
                  mla_cache: cute.Pointer, error: cute.Pointer, batch: Int32, eps: Float32, budget_ns: Int64,
                  stream: cuda.CUstream):
-        tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.project(qkv, gamma_q, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache,
-                     batch, eps).launch(grid=[self.heads * QB_TILES, tiles, 1], block=[THREADS, 1, 1],
+                     batch, eps).launch(grid=[self.heads * QB_TILES, 1, 1], block=[THREADS, 1, 1],
                                         stream=stream, use_pdl=self.pdl)
         self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
-            grid=[self.heads * LATENT_SLICES, tiles, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[self.heads * LATENT_SLICES, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     # -- project ----------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ class MlaQuery:
                 cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer,
                 qc: cute.Pointer, workspace: cute.Pointer, mla_cache: cute.Pointer, batch: Int32, eps: Float32):
         tid, _, _ = cute.arch.thread_idx()
-        mtile, tile, _ = cute.arch.block_idx()
+        mtile, _, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         smem = cutlass.memory.SmemAllocator()
@@ -78,57 +78,73 @@ class MlaQuery:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # q_a RMSNorm, one warp per row, into the shared q_c tile.
-        gamma = []
-        for i in cutlass.range_constexpr(6):
-            gamma += P.unpack_bf16x8(P.load_u32x4_nc(gamma_q + 256 * i + 8 * lane))
-        for r in cutlass.range_constexpr(BATCH_TILE // 4):
-            local = warp + 4 * r
-            row = tile * BATCH_TILE + local
-            # Rows past the batch repeat the last one: their columns of the MMA are discarded.
-            source = qkv + cutlass.min(row, batch - 1) * self.row_stride
-            values = []
-            for i in cutlass.range_constexpr(6):
-                values += P.unpack_bf16x8(P.load_u32x4(source + 256 * i + 8 * lane))
-            rr = P.lane_norm_rr(values, eps, self.tiled)
-            normed = P.pack_words([P.mul_rn(P.mul_rn(values[e], rr), gamma[e]) for e in range(48)], False)
-            for i in cutlass.range_constexpr(6):
-                P.sts_u32x4(qc_tile.iterator + local * SMEM_ROW + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
-            if cutlass.const_expr(self.store_qc):
-                if mtile == 0 and row < batch:
-                    for i in cutlass.range_constexpr(6):
-                        P.store_u32x4(qc + row * K + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
-            if mtile == 1 and row < batch:
-                self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
-        cute.arch.sync_threads()
-
-        # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight and
-        # q_c words are split the same way (k 8t..8t+3 then 8t+4..8t+7) across two MMAs.
-        acc = [[Float32(0)] * 4 for _ in range(2)]
-        for c in cutlass.range_constexpr(K // 4 // 32):
+        # This warp's quarter of K of the CTA's 16 Q_B rows stays in registers for every
+        # batch tile: the weights are read once whatever the batch.
+        chunks = K // 4 // 32
+        lo, hi = [], []
+        for c in cutlass.range_constexpr(chunks):
             k = warp * (K // 4) + 32 * c + 8 * t
-            lo = P.load_u32x4_nc(weights + g * K + k)
-            hi = P.load_u32x4_nc(weights + (g + 8) * K + k)
-            for nt in cutlass.range_constexpr(2):
-                b = P.lds_u32x4(qc_tile.iterator + (nt * 8 + g) * SMEM_ROW + k)
-                acc[nt] = P.mma_bf16_16816((lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]), acc[nt])
-                acc[nt] = P.mma_bf16_16816((lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]), acc[nt])
-        for nt in cutlass.range_constexpr(2):
-            col = nt * 8 + 2 * t
-            for q in cutlass.range_constexpr(4):
-                partial[(warp * 16 + g + 8 * (q // 2)) * BATCH_TILE + col + q % 2] = acc[nt][q]
-        cute.arch.sync_threads()
+            lo.append(P.load_u32x4_nc(weights + g * K + k))
+            hi.append(P.load_u32x4_nc(weights + (g + 8) * K + k))
+        gamma = []  # packed bf16 pairs: 24 registers rather than 48
+        for i in cutlass.range_constexpr(6):
+            gamma += list(P.load_u32x4_nc(gamma_q + 256 * i + 8 * lane))
 
-        # Fixed-order reduction over the four K quarters; thread -> (token, two rows).
-        token, pair = tid % BATCH_TILE, tid // BATCH_TILE
-        sums = [Float32(0), Float32(0)]
-        for w in cutlass.range_constexpr(4):
-            for j in cutlass.range_constexpr(2):
-                sums[j] = P.add_rn(sums[j], partial[(w * 16 + 2 * pair + j) * BATCH_TILE + token])
-        row = tile * BATCH_TILE + token
-        if row < batch:
-            head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
-            P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
+        for tile in range((batch + BATCH_TILE - 1) // BATCH_TILE):
+            # q_a RMSNorm, one warp per row, into the shared q_c tile. Rows past the batch
+            # keep stale values: only their own MMA columns, which are discarded, see them.
+            for r in cutlass.range_constexpr(BATCH_TILE // 4):
+                local = warp + 4 * r
+                row = tile * BATCH_TILE + local
+                if row < batch:
+                    self.norm_row(qkv, gamma, qc, qc_tile, row, local, mtile, lane, eps)
+                    if mtile == 1:
+                        self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
+            cute.arch.sync_threads()
+
+            # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight
+            # and q_c words split the same way (k 8t..8t+3, then 8t+4..8t+7) over two MMAs.
+            acc = [[Float32(0)] * 4 for _ in range(2)]
+            for c in cutlass.range_constexpr(chunks):
+                k = warp * (K // 4) + 32 * c + 8 * t
+                for nt in cutlass.range_constexpr(2):
+                    b = P.lds_u32x4(qc_tile.iterator + (nt * 8 + g) * SMEM_ROW + k)
+                    acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
+                    acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
+            for nt in cutlass.range_constexpr(2):
+                col = nt * 8 + 2 * t
+                for q in cutlass.range_constexpr(4):
+                    partial[(warp * 16 + g + 8 * (q // 2)) * BATCH_TILE + col + q % 2] = acc[nt][q]
+            cute.arch.sync_threads()
+
+            # Fixed-order reduction over the four K quarters; thread -> (token, two rows).
+            token, pair = tid % BATCH_TILE, tid // BATCH_TILE
+            sums = [Float32(0), Float32(0)]
+            for w in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(2):
+                    sums[j] = P.add_rn(sums[j], partial[(w * 16 + 2 * pair + j) * BATCH_TILE + token])
+            row = tile * BATCH_TILE + token
+            if row < batch:
+                head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
+                P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
+            cute.arch.sync_threads()  # the next tile reuses both shared buffers
+
+    @cute.jit
+    def norm_row(self, qkv, gamma, qc, qc_tile, row, local, mtile, lane, eps):
+        """One q_a row by one warp, in the FP32 order of this batch's QueryNorm variant."""
+        values = []
+        for i in cutlass.range_constexpr(6):
+            values += P.unpack_bf16x8(P.load_u32x4(qkv + row * self.row_stride + 256 * i + 8 * lane))
+        rr = P.lane_norm_rr(values, eps, self.tiled)
+        gammas = P.unpack_bf16x8(gamma[:4]) + P.unpack_bf16x8(gamma[4:8]) + P.unpack_bf16x8(gamma[8:12]) \
+            + P.unpack_bf16x8(gamma[12:16]) + P.unpack_bf16x8(gamma[16:20]) + P.unpack_bf16x8(gamma[20:24])
+        normed = P.pack_words([P.mul_rn(P.mul_rn(values[e], rr), gammas[e]) for e in range(48)], False)
+        for i in cutlass.range_constexpr(6):
+            P.sts_u32x4(qc_tile.iterator + local * SMEM_ROW + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
+        if cutlass.const_expr(self.store_qc):
+            if mtile == 0:
+                for i in cutlass.range_constexpr(6):
+                    P.store_u32x4(qc + row * K + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
 
     @cute.jit
     def kv_insert(self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps):
@@ -176,8 +192,8 @@ class MlaQuery:
     def absorb(self, w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
                workspace: cute.Pointer, q_rows: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
         tid, _, _ = cute.arch.thread_idx()
-        x, tile, _ = cute.arch.block_idx()
-        grid_x, grid_y, _ = cute.arch.grid_dim()
+        x, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         head, part = x // LATENT_SLICES, x % LATENT_SLICES
@@ -189,50 +205,60 @@ class MlaQuery:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        weights = slice_base + warp * 16 * 128
-        acc = [[Float32(0)] * 4 for _ in range(2)]
+        weights = slice_base + warp * 16 * 128  # this warp's 16 latent rows, all 128 of K
+        lo, hi = [], []
         for c in cutlass.range_constexpr(4):
             k = 32 * c + 8 * t
-            lo = P.load_u32x4_nc(weights + g * 128 + k)
-            hi = P.load_u32x4_nc(weights + (g + 8) * 128 + k)
+            lo.append(P.load_u32x4_nc(weights + g * 128 + k))
+            hi.append(P.load_u32x4_nc(weights + (g + 8) * 128 + k))
+        chunks = 64 * self.q_bytes // 16  # 16-byte chunks per token of this slice (and of the rope)
+        for tile in range((batch + BATCH_TILE - 1) // BATCH_TILE):
+            acc = [[Float32(0)] * 4 for _ in range(2)]
+            for c in cutlass.range_constexpr(4):
+                k = 32 * c + 8 * t
+                for nt in cutlass.range_constexpr(2):
+                    row = cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1)
+                    src = workspace + (row * self.heads + head) * 192 + k
+                    b = P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
+                    acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
+                    acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
             for nt in cutlass.range_constexpr(2):
-                row = cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1)
-                src = workspace + (row * self.heads + head) * 192 + k
-                b = P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
-                acc[nt] = P.mma_bf16_16816((lo[0], hi[0], lo[1], hi[1]), (b[0], b[1]), acc[nt])
-                acc[nt] = P.mma_bf16_16816((lo[2], hi[2], lo[3], hi[3]), (b[2], b[3]), acc[nt])
-        for nt in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(4):
-                out[(nt * 8 + 2 * t + q % 2) * 68 + warp * 16 + g + 8 * (q // 2)] = acc[nt][q]
-        cute.arch.sync_threads()
-
-        per_chunk = 16 // self.q_bytes  # elements per 16-byte chunk
-        chunks = 64 // per_chunk  # chunks per token of this latent slice (and of the rope)
-        token, chunk = tid // chunks, tid % chunks
-        row = tile * BATCH_TILE + token
-        if token < BATCH_TILE and row < batch:
-            dst = q_rows + ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
-            latent = [out[token * 68 + chunk * per_chunk + e] for e in range(per_chunk)]
-            P.store_u32x4(dst + (part * 64 + chunk * per_chunk) * self.q_bytes, P.pack_words(latent, self.q_fp8))
-            if part == 0:
-                src = workspace + (row * self.heads + head) * 192 + 128 + chunk * per_chunk
-                raw = []
-                for i in cutlass.range_constexpr(per_chunk // 4):
-                    raw += list(P.load_f32x4(src + 4 * i))
-                pos = P.load_i32(context_lens + row) - 1
-                rope = []
-                for p in cutlass.range_constexpr(per_chunk // 2):
-                    pair = chunk * per_chunk // 2 + p
-                    c, s = P.load_f32_nc(cos + pos * 32 + pair), P.load_f32_nc(sin + pos * 32 + pair)
-                    even, odd = raw[2 * p], raw[2 * p + 1]
-                    rope += [even * c - odd * s, even * s + odd * c]
-                P.store_u32x4(dst + (512 + chunk * per_chunk) * self.q_bytes, P.pack_words(rope, self.q_fp8))
+                for q in cutlass.range_constexpr(4):
+                    out[(nt * 8 + 2 * t + q % 2) * 68 + warp * 16 + g + 8 * (q // 2)] = acc[nt][q]
+            cute.arch.sync_threads()
+            token, chunk = tid // chunks, tid % chunks
+            row = tile * BATCH_TILE + token
+            if token < BATCH_TILE and row < batch:
+                self.publish(cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part)
+            cute.arch.sync_threads()  # the next tile reuses `out`
 
         if cutlass.const_expr(self.poll and self.gathered > self.heads):
-            ctas = grid_x * grid_y
-            P.poll_mailbox(q_rows, error, (tile * grid_x + x) * THREADS + tid, ctas * THREADS, batch,
-                           P.globaltimer() + budget_ns, self.gathered, self.q_heads, self.row_chunks,
-                           self.head_base, self.heads)
+            P.poll_mailbox(q_rows, error, x * THREADS + tid, ctas * THREADS, batch, P.globaltimer() + budget_ns,
+                           self.gathered, self.q_heads, self.row_chunks, self.head_base, self.heads)
+
+    @cute.jit
+    def publish(self, cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part):
+        """One whole 16-byte chunk of a query row: this slice's latent and, in slice 0, the rope."""
+        per_chunk = 16 // self.q_bytes
+        dst = q_rows + ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
+        latent = [out[token * 68 + chunk * per_chunk + e] for e in range(per_chunk)]
+        P.store_u32x4(dst + (part * 64 + chunk * per_chunk) * self.q_bytes, P.pack_words(latent, self.q_fp8))
+        if part == 0:
+            src = workspace + (row * self.heads + head) * 192 + 128 + chunk * per_chunk
+            raw = []
+            for i in cutlass.range_constexpr(per_chunk // 4):
+                raw += list(P.load_f32x4(src + 4 * i))
+            pos = P.load_i32(context_lens + row) - 1
+            first = chunk * per_chunk // 2  # first rope pair of this chunk
+            cs = []
+            for i in cutlass.range_constexpr(per_chunk // 8):
+                cs.append((P.load_f32x4_nc(cos + pos * 32 + first + 4 * i), P.load_f32x4_nc(sin + pos * 32 + first + 4 * i)))
+            rope = []
+            for p in cutlass.range_constexpr(per_chunk // 2):
+                c, s = cs[p // 4][0][p % 4], cs[p // 4][1][p % 4]
+                even, odd = raw[2 * p], raw[2 * p + 1]
+                rope += [even * c - odd * s, even * s + odd * c]
+            P.store_u32x4(dst + (512 + chunk * per_chunk) * self.q_bytes, P.pack_words(rope, self.q_fp8))
 
 
 def compile_args():
