@@ -108,10 +108,10 @@ def test_variant_choice_follows_tiled_from():
 
 
 def test_warp_sum_lanes_agree_and_sum():
-    v = torch.randn(5, 32)
+    v = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
     s = order.warp_sum(v)
     assert torch.equal(s, s[:, :1].expand(-1, 32))
-    assert torch.allclose(s[:, 0].double(), v.double().sum(-1), rtol=1e-5)
+    assert torch.allclose(s[:, 0].double(), v.double().sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_order_model_rejects_bad_rows():
