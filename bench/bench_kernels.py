@@ -20,7 +20,7 @@ import torch
 
 from graphstep import formats
 from graphstep.floor import H200_COPY_BW, stage_costs
-from graphstep.launch import ErrorWord, Kernels, workspace_rows
+from graphstep.launch import ErrorWord, Kernels
 from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
@@ -75,7 +75,8 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
     for batch in batches:
         inputs = state.inputs(batch, context_lens=4096)
         qc = torch.empty(batch, 1536, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(workspace_rows(batch), shape.heads, 192, device="cuda")
+        qc_private = torch.empty_like(qc)
+        ws = torch.empty(batch, shape.heads, 192, device="cuda")
         q_rows = formats.arm(torch.empty(batch, shape.q_heads, 1152, dtype=torch.uint8, device="cuda"))
         cache = state.caches.mla_cache
         error = ErrorWord.new("cuda")
@@ -89,7 +90,7 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
         def mla(kset):
             def body():
                 for i in range(n):
-                    kset[i % len(kset)].mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, qc, ws, q_rows,
+                    kset[i % len(kset)].mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, qc, qc_private, ws, q_rows,
                                                   cache, error, batch, store_qc=False, poll=False)
             return body
 

@@ -94,12 +94,12 @@ class Kernels:
         op = query_norm.QueryNorm(tiled, self.shape.model.packed_width, self.pdl)
         return catalog.compile_op(op, query_norm.compile_args())
 
-    def _mla_query_op(self, tiled: bool, store_qc: bool, poll: bool):
+    def _mla_query_op(self, tiled: bool, poll: bool):
         from .kernels import catalog, mla_query
 
         s, topo = self.shape, self.shape.topology
         op = mla_query.MlaQuery(s.heads, topo.rank * s.heads, s.q_heads, s.gathered, s.model.packed_width, tiled,
-                                store_qc, poll, topo.q_format == "fp8", topo.mla_cache == "fp8", self.pdl)
+                                poll, topo.q_format == "fp8", topo.mla_cache == "fp8", self.pdl)
         return catalog.compile_op(op, mla_query.compile_args())
 
     def _query_wait_op(self):
@@ -112,9 +112,8 @@ class Kernels:
         """Compile every variant this rank can launch (no launches)."""
         for tiled in (False, True):
             self._query_norm_op(tiled)
-            for store_qc in (False, True):
-                for poll in polls if self.shape.topology.dcp > 1 else (False,):
-                    self._mla_query_op(tiled, store_qc, poll)
+            for poll in polls if self.shape.topology.dcp > 1 else (False,):
+                self._mla_query_op(tiled, poll)
         if self.shape.topology.dcp > 1:
             self._query_wait_op()
 
@@ -126,16 +125,19 @@ class Kernels:
         self._query_norm_op(self.tiled(batch))(ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch),
                                                Float32(self.eps), current_stream())
 
-    def mla_query(self, qkv, context_lens, slots, qc, workspace, q_rows, mla_cache, error: ErrorWord, batch: int,
-                  store_qc: bool, poll: bool, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
-        """q_rows: the uint8 query-row buffer / mailbox [>= batch, q_heads, 576 x q_bytes];
-        workspace: fp32 [>= round_up(batch, 16), heads, 192]; mla_cache: the cache as bytes."""
+    def mla_query(self, qkv, context_lens, slots, qc, qc_private, workspace, q_rows, mla_cache, error: ErrorWord,
+                  batch: int, store_qc: bool, poll: bool, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
+        """MlaQuery normalizes q_a into `qc` (the indexer's q_c, store_qc) or `qc_private`
+        (both bf16 [>= batch, 1536]) and reads it from there. q_rows: the uint8 query-row
+        buffer / mailbox [>= batch, q_heads, 576 x q_bytes]; workspace: fp32
+        [>= batch, heads, 192]; mla_cache: the MLA cache (any dtype, addressed as bytes)."""
         from cutlass import Float32, Int32, Int64
 
         w = self.weights
-        op = self._mla_query_op(self.tiled(batch), store_qc, poll)
+        op = self._mla_query_op(self.tiled(batch), poll)
         op(ptr(qkv), ptr(w.gamma_q), ptr(w.gamma_kv), ptr(w.w_qb), ptr(self.w_uk_t), ptr(w.rope_cos),
-           ptr(w.rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(qc), ptr(workspace), ptr(q_rows),
+           ptr(w.rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(qc if store_qc else qc_private), ptr(workspace),
+           ptr(q_rows),
            ptr(mla_cache.view(torch.uint8)), ptr(error.word, 8), Int32(batch), Float32(self.eps), Int64(budget_ns), current_stream())
 
     def query_wait(self, q_rows: torch.Tensor, error: ErrorWord, batch: int, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
@@ -148,6 +150,3 @@ class Kernels:
         op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
 
 
-def workspace_rows(batch: int) -> int:
-    """Rows MlaQuery's workspace needs for a batch (whole batch tiles of 16)."""
-    return -(-batch // 16) * 16

@@ -27,9 +27,13 @@ def warp_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def query_norm_rsqrt(total: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(total / 1536 + eps) in fp32, each op correctly rounded."""
-    eps32 = torch.tensor(eps, dtype=torch.float32, device=total.device)
-    return 1.0 / torch.sqrt(total / COLUMNS + eps32)
+    """1 / sqrt(total / 1536 + eps) in fp32, each op correctly rounded.
+
+    Every operand is a full tensor: on CUDA, torch turns a division by a Python scalar
+    into a multiplication by its reciprocal, which rounds differently (seen on the H200)."""
+    columns = torch.full_like(total, COLUMNS)
+    eps32 = torch.full_like(total, eps)
+    return torch.ones_like(total) / torch.sqrt(total / columns + eps32)
 
 
 def _check(x: torch.Tensor, gamma: torch.Tensor) -> None:

@@ -57,12 +57,10 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
     for tiled in norms:
         norm = "tiled" if tiled else "rows"
         out.append(Variant(f"query_norm_{norm}", query_norm.QueryNorm(tiled, m.packed_width, pdl), query_norm.compile_args()))
-        for store_qc in (False, True):
-            for poll in polls if topo.dcp > 1 else (False,):
-                op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
-                                        m.packed_width, tiled, store_qc, poll, q_fp8, mla_fp8, pdl)
-                name = f"mla_query_{norm}{'_store_qc' if store_qc else ''}{'_poll' if poll else ''}"
-                out.append(Variant(name, op, mla_query.compile_args()))
+        for poll in polls if topo.dcp > 1 else (False,):
+            op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
+                                    m.packed_width, tiled, poll, q_fp8, mla_fp8, pdl)
+            out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
     if topo.dcp > 1:
         out.append(Variant("query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
                            query_wait.compile_args()))

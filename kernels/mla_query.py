@@ -1,24 +1,25 @@
-"""MlaQuery: the query side of MLA for one rank, as two PDL-chained kernels.
+"""MlaQuery: the query side of MLA for one rank, as three PDL-chained kernels.
 
-project (grid: H x 12 m-tiles of 16 Q_B rows; 128 threads)
-    holds its 16 rows of Q_B in registers (each warp a quarter of K), then for each
-    batch tile of 16 rows: the q_a RMSNorm, one warp per row, in the FP32 order of the
-    QueryNorm variant of this batch (bit-identical q_c), into shared memory (with
-    store_qc, m-tile 0 also writes q_c for the indexer); Q_B on the tensor cores
-    (mma.sync m16n8k16, weights as A so the batch is the narrow N side); a fixed-order
-    reduction of the four K quarters; raw q [B, H, 192] fp32 to a workspace. m-tile 1
-    also does the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE
-    k_pe 64, bf16 or the fp8 656-byte row; slot -1 writes nothing).
-absorb (grid: H x 8 latent slices of 64; 128 threads, W_UK slice in registers)
-    W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
-    [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
-    query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
-    head_base + h of q_rows: under DCP that is the mailbox publish. With poll, every
-    thread of the grid then polls a share of the peers' head rows (its own rank's rows
-    are written by this very grid, whose CTAs need not all be resident).
+norm     QueryNorm's own kernel (the variant of this batch) writing q_c where MlaQuery
+         reads it: the indexer's q_c buffer in serial mode (store_qc), a private one
+         otherwise. Being the same kernel, its q_c is bit-identical to QueryNorm's.
+project  (grid: H x 12 m-tiles of 16 Q_B rows, x batch-tile groups; 128 threads)
+         holds its 16 rows of Q_B in registers, each warp a quarter of K, and for each
+         batch tile of 16 rows runs Q_B on the tensor cores (mma.sync m16n8k16, weights
+         as A so the batch is the narrow N side), reduces the four K quarters in a fixed
+         order and writes raw q [B, H, 192] fp32 to a workspace. Its first CTAs also do
+         the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE k_pe 64,
+         bf16 or the fp8 656-byte row; slot -1 writes nothing).
+absorb   (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
+         W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
+         [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
+         query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
+         head_base + h of q_rows: under DCP that is the mailbox publish. With poll, every
+         thread then polls a share of the peers' head rows (its own rank's rows are
+         written by this very grid, whose CTAs need not all be resident).
 
-Each kernel bulk-prefetches its weight slice into L2 before griddepcontrol_wait, so
-the weight stream starts while the previous kernel drains.
+project and absorb bulk-prefetch their weight slices into L2 before griddepcontrol_wait,
+so the weight stream starts while the kernel before them drains.
 """
 
 from __future__ import annotations
@@ -29,23 +30,30 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from . import primitives as P
+from .query_norm import QueryNorm
 
 THREADS = 128
 BATCH_TILE = 16
 QB_TILES = 12  # 192 Q_B rows per head / 16
 LATENT_SLICES = 8  # 512 latent / 64
 K = 1536
-SMEM_ROW = K + 8  # bf16 elements per q_c row in shared memory (+16 B against bank conflicts)
+TARGET_CTAS = 528  # ~4 per SM of an H100/H200: batch tiles split over more CTAs up to this
+
+
+def tile_groups(ctas: int) -> int:
+    """How many CTA rows share the batch tiles when the grid has `ctas` CTAs per row."""
+    return max(1, TARGET_CTAS // ctas)
 
 
 class MlaQuery:
     def __init__(self, heads: int, head_base: int, q_heads: int, gathered: int, row_stride: int, tiled: bool,
-                 store_qc: bool, poll: bool, q_fp8: bool, mla_fp8: bool, pdl: bool = True):
+                 poll: bool, q_fp8: bool, mla_fp8: bool, pdl: bool = True):
         self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
-        self.row_stride, self.tiled, self.store_qc, self.poll = row_stride, tiled, store_qc, poll
+        self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl = q_fp8, mla_fp8, pdl
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
+        self.norm = QueryNorm(tiled, row_stride, pdl)
 
     @cute.jit
     def __call__(self, qkv: cute.Pointer, gamma_q: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer,
@@ -53,24 +61,29 @@ class MlaQuery:
                  slots: cute.Pointer, qc: cute.Pointer, workspace: cute.Pointer, q_rows: cute.Pointer,
                  mla_cache: cute.Pointer, error: cute.Pointer, batch: Int32, eps: Float32, budget_ns: Int64,
                  stream: cuda.CUstream):
-        self.project(qkv, gamma_q, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache,
-                     batch, eps).launch(grid=[self.heads * QB_TILES, 1, 1], block=[THREADS, 1, 1],
-                                        stream=stream, use_pdl=self.pdl)
+        tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
+        self.norm(qkv, gamma_q, qc, batch, eps, stream)
+        project_ctas = self.heads * QB_TILES
+        self.project(qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps).launch(
+            grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1], block=[THREADS, 1, 1],
+            stream=stream, use_pdl=self.pdl)
+        absorb_ctas = self.heads * LATENT_SLICES
         self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
-            grid=[self.heads * LATENT_SLICES, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1], block=[THREADS, 1, 1],
+            stream=stream, use_pdl=self.pdl)
 
     # -- project ----------------------------------------------------------------------
 
     @cute.kernel
-    def project(self, qkv: cute.Pointer, gamma_q: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer,
-                cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer,
-                qc: cute.Pointer, workspace: cute.Pointer, mla_cache: cute.Pointer, batch: Int32, eps: Float32):
+    def project(self, qkv: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer, cos: cute.Pointer,
+                sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer, qc: cute.Pointer,
+                workspace: cute.Pointer, mla_cache: cute.Pointer, batch: Int32, eps: Float32):
         tid, _, _ = cute.arch.thread_idx()
-        mtile, _, _ = cute.arch.block_idx()
+        mtile, group, _ = cute.arch.block_idx()
+        ctas, groups, _ = cute.arch.grid_dim()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         smem = cutlass.memory.SmemAllocator()
-        qc_tile = smem.allocate_tensor(BFloat16, cute.make_layout(BATCH_TILE * SMEM_ROW), byte_alignment=16)
         partial = smem.allocate_tensor(Float32, cute.make_layout(4 * 16 * BATCH_TILE), byte_alignment=16)
         weights = w_qb + mtile * 16 * K
         if tid == 0:
@@ -78,37 +91,28 @@ class MlaQuery:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # This warp's quarter of K of the CTA's 16 Q_B rows stays in registers for every
-        # batch tile: the weights are read once whatever the batch.
+        # This warp's quarter of K of the CTA's 16 Q_B rows stays in registers for all of
+        # its batch tiles: the weights are read once per CTA row whatever the batch.
         chunks = K // 4 // 32
         lo, hi = [], []
         for c in cutlass.range_constexpr(chunks):
             k = warp * (K // 4) + 32 * c + 8 * t
             lo.append(P.load_u32x4_nc(weights + g * K + k))
             hi.append(P.load_u32x4_nc(weights + (g + 8) * K + k))
-        gamma = []  # packed bf16 pairs: 24 registers rather than 48
-        for i in cutlass.range_constexpr(6):
-            gamma += list(P.load_u32x4_nc(gamma_q + 256 * i + 8 * lane))
 
-        for tile in range((batch + BATCH_TILE - 1) // BATCH_TILE):
-            # q_a RMSNorm, one warp per row, into the shared q_c tile. Rows past the batch
-            # keep stale values: only their own MMA columns, which are discarded, see them.
-            for r in cutlass.range_constexpr(BATCH_TILE // 4):
-                local = warp + 4 * r
-                row = tile * BATCH_TILE + local
-                if row < batch:
-                    self.norm_row(qkv, gamma, qc, qc_tile, row, local, mtile, lane, eps)
-                    if mtile == 1:
-                        self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
-            cute.arch.sync_threads()
+        if group == 0:  # the KV insert, one warp per new token, spread over the CTA row
+            for row in range(mtile * 4 + warp, batch, ctas * 4):
+                self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
 
+        for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight
             # and q_c words split the same way (k 8t..8t+3, then 8t+4..8t+7) over two MMAs.
+            # Tokens past the batch repeat the last one; their columns are discarded.
             acc = [[Float32(0)] * 4 for _ in range(2)]
             for c in cutlass.range_constexpr(chunks):
                 k = warp * (K // 4) + 32 * c + 8 * t
                 for nt in cutlass.range_constexpr(2):
-                    b = P.lds_u32x4(qc_tile.iterator + (nt * 8 + g) * SMEM_ROW + k)
+                    b = P.load_u32x4(qc + cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1) * K + k)
                     acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
                     acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
             for nt in cutlass.range_constexpr(2):
@@ -127,24 +131,7 @@ class MlaQuery:
             if row < batch:
                 head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
                 P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
-            cute.arch.sync_threads()  # the next tile reuses both shared buffers
-
-    @cute.jit
-    def norm_row(self, qkv, gamma, qc, qc_tile, row, local, mtile, lane, eps):
-        """One q_a row by one warp, in the FP32 order of this batch's QueryNorm variant."""
-        values = []
-        for i in cutlass.range_constexpr(6):
-            values += P.unpack_bf16x8(P.load_u32x4(qkv + row * self.row_stride + 256 * i + 8 * lane))
-        rr = P.lane_norm_rr(values, eps, self.tiled)
-        gammas = P.unpack_bf16x8(gamma[:4]) + P.unpack_bf16x8(gamma[4:8]) + P.unpack_bf16x8(gamma[8:12]) \
-            + P.unpack_bf16x8(gamma[12:16]) + P.unpack_bf16x8(gamma[16:20]) + P.unpack_bf16x8(gamma[20:24])
-        normed = P.pack_words([P.mul_rn(P.mul_rn(values[e], rr), gammas[e]) for e in range(48)], False)
-        for i in cutlass.range_constexpr(6):
-            P.sts_u32x4(qc_tile.iterator + local * SMEM_ROW + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
-        if cutlass.const_expr(self.store_qc):
-            if mtile == 0:
-                for i in cutlass.range_constexpr(6):
-                    P.store_u32x4(qc + row * K + 256 * i + 8 * lane, normed[4 * i: 4 * i + 4])
+            cute.arch.sync_threads()  # the next tile reuses `partial`
 
     @cute.jit
     def kv_insert(self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps):
@@ -192,8 +179,8 @@ class MlaQuery:
     def absorb(self, w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
                workspace: cute.Pointer, q_rows: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
         tid, _, _ = cute.arch.thread_idx()
-        x, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
+        x, group, _ = cute.arch.block_idx()
+        ctas, groups, _ = cute.arch.grid_dim()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         head, part = x // LATENT_SLICES, x % LATENT_SLICES
@@ -212,7 +199,7 @@ class MlaQuery:
             lo.append(P.load_u32x4_nc(weights + g * 128 + k))
             hi.append(P.load_u32x4_nc(weights + (g + 8) * 128 + k))
         chunks = 64 * self.q_bytes // 16  # 16-byte chunks per token of this slice (and of the rope)
-        for tile in range((batch + BATCH_TILE - 1) // BATCH_TILE):
+        for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             acc = [[Float32(0)] * 4 for _ in range(2)]
             for c in cutlass.range_constexpr(4):
                 k = 32 * c + 8 * t
@@ -233,7 +220,8 @@ class MlaQuery:
             cute.arch.sync_threads()  # the next tile reuses `out`
 
         if cutlass.const_expr(self.poll and self.gathered > self.heads):
-            P.poll_mailbox(q_rows, error, x * THREADS + tid, ctas * THREADS, batch, P.globaltimer() + budget_ns,
+            P.poll_mailbox(q_rows, error, (group * ctas + x) * THREADS + tid, groups * ctas * THREADS, batch,
+                           P.globaltimer() + budget_ns,
                            self.gathered, self.q_heads, self.row_chunks, self.head_base, self.heads)
 
     @cute.jit

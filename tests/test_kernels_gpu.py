@@ -6,7 +6,7 @@ import torch
 
 from conftest import rel_err
 from graphstep import formats, order, reference as ref
-from graphstep.launch import ErrorWord, Kernels, MailboxTimeout, workspace_rows
+from graphstep.launch import ErrorWord, Kernels, MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset, tiled_from
 from graphstep.state import LayerState
 
@@ -32,7 +32,8 @@ def _buffers(state, batch):
     s = state.shape
     return dict(
         qc=torch.full((batch, 1536), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16),
-        workspace=torch.full((workspace_rows(batch), s.heads, 192), float("nan"), device="cuda"),
+        qc_private=torch.full((batch, 1536), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16),
+        workspace=torch.full((batch, s.heads, 192), float("nan"), device="cuda"),
         q_rows=formats.arm(torch.empty(batch, s.q_heads, 576 * s.q_bytes, dtype=torch.uint8, device="cuda")),
     )
 
@@ -62,10 +63,11 @@ def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
     norm_qc = _buffers(state, batch)["qc"]
     kernels.query_norm(inputs.qkv, norm_qc, batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
                       caches.mla_cache, error, batch, store_qc=True, poll=False)
     torch.cuda.synchronize()
     assert torch.equal(buf["qc"], norm_qc), "MlaQuery's q_c must be bit-identical to QueryNorm's"
+    assert (buf["qc_private"].view(torch.int16) == POISON).all(), "store_qc writes the indexer's q_c only"
     q_c = ref.query_norm(state, inputs)
     expect = ref.mla_query(state, inputs, q_c)
     got = formats.decode_q_rows(buf["q_rows"], "bf16")[:, : state.shape.heads]
@@ -84,9 +86,10 @@ def test_kv_insert_writes_exactly_the_new_slots(tp8):
     caches.mla_cache.view(torch.int16).fill_(POISON)
     before = caches.mla_cache.clone()
     buf = _buffers(state, batch)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
                       caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
     torch.cuda.synchronize()
+    assert (buf["qc"].view(torch.int16) == POISON).all(), "without store_qc the indexer's q_c is untouched"
     rows = caches.mla_cache.view(-1, 576)
     changed = (rows.view(torch.int16) != before.view(-1, 576).view(torch.int16)).any(-1).nonzero().flatten()
     slots = inputs.slot_mapping[inputs.slot_mapping >= 0].long()
@@ -103,7 +106,7 @@ def test_fp8_query_rows_and_cache(tp8):
     inputs = state.inputs(batch)
     caches = state.clone_caches()
     buf = _buffers(state, batch)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
                       caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
     torch.cuda.synchronize()
     expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
@@ -140,7 +143,7 @@ def test_publish_then_wait_returns(dcp2, poll_in_mla):
     buf = _buffers(state, batch)
     _publish_peers(state, buf["q_rows"], batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
                       state.clone_caches().mla_cache, error, batch, store_qc=False, poll=poll_in_mla)
     if not poll_in_mla:
         kernels.query_wait(buf["q_rows"], error, batch)
@@ -161,7 +164,7 @@ def test_missing_publisher_is_reported_and_the_next_step_works(dcp2, poll_in_mla
     missing = (5, 11, 40)  # token 5, rank 0's head row 11, chunk 40
     _publish_peers(state, buf["q_rows"], batch, skip=missing)
     error = ErrorWord.new("cuda")
-    args = (inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["workspace"], buf["q_rows"],
+    args = (inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
             state.clone_caches().mla_cache, error, batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
