@@ -234,9 +234,10 @@ def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, sl
     values the first 512 of each row. Returns (out [B, G, 512] in acc, lse [B, G] in
     acc, natural log, -inf and out 0 for a token with no slot)."""
     m, topo = state.shape.model, state.shape.topology
-    rows = formats.mla_rows(caches.mla_cache, topo.mla_cache, m.kv_lora_rank).view(-1, m.query_row)
+    flat = caches.mla_cache.view(-1, caches.mla_cache.shape[-1])
     valid = slots >= 0
-    kv = rows[slots.clamp_min(0).long()].to(acc)  # [B, k, 576]
+    picked = flat[slots.clamp_min(0).long()]  # gather first: never convert the whole cache
+    kv = formats.mla_rows(picked, topo.mla_cache, m.kv_lora_rank).to(acc)  # [B, k, 576]
     logits = torch.einsum("bgd,bkd->bgk", q.to(acc), kv) * m.softmax_scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)

@@ -112,9 +112,12 @@ class LayerState:
         page = model.page_size
         local_max = int(local_lens(torch.tensor([max_context]), topo.dcp, topo.rank)[0])
         self.pages_per_seq = max(1, -(-local_max // page))
-        pages = max_batch * self.pages_per_seq
         # Each sequence owns pages scattered over the pool, as a paged allocator leaves them.
-        order = torch.randperm(pages, generator=gen, device=dev).to(torch.int32)
+        # One more page, never in a block table, takes the writes of padded rows in graphs.
+        owned = max_batch * self.pages_per_seq
+        pages = owned + 1
+        self.trash_page = owned
+        order = torch.randperm(owned, generator=gen, device=dev).to(torch.int32)
         block_tables = order.view(max_batch, self.pages_per_seq)
 
         keys, scales = formats.quantize_fp8_rows(_normal((pages, page, model.index_dim), gen, dev))

@@ -21,8 +21,9 @@ def test_state_is_random_and_well_formed(state):
     for t in (w.w_qb, w.w_uk, w.wq_b_index, w.gamma_q, c.mla_cache):
         assert t.float().std() > 0 and not torch.isnan(t.float()).any()
     assert w.w_qb.shape == (4 * 192, 1536) and w.w_uk.shape == (4, 128, 512)
-    assert c.index_cache.shape == (4 * state.pages_per_seq, 64 * 132)
+    assert c.index_cache.shape == (4 * state.pages_per_seq + 1, 64 * 132)
     assert sorted(c.block_tables.flatten().tolist()) == list(range(c.block_tables.numel()))
+    assert state.trash_page == c.block_tables.numel()  # the spare page no table refers to
     assert (c.mailbox == formats.SENTINEL_BYTE).all()
 
 

@@ -1,0 +1,313 @@
+"""DecodeStep: the query stage of one DSA layer, captured per batch size as a CUDA graph.
+
+    step = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), capture_sizes=[1, 4, 16, 64])
+    step.capture()
+    out = step.step(step.state.inputs(3))     # pads 3 -> 4, replays, returns the 3 real rows
+
+Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
+  serial     main: MlaQuery(store_qc, poll under DCP) -> indexer -> sparse core
+  fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
+             side:          MlaQuery -> QueryWait (DCP) ------/
+  fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
+Backends: "cute" runs QueryNorm, MlaQuery and QueryWait as CuTe DSL kernels chained with
+PDL; the indexer (wq_b, scoring, top-k) and the sparse core are still the capturable torch
+versions (graphstep.torch_stages) in both backends: their CuTe DSL kernels are not written
+yet. "torch" runs every stage in torch (the plain-torch baseline).
+
+Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
+writes go to the state's spare page) and context length 1. A batch above the largest
+captured size is an error. The mailbox (DCP) is re-armed by the step itself, after the
+sparse core, the last reader of the query rows; a poll that gives up raises
+MailboxTimeout from step().
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from . import formats, reference as ref, torch_stages
+from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
+from .policy import MODES, overlap_for, side_stream
+from .shapes import RankShape, check_batch
+from .state import LayerCaches, LayerState, PeerInputs, StepInputs
+
+BACKENDS = ("cute", "torch")
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)  # vLLM's: 1, 2, 4, then steps of 8
+
+
+@dataclass
+class Buffers:
+    """Static buffers sized for the largest captured batch; graphs slice them."""
+
+    qkv: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    qc: torch.Tensor  # the indexer's q_c
+    qc_private: torch.Tensor  # MlaQuery's own q_c when it runs off the main stream
+    workspace: torch.Tensor  # MlaQuery's raw q [B, heads, 192] fp32
+    slots: torch.Tensor  # the indexer's selection [B, topk]
+    q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
+    out: torch.Tensor  # sparse core [B, gathered, 512] fp32
+    lse: torch.Tensor  # [B, gathered] fp32
+    peer_rows: torch.Tensor  # DCP: what the peers publish, encoded like the mailbox
+    peer_positions: torch.Tensor
+    peer_scores: torch.Tensor
+
+    def pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in vars(self).values())
+
+
+class DecodeStep:
+    def __init__(self, shape: RankShape, capture_sizes=DEFAULT_CAPTURE_SIZES, policy: str | None = None,
+                 backend: str = "cute", device="cuda", max_context: int = 32768, seed: int = 0, pdl: bool = True,
+                 budget_ns: int = DEFAULT_BUDGET_NS):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
+        sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
+        if not sizes:
+            raise ValueError("capture_sizes must name at least one batch size")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if backend == "cute" and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
+            raise ValueError(f"the cute backend needs an sm_90 CUDA device, got {self.device}")
+        topo = shape.topology
+        self.shape, self.backend, self.sizes, self.pdl, self.budget_ns = shape, backend, sizes, pdl, budget_ns
+        self.policy = policy
+        self.modes = {size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+                      for size in sizes}
+        self.state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
+        self.kernels = Kernels(shape, self.state.weights, pdl) if backend == "cute" else None
+        self.error = ErrorWord.new(self.device)
+        self.buffers = self._buffers(sizes[-1])
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self._captured_pointers: tuple[int, ...] | None = None
+
+    def _buffers(self, rows: int) -> Buffers:
+        s, dev = self.shape, self.device
+        m, k = s.model, s.model.index_topk
+        row_bytes = m.query_row * s.q_bytes
+        return Buffers(
+            qkv=torch.zeros(rows, m.packed_width, dtype=torch.bfloat16, device=dev),
+            context_lens=torch.ones(rows, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int32, device=dev),
+            block_tables=torch.full((rows, self.state.pages_per_seq), self.state.trash_page, dtype=torch.int32, device=dev),
+            qc=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
+            qc_private=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
+            workspace=torch.zeros(rows, s.heads, m.qk_head_dim, device=dev),
+            slots=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
+            q_out=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
+            out=torch.zeros(rows, s.gathered, m.kv_lora_rank, device=dev),
+            lse=torch.zeros(rows, s.gathered, device=dev),
+            peer_rows=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
+            peer_positions=torch.full((rows, s.topology.dcp, k), -1, dtype=torch.int32, device=dev),
+            peer_scores=torch.full((rows, s.topology.dcp, k), float("-inf"), device=dev),
+        )
+
+    # -- the stages of one captured size ----------------------------------------------------
+
+    @property
+    def caches(self) -> LayerCaches:
+        return self.state.caches
+
+    def padded(self, batch: int) -> int:
+        """The captured size a batch runs at."""
+        check_batch(batch)
+        for size in self.sizes:
+            if size >= batch:
+                return size
+        raise ValueError(f"batch {batch} exceeds the largest captured size {self.sizes[-1]} (captured: {self.sizes})")
+
+    def _views(self, size: int) -> StepInputs:
+        b = self.buffers
+        return StepInputs(b.qkv[:size], b.context_lens[:size], b.slot_mapping[:size], b.block_tables[:size])
+
+    def run_stages(self, size: int, mode: str) -> None:
+        """Launch one step of `size` rows in `mode` on the current stream (what a graph holds)."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        s, b, caches = self.shape, self.buffers, self.caches
+        dcp = s.topology.dcp > 1
+        inputs = self._views(size)
+        peers = PeerInputs(None, b.peer_positions[:size], b.peer_scores[:size]) if dcp else None
+        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if dcp:  # the peers' publishes into this rank's mailbox (remote writes on real DCP)
+            own = slice(s.topology.rank * s.heads, (s.topology.rank + 1) * s.heads)
+            caches.mailbox[:size, : own.start] = b.peer_rows[:size, : own.start]
+            caches.mailbox[:size, own.stop: s.gathered] = b.peer_rows[:size, own.stop:]
+        if mode == "serial":
+            self._mla_query(inputs, size, store_qc=True, poll=dcp)
+            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], peers)
+        else:
+            side = side_stream(self.device.index) if main is not None else None
+            if side is not None:
+                side.wait_stream(main)
+            self._query_norm(inputs, size)
+            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], peers)
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                self._mla_query(inputs, size, store_qc=False, poll=dcp and mode == "fork_poll")
+                if dcp and mode == "fork":
+                    self._query_wait(size)
+            if side is not None:
+                main.wait_stream(side)
+        torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
+        b.q_out[:size] = caches.mailbox[:size, : s.gathered]
+        formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
+
+    def _query_norm(self, inputs: StepInputs, size: int) -> None:
+        if self.kernels is not None:
+            self.kernels.query_norm(self.buffers.qkv, self.buffers.qc, size)
+        else:
+            self.buffers.qc[:size] = ref.query_norm(self.state, inputs)
+
+    def _mla_query(self, inputs: StepInputs, size: int, store_qc: bool, poll: bool) -> None:
+        b = self.buffers
+        if self.kernels is not None:
+            self.kernels.mla_query(b.qkv, b.context_lens, b.slot_mapping, b.qc, b.qc_private, b.workspace,
+                                   self.caches.mailbox, self.caches.mla_cache, self.error, size, store_qc, poll,
+                                   self.budget_ns)
+        else:
+            qc = b.qc if store_qc else b.qc_private
+            qc[:size] = ref.query_norm(self.state, inputs)
+            torch_stages.mla_query(self.state, inputs, self.caches, qc[:size])
+
+    def _query_wait(self, size: int) -> None:
+        if self.kernels is not None:
+            self.kernels.query_wait(self.caches.mailbox, self.error, size, self.budget_ns)
+        # torch has no way to poll: its peers' rows are in place before MlaQuery runs.
+
+    # -- capture and replay ------------------------------------------------------------------
+
+    def capture(self, modes: tuple[str, ...] | None = None, keep_graph: bool = False) -> None:
+        """Compile and warm every kernel, then capture one graph per size (and per extra mode
+        in `modes`), largest first, into one memory pool, with garbage collection paused."""
+        if self.device.type != "cuda":
+            raise RuntimeError("graph capture needs a CUDA device; on the CPU use step(..., eager=True)")
+        for mode in modes or ():
+            if mode not in MODES:
+                raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        if self.kernels is not None:
+            self.kernels.warm()
+        plan = [(size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])]
+        warm = torch.cuda.Stream(self.device)
+        warm.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(warm):
+            for size, mode in plan:
+                self.run_stages(size, mode)  # module loads, cuBLAS handles, allocator warm-up
+        torch.cuda.current_stream(self.device).wait_stream(warm)
+        torch.cuda.synchronize(self.device)
+        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
+        pool = torch.cuda.graph_pool_handle()
+        gc.collect()
+        gc.disable()  # a compiled kernel's finalizer unloads its module: none may run mid-capture
+        try:
+            for size, mode in plan:
+                graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+                with torch.cuda.graph(graph, pool=pool):
+                    self.run_stages(size, mode)
+                self.graphs[(size, mode)] = graph
+        finally:
+            gc.enable()
+        torch.cuda.synchronize(self.device)
+        self._captured_pointers = self.buffers.pointers() + (self.caches.mailbox.data_ptr(),
+                                                             self.caches.mla_cache.data_ptr(),
+                                                             self.caches.index_cache.data_ptr())
+
+    def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
+        mode = mode or self.modes.get(size)
+        if (size, mode) not in self.graphs:
+            raise RuntimeError(f"no graph captured for batch {size} in mode {mode!r}: "
+                               f"captured {sorted(self.graphs)} (call capture() first)")
+        return self.graphs[(size, mode)]
+
+    def replay(self, size: int, mode: str | None = None) -> None:
+        """Replay a captured graph on the static buffers as they are (benchmarks)."""
+        self._check_pointers()
+        self.graph(size, mode).replay()
+
+    def _check_pointers(self) -> None:
+        if self._captured_pointers is None:
+            raise RuntimeError("step() before capture(): call capture() first, or step(..., eager=True)")
+        now = self.buffers.pointers() + (self.caches.mailbox.data_ptr(), self.caches.mla_cache.data_ptr(),
+                                         self.caches.index_cache.data_ptr())
+        if now != self._captured_pointers:
+            raise RuntimeError("the step's buffers were replaced after capture: the graphs still point at the old "
+                               "ones; capture() again")
+
+    # -- one serving step ----------------------------------------------------------------------
+
+    def load(self, inputs: StepInputs, peers: PeerInputs | None = None) -> int:
+        """Validate `inputs` and copy them into the static buffers, padded. Returns the size."""
+        batch = self._validate(inputs, peers)
+        size = self.padded(batch)
+        b = self.buffers
+        b.qkv[:batch] = inputs.qkv
+        b.qkv[batch:size] = 0
+        b.context_lens[:batch] = inputs.context_lens
+        b.context_lens[batch:size] = 1
+        b.slot_mapping[:batch] = inputs.slot_mapping
+        b.slot_mapping[batch:size] = -1
+        b.block_tables[:batch] = inputs.block_tables
+        b.block_tables[batch:size] = self.state.trash_page
+        if peers is not None:
+            b.peer_rows[:batch] = formats.encode_q_rows(peers.rows, self.shape.topology.q_format).view(batch, self.shape.gathered, -1)
+            b.peer_rows[batch:size] = 0  # pad rows count as published
+            b.peer_positions[:batch] = peers.positions
+            b.peer_positions[batch:size] = -1
+            b.peer_scores[:batch] = peers.scores
+            b.peer_scores[batch:size] = float("-inf")
+        return size
+
+    def step(self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False) -> ref.StepOutputs:
+        """Run one decode step; returns views of the outputs' real rows (valid until the next step)."""
+        if not eager:
+            self._check_pointers()
+        size = self.load(inputs, peers)
+        if eager:
+            self.run_stages(size, self.modes[size])
+        else:
+            self.graph(size).replay()
+        if self.shape.topology.dcp > 1:
+            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
+        batch, b = inputs.batch, self.buffers
+        q = formats.decode_q_rows(b.q_out[:batch], self.shape.topology.q_format)
+        return ref.StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
+
+    def _validate(self, inputs: StepInputs, peers: PeerInputs | None) -> int:
+        s, m = self.shape, self.shape.model
+        if not isinstance(inputs, StepInputs):
+            raise TypeError(f"step() takes StepInputs, got {type(inputs).__name__}")
+        batch = inputs.qkv.shape[0] if inputs.qkv.dim() == 2 else 0
+        expect = {
+            "qkv": (inputs.qkv, torch.bfloat16, (batch, m.packed_width)),
+            "context_lens": (inputs.context_lens, torch.int32, (batch,)),
+            "slot_mapping": (inputs.slot_mapping, torch.int32, (batch,)),
+            "block_tables": (inputs.block_tables, torch.int32, (batch, self.state.pages_per_seq)),
+        }
+        for name, (tensor, dtype, shape) in expect.items():
+            if tensor.dtype != dtype:
+                raise ValueError(f"inputs.{name} must be {dtype}, got {tensor.dtype}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"inputs.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+            if tensor.device != self.device:
+                raise ValueError(f"inputs.{name} must be on {self.device}, got {tensor.device}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"inputs.{name} must be contiguous")
+        if batch == 0:
+            raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
+        self.padded(batch)
+        low, high = torch.stack([inputs.context_lens.min(), inputs.context_lens.max()]).tolist()
+        if low < 1 or high > self.state.max_context:
+            raise ValueError(f"inputs.context_lens must be in [1, {self.state.max_context}], got [{low}, {high}]")
+        if s.topology.dcp > 1:
+            if peers is None:
+                raise ValueError("a DCP step needs peers=PeerInputs (what the other ranks contribute)")
+            if peers.rows.shape != (batch, s.gathered, m.query_row):
+                raise ValueError(f"peers.rows must have shape {[batch, s.gathered, m.query_row]}, got {list(peers.rows.shape)}")
+        return batch
+

@@ -1,0 +1,95 @@
+"""Graph-capturable torch versions of the stages the reference writes with data-dependent
+shapes: fixed shapes per captured batch, no host synchronization, and the padded rows'
+writes (slot -1) sent to the state's spare page instead of being masked out.
+
+They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS GEMMs, an fp32
+bmm over the dequantized FP8 indexer cache, torch.topk) and, until the CuTe DSL indexer
+and sparse core exist, the main-stream indexer and sparse core of the cute backend too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import formats, reference as ref
+from .state import LayerCaches, LayerState, StepInputs, local_lens
+
+
+def _write_slots(state: LayerState, slots: torch.Tensor) -> torch.Tensor:
+    """slot -1 -> a slot of the spare page (writes land where nothing reads)."""
+    trash = state.trash_page * state.shape.model.page_size
+    return torch.where(slots >= 0, slots, trash).long()
+
+
+def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
+    m = state.shape.model
+    keys, scales = ref.index_key(state, inputs)
+    slots = _write_slots(state, inputs.slot_mapping)
+    page, offset = torch.div(slots, m.page_size, rounding_mode="floor"), slots % m.page_size
+    cache_keys, cache_scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
+    cache_keys[page, offset] = keys
+    cache_scales[page, offset] = scales
+
+
+def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_fp8, head_w) -> torch.Tensor:
+    """DsaIndex over every local position a block table can hold: an fp32 bmm over the
+    dequantized cache (torch's bf16 bmm would round the dot products to bf16), -inf past
+    each length."""
+    m, topo = state.shape.model, state.shape.topology
+    width = state.pages_per_seq * m.page_size
+    keys, scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
+    tables = inputs.block_tables.long()
+    k = keys[tables].view(formats.FP8).float().flatten(1, 2)  # [B, width, dim]
+    k_scale = scales[tables].flatten(1)  # [B, width]
+    q = q_fp8.view(formats.FP8).float()  # [B, heads, dim]
+    dots = torch.relu(torch.bmm(q, k.transpose(1, 2)))  # [B, heads, width]
+    score = torch.bmm(head_w.unsqueeze(1), dots).squeeze(1) * k_scale
+    lens = local_lens(inputs.context_lens, topo.dcp, topo.rank)
+    return torch.where(torch.arange(width, device=score.device)[None] < lens[:, None], score, float("-inf"))
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk (ties in no defined order), -1 past the finite scores. int32 [B, k]."""
+    if scores.shape[1] < k:
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=float("-inf"))
+    values, indices = torch.topk(scores, k, dim=1)
+    return torch.where(torch.isfinite(values), indices, -1).to(torch.int32)
+
+
+def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor, peers=None) -> torch.Tensor:
+    """The main-stream indexer path -> this rank's slots int32 [B, topk]."""
+    m, topo = state.shape.model, state.shape.topology
+    index_key_insert(state, inputs, caches)
+    q_fp8, head_w = ref.index_query(state, inputs, q_c)
+    scores = index_scores(state, caches, inputs, q_fp8, head_w)
+    local = topk_indices(scores, m.index_topk)
+    if topo.dcp == 1:
+        return ref.to_slots(local, inputs.block_tables, m.page_size)
+    picked = scores.gather(1, local.clamp_min(0).long())
+    own = ref.Candidates(torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
+                         torch.where(local >= 0, picked, float("-inf")))
+    candidates = [own if rank == topo.rank else ref.Candidates(peers.positions[:, rank], peers.scores[:, rank])
+                  for rank in range(topo.dcp)]
+    merged = ref.dcp_merge(candidates, m.index_topk)
+    return ref.local_slots(merged, inputs.block_tables, m.page_size, topo.dcp, topo.rank)
+
+
+def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
+    m, topo = state.shape.model, state.shape.topology
+    rows = ref.kv_row(state, inputs)
+    flat = caches.mla_cache.view(-1, caches.mla_cache.shape[-1])
+    stored = rows.to(torch.bfloat16) if topo.mla_cache == "bf16" else formats.pack_mla_fp8(rows.float(), m.kv_lora_rank)
+    flat.index_copy_(0, _write_slots(state, inputs.slot_mapping), stored)
+
+
+def mla_query(state: LayerState, inputs: StepInputs, caches: LayerCaches, q_c: torch.Tensor) -> None:
+    """MlaQuery in torch: query rows published at this rank's head rows, KV insert."""
+    kv_insert(state, inputs, caches)
+    ref.publish(state, caches, ref.mla_query(state, inputs, q_c))
+
+
+def sparse_core(state: LayerState, caches: LayerCaches, slots: torch.Tensor, batch: int, out: torch.Tensor,
+                lse: torch.Tensor) -> None:
+    o, l = ref.sparse_attention(state, caches, ref.query_rows(state, caches, batch), slots)
+    out.copy_(o)
+    lse.copy_(l)

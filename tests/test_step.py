@@ -1,0 +1,125 @@
+"""DecodeStep on the CPU: construction, validation, padding, and the torch backend's
+eager step against the reference."""
+
+import pytest
+import torch
+
+from conftest import SMALL, rel_err
+from graphstep import formats, reference as ref
+from graphstep.shapes import RankShape, Topology
+from graphstep.step import DecodeStep
+
+
+def _step(topology=Topology(tp=4), sizes=(1, 4, 8), **kw):
+    return DecodeStep(RankShape(SMALL, topology), capture_sizes=sizes, backend="torch", device="cpu",
+                      max_context=200, **kw)
+
+
+def test_padding_picks_the_next_captured_size():
+    step = _step(sizes=(8, 1, 4, 4))
+    assert step.sizes == [1, 4, 8]
+    assert [step.padded(b) for b in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    with pytest.raises(ValueError, match=r"batch 9 exceeds the largest captured size 8 \(captured: \[1, 4, 8\]\)"):
+        step.padded(9)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        step.padded(0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(backend="triton"), "backend 'triton'"),
+    (dict(capture_sizes=()), "at least one"),
+    (dict(capture_sizes=(0, 4)), "capture size must be a positive int"),
+    (dict(policy="1:fork_poll", topology=Topology(tp=1, wide=True)), "'fork_poll'"),
+    (dict(policy="2:bogus"), "'2:bogus'"),
+    (dict(backend="cute"), "sm_90"),
+])
+def test_construction_errors(kwargs, message):
+    topology = kwargs.pop("topology", Topology(tp=4))
+    args = dict(capture_sizes=(1, 4), backend="torch", device="cpu", max_context=100)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        DecodeStep(RankShape(SMALL, topology), **args)
+
+
+def test_modes_follow_the_policy_table():
+    step = _step(policy="1:serial,8:fork_poll")
+    assert step.modes == {1: "serial", 4: "fork", 8: "fork_poll"}
+
+
+def test_step_before_capture_and_capture_on_cpu_fail_clearly():
+    step = _step()
+    inputs = step.state.inputs(2)
+    with pytest.raises(RuntimeError, match="before capture"):
+        step.step(inputs)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        step.capture()
+
+
+def test_bad_inputs_name_what_was_expected():
+    step = _step()
+    good = step.state.inputs(2)
+
+    def with_(**change):
+        fields = dict(qkv=good.qkv, context_lens=good.context_lens, slot_mapping=good.slot_mapping,
+                      block_tables=good.block_tables)
+        fields.update(change)
+        return type(good)(**fields)
+
+    cases = [
+        (with_(qkv=good.qkv.float()), "inputs.qkv must be torch.bfloat16"),
+        (with_(qkv=good.qkv[:, :100]), r"inputs.qkv must have shape \[2, 2248\], got \[2, 100\]"),
+        (with_(context_lens=good.context_lens.long()), "inputs.context_lens must be torch.int32"),
+        (with_(slot_mapping=good.slot_mapping[:1]), r"inputs.slot_mapping must have shape \[2\]"),
+        (with_(qkv=torch.empty(2, 4496, dtype=torch.bfloat16)[:, ::2]), "contiguous"),
+        (with_(context_lens=torch.tensor([0, 3], dtype=torch.int32)), r"\[1, 200\]"),
+        (with_(context_lens=torch.tensor([5, 201], dtype=torch.int32)), r"\[1, 200\]"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            step.step(inputs, eager=True)
+    big = step.state  # a batch above the largest size
+    with pytest.raises(ValueError, match="exceeds the largest captured size 8"):
+        DecodeStep(RankShape(SMALL, Topology(tp=4)), capture_sizes=(1, 8), backend="torch", device="cpu",
+                   max_context=200).step(_inputs_of(big, 9), eager=True)
+    with pytest.raises(TypeError, match="StepInputs"):
+        step.step({"qkv": good.qkv}, eager=True)
+
+
+def _inputs_of(state, batch):
+    qkv = torch.randn(batch, 2248).bfloat16()
+    lens = torch.full((batch,), 10, dtype=torch.int32)
+    tables = torch.zeros(batch, state.pages_per_seq, dtype=torch.int32)
+    return type(state.inputs(1))(qkv, lens, torch.zeros(batch, dtype=torch.int32), tables)
+
+
+@pytest.mark.parametrize("mode", ["serial", "fork"])
+def test_torch_backend_eager_step_equals_the_reference(mode):
+    step = _step(policy=mode)
+    inputs = step.state.inputs(3, seed=5)  # pads to 4
+    expect_caches = step.state.clone_caches()
+    expect = ref.reference_step(step.state, inputs, expect_caches)
+    got = step.step(inputs, eager=True)
+    assert torch.equal(got.q_c, expect.q_c)
+    assert torch.equal(got.slots, expect.slots)
+    # the padded batch runs Q_B as a [4, 1536] GEMM, whose blocking may round differently
+    assert rel_err(got.q_rows, expect.q_rows) < 4e-3
+    assert rel_err(got.out, expect.out) < 4e-3 and rel_err(got.lse, expect.lse) < 1e-3
+    # the caches took the same writes, and the pad row wrote only into the spare page
+    trash = step.state.trash_page
+    assert torch.equal(step.caches.mla_cache[:trash], expect_caches.mla_cache[:trash])
+    assert torch.equal(step.caches.index_cache[:trash], expect_caches.index_cache[:trash])
+    assert (step.caches.mailbox == formats.SENTINEL_BYTE).all(), "the step re-arms the mailbox"
+
+
+def test_torch_backend_dcp_step_equals_the_reference():
+    step = _step(Topology(tp=4, dcp=2, rank=1), sizes=(2, 4))
+    inputs = step.state.inputs(3, seed=6)
+    peers = step.state.peer_inputs(inputs, seed=7)
+    expect = ref.reference_step(step.state, inputs, step.state.clone_caches(), peers)
+    got = step.step(inputs, peers, eager=True)
+    assert torch.equal(got.slots, expect.slots)
+    assert torch.equal(got.q_rows[:, :4], expect.q_rows[:, :4])  # the peer's rows, copied
+    assert rel_err(got.q_rows, expect.q_rows) < 4e-3
+    assert rel_err(got.out, expect.out) < 4e-3
+    with pytest.raises(ValueError, match="peers"):
+        step.step(inputs, eager=True)
