@@ -12,6 +12,7 @@ bandwidth = (weights + activations moved) / time, against 4.3 TB/s.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
 import sys
@@ -136,19 +137,21 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             return body
 
         cost = next(c for c in stage_costs(shape, batch, 4096) if c.name == "mla_query")
-        t = {
-            "query_norm_pdl": graph_time_us(norm(copies.kernels), n),
-            "query_norm_nopdl": graph_time_us(norm(copies.kernels_nopdl), n),
-            "torch_rmsnorm": graph_time_us(torch_norm(), n),
-            "mla_query_pdl": graph_time_us(mla(copies.kernels), n),
-            "mla_query_nopdl": graph_time_us(mla(copies.kernels_nopdl), n),
-            "torch_mla_query": graph_time_us(torch_mla(), n),
-            "cublas_qb_uk": graph_time_us(cublas_qb_uk(), n),
+        bodies = {
+            "query_norm_pdl": norm(copies.kernels), "query_norm_nopdl": norm(copies.kernels_nopdl),
+            "torch_rmsnorm": torch_norm(), "mla_query_pdl": mla(copies.kernels),
+            "mla_query_nopdl": mla(copies.kernels_nopdl), "torch_mla_query": torch_mla(),
+            "cublas_qb_uk": cublas_qb_uk(),
         }
+        t = {}
+        for name, body in bodies.items():
+            print(f"  H={shape.heads} B={batch} {name} ...", file=sys.stderr, flush=True)
+            t[name] = graph_time_us(body, n)
         floor_us = cost.bytes / H200_COPY_BW * 1e6
         rows.append(dict(heads=shape.heads, batch=batch, floor_us=floor_us,
                          mla_bw_frac=cost.bytes / (t["mla_query_pdl"] * 1e-6) / H200_COPY_BW, **t))
-        print(f"  H={shape.heads} B={batch} done", file=sys.stderr)
+        print(f"  H={shape.heads} B={batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr,
+              flush=True)
     return rows
 
 
@@ -157,7 +160,10 @@ def main() -> int:
     parser.add_argument("--heads", default="16,128")
     parser.add_argument("--batch", default="1,4,16,64,128")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--watchdog", type=float, default=0, help="seconds before dumping stacks and exiting")
     args = parser.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):

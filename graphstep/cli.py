@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import os
 import sys
 import time
 
@@ -69,10 +71,41 @@ def cmd_info(args) -> int:
 
 def cmd_run(args) -> int:
     if sm90_device() and not args.cpu:
-        from .step import run_gpu
+        from .timing import run_gpu
 
         return run_gpu(args)
     return run_cpu(args)
+
+
+def _needs_gpu(command: str) -> None:
+    if not sm90_device():
+        raise SystemExit(f"graphstep {command}: needs an sm_90 GPU (H100/H200) for graph capture; none was found")
+
+
+def cmd_serve(args) -> int:
+    _needs_gpu("serve")
+    from .timing import serve
+
+    return serve(args)
+
+
+def cmd_bench(args) -> int:
+    _needs_gpu("bench")
+    from .timing import bench
+
+    return bench(args)
+
+
+def cmd_graph(args) -> int:
+    _needs_gpu("graph")
+    from .graphs import describe, inspect
+    from .step import DecodeStep
+
+    step = DecodeStep(rank_shape(args), capture_sizes=[args.batch_size], policy=args.mode, max_context=args.context)
+    step.capture(keep_graph=True)
+    print(f"batch {args.batch_size}, mode {step.modes[args.batch_size]}, backend {step.backend}")
+    print(describe(inspect(step.graph(args.batch_size))))
+    return 0
 
 
 def run_cpu(args) -> int:
@@ -142,7 +175,36 @@ def main(argv: list[str] | None = None) -> int:
     ptx.add_argument("--batch-size", type=int, default=None, help="compile for this batch only")
     ptx.set_defaults(func=cmd_ptx)
 
+    serve = sub.add_parser("serve", help="replay a trace of batch sizes as a serving loop and print p50/p99")
+    add_shape_args(serve)
+    serve.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 24, 32], help="captured sizes")
+    serve.add_argument("--context", type=int, default=32768)
+    serve.add_argument("--policy", default=None)
+    serve.add_argument("--steps", type=int, default=1000)
+    serve.add_argument("--trace", default=None, help="a file of batch sizes (default: a synthetic drifting trace)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="cute fork / serial / no-PDL vs the torch backend and the floor, per batch")
+    add_shape_args(bench)
+    bench.add_argument("--batch", type=batches, default=[1, 4, 16, 64])
+    bench.add_argument("--context", type=int, default=32768)
+    bench.add_argument("--replays", type=int, default=100)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
+    bench.set_defaults(func=cmd_bench)
+
+    graph = sub.add_parser("graph", help="capture one size and print the graph's nodes and edges")
+    add_shape_args(graph)
+    graph.add_argument("--batch-size", "--batch", dest="batch_size", type=int, default=4)
+    graph.add_argument("--mode", default="fork", help="serial, fork or fork_poll")
+    graph.add_argument("--context", type=int, default=4096)
+    graph.set_defaults(func=cmd_graph)
+
     args = parser.parse_args(argv)
+    watchdog = os.environ.get("GRAPHSTEP_WATCHDOG")
+    if watchdog:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
+        faulthandler.dump_traceback_later(float(watchdog), exit=True)
     try:
         return args.func(args)
     except ValueError as error:

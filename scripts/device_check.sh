@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install, run the GPU tests, then the benchmarks named as
-# arguments (default: the kernel benchmark). Logs and JSON go to $OUT (or ./out).
-#   source .device/bootstrap.sh && bash scripts/device_check.sh [bench ...]
+# One GPU-machine session: install, the GPU tests, then the commands a user runs, each
+# under a timeout and a stack-dumping watchdog. Logs go to $OUT (or ./out).
+#   source .device/bootstrap.sh && bash scripts/device_check.sh
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -9,10 +9,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/
   || { echo "pip install failed:"; tail -5 "$out/install.log"; exit 1; }
 python3 -c "import torch, cutlass, graphstep.kernels; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cutlass-dsl', cutlass.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
-for bench in "${@:-kernels}"; do
-  case "$bench" in
-    kernels) python3 bench/bench_kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/bench_kernels.log" ;;
-    *) eval "$bench" 2>&1 | tee -a "$out/bench_other.log" ;;
-  esac
-done
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 seconds=$2; shift 2
+  echo "=== $name"
+  GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-14}" "$out/$name.log"
+  echo "=== $name rc=$rc"
+}
+step gpu_tests 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x
+TAIL=12 step graph 60 graphstep graph --batch 4 --mode fork
+step bench 170 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
+step serve 60 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
+step nsys 45 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 8192
+step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65

@@ -4,19 +4,6 @@ import torch
 from graphstep.shapes import ModelShape, RankShape, Topology
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-
-
-def pytest_collection_modifyitems(config, items):
-    if _sm90():
-        return
-    skip = pytest.mark.skip(reason="needs an sm_90 CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 # A small layer with the real row formats (1536 q_a, 576 query rows, 132 B indexer
 # tokens) but few heads and a short top-k, so CPU tests run in seconds.
 SMALL = ModelShape(name="small", heads=16, index_heads=8, index_topk=64)

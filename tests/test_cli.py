@@ -31,3 +31,13 @@ def test_console_script_installed():
         pytest.skip("graphstep is not installed as a console script here")
     result = subprocess.run([str(exe), "info", "--batch", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "indexer floor" in result.stdout
+
+
+def test_gpu_commands_say_they_need_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for command in (["serve"], ["bench"], ["graph", "--batch", "4"]):
+        with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
+            main(command)

@@ -1,0 +1,199 @@
+"""Timing on the GPU: graph-replay latencies, `graphstep run`, `serve` and `bench`.
+
+Times are CUDA-event intervals around replays on the capturing device, after warm-up;
+reported numbers are medians (p50) and p99 over the replays.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import floor
+from .report import Progress, table
+from .shapes import RankShape
+from .step import DecodeStep
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def replay_us(step: DecodeStep, size: int, mode: str | None = None, replays: int = 100, warmup: int = 10) -> list[float]:
+    """Per-replay device times (us) of the graph of `size` in `mode`."""
+    graph = step.graph(size, mode)
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+def load_batch(step: DecodeStep, batch: int, context: int, seed: int = 0) -> None:
+    inputs = step.state.inputs(batch, context_lens=context, seed=seed)
+    peers = step.state.peer_inputs(inputs, seed=seed + 1) if step.shape.topology.dcp > 1 else None
+    step.load(inputs, peers)
+
+
+def run_gpu(args) -> int:
+    """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies."""
+    from .cli import rank_shape
+
+    shape = rank_shape(args)
+    print(f"graphstep run: {shape.model.name} {shape.topology.name}, context {args.context}, sizes {args.batch}, "
+          f"policy {args.policy or 'default'} ({torch.cuda.get_device_name()})", flush=True)
+    started = time.perf_counter()
+    step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
+    step.capture()
+    print(f"built and captured {len(step.graphs)} graphs in {time.perf_counter() - started:.1f} s", flush=True)
+    rows = []
+    for size in step.sizes:
+        load_batch(step, size, args.context, args.seed)
+        times = replay_us(step, size, replays=args.replays)
+        bound = floor.step_floor(shape, size, args.context)
+        p50 = statistics.median(times)
+        rows.append([size, step.modes[size], p50, percentile(times, 99), bound.us, p50 / bound.us])
+    print(table(["batch", "mode", "p50 us", "p99 us", "floor us", "p50/floor"], rows))
+    print("Indexer and sparse core run as torch ops in this build (their CuTe DSL kernels are not written yet).")
+    return 0
+
+
+def default_trace(max_batch: int, steps: int, seed: int = 0) -> list[int]:
+    """A serving-like trace: the batch drifts as requests arrive and finish."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, trace = max(1, max_batch // 2), []
+    for _ in range(steps):
+        batch = int(min(max_batch, max(1, batch + int(torch.randint(-3, 4, (), generator=gen)))))
+        trace.append(batch)
+    return trace
+
+
+def read_trace(path: str) -> list[int]:
+    text = Path(path).read_text().replace(",", " ").split()
+    try:
+        trace = [int(v) for v in text]
+    except ValueError:
+        raise ValueError(f"{path}: a trace is batch sizes separated by spaces, commas or newlines") from None
+    if not trace or min(trace) <= 0:
+        raise ValueError(f"{path}: a trace needs at least one positive batch size")
+    return trace
+
+
+def serve(args) -> int:
+    """Replay a trace of batch sizes as a serving loop would: load inputs, replay, sync."""
+    from .cli import rank_shape
+
+    shape = rank_shape(args)
+    trace = read_trace(args.trace) if args.trace else default_trace(max(args.batch), args.steps, args.seed)
+    if max(trace) > max(args.batch):
+        raise ValueError(f"the trace needs batch {max(trace)} but the largest captured size is {max(args.batch)}")
+    step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
+    step.capture()
+    pool = {b: step.state.inputs(b, context_lens=args.context, seed=b) for b in sorted(set(trace))}
+    peers = {b: step.state.peer_inputs(pool[b], seed=b) for b in pool} if shape.topology.dcp > 1 else {}
+    for b in pool:  # warm every size once
+        step.step(pool[b], peers.get(b))
+    torch.cuda.synchronize()
+    wall, device = [], []
+    tokens = 0
+    with Progress(args.steps, "serve") as progress:
+        for i in range(args.steps):
+            batch = trace[i % len(trace)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            step.step(pool[batch], peers.get(batch))
+            end.record()
+            end.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e6)
+            device.append(start.elapsed_time(end) * 1e3)
+            tokens += batch
+            progress.update()
+    total_s = sum(wall) / 1e6
+    print(table(["", "p50 us", "p99 us", "mean us"], [
+        ["step, device (copies + replay)", percentile(device, 50), percentile(device, 99), statistics.fmean(device)],
+        ["step, host wall (incl. sync)", percentile(wall, 50), percentile(wall, 99), statistics.fmean(wall)],
+    ]))
+    print(f"{args.steps} steps, {tokens} tokens, {tokens / total_s:,.0f} tokens/s (one layer's query stage)")
+    return 0
+
+
+def bench(args) -> int:
+    """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor."""
+    from .cli import rank_shape
+
+    shape = rank_shape(args)
+    sizes = args.batch
+    common = dict(capture_sizes=sizes, max_context=args.context, seed=args.seed)
+    steps = {
+        "cute": DecodeStep(shape, policy="fork", **common),
+        "cute_nopdl": DecodeStep(shape, policy="fork", pdl=False, **common),
+        "torch": DecodeStep(shape, policy="fork", backend="torch", **common),
+    }
+    steps["cute"].capture(modes=("serial",))
+    steps["cute_nopdl"].capture()
+    steps["torch"].capture()
+    rows, records = [], []
+    for size in sizes:
+        for step in steps.values():
+            load_batch(step, size, args.context, args.seed)
+        t = {
+            "cute_fork": statistics.median(replay_us(steps["cute"], size, "fork", args.replays)),
+            "cute_serial": statistics.median(replay_us(steps["cute"], size, "serial", args.replays)),
+            "cute_fork_nopdl": statistics.median(replay_us(steps["cute_nopdl"], size, "fork", args.replays)),
+            "torch_fork": statistics.median(replay_us(steps["torch"], size, "fork", args.replays)),
+        }
+        bound = floor.step_floor(shape, size, args.context)
+        record = dict(batch=size, context=args.context, floor_us=bound.us, indexer_floor_us=bound.indexer_us, **t)
+        records.append(record)
+        rows.append([size, t["cute_fork"], t["cute_serial"], t["cute_fork_nopdl"], t["torch_fork"], bound.us,
+                     t["cute_fork"] / bound.us, t["torch_fork"] / t["cute_fork"], t["cute_serial"] / t["cute_fork"],
+                     t["cute_fork_nopdl"] / t["cute_fork"]])
+        print(f"  batch {size} done", file=sys.stderr, flush=True)
+    headers = ["batch", "cute fork", "cute serial", "fork no-PDL", "torch", "floor", "fork/floor", "torch/fork",
+               "serial/fork", "no-PDL/fork"]
+    text = table(headers, rows, markdown=True)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=shape.model.name,
+                topology=shape.topology.name, context=args.context)
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records), indent=1))
+    (out / "bench.md").write_text(f"{meta}\n\ntimes in us (median of {args.replays} graph replays)\n\n{text}\n")
+    _plot(records, out / "bench.png", meta)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if (out / "bench.png").exists() else ""))
+    return 0
+
+
+def _plot(records: list[dict], path: Path, meta: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    batches = [r["batch"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in [("cute_fork", "cute fork"), ("cute_serial", "cute serial"), ("torch_fork", "torch"),
+                       ("floor_us", "bytes floor")]:
+        ax.plot(batches, [r[key] for r in records], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("step latency (us)")
+    ax.set_title(f"{meta['shape']} {meta['topology']}, context {meta['context']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

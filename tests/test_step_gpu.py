@@ -1,0 +1,165 @@
+"""DecodeStep on an sm_90 GPU: graphs against eager launches, fork against serial,
+padding, bad inputs, long replays, the graph's edges, and DCP polling."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from graphstep import formats, order, reference as ref
+from graphstep.graphs import inspect
+from graphstep.launch import MailboxTimeout
+from graphstep.shapes import RankShape, Topology, preset
+from graphstep.step import DecodeStep
+
+pytestmark = pytest.mark.gpu
+SIZES = (1, 4, 16)
+
+
+def _seed():
+    return int(torch.randint(0, 2**31, ()))
+
+
+@pytest.fixture(scope="module")
+def tp8():
+    step = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), capture_sizes=SIZES, policy="fork",
+                      max_context=2048, seed=_seed())
+    step.capture(modes=("serial",), keep_graph=True)
+    return step
+
+
+def _outputs(step):
+    b = step.buffers
+    return [t.clone() for t in (b.qc, b.slots, b.q_out, b.out, b.lse)]
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("mode", ["fork", "serial"])
+def test_replay_equals_eager_and_fork_equals_serial(tp8, size, mode):
+    inputs = tp8.state.inputs(size, seed=_seed())
+    tp8.load(inputs)
+    tp8.run_stages(size, mode)
+    torch.cuda.synchronize()
+    eager = _outputs(tp8)
+    tp8.replay(size, mode)
+    torch.cuda.synchronize()
+    assert _equal(_outputs(tp8), eager), "graph replay must equal eager launches bit for bit"
+    other = "serial" if mode == "fork" else "fork"
+    tp8.replay(size, other)
+    torch.cuda.synchronize()
+    assert _equal(_outputs(tp8), eager), "fork and serial must agree bit for bit"
+
+
+def test_step_matches_the_reference(tp8):
+    inputs = tp8.state.inputs(3, seed=_seed())
+    expect = ref.reference_step(tp8.state, inputs, tp8.state.clone_caches())
+    got = tp8.step(inputs)
+    torch.cuda.synchronize()
+    q_a = inputs.qkv[:, :1536].contiguous()
+    assert torch.equal(got.q_c, order.query_norm(
+        torch.nn.functional.pad(q_a, (0, 0, 0, 1)), tp8.state.weights.gamma_q, 1e-6, 16)[:3])
+    assert rel_err(got.q_rows, expect.q_rows) < 1e-2
+    overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got.slots, expect.slots))
+    assert overlap >= 0.98 * (expect.slots >= 0).sum()  # the same selection up to near-ties
+    assert rel_err(got.out, expect.out) < 2e-2
+
+
+def test_padding_leaves_caches_untouched_outside_real_slots(tp8):
+    inputs = tp8.state.inputs(3, seed=_seed())  # pads to 4
+    before_mla = tp8.caches.mla_cache.clone()
+    before_index = tp8.caches.index_cache.clone()
+    tp8.step(inputs)
+    torch.cuda.synchronize()
+    trash = tp8.state.trash_page
+    real = set(inputs.slot_mapping.tolist())
+    rows = (tp8.caches.mla_cache != before_mla).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+    assert set(r for r in rows if r // 64 != trash) == real
+    pages = (tp8.caches.index_cache != before_index).any(-1).nonzero().flatten().tolist()
+    assert set(pages) - {trash} == {s // 64 for s in real}
+
+
+def test_bad_inputs_raise(tp8):
+    inputs = tp8.state.inputs(2, seed=_seed())
+    with pytest.raises(ValueError, match="must be on cuda"):
+        tp8.step(type(inputs)(inputs.qkv.cpu(), inputs.context_lens, inputs.slot_mapping, inputs.block_tables))
+    big = tp8.state.inputs(16, seed=1)
+    too_big = type(big)(*(torch.cat([t, t[:1]]) for t in (big.qkv, big.context_lens, big.slot_mapping,
+                                                           big.block_tables)))
+    with pytest.raises(ValueError, match="batch 17 exceeds the largest captured size 16"):
+        tp8.step(too_big)
+    with pytest.raises(RuntimeError, match="no graph captured for batch 4 in mode 'fork_poll'"):
+        tp8.replay(4, "fork_poll")
+    saved = tp8.buffers.qc
+    tp8.buffers.qc = saved.clone()
+    try:
+        with pytest.raises(RuntimeError, match="replaced after capture"):
+            tp8.step(inputs)
+    finally:
+        tp8.buffers.qc = saved
+
+
+def test_ten_thousand_replays_are_identical_and_allocate_nothing(tp8):
+    inputs = tp8.state.inputs(4, seed=_seed())
+    tp8.load(inputs)
+    tp8.replay(4)
+    torch.cuda.synchronize()
+    first = _outputs(tp8)
+    allocated = torch.cuda.memory_allocated()
+    for _ in range(10_000):
+        tp8.replay(4)
+    torch.cuda.synchronize()
+    assert _equal(_outputs(tp8), first)
+    assert torch.cuda.memory_allocated() == allocated
+
+
+def test_graph_edges_show_pdl_fork_and_join(tp8):
+    fork = inspect(tp8.graph(4, "fork"))
+    serial = inspect(tp8.graph(4, "serial"))
+    for info in (fork, serial):
+        names = [n.name for n in info.kernels()]
+        assert sum("project" in n for n in names) == 1 and sum("absorb" in n for n in names) == 1
+        project = info.kernels("project")[0].index
+        absorb = info.kernels("absorb")[0].index
+        edges = {(e.src, e.dst): e for e in info.edges}
+        assert edges[(project, absorb)].type == 1, "project -> absorb is a programmatic edge"
+        assert any(e.dst == project and e.type == 1 for e in info.edges), "norm -> project is programmatic"
+    # MlaQuery's two edges are PDL in both modes; fork adds the side stream's fork and join
+    assert len(fork.programmatic) >= 2 and len(serial.programmatic) >= 2
+    assert (len(fork.roots) >= 2 or fork.forks) and fork.joins
+    assert not serial.forks and not serial.joins and len(serial.roots) == 1
+
+
+@pytest.fixture(scope="module")
+def dcp2():
+    step = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2, rank=1)), capture_sizes=(2, 8),
+                      policy="fork", max_context=2048, seed=_seed(), budget_ns=20_000_000)
+    step.capture(modes=("serial", "fork_poll"))
+    return step
+
+
+def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
+    inputs = dcp2.state.inputs(7, seed=_seed())
+    peers = dcp2.state.peer_inputs(inputs, seed=_seed())
+    results = {}
+    for mode in ("fork", "serial", "fork_poll"):
+        dcp2.load(inputs, peers)
+        dcp2.replay(8, mode)
+        torch.cuda.synchronize()
+        dcp2.error.check(dcp2.shape.gathered, dcp2.shape.mailbox_row_chunks)
+        results[mode] = _outputs(dcp2)
+    assert _equal(results["fork"], results["serial"]) and _equal(results["fork"], results["fork_poll"])
+    expect = formats.encode_q_rows(peers.rows[:, :16], "bf16").view(7, 16, -1)
+    assert torch.equal(dcp2.buffers.q_out[:7, :16], expect)
+    # a peer row that never lands: the step raises, names it, and the next step works
+    dcp2.load(inputs, peers)
+    dcp2.buffers.peer_rows[2, 5, 16 * 9: 16 * 10] = formats.SENTINEL_BYTE
+    dcp2.replay(8, "fork")
+    with pytest.raises(MailboxTimeout) as lost:
+        torch.cuda.synchronize()
+        dcp2.error.check(dcp2.shape.gathered, dcp2.shape.mailbox_row_chunks)
+    assert (lost.value.token, lost.value.row, lost.value.chunk) == (2, 5, 9)
+    out = dcp2.step(inputs, peers)
+    assert torch.isfinite(out.out).all()
