@@ -66,8 +66,13 @@ def index_query(state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=to
     quantization; per-head weights with DeepSeek-V3.2's folding:
     w = weights_proj * heads^-0.5 * q_scale * dim^-0.5.
     Returns (uint8 [B, heads, dim], fp32 [B, heads])."""
+    return index_query_from(state, inputs, q_c.to(acc) @ state.weights.wq_b_index.to(acc).T, acc)
+
+
+def index_query_from(state: LayerState, inputs: StepInputs, q: torch.Tensor, acc=torch.float32):
+    """index_query after the wq_b projection q [B, heads x dim]."""
     w, m = state.weights, state.shape.model
-    q = (q_c.to(acc) @ w.wq_b_index.to(acc).T).view(-1, m.index_heads, m.index_dim)
+    q = q.to(acc).view(-1, m.index_heads, m.index_dim)
     pos = inputs.positions
     cos, sin = w.index_rope_cos[pos].to(acc)[:, None], w.index_rope_sin[pos].to(acc)[:, None]
     q = torch.cat([formats.rope_neox(q[..., : m.index_rope_dim], cos, sin), q[..., m.index_rope_dim:]], dim=-1)
@@ -183,9 +188,14 @@ def mla_query(state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=torc
     m = s.model
     q = (q_c.to(acc) @ w.w_qb.to(acc).T).view(-1, s.heads, m.qk_head_dim)
     latent = torch.einsum("bhd,hdc->bhc", q[..., : m.qk_nope_dim], w.w_uk.to(acc))
-    pos = inputs.positions
-    rope = formats.rope_interleaved(q[..., m.qk_nope_dim:], w.rope_cos[pos].to(acc)[:, None], w.rope_sin[pos].to(acc)[:, None])
-    return torch.cat([latent, rope], dim=-1)
+    return query_rows_from(state, inputs, latent, q[..., m.qk_nope_dim:], acc)
+
+
+def query_rows_from(state: LayerState, inputs: StepInputs, latent: torch.Tensor, q_rope: torch.Tensor, acc=torch.float32):
+    """[latent | interleaved-RoPE(q_rope)] -> query rows [B, heads, 576] in acc."""
+    w, pos = state.weights, inputs.positions
+    rope = formats.rope_interleaved(q_rope.to(acc), w.rope_cos[pos].to(acc)[:, None], w.rope_sin[pos].to(acc)[:, None])
+    return torch.cat([latent.to(acc), rope], dim=-1)
 
 
 def kv_row(state: LayerState, inputs: StepInputs, acc=torch.float32) -> torch.Tensor:

@@ -2,14 +2,15 @@
 shapes: fixed shapes per captured batch, no host synchronization, and the padded rows'
 writes (slot -1) sent to the state's spare page instead of being masked out.
 
-They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS GEMMs, an fp32
-bmm over the dequantized FP8 indexer cache, torch.topk) and, until the CuTe DSL indexer
+They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS bf16 GEMMs, an
+fp32 bmm over the dequantized FP8 indexer cache, torch.topk) and, until the CuTe DSL indexer
 and sparse core exist, the main-stream indexer and sparse core of the cute backend too.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import formats, reference as ref
 from .state import LayerCaches, LayerState, StepInputs, local_lens
@@ -57,10 +58,11 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor, peers=None) -> torch.Tensor:
-    """The main-stream indexer path -> this rank's slots int32 [B, topk]."""
+    """The main-stream indexer path -> this rank's slots int32 [B, topk]. wq_b is a cuBLAS
+    bf16 GEMM (fp32 accumulation, bf16 output), as a serving engine runs it."""
     m, topo = state.shape.model, state.shape.topology
     index_key_insert(state, inputs, caches)
-    q_fp8, head_w = ref.index_query(state, inputs, q_c)
+    q_fp8, head_w = ref.index_query_from(state, inputs, F.linear(q_c, state.weights.wq_b_index))
     scores = index_scores(state, caches, inputs, q_fp8, head_w)
     local = topk_indices(scores, m.index_topk)
     if topo.dcp == 1:
@@ -83,9 +85,13 @@ def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> Non
 
 
 def mla_query(state: LayerState, inputs: StepInputs, caches: LayerCaches, q_c: torch.Tensor) -> None:
-    """MlaQuery in torch: query rows published at this rank's head rows, KV insert."""
+    """MlaQuery in torch: Q_B as a cuBLAS bf16 GEMM, W_UK as a bf16 bmm, RoPE; the query
+    rows published at this rank's head rows; the KV insert."""
+    s, w = state.shape, state.weights
     kv_insert(state, inputs, caches)
-    ref.publish(state, caches, ref.mla_query(state, inputs, q_c))
+    q = F.linear(q_c, w.w_qb).view(-1, s.heads, s.model.qk_head_dim)
+    latent = torch.bmm(q[..., : s.model.qk_nope_dim].transpose(0, 1), w.w_uk).transpose(0, 1)
+    ref.publish(state, caches, ref.query_rows_from(state, inputs, latent, q[..., s.model.qk_nope_dim:]))
 
 
 def sparse_core(state: LayerState, caches: LayerCaches, slots: torch.Tensor, batch: int, out: torch.Tensor,

@@ -17,9 +17,10 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "$out/$name.log"
   echo "=== $name rc=$rc"
 }
-step gpu_tests 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x
-TAIL=12 step graph 60 graphstep graph --batch 4 --mode fork
-step bench 170 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
-step serve 60 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
-step nsys 45 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 8192
-step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
+step gpu_tests 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
+step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
+step bench 140 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
+step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
+step nsys 30 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 8192
+step kernels 60 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 55

@@ -63,7 +63,7 @@ def test_step_matches_the_reference(tp8):
         torch.nn.functional.pad(q_a, (0, 0, 0, 1)), tp8.state.weights.gamma_q, 1e-6, 16)[:3])
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got.slots, expect.slots))
-    assert overlap >= 0.98 * (expect.slots >= 0).sum()  # the same selection up to near-ties
+    assert overlap >= 0.95 * (expect.slots >= 0).sum()  # the same selection up to near-ties
     assert rel_err(got.out, expect.out) < 2e-2
 
 
