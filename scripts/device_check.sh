@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install, the GPU tests, then the commands a user runs, each
-# under a timeout and a stack-dumping watchdog. Logs go to $OUT (or ./out).
+# under a timeout and a stack-dumping watchdog. Logs go to $OUT/all.log (or ./out).
 #   source .device/bootstrap.sh && bash scripts/device_check.sh
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/install.log" 2>&1 \
-  || { echo "pip install failed:"; tail -5 "$out/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/install.log 2>&1 \
+  || { echo "pip install failed:"; tail -5 /tmp/install.log; exit 1; }
 python3 -c "import torch, cutlass, graphstep.kernels; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cutlass-dsl', cutlass.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 seconds=$2; shift 2
   echo "=== $name"
-  GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" "$@" >"$out/$name.log" 2>&1
+  GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" "$@" >"/tmp/$name.log" 2>&1
   local rc=$?
-  tail -n "${TAIL:-14}" "$out/$name.log"
+  { echo "=== $name: $*"; cat "/tmp/$name.log"; echo "=== $name rc=$rc"; } >>"$out/all.log"
+  tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
 step gpu_tests 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider
@@ -22,5 +23,5 @@ TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
 step bench 140 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
 step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
-step nsys 30 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 8192
+step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 --steps 3 --context 8192
 step kernels 60 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 55
