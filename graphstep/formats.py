@@ -90,13 +90,10 @@ def encode_q_rows(rows: torch.Tensor, q_format: str) -> torch.Tensor:
     """Float query rows -> their storage (bf16, or e4m3 saturated to +-448), as uint8 bytes.
     NaNs become the canonical NaN the GPU conversions produce (bf16 0x7FFF, e4m3 0x7F),
     so, as on the GPU, no encoded word can equal the sentinel word."""
-    nan = torch.isnan(rows)
+    nan = torch.isnan(rows)  # (masked_fill with a Python scalar stays capturable in a CUDA graph)
     if q_format == "bf16":
-        bits = rows.to(torch.bfloat16).view(torch.int16)
-        bits = torch.where(nan, torch.tensor(0x7FFF, dtype=torch.int16, device=rows.device), bits)
-        return bits.view(torch.uint8)
-    values = rows.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-    return torch.where(nan, torch.tensor(0x7F, dtype=torch.uint8, device=rows.device), values)
+        return rows.to(torch.bfloat16).view(torch.int16).masked_fill(nan, 0x7FFF).view(torch.uint8)
+    return rows.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8).masked_fill(nan, 0x7F)
 
 
 def decode_q_rows(data: torch.Tensor, q_format: str) -> torch.Tensor:

@@ -28,8 +28,15 @@ class Variant:
     args: tuple  # placeholder arguments for compilation
 
 
+def _config(op) -> tuple:
+    """An op's compile-time configuration by value (ops it holds, like MlaQuery's QueryNorm,
+    by their own configuration, not their identity)."""
+    return (type(op).__name__,) + tuple(
+        (name, _config(value) if hasattr(value, "__dict__") else value) for name, value in sorted(vars(op).items()))
+
+
 def _key(op, arch) -> tuple:
-    return (type(op).__name__, arch, tuple(sorted(vars(op).items())))
+    return (_config(op), arch)
 
 
 def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):

@@ -18,10 +18,16 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-step gpu_tests 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider
-TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
-step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
-step bench 140 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
-step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
-step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 --steps 3 --context 8192
-step kernels 60 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 55
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels)
+  only=" $* "
+else
+  only=" gpu_tests graph run bench serve nsys kernels "
+fi
+want() { [[ "$only" == *" $1 "* ]]; }
+want gpu_tests && step gpu_tests 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
+want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
+want bench && step bench 150 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
+want serve && step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
+want nsys && step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 --steps 3 --context 8192
+want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65

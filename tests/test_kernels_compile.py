@@ -105,3 +105,15 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["mla_query_rows.sm_90a.ptx", "query_norm_rows.sm_90a.ptx"]
     assert "2 kernel variants" in capsys.readouterr().out
+
+
+def test_compile_cache_is_keyed_by_configuration_not_identity():
+    from graphstep.kernels import mla_query
+
+    def op():
+        return mla_query.MlaQuery(16, 0, 16, 16, 2304, True, False, False, False)
+
+    first = catalog.compile_op(op(), mla_query.compile_args(), "sm_90a")
+    assert catalog.compile_op(op(), mla_query.compile_args(), "sm_90a") is first
+    other = mla_query.MlaQuery(16, 0, 16, 16, 2304, False, False, False, False)
+    assert catalog._key(other, "sm_90a") != catalog._key(op(), "sm_90a")
