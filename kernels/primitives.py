@@ -1,6 +1,7 @@
-"""Device primitives shared by every kernel: 16-byte global and shared accesses, bf16 /
-e4m3 packing, exact-order FP32 arithmetic, the warp butterfly, the q_a norm's rsqrt,
-bounded mailbox polling, warp MMA, and the PDL launch helper.
+"""Device primitives shared by every kernel: 16-byte global accesses and the L2 bulk
+prefetch, bf16 / e4m3 packing, exact-order FP32 arithmetic, the warp butterfly, the q_a
+norm's rsqrt, bounded mailbox polling and the warp MMA. Each kernel class launches
+itself with `use_pdl=self.pdl` (PDL on unless a benchmark turns it off).
 
 FP32 arithmetic that a torch model must reproduce bit-for-bit goes through explicit
 `.rn` PTX instructions (`add_rn`, `mul_rn`, `fma_rn`): ptxas never contracts or
@@ -19,27 +20,35 @@ BUTTERFLY = (16, 8, 4, 2, 1)  # graphstep/order.py models this order
 NORM_COLUMNS = 1536
 SENTINEL_WORD = 0xFFFFFFFF  # graphstep/formats.py: no published word can be this
 
-_u32x4 = [Uint32] * 4
+# -- global memory ------------------------------------------------------------
 
+def _load_v4(ptr, qualifiers: str, dtype):
+    kind = "b32" if dtype is Uint32 else "f32"
+    return cute.arch.inline_ptx(f"ld.{qualifiers}.v4.{kind} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, [{{$r0}}];",
+                                write_only_types=[dtype] * 4, read_only_args=[ptr])
 
-# -- global and shared memory ------------------------------------------------------------
 
 def load_u32x4(ptr) -> tuple:
     """16-byte global load of data an earlier kernel may have written (after the wait)."""
-    return cute.arch.inline_ptx("ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=_u32x4, read_only_args=[ptr])
+    return _load_v4(ptr, "global", Uint32)
 
 
 def load_u32x4_nc(ptr) -> tuple:
     """16-byte read-only (non-coherent) global load: weights, never written by the step."""
-    return cute.arch.inline_ptx("ld.global.nc.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=_u32x4, read_only_args=[ptr])
+    return _load_v4(ptr, "global.nc", Uint32)
 
 
 def load_u32x4_volatile(ptr) -> tuple:
     """16-byte volatile global load: every poll goes to memory, never a cached copy."""
-    return cute.arch.inline_ptx("ld.volatile.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=_u32x4, read_only_args=[ptr])
+    return _load_v4(ptr, "volatile.global", Uint32)
+
+
+def load_f32x4(ptr) -> tuple:
+    return _load_v4(ptr, "global", Float32)
+
+
+def load_f32x4_nc(ptr) -> tuple:
+    return _load_v4(ptr, "global.nc", Float32)
 
 
 def store_u32x4(ptr, words):
@@ -56,16 +65,6 @@ def store_f32(ptr, value):
     cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
-def load_f32x4(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[ptr])
-
-
-def load_f32x4_nc(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.global.nc.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[ptr])
-
-
 def store_f32x2(ptr, a, b):
     cute.arch.inline_ptx("st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
 
@@ -80,10 +79,6 @@ def prefetch_l2(ptr, size: int):
     cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {size};", read_only_args=[ptr])
 
 
-def load_f32(ptr) -> Float32:
-    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
-
-
 def load_f32_nc(ptr) -> Float32:
     return cute.arch.inline_ptx("ld.global.nc.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
 
@@ -94,25 +89,6 @@ def load_u32(ptr) -> Uint32:
 
 def load_i32(ptr) -> Int32:
     return cute.arch.inline_ptx("ld.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
-
-
-def lds_u32x4(address) -> tuple:
-    """16-byte shared load (a shared-memory pointer lowers to a 32-bit shared address)."""
-    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=_u32x4, read_only_args=[address])
-
-
-def sts_u32x4(address, words):
-    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                         read_only_args=[address, words[0], words[1], words[2], words[3]])
-
-
-def lds_f32(address) -> Float32:
-    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address])
-
-
-def sts_f32(address, value):
-    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, value])
 
 
 # -- packing ---------------------------------------------------------------------------------
@@ -185,12 +161,6 @@ def warp_sum(value) -> Float32:
     """Butterfly sum: every lane ends with the same total, in BUTTERFLY order."""
     for offset in range(len(BUTTERFLY)):
         value = add_rn(value, cute.arch.shuffle_sync_bfly(value, offset=BUTTERFLY[offset]))
-    return value
-
-
-def warp_max(value) -> Float32:
-    for offset in range(len(BUTTERFLY)):
-        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=BUTTERFLY[offset]))
     return value
 
 
