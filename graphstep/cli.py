@@ -96,6 +96,13 @@ def cmd_bench(args) -> int:
     return bench(args)
 
 
+def cmd_tune(args) -> int:
+    _needs_gpu("tune")
+    from .timing import tune
+
+    return tune(args)
+
+
 def cmd_graph(args) -> int:
     _needs_gpu("graph")
     from .graphs import describe, inspect
@@ -193,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser("tune", help="time every overlap mode per captured size and print the policy table")
+    add_shape_args(tune)
+    tune.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 32, 64])
+    tune.add_argument("--context", type=int, default=32768)
+    tune.add_argument("--replays", type=int, default=50)
+    tune.add_argument("--seed", type=int, default=0)
+    tune.set_defaults(func=cmd_tune)
 
     graph = sub.add_parser("graph", help="capture one size and print the graph's nodes and edges")
     add_shape_args(graph)

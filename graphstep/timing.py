@@ -175,6 +175,28 @@ def bench(args) -> int:
     return 0
 
 
+def tune(args) -> int:
+    """Time every allowed mode per captured size and print the policy table to use."""
+    from .cli import rank_shape
+    from .policy import MODES, WIDE_MODES
+
+    shape = rank_shape(args)
+    topo = shape.topology
+    modes = WIDE_MODES if topo.wide else MODES if topo.dcp > 1 else ("serial", "fork")  # fork_poll == fork without DCP
+    step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context, seed=args.seed)
+    step.capture(modes=tuple(modes))
+    rows, picks = [], []
+    for size in step.sizes:
+        load_batch(step, size, args.context, args.seed)
+        times = {mode: statistics.median(replay_us(step, size, mode, args.replays)) for mode in modes}
+        best = min(times, key=times.get)
+        picks.append(f"{size}:{best}")
+        rows.append([size] + [times[mode] for mode in modes] + [best])
+    print(table(["batch"] + [f"{mode} us" for mode in modes] + ["fastest"], rows))
+    print(f"policy for {topo.name}: {','.join(picks)}")
+    return 0
+
+
 def _plot(records: list[dict], path: Path, meta: dict) -> None:
     try:
         import matplotlib

@@ -38,6 +38,6 @@ def test_gpu_commands_say_they_need_a_gpu(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    for command in (["serve"], ["bench"], ["graph", "--batch", "4"]):
+    for command in (["serve"], ["bench"], ["tune"], ["graph", "--batch", "4"]):
         with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
             main(command)
