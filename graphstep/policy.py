@@ -18,7 +18,8 @@ TOPOLOGIES = ("tp1", "tp", "dcp", "dcp_split")
 
 # Per-topology default tables ("rows:mode,..." or one mode). They start as fork
 # everywhere; `graphstep tune` measures every mode and prints the table to put here
-# (not yet done: with the indexer still in torch, fork and serial are within 1%).
+# (not yet: with the indexer still in torch, serial and fork differ by 1-2%, one run
+# each on the H200, bench/RESULTS.md; too close to call a policy from).
 QUERY_OVERLAP: dict[str, str] = {topology: "fork" for topology in TOPOLOGIES}
 
 
