@@ -134,7 +134,7 @@ class DecodeStep:
         s, b, caches = self.shape, self.buffers, self.caches
         dcp = s.topology.dcp > 1
         inputs = self._views(size)
-        peers = PeerInputs(None, b.peer_positions[:size], b.peer_scores[:size]) if dcp else None
+        candidates = (b.peer_positions[:size], b.peer_scores[:size]) if dcp else None
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if dcp:  # the peers' publishes into this rank's mailbox (remote writes on real DCP)
             own = slice(s.topology.rank * s.heads, (s.topology.rank + 1) * s.heads)
@@ -142,13 +142,13 @@ class DecodeStep:
             caches.mailbox[:size, own.stop: s.gathered] = b.peer_rows[:size, own.stop:]
         if mode == "serial":
             self._mla_query(inputs, size, store_qc=True, poll=dcp)
-            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], peers)
+            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
         else:
             side = side_stream(self.device.index) if main is not None else None
             if side is not None:
                 side.wait_stream(main)
             self._query_norm(inputs, size)
-            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], peers)
+            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 self._mla_query(inputs, size, store_qc=False, poll=dcp and mode == "fork_poll")
                 if dcp and mode == "fork":

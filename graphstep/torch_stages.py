@@ -57,9 +57,11 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.isfinite(values), indices, -1).to(torch.int32)
 
 
-def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor, peers=None) -> torch.Tensor:
+def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor,
+            peer_candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The main-stream indexer path -> this rank's slots int32 [B, topk]. wq_b is a cuBLAS
-    bf16 GEMM (fp32 accumulation, bf16 output), as a serving engine runs it."""
+    bf16 GEMM (fp32 accumulation, bf16 output), as a serving engine runs it. Under DCP,
+    peer_candidates = (positions, scores) [B, dcp, topk] of every rank (this rank's ignored)."""
     m, topo = state.shape.model, state.shape.topology
     index_key_insert(state, inputs, caches)
     q_fp8, head_w = ref.index_query_from(state, inputs, F.linear(q_c, state.weights.wq_b_index))
@@ -70,7 +72,8 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
     picked = scores.gather(1, local.clamp_min(0).long())
     own = ref.Candidates(torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
                          torch.where(local >= 0, picked, float("-inf")))
-    candidates = [own if rank == topo.rank else ref.Candidates(peers.positions[:, rank], peers.scores[:, rank])
+    positions, scores_of = peer_candidates
+    candidates = [own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank])
                   for rank in range(topo.dcp)]
     merged = ref.dcp_merge(candidates, m.index_topk)
     return ref.local_slots(merged, inputs.block_tables, m.page_size, topo.dcp, topo.rank)
