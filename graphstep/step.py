@@ -241,9 +241,10 @@ class DecodeStep:
 
     # -- one serving step ----------------------------------------------------------------------
 
-    def load(self, inputs: StepInputs, peers: PeerInputs | None = None) -> int:
-        """Validate `inputs` and copy them into the static buffers, padded. Returns the size."""
-        batch = self._validate(inputs, peers)
+    def load(self, inputs: StepInputs, peers: PeerInputs | None = None, check_values: bool = True) -> int:
+        """Validate `inputs` and copy them into the static buffers, padded. Returns the size.
+        check_values: also check the context lengths' range (one device-to-host sync)."""
+        batch = self._validate(inputs, peers, check_values)
         size = self.padded(batch)
         b = self.buffers
         b.qkv[:batch] = inputs.qkv
@@ -263,11 +264,17 @@ class DecodeStep:
             b.peer_scores[batch:size] = float("-inf")
         return size
 
-    def step(self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False) -> ref.StepOutputs:
-        """Run one decode step; returns views of the outputs' real rows (valid until the next step)."""
+    def step(self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False,
+             check_values: bool = True) -> ref.StepOutputs:
+        """Run one decode step; returns views of the outputs' real rows (valid until the next step).
+
+        Shapes, dtypes and devices are always checked (no synchronization); check_values
+        also checks the context lengths, which costs one device-to-host sync: a serving
+        loop that guarantees them can turn it off. Under DCP the step always synchronizes
+        to read QueryWait's error word."""
         if not eager:
             self._check_pointers()
-        size = self.load(inputs, peers)
+        size = self.load(inputs, peers, check_values)
         if eager:
             self.run_stages(size, self.modes[size])
         else:
@@ -278,7 +285,7 @@ class DecodeStep:
         q = formats.decode_q_rows(b.q_out[:batch], self.shape.topology.q_format)
         return ref.StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
 
-    def _validate(self, inputs: StepInputs, peers: PeerInputs | None) -> int:
+    def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
         s, m = self.shape, self.shape.model
         if not isinstance(inputs, StepInputs):
             raise TypeError(f"step() takes StepInputs, got {type(inputs).__name__}")
@@ -301,9 +308,10 @@ class DecodeStep:
         if batch == 0:
             raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
         self.padded(batch)
-        low, high = torch.stack([inputs.context_lens.min(), inputs.context_lens.max()]).tolist()
-        if low < 1 or high > self.state.max_context:
-            raise ValueError(f"inputs.context_lens must be in [1, {self.state.max_context}], got [{low}, {high}]")
+        if check_values:
+            low, high = torch.stack([inputs.context_lens.min(), inputs.context_lens.max()]).tolist()
+            if low < 1 or high > self.state.max_context:
+                raise ValueError(f"inputs.context_lens must be in [1, {self.state.max_context}], got [{low}, {high}]")
         if s.topology.dcp > 1:
             if peers is None:
                 raise ValueError("a DCP step needs peers=PeerInputs (what the other ranks contribute)")
