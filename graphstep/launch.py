@@ -108,6 +108,19 @@ class Kernels:
         s = self.shape
         return catalog.compile_op(query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args())
 
+    def _index_query_op(self):
+        from .kernels import catalog, index_query
+
+        m = self.shape.model
+        op = index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], self.pdl)
+        return catalog.compile_op(op, index_query.compile_args())
+
+    def _dsa_index_op(self):
+        from .kernels import catalog, dsa_index
+
+        topo = self.shape.topology
+        return catalog.compile_op(dsa_index.DsaIndex(topo.dcp, topo.rank, self.pdl), dsa_index.compile_args())
+
     def warm(self, polls=(False, True)) -> None:
         """Compile every variant this rank can launch (no launches)."""
         for tiled in (False, True):
@@ -150,3 +163,22 @@ class Kernels:
         op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
 
 
+
+    # -- the indexer (compiled and PTX-checked; not yet run on a GPU nor used by DecodeStep) --
+
+    def index_query(self, qc, qkv, context_lens, workspace, q_out, w_out, batch: int) -> None:
+        """wq_b + RoPE + e4m3 quantization: q_out uint8 [B, 64, 128], w_out fp32 [B, 64];
+        workspace fp32 [>= batch, 8192]."""
+        from cutlass import Int32
+
+        w = self.weights
+        self._index_query_op()(ptr(qc), ptr(w.wq_b_index), ptr(qkv), ptr(w.index_rope_cos), ptr(w.index_rope_sin),
+                               ptr(context_lens, 4), ptr(workspace), ptr(q_out), ptr(w_out), Int32(batch),
+                               current_stream())
+
+    def dsa_index(self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int) -> None:
+        """scores fp32 [>= batch, pages_per_seq x 64]: every local position scored or -inf."""
+        from cutlass import Int32
+
+        self._dsa_index_op()(ptr(q), ptr(head_w), ptr(index_cache), ptr(block_tables, 4), ptr(context_lens, 4),
+                             ptr(scores, 4), Int32(batch), Int32(block_tables.shape[1]), current_stream())

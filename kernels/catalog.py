@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from . import mla_query, query_norm, query_wait
+from . import dsa_index, index_query, mla_query, query_norm, query_wait
 
 _CACHE: dict[tuple, object] = {}
 
@@ -68,6 +68,9 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
             op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
                                     m.packed_width, tiled, poll, q_fp8, mla_fp8, pdl)
             out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
+    out.append(Variant("index_query", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], pdl),
+                       index_query.compile_args()))
+    out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     if topo.dcp > 1:
         out.append(Variant("query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
                            query_wait.compile_args()))
@@ -80,6 +83,7 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]
     from graphstep.shapes import tiled_from
 
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
+    # (the indexer kernels do not depend on the batch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -79,6 +79,15 @@ def prefetch_l2(ptr, size: int):
     cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {size};", read_only_args=[ptr])
 
 
+def load_f32(ptr) -> Float32:
+    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
+
+
+def load_f32x2(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.global.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32] * 2,
+                                read_only_args=[ptr])
+
+
 def load_f32_nc(ptr) -> Float32:
     return cute.arch.inline_ptx("ld.global.nc.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
 
@@ -135,6 +144,11 @@ def pack_words(values, fp8: bool) -> list:
 
 # -- exact-order arithmetic ------------------------------------------------------------------
 
+def select(cond, a, b) -> Float32:
+    """a where cond else b, without a branch (lanes of one warp may disagree)."""
+    return Float32(cutlass.select_(cond, a, b))
+
+
 def add_rn(a, b) -> Float32:
     return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
@@ -161,6 +175,12 @@ def warp_sum(value) -> Float32:
     """Butterfly sum: every lane ends with the same total, in BUTTERFLY order."""
     for offset in range(len(BUTTERFLY)):
         value = add_rn(value, cute.arch.shuffle_sync_bfly(value, offset=BUTTERFLY[offset]))
+    return value
+
+
+def warp_max(value) -> Float32:
+    for offset in BUTTERFLY:
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
     return value
 
 
@@ -255,6 +275,16 @@ def mma_bf16_16816(a, b, c) -> list:
     """mma.sync m16n8k16 bf16 -> fp32: a 4 words, b 2 words, c 4 fp32 (accumulated)."""
     out = cute.arch.inline_ptx(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
+    return list(out)
+
+
+def mma_e4m3_16832(a, b, c) -> list:
+    """mma.sync m16n8k32 e4m3 x e4m3 -> fp32: a 4 words, b 2 words (4 e4m3 each), c 4 fp32."""
+    out = cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4,
         read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])

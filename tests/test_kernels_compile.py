@@ -36,7 +36,8 @@ def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
-    assert len(ptx) == 4 + 7
+    assert {"index_query", "dsa_index"} <= names
+    assert len(ptx) == 6 + 9
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -56,7 +57,7 @@ def test_wide_global_accesses_and_no_local_memory(ptx):
     for (shape, name), text in ptx.items():
         assert re.search(r"ld\.(volatile\.)?global(\.nc)?\.v4\.", text), (shape, name)
         assert ".local" not in text, (shape, name)
-        if not name.startswith("query_wait"):
+        if name.startswith(("query_norm", "mla_query")):  # whole 16-byte chunks of q_c and query rows
             assert "st.global.v4.b32" in text, (shape, name)
 
 
@@ -103,8 +104,9 @@ def test_polling_is_volatile_and_bounded(ptx):
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["mla_query_rows.sm_90a.ptx", "query_norm_rows.sm_90a.ptx"]
-    assert "2 kernel variants" in capsys.readouterr().out
+    assert files == ["dsa_index.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
+                     "query_norm_rows.sm_90a.ptx"]
+    assert "4 kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():
@@ -117,3 +119,12 @@ def test_compile_cache_is_keyed_by_configuration_not_identity():
     assert catalog.compile_op(op(), mla_query.compile_args(), "sm_90a") is first
     other = mla_query.MlaQuery(16, 0, 16, 16, 2304, False, False, False, False)
     assert catalog._key(other, "sm_90a") != catalog._key(op(), "sm_90a")
+
+
+def test_indexer_kernels_use_the_tensor_cores(ptx):
+    scorer = ptx[("tp8", "dsa_index")]
+    assert scorer.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 4 * 8 * 4  # pages x heads/8 x k
+    assert "ld.global.v4.b32" in scorer
+    wq_b = ptx[("tp8", "index_query")]
+    assert wq_b.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 48
+    assert "cvt.rn.satfinite.e4m3x2.f32" in wq_b and "cp.async.bulk.prefetch.L2.global" in wq_b

@@ -1,0 +1,60 @@
+"""The indexer kernels (IndexQuery, DsaIndex) on an sm_90 GPU against the reference.
+Written in session 1 after its last GPU run: not yet run (see the kernels' docstrings)."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from graphstep import formats, reference as ref
+from graphstep.launch import Kernels
+from graphstep.shapes import RankShape, Topology, preset
+from graphstep.state import LayerState, local_lens
+
+pytestmark = pytest.mark.gpu
+LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 4096]
+
+
+def _state(topology, max_batch=len(LENGTHS)):
+    seed = int(torch.randint(0, 2**31, ()))
+    return LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=max_batch, max_context=4096,
+                      seed=seed, device="cuda")
+
+
+def test_index_query_matches_the_reference():
+    state = _state(Topology(tp=8), max_batch=37)
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(37)
+    q_c = ref.query_norm(state, inputs)
+    q_out = torch.full((37, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+    w_out = torch.full((37, 64), float("nan"), device="cuda")
+    workspace = torch.empty(37, 8192, device="cuda")
+    kernels.index_query(q_c, inputs.qkv, inputs.context_lens, workspace, q_out, w_out, 37)
+    torch.cuda.synchronize()
+    expect_q, expect_w = ref.index_query(state, inputs, q_c)
+    got = formats.fp8_to_float(q_out)
+    assert torch.isfinite(got).all() and torch.isfinite(w_out).all()
+    # fp32 GEMMs in another order may flip an e4m3 rounding here and there
+    assert (q_out == expect_q).float().mean() > 0.97
+    assert rel_err(got, formats.fp8_to_float(expect_q)) < 0.02
+    assert rel_err(w_out, expect_w) < 1e-3
+
+
+@pytest.mark.parametrize("dcp, rank", [(1, 0), (2, 1)])
+def test_dsa_index_scores_every_position_and_nothing_past_the_length(dcp, rank):
+    state = _state(Topology(tp=8, dcp=dcp, rank=rank))
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(len(LENGTHS), context_lens=LENGTHS)
+    q_fp8, head_w = ref.index_query(state, inputs, ref.query_norm(state, inputs))
+    width = state.pages_per_seq * 64
+    scores = torch.full((len(LENGTHS), width), float("nan"), device="cuda")
+    kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores,
+                      len(LENGTHS))
+    torch.cuda.synchronize()
+    expect = ref.index_scores(state, state.caches, inputs, q_fp8, head_w)
+    lens = local_lens(inputs.context_lens, dcp, rank)
+    assert not torch.isnan(scores).any(), "every position up to the table's width is written"
+    for b, n in enumerate(lens.tolist()):
+        assert torch.isneginf(scores[b, n:]).all()
+        assert rel_err(scores[b, :n], expect[b, :n]) < 1e-5
+    top = ref.topk_indices(scores, 2048)
+    assert ((top >= 0).sum(1) == lens.clamp(max=2048)).all()
