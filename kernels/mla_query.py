@@ -4,9 +4,10 @@ norm     QueryNorm's own kernel (the variant of this batch) writing q_c where Ml
          reads it: the indexer's q_c buffer in serial mode (store_qc), a private one
          otherwise. Being the same kernel, its q_c is bit-identical to QueryNorm's.
 project  (grid: H x 12 m-tiles of 16 Q_B rows, x batch-tile groups; 128 threads)
-         Q_B for its 16 rows through kernels/projection.py (weights in registers, every
-         batch tile on the tensor cores, a fixed-order reduction) into raw q
-         [B, H, 192] fp32 in a workspace. Its first CTAs also do
+         holds its 16 rows of Q_B in registers, each warp a quarter of K, and for each
+         batch tile of 16 rows runs Q_B on the tensor cores (mma.sync m16n8k16, weights
+         as A so the batch is the narrow N side), reduces the four K quarters in a fixed
+         order and writes raw q [B, H, 192] fp32 to a workspace. Its first CTAs also do
          the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE k_pe 64,
          bf16 or the fp8 656-byte row; slot -1 writes nothing).
 absorb   (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
@@ -19,6 +20,10 @@ absorb   (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in re
 
 project and absorb bulk-prefetch their weight slices into L2 before griddepcontrol_wait,
 so the weight stream starts while the kernel before them drains.
+
+project's Q_B loop is the same core as kernels/projection.py (which IndexQuery uses); it
+stays written out here, as run and tested on the H200, until a GPU run validates MlaQuery
+on the shared core.
 """
 
 from __future__ import annotations
@@ -29,14 +34,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from . import primitives as P
-from . import projection
 from .query_norm import QueryNorm
 
-THREADS = projection.THREADS
-BATCH_TILE = projection.BATCH_TILE
+THREADS = 128
+BATCH_TILE = 16
 QB_TILES = 12  # 192 Q_B rows per head / 16
 LATENT_SLICES = 8  # 512 latent / 64
-K = projection.K
+K = 1536
 TARGET_CTAS = 528  # ~4 per SM of an H100/H200: batch tiles split over more CTAs up to this
 
 
@@ -84,23 +88,54 @@ class MlaQuery:
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         smem = cutlass.memory.SmemAllocator()
-        partial = projection.partial_buffer(smem)
+        partial = smem.allocate_tensor(Float32, cute.make_layout(4 * 16 * BATCH_TILE), byte_alignment=16)
         weights = w_qb + mtile * 16 * K
         if tid == 0:
             P.prefetch_l2(weights, 16 * K * 2)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        # The CTA's 16 Q_B rows stay in registers for all of its batch tiles: the weights
-        # are read once per CTA row whatever the batch.
-        lo, hi = projection.load_rows(weights, warp, g, t)
+
+        # This warp's quarter of K of the CTA's 16 Q_B rows stays in registers for all of
+        # its batch tiles: the weights are read once per CTA row whatever the batch.
+        chunks = K // 4 // 32
+        lo, hi = [], []
+        for c in cutlass.range_constexpr(chunks):
+            k = warp * (K // 4) + 32 * c + 8 * t
+            lo.append(P.load_u32x4_nc(weights + g * K + k))
+            hi.append(P.load_u32x4_nc(weights + (g + 8) * K + k))
 
         if group == 0:  # the KV insert, one warp per new token, spread over the CTA row
             for row in range(mtile * 4 + warp, batch, ctas * 4):
                 self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
 
-        head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
-        projection.project_tiles(lo, hi, qc, workspace + head * 192 + d0, self.heads * 192, partial, batch, group,
-                                 groups, tid, warp, g, t)
+        for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
+            # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight
+            # and q_c words split the same way (k 8t..8t+3, then 8t+4..8t+7) over two MMAs.
+            # Tokens past the batch repeat the last one; their columns are discarded.
+            acc = [[Float32(0)] * 4 for _ in range(2)]
+            for c in cutlass.range_constexpr(chunks):
+                k = warp * (K // 4) + 32 * c + 8 * t
+                for nt in cutlass.range_constexpr(2):
+                    b = P.load_u32x4(qc + cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1) * K + k)
+                    acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
+                    acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
+            for nt in cutlass.range_constexpr(2):
+                col = nt * 8 + 2 * t
+                for q in cutlass.range_constexpr(4):
+                    partial[(warp * 16 + g + 8 * (q // 2)) * BATCH_TILE + col + q % 2] = acc[nt][q]
+            cute.arch.sync_threads()
+
+            # Fixed-order reduction over the four K quarters; thread -> (token, two rows).
+            token, pair = tid % BATCH_TILE, tid // BATCH_TILE
+            sums = [Float32(0), Float32(0)]
+            for w in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(2):
+                    sums[j] = P.add_rn(sums[j], partial[(w * 16 + 2 * pair + j) * BATCH_TILE + token])
+            row = tile * BATCH_TILE + token
+            if row < batch:
+                head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
+                P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
+            cute.arch.sync_threads()  # the next tile reuses `partial`
 
     @cute.jit
     def kv_insert(self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps):

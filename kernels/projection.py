@@ -1,5 +1,6 @@
-"""The decode-batch projection core shared by MlaQuery's Q_B and the indexer's wq_b:
-out[b, n] = q_c[b, :] . W[n, :] for a CTA's 16 weight rows, K = 1536, 128 threads.
+"""The decode-batch projection core of the indexer's wq_b (IndexQuery), the same loop as
+MlaQuery.project's Q_B, which keeps its own H200-tested copy until a GPU run validates it on
+this one: out[b, n] = q_c[b, :] . W[n, :] for a CTA's 16 weight rows, K = 1536, 128 threads.
 
 Each warp holds its quarter of K of the 16 rows in registers (load_rows, issued right
 after griddepcontrol_wait) and, for every batch tile of 16 tokens, runs mma.sync
