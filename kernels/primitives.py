@@ -271,24 +271,25 @@ def poll_mailbox(mailbox: cute.Pointer, error: cute.Pointer, first: Int32, threa
 
 # -- warp MMA -----------------------------------------------------------------------------
 
-def mma_bf16_16816(a, b, c) -> list:
-    """mma.sync m16n8k16 bf16 -> fp32: a 4 words, b 2 words, c 4 fp32 (accumulated)."""
+def _mma(shape_and_types: str, a, b, c) -> list:
+    """One warp MMA with fp32 accumulators: a 4 words, b 2 words, c 4 fp32 (accumulated).
+    Fragment layouts are the PTX ISA's for .row.col (g = lane / 4, t = lane % 4)."""
     out = cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        f"mma.sync.aligned.{shape_and_types} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4,
         read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
     return list(out)
+
+
+def mma_bf16_16816(a, b, c) -> list:
+    """m16n8k16, bf16 pairs in each word."""
+    return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
 def mma_e4m3_16832(a, b, c) -> list:
-    """mma.sync m16n8k32 e4m3 x e4m3 -> fp32: a 4 words, b 2 words (4 e4m3 each), c 4 fp32."""
-    out = cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
-        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4,
-        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
-    return list(out)
+    """m16n8k32, four e4m3 in each word."""
+    return _mma("m16n8k32.row.col.f32.e4m3.e4m3.f32", a, b, c)
 
 
 # -- host side ----------------------------------------------------------------------------
