@@ -1,0 +1,41 @@
+"""The CPU-side parts of the timing commands: traces and percentiles, and the nsys
+script's message when Nsight Systems is missing."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from graphstep.timing import default_trace, percentile, read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_percentiles():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 51.0 and percentile(values, 99) == 99.0 and percentile(values, 0) == 1.0
+
+
+def test_default_trace_drifts_within_the_captured_sizes():
+    trace = default_trace(16, 500, seed=3)
+    assert len(trace) == 500 and min(trace) >= 1 and max(trace) <= 16
+    assert len(set(trace)) > 5 and trace == default_trace(16, 500, seed=3)
+
+
+def test_read_trace(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text("1, 4\n16 2\n")
+    assert read_trace(str(good)) == [1, 4, 16, 2]
+    for text, message in (("1, x", "batch sizes separated"), ("", "at least one"), ("3 0", "at least one positive")):
+        bad = tmp_path / "bad.txt"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_trace(str(bad))
+
+
+def test_nsys_script_says_when_nsys_is_missing():
+    env = dict(os.environ, PATH="/usr/bin:/bin", NSYS="")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "nsys_capture.sh"), "/tmp/never"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "nsys" in result.stderr and "not found" in result.stderr
