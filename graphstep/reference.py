@@ -262,7 +262,7 @@ def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, sl
 class StepOutputs:
     q_c: torch.Tensor  # bf16 [B, 1536]
     slots: torch.Tensor  # int32 [B, topk]
-    q_rows: torch.Tensor  # fp32 [B, gathered, 576] as stored (rounded to q format)
+    q_rows: torch.Tensor  # [B, gathered, 576] as stored: fp32 here, DecodeStep's bf16 / e4m3 view
     out: torch.Tensor  # fp32 [B, gathered, 512]
     lse: torch.Tensor  # fp32 [B, gathered]
 
