@@ -121,6 +121,13 @@ class Kernels:
         topo = self.shape.topology
         return catalog.compile_op(dsa_index.DsaIndex(topo.dcp, topo.rank, self.pdl), dsa_index.compile_args())
 
+    def _top_k_op(self):
+        from .kernels import catalog, top_k
+
+        topo = self.shape.topology
+        op = top_k.TopK(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
+        return catalog.compile_op(op, top_k.compile_args())
+
     def warm(self, polls=(False, True)) -> None:
         """Compile every variant this rank can launch (no launches)."""
         for tiled in (False, True):
@@ -164,7 +171,7 @@ class Kernels:
 
 
 
-    # -- the indexer (compiled and PTX-checked; not yet run on a GPU nor used by DecodeStep) --
+    # -- the indexer --
 
     def index_query(self, qc, qkv, context_lens, workspace, q_out, w_out, batch: int) -> None:
         """wq_b + RoPE + e4m3 quantization: q_out uint8 [B, 64, 128], w_out fp32 [B, 64];
@@ -182,3 +189,13 @@ class Kernels:
 
         self._dsa_index_op()(ptr(q), ptr(head_w), ptr(index_cache), ptr(block_tables, 4), ptr(context_lens, 4),
                              ptr(scores, 4), Int32(batch), Int32(block_tables.shape[1]), current_stream())
+
+    def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int) -> None:
+        """The index_topk best of each row of DsaIndex's scores, in ascending position:
+        out int32 [>= batch, topk] cache slots, or under DCP this rank's candidates (global
+        positions in out, their scores in out_scores fp32 [>= batch, topk]; unused
+        otherwise, pass any fp32 CUDA tensor)."""
+        from cutlass import Int32
+
+        self._top_k_op()(ptr(scores), ptr(block_tables, 4), ptr(context_lens, 4), ptr(out, 4), ptr(out_scores, 4),
+                         Int32(batch), Int32(block_tables.shape[1]), current_stream())

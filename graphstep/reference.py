@@ -100,15 +100,17 @@ def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_f
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Per row, the indices of the k highest finite scores: highest first, equal scores
-    lower index first, -1 padded past the row's finite count. int32 [B, k]."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    if order.shape[-1] < k:
-        order = torch.nn.functional.pad(order, (0, k - order.shape[-1]), value=0)
-    order = order[:, :k]
+    """Per row, the indices of the k highest finite scores (equal scores: the lower index
+    is chosen first), in ascending index order, -1 padded past the row's finite count.
+    int32 [B, k]. The order is a contract, not a ranking: the sparse core does not depend
+    on it, and a select-then-compact kernel (kernels/top_k.py) produces it with no sort."""
+    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     finite = torch.isfinite(scores).sum(-1, keepdim=True)
+    if by_score.shape[-1] < k:
+        by_score = torch.nn.functional.pad(by_score, (0, k - by_score.shape[-1]), value=0)
     keep = torch.arange(k, device=scores.device)[None, :] < finite
-    return torch.where(keep, order, -1).to(torch.int32)
+    chosen = torch.sort(torch.where(keep, by_score, torch.iinfo(torch.int64).max), dim=-1).values
+    return torch.where(keep, chosen, -1).to(torch.int32)
 
 
 def to_slots(indices: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -136,8 +138,8 @@ def local_candidates(scores: torch.Tensor, k: int, dcp: int, rank: int) -> Candi
 
 
 def dcp_merge(candidates: list[Candidates], k: int) -> torch.Tensor:
-    """Merge every rank's candidates into the global top-k positions: highest score first,
-    equal scores lower global position first, -1 padded. int32 [B, k]."""
+    """Merge every rank's candidates into the global top-k positions (equal scores: the
+    lower global position first), in ascending position order, -1 padded. int32 [B, k]."""
     positions = torch.cat([c.positions for c in candidates], dim=1).long()
     scores = torch.cat([c.scores for c in candidates], dim=1)
     # Order by position first so the stable score sort breaks ties by position.

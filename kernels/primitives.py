@@ -61,6 +61,10 @@ def store_u32(ptr, word):
     cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[ptr, word])
 
 
+def store_i32(ptr, value):
+    cute.arch.inline_ptx("st.global.s32 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
 def store_f32(ptr, value):
     cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
@@ -149,6 +153,10 @@ def select(cond, a, b) -> Float32:
     return Float32(cutlass.select_(cond, a, b))
 
 
+def select_i32(cond, a, b) -> Int32:
+    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
 def add_rn(a, b) -> Float32:
     return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
@@ -182,6 +190,27 @@ def warp_max(value) -> Float32:
     for offset in BUTTERFLY:
         value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
     return value
+
+
+@cute.jit
+def block_exclusive_sum(value, scratch, lane, warp, warps: int) -> Int32:
+    """The sum of `value` over the CTA's lower threads (Int32; every thread calls it).
+    scratch: shared Int32 [>= warps]; free again when this returns."""
+    inclusive = value
+    for offset in (1, 2, 4, 8, 16):
+        below = cute.arch.shuffle_sync_up(inclusive, offset=offset)
+        inclusive = inclusive + select_i32(lane >= offset, below, 0)
+    if lane == 31:
+        scratch[warp] = inclusive
+    cute.arch.sync_threads()
+    total = select_i32(lane < warps, scratch[cutlass.min(lane, warps - 1)], 0)
+    warp_inclusive = total
+    for offset in (1, 2, 4, 8, 16):
+        below = cute.arch.shuffle_sync_up(warp_inclusive, offset=offset)
+        warp_inclusive = warp_inclusive + select_i32(lane >= offset, below, 0)
+    warps_before = cute.arch.shuffle_sync(warp_inclusive - total, offset=warp)
+    cute.arch.sync_threads()
+    return warps_before + inclusive - value
 
 
 def query_norm_rsqrt(total, eps) -> Float32:

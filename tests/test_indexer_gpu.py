@@ -1,5 +1,4 @@
-"""The indexer kernels (IndexQuery, DsaIndex) on an sm_90 GPU against the reference.
-Written in session 1 after its last GPU run: not yet run (see the kernels' docstrings)."""
+"""The indexer kernels (IndexQuery, DsaIndex, TopK) on an sm_90 GPU against the reference."""
 
 import pytest
 import torch
@@ -58,3 +57,58 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(dcp, rank):
         assert rel_err(scores[b, :n], expect[b, :n]) < 1e-5
     top = ref.topk_indices(scores, 2048)
     assert ((top >= 0).sum(1) == lens.clamp(max=2048)).all()
+
+
+TOPK_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768]
+
+
+def _masked(scores: torch.Tensor, dcp: int = 1, rank: int = 0) -> torch.Tensor:
+    """-inf past each TOPK_LENGTHS token's local length, as DsaIndex writes them."""
+    local = local_lens(torch.tensor(TOPK_LENGTHS, device="cuda"), dcp, rank)
+    return scores.masked_fill(torch.arange(scores.shape[1], device="cuda")[None] >= local[:, None], float("-inf"))
+
+
+def _run_top_k(scores: torch.Tensor, dcp: int = 1, rank: int = 0):
+    """TopK of `rank` over scores [8, local width] with a fresh state's shuffled block
+    tables; outputs poisoned first. -> (tables, out, out_scores)."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
+                       max_batch=len(TOPK_LENGTHS), max_context=32768, seed=7 + rank, device="cuda")
+    tables = state.caches.block_tables
+    assert scores.shape[1] == tables.shape[1] * 64
+    out = torch.full((len(TOPK_LENGTHS), 2048), -7, dtype=torch.int32, device="cuda")
+    out_scores = torch.full((len(TOPK_LENGTHS), 2048), float("nan"), device="cuda")
+    lens = torch.tensor(TOPK_LENGTHS, dtype=torch.int32, device="cuda")
+    Kernels(state.shape, state.weights).top_k(scores, tables, lens, out, out_scores, len(TOPK_LENGTHS))
+    torch.cuda.synchronize()
+    return tables, out, out_scores
+
+
+SCORES = {
+    "continuous": lambda: torch.randn(8, 32768, device="cuda") * torch.rand(8, 1, device="cuda") * 100,
+    "many-ties": lambda: torch.randint(-3, 4, (8, 32768), device="cuda").float(),
+    "all-equal": lambda: torch.ones(8, 32768, device="cuda"),
+}
+
+
+@pytest.mark.parametrize("kind", SCORES)
+def test_top_k_equals_the_reference_exactly(kind):
+    scores = _masked(SCORES[kind]())
+    tables, out, _ = _run_top_k(scores)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+    assert ((out >= 0).sum(1).cpu() == torch.tensor(TOPK_LENGTHS).clamp(max=2048)).all()
+    if kind == "all-equal":  # ties go to the lower index: the first 2048 positions
+        first = torch.arange(2048, dtype=torch.int32, device="cuda").expand(8, -1)
+        assert torch.equal(out[-1], ref.to_slots(first, tables, 64)[-1])
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_top_k_dcp_candidates_merge_to_the_single_rank_top_k(dcp):
+    full = _masked(torch.randn(8, 32768, device="cuda").round(decimals=2))  # some ties across ranks
+    candidates = []
+    for rank in range(dcp):
+        local = full[:, rank::dcp].contiguous()
+        _, out, out_scores = _run_top_k(local, dcp, rank)
+        expect = ref.local_candidates(local, 2048, dcp, rank)
+        assert torch.equal(out, expect.positions) and torch.equal(out_scores, expect.scores)
+        candidates.append(ref.Candidates(out, out_scores))
+    assert torch.equal(ref.dcp_merge(candidates, 2048), ref.topk_indices(full, 2048))

@@ -36,8 +36,8 @@ def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
-    assert {"index_query", "dsa_index"} <= names
-    assert len(ptx) == 6 + 9
+    assert {"index_query", "dsa_index", "top_k"} <= names
+    assert len(ptx) == 7 + 10
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -105,8 +105,8 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["dsa_index.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
-                     "query_norm_rows.sm_90a.ptx"]
-    assert "4 kernel variants" in capsys.readouterr().out
+                     "query_norm_rows.sm_90a.ptx", "top_k.sm_90a.ptx"]
+    assert "5 kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():
@@ -128,3 +128,13 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
     wq_b = ptx[("tp8", "index_query")]
     assert wq_b.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 48
     assert "cvt.rn.satfinite.e4m3x2.f32" in wq_b and "cp.async.bulk.prefetch.L2.global" in wq_b
+
+
+def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
+    for shape in SHAPES:
+        text = ptx[(shape, "top_k")]
+        assert "match.any.sync.b32" in text  # the warp-aggregated first histogram
+        assert "atom.shared.add" in text and "bar.sync" in text
+        assert "shfl.sync.up.b32" in text  # the block scans
+    # DCP: candidates carry their scores for the merge; a single rank writes slots only
+    assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")

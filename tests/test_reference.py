@@ -116,10 +116,12 @@ def test_index_key_is_inserted_and_quantized(state):
         assert math.isclose(float(scales[slot // 64, slot % 64]), float(got.abs().max()) / 448, rel_tol=0.07)
 
 
-def test_topk_order_ties_and_padding():
-    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf")]])
-    assert ref.topk_indices(scores, 4).tolist() == [[1, 2, 4, 3]]
-    assert ref.topk_indices(scores, 8).tolist() == [[1, 2, 4, 3, 0, -1, -1, -1]]
+def test_topk_set_ties_order_and_padding():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf")], [3.0, 1.0, 3.0, 2.0, 0.0, 3.0]])
+    # the three 3.0s tie for two places: the lower indices win; output in index order
+    assert ref.topk_indices(scores, 2).tolist() == [[1, 2], [0, 2]]
+    assert ref.topk_indices(scores, 4).tolist() == [[1, 2, 3, 4], [0, 2, 3, 5]]
+    assert ref.topk_indices(scores, 8).tolist() == [[0, 1, 2, 3, 4, -1, -1, -1], [0, 1, 2, 3, 4, 5, -1, -1]]
 
 
 def test_topk_on_a_short_row_pads():
