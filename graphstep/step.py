@@ -9,10 +9,11 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
   fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
              side:          MlaQuery -> QueryWait (DCP) ------/
   fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
-Backends: "cute" runs QueryNorm, MlaQuery and QueryWait as CuTe DSL kernels chained with
-PDL; the indexer (wq_b, scoring, top-k) and the sparse core are still the capturable torch
-versions (graphstep.torch_stages) in both backends: their CuTe DSL kernels are not written
-yet. "torch" runs every stage in torch (the plain-torch baseline).
+Backends: "cute" runs QueryNorm, MlaQuery, QueryWait and the indexer's wq_b (IndexQuery),
+scoring (DsaIndex) and top-k (TopK) as CuTe DSL kernels chained with PDL; the indexer key
+insert, the DCP candidate merge and the sparse core are still the capturable torch versions
+(graphstep.torch_stages): their CuTe DSL kernels are not written yet. "torch" runs every
+stage in torch (the plain-torch baseline).
 
 Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
 writes go to the state's spare page) and context length 1. A batch above the largest
@@ -50,6 +51,12 @@ class Buffers:
     qc: torch.Tensor  # the indexer's q_c
     qc_private: torch.Tensor  # MlaQuery's own q_c when it runs off the main stream
     workspace: torch.Tensor  # MlaQuery's raw q [B, heads, 192] fp32
+    index_workspace: torch.Tensor  # IndexQuery's raw q [B, 64 x 128] fp32
+    index_q: torch.Tensor  # the indexer's e4m3 queries [B, 64, 128] (uint8)
+    index_w: torch.Tensor  # its folded head weights [B, 64] fp32
+    scores: torch.Tensor  # DsaIndex's scores [B, local positions a block table holds] fp32
+    own_positions: torch.Tensor  # DCP: this rank's top-k candidates, global positions [B, topk]
+    own_scores: torch.Tensor  # and their scores
     slots: torch.Tensor  # the indexer's selection [B, topk]
     q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
     out: torch.Tensor  # sparse core [B, gathered, 512] fp32
@@ -100,6 +107,12 @@ class DecodeStep:
             qc=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             qc_private=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             workspace=torch.zeros(rows, s.heads, m.qk_head_dim, device=dev),
+            index_workspace=torch.zeros(rows, m.index_heads * m.index_dim, device=dev),
+            index_q=torch.zeros(rows, m.index_heads, m.index_dim, dtype=torch.uint8, device=dev),
+            index_w=torch.zeros(rows, m.index_heads, device=dev),
+            scores=torch.zeros(rows, self.state.pages_per_seq * m.page_size, device=dev),
+            own_positions=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
+            own_scores=torch.full((rows, k), float("-inf"), device=dev),
             slots=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
             q_out=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
             out=torch.zeros(rows, s.gathered, m.kv_lora_rank, device=dev),
@@ -141,14 +154,16 @@ class DecodeStep:
             caches.mailbox[:size, : own.start] = b.peer_rows[:size, : own.start]
             caches.mailbox[:size, own.stop: s.gathered] = b.peer_rows[:size, own.stop:]
         if mode == "serial":
+            self._index_key_insert(inputs)
             self._mla_query(inputs, size, store_qc=True, poll=dcp)
-            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
+            self._indexer(inputs, size, candidates)
         else:
             side = side_stream(self.device.index) if main is not None else None
             if side is not None:
                 side.wait_stream(main)
+            self._index_key_insert(inputs)
             self._query_norm(inputs, size)
-            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
+            self._indexer(inputs, size, candidates)
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 self._mla_query(inputs, size, store_qc=False, poll=dcp and mode == "fork_poll")
                 if dcp and mode == "fork":
@@ -158,6 +173,29 @@ class DecodeStep:
         torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
         b.q_out[:size] = caches.mailbox[:size, : s.gathered]
         formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
+
+    def _index_key_insert(self, inputs: StepInputs) -> None:
+        """The new tokens' indexer keys (torch in both backends; no CuTe DSL kernel yet). It
+        needs only the inputs, so it runs first and the CuTe DSL kernels after it chain
+        through PDL: QueryNorm -> IndexQuery -> DsaIndex -> TopK."""
+        if self.kernels is not None:
+            torch_stages.index_key_insert(self.state, inputs, self.caches)
+
+    def _indexer(self, inputs: StepInputs, size: int, candidates) -> None:
+        """wq_b, scoring and top-k of the main stream -> buffers.slots."""
+        b, caches, topo = self.buffers, self.caches, self.shape.topology
+        if self.kernels is None:  # torch does its own key insert
+            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
+            return
+        k = self.kernels
+        k.index_query(b.qc, b.qkv, b.context_lens, b.index_workspace, b.index_q, b.index_w, size)
+        k.dsa_index(b.index_q, b.index_w, caches.index_cache, b.block_tables, b.context_lens, b.scores, size)
+        if topo.dcp == 1:
+            k.top_k(b.scores, b.block_tables, b.context_lens, b.slots, b.own_scores, size)
+        else:  # the candidates' merge is still torch
+            k.top_k(b.scores, b.block_tables, b.context_lens, b.own_positions, b.own_scores, size)
+            own = ref.Candidates(b.own_positions[:size], b.own_scores[:size])
+            b.slots[:size] = torch_stages.dcp_slots(self.state, inputs, own, candidates)
 
     def _query_norm(self, inputs: StepInputs, size: int) -> None:
         if self.kernels is not None:

@@ -3,8 +3,9 @@ shapes: fixed shapes per captured batch, no host synchronization, and the padded
 writes (slot -1) sent to the state's spare page instead of being masked out.
 
 They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS bf16 GEMMs, an
-fp32 bmm over the dequantized FP8 indexer cache, torch.topk) and, until the CuTe DSL indexer
-and sparse core exist, the main-stream indexer and sparse core of the cute backend too.
+fp32 bmm over the dequantized FP8 indexer cache, torch.topk). The cute backend still uses
+three of them: the indexer key insert, the DCP candidate merge and the sparse core (no CuTe
+DSL kernels for those yet).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
     picked = scores.gather(1, local.clamp_min(0).long())
     own = ref.Candidates(torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
                          torch.where(local >= 0, picked, float("-inf")))
+    return dcp_slots(state, inputs, own, peer_candidates)
+
+
+def dcp_slots(state: LayerState, inputs: StepInputs, own: ref.Candidates,
+              peer_candidates: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """DCP: merge this rank's candidates with the peers' ((positions, scores) [B, dcp,
+    topk], this rank's ignored) into the global top-k, and keep this rank's slots."""
+    m, topo = state.shape.model, state.shape.topology
     positions, scores_of = peer_candidates
     candidates = [own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank])
                   for rank in range(topo.dcp)]

@@ -4,8 +4,9 @@
     score[b, i] = -inf                                                   (past it)
 
 Grid: (page groups of 4 pages, tokens); 128 threads. A CTA keeps its token's 64 e4m3
-query rows (8 KB) and head weights in registers and, per page of its block table, each
-warp takes 16 cached keys: mma.sync m16n8k32 e4m3 with the keys as A (16 x 128) and the
+query rows (8 KB) and head weights in registers; each warp takes 16 cached keys of each of
+its 4 pages, all loads issued first (predicated loads: key blocks of 16 that start past the
+length are never read), then per page: mma.sync m16n8k32 e4m3 with the keys as A (16 x 128) and the
 queries as B (8 heads per MMA, 8 MMA columns for 64 heads), FP32 accumulation; ReLU, the
 weighted head sum (in registers, then across the 4 lanes of a row), times the key's
 scale. The page layout is graphstep/formats.py's: [64 x 128 e4m3 | 64 x fp32 scale].
@@ -13,8 +14,8 @@ Every 16-byte word a thread loads from a key row is paired with the same word of
 query rows, so any consistent split of the 128 dims over the MMA's k slots is exact.
 Under DCP the local length of a sequence is ceil((len - rank) / dcp).
 
-Status: compiled and PTX-checked on the CPU; not yet run on a GPU, and not yet used by
-DecodeStep (whose indexer is still torch): tests/test_indexer_gpu.py is waiting for a run.
+Tested on the H200 against the reference (tests/test_indexer_gpu.py); DecodeStep's cute
+backend runs it. Measured in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -63,29 +64,34 @@ class DsaIndex:
             queries.append(list(P.load_u32x4(row + 16 * t)) + list(P.load_u32x4(row + 64 + 16 * t)))
             weights.append(P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t))
         width = pages_per_seq * PAGE
+        # Every key load of the CTA's pages is issued before the first MMA (predicated off
+        # past the length or the table), so a warp has 4 pages x 1 KB in flight.
+        keys, scales = [], []
+        for p in cutlass.range_constexpr(PAGES_PER_CTA):
+            index = group * PAGES_PER_CTA + p
+            live = index < pages_per_seq and index * PAGE + warp * 16 < length
+            page = P.load_i32(block_tables + token * pages_per_seq + cutlass.min(index, pages_per_seq - 1))
+            base = cache + page * PAGE_BYTES
+            rows = []
+            for r in cutlass.range_constexpr(2):
+                key = base + (warp * 16 + g + 8 * r) * DIM
+                rows.append(list(P.load_u32x4_if(key + 16 * t, live)) + list(P.load_u32x4_if(key + 64 + 16 * t, live)))
+                scales.append(P.load_f32_if(base + PAGE * DIM + 4 * (warp * 16 + g + 8 * r), live and t == 0))
+            keys.append(rows)
         for p in cutlass.range_constexpr(PAGES_PER_CTA):
             index = group * PAGES_PER_CTA + p
             first = index * PAGE + warp * 16  # this warp's first key position
             if index < pages_per_seq:
-                s0, s1 = Float32(0), Float32(0)  # rows g and g + 8
-                if first < length:  # keys past the length are never read
-                    s0, s1 = self.score_rows(queries, weights, cache, block_tables, token, pages_per_seq, index,
-                                             warp, g, t)
+                s0, s1 = self.score_rows(queries, weights, keys[p])
                 if t == 0:
                     P.store_f32(scores + token * width + first + g,
-                                P.select(first + g < length, s0, Float32(float("-inf"))))
+                                P.select(first + g < length, s0 * scales[2 * p], Float32(float("-inf"))))
                     P.store_f32(scores + token * width + first + g + 8,
-                                P.select(first + g + 8 < length, s1, Float32(float("-inf"))))
+                                P.select(first + g + 8 < length, s1 * scales[2 * p + 1], Float32(float("-inf"))))
 
     @cute.jit
-    def score_rows(self, queries, weights, cache, block_tables, token, pages_per_seq, index, warp, g, t):
-        """Scores of this warp's 16 keys of page `index`: rows g and g + 8 (full on lane t = 0)."""
-        page = P.load_i32(block_tables + token * pages_per_seq + index)
-        base = cache + page * PAGE_BYTES
-        keys = []
-        for r in cutlass.range_constexpr(2):
-            key = base + (warp * 16 + g + 8 * r) * DIM
-            keys.append(list(P.load_u32x4(key + 16 * t)) + list(P.load_u32x4(key + 64 + 16 * t)))
+    def score_rows(self, queries, weights, keys):
+        """Unscaled scores of a warp's 16 keys, rows g and g + 8 (complete on lane t = 0)."""
         sums = [Float32(0), Float32(0)]
         for nt in cutlass.range_constexpr(NTILES):
             acc = [Float32(0)] * 4
@@ -99,7 +105,6 @@ class DsaIndex:
         for r in cutlass.range_constexpr(2):  # the row's heads are spread over its 4 lanes
             sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=1)
             sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=2)
-            sums[r] = sums[r] * P.load_f32(base + PAGE * DIM + 4 * (warp * 16 + g + 8 * r))
         return sums[0], sums[1]
 
 

@@ -51,6 +51,21 @@ def load_f32x4_nc(ptr) -> tuple:
     return _load_v4(ptr, "global.nc", Float32)
 
 
+def load_u32x4_if(ptr, live) -> tuple:
+    """16-byte global load issued only where `live` (a predicated ld: nothing is read
+    otherwise, and the words are 0), so loads can be issued ahead of the branch."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\tmov.b32 {$w1}, 0;\n\t"
+        "mov.b32 {$w2}, 0;\n\tmov.b32 {$w3}, 0;\n\t@p ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];\n\t}",
+        write_only_types=[Uint32] * 4, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
+def load_f32_if(ptr, live) -> Float32:
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.f32 {$w0}, [{$r0}];\n\t}",
+        write_only_types=[Float32], read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
 def store_u32x4(ptr, words):
     """16-byte global store: one chunk lands whole, as the mailbox protocol needs."""
     cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",

@@ -1,9 +1,10 @@
 """TopK: the k highest DsaIndex scores of each token, by radix select (no sort).
 
 One CTA of 1024 threads per token; thread t owns a contiguous run of the token's scores
-(runs of a multiple of 4, so every load is 16 bytes). A score's float bits map to an
+(runs of a multiple of 16, read as four 16-byte loads issued together). A score's float bits map to an
 order-preserving 32-bit key; three histogram rounds over 11 + 11 + 10 key bits find the
-exact k-th key T and how many keys equal to T are still needed. The first round's
+exact k-th key T and how many keys equal to T are still needed; a round whose chosen bin
+is needed whole ends the search early (with continuous scores, usually after two). The first round's
 histogram is warp-aggregated (`match.any`): scores of similar magnitude share their top
 11 bits, and 32 lanes adding to one shared-memory counter would serialize.
 
@@ -29,6 +30,8 @@ WARPS = THREADS // 32
 PAGE = 64
 ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit, high first
 HIST = 1 << 11
+STEP = 16  # scores per thread per loop step: four 16-byte loads in flight
+ALL = 2**31 - 1
 
 
 def order_key(word) -> Uint32:
@@ -57,7 +60,7 @@ class TopK:
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
         scratch = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS), byte_alignment=16)
-        chosen = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=8)
+        chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -65,41 +68,46 @@ class TopK:
         n = cutlass.min(cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0),
                         width)
         row = scores + token * width
-        run = ((n + THREADS - 1) // THREADS + 3) // 4 * 4  # same for every thread: loops stay warp-uniform
+        # same run length for every thread (loops stay warp-uniform), whole unrolled steps
+        run = (n + THREADS * STEP - 1) // (THREADS * STEP) * STEP
         begin = tid * run
         last_vector = cutlass.max(n - 1, 0) // 4 * 4
 
-        threshold, need = Uint32(0), Int32(2**31 - 1)  # n <= k: every position is kept
+        threshold, need = Uint32(0), Int32(ALL)  # n <= k: every position is kept
         if n > self.k:
             need = Int32(self.k)
-            prefix = Uint32(0)
+            prefix, done = Uint32(0), Int32(0)
             for r in cutlass.range_constexpr(len(ROUNDS)):
                 shift, bits = ROUNDS[r]
-                for i in range(tid, HIST, THREADS):
-                    hist[i] = 0
-                cute.arch.sync_threads()
-                for v in range(0, run, 4):
-                    words = P.load_u32x4(row + cutlass.min(begin + v, last_vector))
-                    for j in cutlass.range_constexpr(4):
-                        key = order_key(words[j])
-                        digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                        valid = begin + v + j < n
-                        if r == 0:
-                            self.count_aggregated(hist, P.select_i32(valid, digit, HIST), lane)
-                        else:
-                            if valid and (key >> Uint32(shift + bits)) == prefix:
-                                cute.arch.atomic_add(hist.iterator + digit, Int32(1))
-                cute.arch.sync_threads()
-                self.find_bin(hist, scratch, chosen, 1 << bits, need, tid, lane, warp)
-                prefix = (prefix << Uint32(bits)) | Uint32(chosen[0])
-                need = need - chosen[1]
-            threshold = prefix
+                if done == 0:
+                    for i in range(tid, HIST, THREADS):
+                        hist[i] = 0
+                    cute.arch.sync_threads()
+                    for v in range(0, run, STEP):
+                        words = self.load_step(row, begin + v, last_vector)
+                        for j in cutlass.range_constexpr(STEP):
+                            key = order_key(words[j])
+                            digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                            valid = begin + v + j < n
+                            if r == 0:
+                                self.count_aggregated(hist, P.select_i32(valid, digit, HIST), lane)
+                            else:
+                                if valid and (key >> Uint32(shift + bits)) == prefix:
+                                    cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+                    cute.arch.sync_threads()
+                    self.find_bin(hist, scratch, chosen, 1 << bits, need, tid, lane, warp)
+                    prefix = (prefix << Uint32(bits)) | Uint32(chosen[0])
+                    need = need - chosen[1]
+                    threshold = prefix << Uint32(shift)
+                    if chosen[2] == need:  # the bin is taken whole: every key >= its lowest
+                        need = Int32(ALL)
+                        done = Int32(1)
 
         # Ordered compaction: count this run's keys above and at the threshold, scan, write.
         above, at = Int32(0), Int32(0)
-        for v in range(0, run, 4):
-            words = P.load_u32x4(row + cutlass.min(begin + v, last_vector))
-            for j in cutlass.range_constexpr(4):
+        for v in range(0, run, STEP):
+            words = self.load_step(row, begin + v, last_vector)
+            for j in cutlass.range_constexpr(STEP):
                 key = order_key(words[j])
                 valid = begin + v + j < n
                 above = above + P.select_i32(valid and key > threshold, 1, 0)
@@ -108,9 +116,9 @@ class TopK:
         at_before = P.block_exclusive_sum(at, scratch, lane, warp, WARPS)
         position = above_before + cutlass.min(at_before, need)
         seen = at_before
-        for v in range(0, run, 4):
-            words = P.load_u32x4(row + cutlass.min(begin + v, last_vector))
-            for j in cutlass.range_constexpr(4):
+        for v in range(0, run, STEP):
+            words = self.load_step(row, begin + v, last_vector)
+            for j in cutlass.range_constexpr(STEP):
                 key = order_key(words[j])
                 index = begin + v + j
                 valid = index < n
@@ -124,6 +132,14 @@ class TopK:
             if self.dcp > 1:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
+    def load_step(self, row, first, last_vector) -> list:
+        """STEP scores from `first` as words, all loads issued before any is used (clamped
+        to the last vector holding a valid score; callers mask by index)."""
+        words = []
+        for u in range(STEP // 4):
+            words += list(P.load_u32x4(row + cutlass.min(first + 4 * u, last_vector)))
+        return words
+
     @cute.jit
     def count_aggregated(self, hist, digit, lane):
         """hist[digit] += 1 for every lane, one shared atomic per distinct digit of the warp
@@ -135,7 +151,8 @@ class TopK:
 
     @cute.jit
     def find_bin(self, hist, scratch, chosen, bins: int, need, tid, lane, warp):
-        """chosen = (the bin holding the need-th highest key, the count above that bin).
+        """chosen = (the bin holding the need-th highest key, the count above that bin, the
+        bin's own count).
         Thread t owns bins in descending order, so an exclusive scan counts what is above."""
         per = bins // THREADS
         counts = []
@@ -149,6 +166,7 @@ class TopK:
             if before < need and before + counts[j] >= need:
                 chosen[0] = bins - 1 - (tid * per + j)
                 chosen[1] = before
+                chosen[2] = counts[j]
             before = before + counts[j]
         cute.arch.sync_threads()
 

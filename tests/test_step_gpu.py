@@ -64,6 +64,9 @@ def test_step_matches_the_reference(tp8):
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got.slots, expect.slots))
     assert overlap >= 0.95 * (expect.slots >= 0).sum()  # the same selection up to near-ties
+    # and exactly the reference top-k of the step's own scores
+    scores = tp8.buffers.scores[:3]
+    assert torch.equal(got.slots, ref.to_slots(ref.topk_indices(scores, 2048), inputs.block_tables, 64))
     assert rel_err(got.out, expect.out) < 2e-2
 
 
@@ -115,19 +118,29 @@ def test_ten_thousand_replays_are_identical_and_allocate_nothing(tp8):
     assert torch.cuda.memory_allocated() == allocated
 
 
+def _kernel(info, *parts) -> int:
+    """The index of the one kernel node whose name holds every part (the CuTe DSL names a
+    kernel after its method and class, e.g. project_...MlaQuery...)."""
+    found = [n.index for n in info.kernels() if all(p in n.name for p in parts)]
+    assert len(found) == 1, (parts, [n.name for n in info.kernels()])
+    return found[0]
+
+
 def test_graph_edges_show_pdl_fork_and_join(tp8):
     fork = inspect(tp8.graph(4, "fork"))
     serial = inspect(tp8.graph(4, "serial"))
     for info in (fork, serial):
-        names = [n.name for n in info.kernels()]
-        assert sum("project" in n for n in names) == 1 and sum("absorb" in n for n in names) == 1
-        project = info.kernels("project")[0].index
-        absorb = info.kernels("absorb")[0].index
         edges = {(e.src, e.dst): e for e in info.edges}
+        project, absorb = _kernel(info, "project", "MlaQuery"), _kernel(info, "absorb", "MlaQuery")
         assert edges[(project, absorb)].type == 1, "project -> absorb is a programmatic edge"
         assert any(e.dst == project and e.type == 1 for e in info.edges), "norm -> project is programmatic"
-    # MlaQuery's two edges are PDL in both modes; fork adds the side stream's fork and join
-    assert len(fork.programmatic) >= 2 and len(serial.programmatic) >= 2
+        # the indexer: (QueryNorm or MlaQuery) -> IndexQuery.project -> finish -> DsaIndex -> TopK, all PDL
+        chain = [_kernel(info, "project", "IndexQuery"), _kernel(info, "finish", "IndexQuery"),
+                 _kernel(info, "DsaIndex"), _kernel(info, "TopK")]
+        assert any(e.dst == chain[0] and e.type == 1 for e in info.edges), "q_c's writer -> IndexQuery is PDL"
+        for a, b in zip(chain, chain[1:]):
+            assert edges[(a, b)].type == 1, (a, b)
+    assert len(fork.programmatic) >= 6 and len(serial.programmatic) >= 6
     assert (len(fork.roots) >= 2 or fork.forks) and fork.joins
     assert not serial.forks and not serial.joins and len(serial.roots) == 1
 
