@@ -23,7 +23,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint8
+from cutlass import Float32, Int32, Int64, Uint8
 
 from . import primitives as P
 
@@ -71,7 +71,7 @@ class DsaIndex:
             index = group * PAGES_PER_CTA + p
             live = index < pages_per_seq and index * PAGE + warp * 16 < length
             page = P.load_i32(block_tables + token * pages_per_seq + cutlass.min(index, pages_per_seq - 1))
-            base = cache + page * PAGE_BYTES
+            base = cache + Int64(page) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
             rows = []
             for r in cutlass.range_constexpr(2):
                 key = base + (warp * 16 + g + 8 * r) * DIM

@@ -158,7 +158,7 @@ class MlaQuery:
             rope = P.pack_bf16x2(pe[0] * c - pe[1] * s, pe[0] * s + pe[1] * c)
             if cutlass.const_expr(self.mla_fp8):
                 # mla_cache is a byte pointer in both formats. [512 e4m3 | 4 fp32 scales, one per 128 | 64 bf16 rope] = 656 bytes
-                dst = mla_cache + slot * 656
+                dst = mla_cache + Int64(slot) * 656  # 64-bit: caches pass 2 GiB
                 for j in cutlass.range_constexpr(2):
                     amax = Float32(0)
                     for e in cutlass.range_constexpr(8):
@@ -172,7 +172,7 @@ class MlaQuery:
                         P.store_f32(dst + 512 + 4 * (2 * j + lane // 16), scale)
                 P.store_u32(dst + 528 + 4 * lane, rope)
             else:
-                dst = mla_cache + slot * 1152  # bf16 [576]
+                dst = mla_cache + Int64(slot) * 1152  # bf16 [576]; 64-bit offset
                 for j in cutlass.range_constexpr(2):
                     P.store_u32x4(dst + (256 * j + 8 * lane) * 2, P.pack_words(latent[8 * j: 8 * j + 8], False))
                 P.store_u32(dst + 1024 + 4 * lane, rope)

@@ -77,6 +77,26 @@ def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
     error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
 
 
+def test_kv_insert_past_2_gib_of_cache():
+    """A 32K-context, 64-sequence bf16 MLA cache is 2.4 GB: the highest slots' byte
+    offsets do not fit in 32 bits (the step crashed at B = 64 before they were 64-bit)."""
+    state = _state(Topology(tp=8), max_batch=64, max_context=32768)
+    kernels = Kernels(state.shape, state.weights)
+    rows = state.caches.mla_cache.view(-1, 576)
+    assert rows.shape[0] * 1152 > 2**31
+    inputs = state.inputs(4, context_lens=32768)
+    inputs.slot_mapping.copy_(torch.arange(rows.shape[0] - 4, rows.shape[0], device="cuda"))
+    slots = inputs.slot_mapping.long()
+    rows[slots] = torch.full((4, 576), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+    buf = _buffers(state, 4)
+    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"],
+                      buf["workspace"], buf["q_rows"], state.caches.mla_cache, ErrorWord.new("cuda"), 4,
+                      store_qc=False, poll=False)
+    torch.cuda.synchronize()
+    assert (rows[slots].view(torch.int16) != POISON).all()
+    assert rel_err(rows[slots].float(), ref.kv_row(state, inputs)) < 1e-2
+
+
 def test_kv_insert_writes_exactly_the_new_slots(tp8):
     state, kernels = tp8
     batch = 24
