@@ -108,6 +108,13 @@ class Kernels:
         s = self.shape
         return catalog.compile_op(query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args())
 
+    def _index_key_op(self):
+        from .kernels import catalog, index_key
+
+        m = self.shape.model
+        op = index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, self.pdl)
+        return catalog.compile_op(op, index_key.compile_args())
+
     def _index_query_op(self):
         from .kernels import catalog, index_query
 
@@ -172,6 +179,16 @@ class Kernels:
 
 
     # -- the indexer --
+
+    def index_key(self, qkv, context_lens, slots, index_cache, batch: int) -> None:
+        """The new tokens' indexer keys (LayerNorm, RoPE, e4m3) at their slots of the
+        paged indexer cache (uint8 [pages, 8448]); slot -1 writes nothing."""
+        from cutlass import Int32
+
+        w = self.weights
+        self._index_key_op()(ptr(qkv), ptr(w.index_norm_weight), ptr(w.index_norm_bias), ptr(w.index_rope_cos),
+                             ptr(w.index_rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(index_cache),
+                             Int32(batch), current_stream())
 
     def index_query(self, qc, qkv, context_lens, workspace, q_out, w_out, batch: int) -> None:
         """wq_b + RoPE + e4m3 quantization: q_out uint8 [B, 64, 128], w_out fp32 [B, 64];

@@ -9,10 +9,10 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
   fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
              side:          MlaQuery -> QueryWait (DCP) ------/
   fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
-Backends: "cute" runs QueryNorm, MlaQuery, QueryWait and the indexer's wq_b (IndexQuery),
-scoring (DsaIndex) and top-k (TopK) as CuTe DSL kernels chained with PDL; the indexer key
-insert, the DCP candidate merge and the sparse core are still the capturable torch versions
-(graphstep.torch_stages): their CuTe DSL kernels are not written yet. "torch" runs every
+Backends: "cute" runs QueryNorm, MlaQuery, QueryWait and the indexer's key insert
+(IndexKey), wq_b (IndexQuery), scoring (DsaIndex) and top-k (TopK) as CuTe DSL kernels
+chained with PDL; the DCP candidate merge and the sparse core are still the capturable
+torch versions (graphstep.torch_stages): their CuTe DSL kernels are not written yet. "torch" runs every
 stage in torch (the plain-torch baseline).
 
 Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
@@ -175,11 +175,13 @@ class DecodeStep:
         formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
 
     def _index_key_insert(self, inputs: StepInputs) -> None:
-        """The new tokens' indexer keys (torch in both backends; no CuTe DSL kernel yet). It
-        needs only the inputs, so it runs first and the CuTe DSL kernels after it chain
-        through PDL: QueryNorm -> IndexQuery -> DsaIndex -> TopK."""
+        """The new tokens' indexer keys. It needs only the inputs, so it opens the main
+        stream's PDL chain: IndexKey -> QueryNorm -> IndexQuery -> DsaIndex -> TopK (the
+        torch backend inserts its keys inside torch_stages.indexer)."""
         if self.kernels is not None:
-            torch_stages.index_key_insert(self.state, inputs, self.caches)
+            b = self.buffers
+            self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.caches.index_cache,
+                                   inputs.qkv.shape[0])
 
     def _indexer(self, inputs: StepInputs, size: int, candidates) -> None:
         """wq_b, scoring and top-k of the main stream -> buffers.slots."""

@@ -64,7 +64,7 @@ def run_gpu(args) -> int:
         p50 = statistics.median(times)
         rows.append([size, step.modes[size], p50, percentile(times, 99), bound.us, p50 / bound.us])
     print(table(["batch", "mode", "p50 us", "p99 us", "floor us", "p50/floor"], rows))
-    print("The indexer key insert and the sparse core (and the DCP merge) run as torch ops in this build: "
+    print("The sparse core (and under DCP the top-k merge) run as torch ops in this build: "
           "their CuTe DSL kernels are not written yet.")
     return 0
 

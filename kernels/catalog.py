@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from . import dsa_index, index_query, mla_query, query_norm, query_wait, top_k
+from . import dsa_index, index_key, index_query, mla_query, query_norm, query_wait, top_k
 
 _CACHE: dict[tuple, object] = {}
 
@@ -68,6 +68,8 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
             op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
                                     m.packed_width, tiled, poll, q_fp8, mla_fp8, pdl)
             out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
+    out.append(Variant("index_key", index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
+                       index_key.compile_args()))
     out.append(Variant("index_query", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], pdl),
                        index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))

@@ -73,20 +73,8 @@ class IndexQuery:
         if item < batch * HEADS:
             token, head = item // HEADS, item % HEADS
             q = list(P.load_f32x4(workspace + item * DIM + 4 * lane))
-            partner = [cute.arch.shuffle_sync_bfly(q[j], offset=8) for j in range(4)]
-            pos = P.load_i32(context_lens + token) - 1
-            pair = 4 * (lane % 8)  # first rope pair of this lane's four dims
-            c = P.load_f32x4_nc(cos + pos * (ROPE // 2) + pair)
-            s = P.load_f32x4_nc(sin + pos * (ROPE // 2) + pair)
-            # lanes 0-7 hold the first half of the rope dims (x cos - partner sin), lanes 8-15
-            # the second (partner sin + x cos), lanes 16-31 the unrotated dims
-            first = [q[j] * c[j] - partner[j] * s[j] for j in range(4)]
-            second = [partner[j] * s[j] + q[j] * c[j] for j in range(4)]
-            out = [P.select(lane < 8, first[j], P.select(lane < 16, second[j], q[j])) for j in range(4)]
-            amax = cute.arch.fmax(cute.arch.fmax(cute.math.abs(out[0]), cute.math.abs(out[1])),
-                                  cute.arch.fmax(cute.math.abs(out[2]), cute.math.abs(out[3])))
-            scale = cute.arch.fmax(P.warp_max(amax), Float32(1e-4)) / Float32(448.0)
-            word = P.pack_e4m3x4(out[0] / scale, out[1] / scale, out[2] / scale, out[3] / scale)
+            out = P.rope_neox_row(q, cos, sin, P.load_i32(context_lens + token) - 1, lane)
+            word, scale = P.quantize_e4m3_row(out)
             P.store_u32(q_out + item * DIM + 4 * lane, word)
             if lane == 0:
                 raw = P.unpack_bf16x2(P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2))

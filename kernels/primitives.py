@@ -115,6 +115,10 @@ def load_u32(ptr) -> Uint32:
     return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[ptr])
 
 
+def load_u32_nc(ptr) -> Uint32:
+    return cute.arch.inline_ptx("ld.global.nc.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[ptr])
+
+
 def load_i32(ptr) -> Int32:
     return cute.arch.inline_ptx("ld.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
 
@@ -226,6 +230,28 @@ def block_exclusive_sum(value, scratch, lane, warp, warps: int) -> Int32:
     warps_before = cute.arch.shuffle_sync(warp_inclusive - total, offset=warp)
     cute.arch.sync_threads()
     return warps_before + inclusive - value
+
+
+def rope_neox_row(q, cos, sin, pos, lane) -> list:
+    """NeoX RoPE of a 128-wide row held 4 per lane (lane l: dims 4l..4l+3) with its first
+    64 dims rotated in pairs (i, i + 32): lanes 0-7 hold the first halves, lanes 8-15 the
+    second (partner lane l ^ 8), lanes 16-31 pass through. cos/sin: fp32 [positions, 32]."""
+    partner = [cute.arch.shuffle_sync_bfly(q[j], offset=8) for j in range(4)]
+    pair = 4 * (lane % 8)  # first rope pair of this lane's four dims
+    c = load_f32x4_nc(cos + pos * 32 + pair)
+    s = load_f32x4_nc(sin + pos * 32 + pair)
+    first = [q[j] * c[j] - partner[j] * s[j] for j in range(4)]
+    second = [partner[j] * s[j] + q[j] * c[j] for j in range(4)]
+    return [select(lane < 8, first[j], select(lane < 16, second[j], q[j])) for j in range(4)]
+
+
+def quantize_e4m3_row(x) -> tuple:
+    """Per-row e4m3 of a 128-wide row held 4 per lane: scale = max(amax, 1e-4) / 448
+    (graphstep.formats.quantize_fp8_rows). Returns (this lane's 4 bytes as a word, scale)."""
+    amax = cute.arch.fmax(cute.arch.fmax(cute.math.abs(x[0]), cute.math.abs(x[1])),
+                          cute.arch.fmax(cute.math.abs(x[2]), cute.math.abs(x[3])))
+    scale = cute.arch.fmax(warp_max(amax), Float32(1e-4)) / Float32(448.0)
+    return pack_e4m3x4(x[0] / scale, x[1] / scale, x[2] / scale, x[3] / scale), scale
 
 
 def query_norm_rsqrt(total, eps) -> Float32:

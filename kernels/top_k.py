@@ -1,19 +1,23 @@
 """TopK: the k highest DsaIndex scores of each token, by radix select (no sort).
 
-One CTA of 1024 threads per token; thread t owns a contiguous run of the token's scores
-(runs of a multiple of 16, read as four 16-byte loads issued together). A score's float bits map to an
-order-preserving 32-bit key; three histogram rounds over 11 + 11 + 10 key bits find the
-exact k-th key T and how many keys equal to T are still needed; a round whose chosen bin
-is needed whole ends the search early (with continuous scores, usually after two). The first round's
-histogram is warp-aggregated (`match.any`): scores of similar magnitude share their top
-11 bits, and 32 lanes adding to one shared-memory counter would serialize.
+One CTA of 1024 threads per token. The row is read in chunks of 16K scores; in a chunk,
+warp w owns the contiguous segment [512 w, 512 w + 512), read as four coalesced 16-byte
+loads per lane (lane l, load u: scores 4 (32 u + l) .. + 3 of the segment), so each warp
+load instruction covers 512 contiguous bytes. A score's float bits map to an
+order-preserving 32-bit key; histogram rounds over 11 + 11 + 10 key bits find the exact
+k-th key T and how many keys equal to T are still needed; a round whose chosen bin is
+needed whole ends the search early (with continuous scores, usually after two). The first
+round's histogram is warp-aggregated (`match.any`): scores of similar magnitude share
+their top 11 bits, and 32 lanes adding to one shared counter would serialize.
 
 Output, in ascending score index (the sparse core does not depend on order; a compaction
 in index order is what needs no sort): every index with key > T, and the first `need`
-indices with key == T, so equal scores go to the lower index first. Rows shorter than k
-keep every position and are padded with -1. With DCP the output is this rank's candidates
-for the merge: global positions (local x dcp + rank) and their scores (-inf padded);
-otherwise cache slots (block table page x 64 + offset).
+indices with key == T, so equal scores go to the lower index first. The compaction ranks
+each element with warp ballots (in-segment order is load, then lane, then element) and one
+block scan of the warps' counts per chunk. Rows shorter than k keep every position and
+are padded with -1. With DCP the output is this rank's candidates for the merge: global
+positions (local x dcp + rank) and their scores (-inf padded); otherwise cache slots
+(block table page x 64 + offset).
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from . import primitives as P
 
 THREADS = 1024
 WARPS = THREADS // 32
+LOADS = 4  # 16-byte loads per lane per chunk
+SEGMENT = 32 * 4 * LOADS  # scores per warp per chunk
+CHUNK = WARPS * SEGMENT
 PAGE = 64
 ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit, high first
 HIST = 1 << 11
-STEP = 16  # scores per thread per loop step: four 16-byte loads in flight
 ALL = 2**31 - 1
 
 
@@ -59,7 +65,7 @@ class TopK:
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS), byte_alignment=16)
+        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
         chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
@@ -68,9 +74,6 @@ class TopK:
         n = cutlass.min(cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0),
                         width)
         row = scores + token * width
-        # same run length for every thread (loops stay warp-uniform), whole unrolled steps
-        run = (n + THREADS * STEP - 1) // (THREADS * STEP) * STEP
-        begin = tid * run
         last_vector = cutlass.max(n - 1, 0) // 4 * 4
 
         threshold, need = Uint32(0), Int32(ALL)  # n <= k: every position is kept
@@ -83,12 +86,12 @@ class TopK:
                     for i in range(tid, HIST, THREADS):
                         hist[i] = 0
                     cute.arch.sync_threads()
-                    for v in range(0, run, STEP):
-                        words = self.load_step(row, begin + v, last_vector)
-                        for j in cutlass.range_constexpr(STEP):
-                            key = order_key(words[j])
+                    for start in range(0, n, CHUNK):
+                        words = self.load_segment(row, start, warp, lane, last_vector)
+                        for e in cutlass.range_constexpr(4 * LOADS):
+                            key = order_key(words[e])
                             digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                            valid = begin + v + j < n
+                            valid = self.index(start, warp, lane, e) < n
                             if r == 0:
                                 self.count_aggregated(hist, P.select_i32(valid, digit, HIST), lane)
                             else:
@@ -103,42 +106,78 @@ class TopK:
                         need = Int32(ALL)
                         done = Int32(1)
 
-        # Ordered compaction: count this run's keys above and at the threshold, scan, write.
-        above, at = Int32(0), Int32(0)
-        for v in range(0, run, STEP):
-            words = self.load_step(row, begin + v, last_vector)
-            for j in cutlass.range_constexpr(STEP):
-                key = order_key(words[j])
-                valid = begin + v + j < n
-                above = above + P.select_i32(valid and key > threshold, 1, 0)
-                at = at + P.select_i32(valid and key == threshold, 1, 0)
-        above_before = P.block_exclusive_sum(above, scratch, lane, warp, WARPS)
-        at_before = P.block_exclusive_sum(at, scratch, lane, warp, WARPS)
-        position = above_before + cutlass.min(at_before, need)
-        seen = at_before
-        for v in range(0, run, STEP):
-            words = self.load_step(row, begin + v, last_vector)
-            for j in cutlass.range_constexpr(STEP):
-                key = order_key(words[j])
-                index = begin + v + j
-                valid = index < n
-                tie = valid and key == threshold
-                if (valid and key > threshold) or (tie and seen < need):
-                    self.write(out, out_scores, block_tables, token, pages_per_seq, position, index, words[j])
-                    position = position + 1
-                seen = seen + P.select_i32(tie, 1, 0)
+        # Ordered compaction: an element's place = (keys above T before it) + min(keys at T
+        # before it, need); it is taken if above T, or at T with fewer than `need` before it.
+        lower_lanes = (Int32(1) << lane) - Int32(1)
+        above_done, at_done = Int32(0), Int32(0)  # counts of the chunks before this one
+        for start in range(0, n, CHUNK):
+            words = self.load_segment(row, start, warp, lane, last_vector)
+            above, at = [], []
+            warp_above, warp_at = Int32(0), Int32(0)
+            for e in cutlass.range_constexpr(4 * LOADS):
+                key = order_key(words[e])
+                valid = self.index(start, warp, lane, e) < n
+                above.append(cute.arch.vote_ballot_sync(valid and key > threshold))
+                at.append(cute.arch.vote_ballot_sync(valid and key == threshold))
+                warp_above = warp_above + cute.arch.popc(above[e])
+                warp_at = warp_at + cute.arch.popc(at[e])
+            # the warps' counts before this one (both packed in one int: each <= CHUNK < 2^16)
+            before, total = self.warp_scan(warp_above | (warp_at << 16), scratch, lane, warp)
+            above_before = above_done + (before & 0xFFFF)
+            at_before = at_done + (before >> 16)
+            for u in cutlass.range_constexpr(LOADS):
+                lane_above, lane_at = above_before, at_before
+                for j in cutlass.range_constexpr(4):
+                    lane_above = lane_above + cute.arch.popc(above[4 * u + j] & lower_lanes)
+                    lane_at = lane_at + cute.arch.popc(at[4 * u + j] & lower_lanes)
+                for j in cutlass.range_constexpr(4):
+                    e = 4 * u + j
+                    mine_above = (above[e] >> lane) & 1
+                    mine_at = (at[e] >> lane) & 1
+                    if mine_above == 1 or (mine_at == 1 and lane_at < need):
+                        self.write(out, out_scores, block_tables, token, pages_per_seq,
+                                   lane_above + cutlass.min(lane_at, need), self.index(start, warp, lane, e), words[e])
+                    lane_above = lane_above + mine_above
+                    lane_at = lane_at + mine_at
+                for j in cutlass.range_constexpr(4):  # the whole warp's load u precedes load u + 1
+                    above_before = above_before + cute.arch.popc(above[4 * u + j])
+                    at_before = at_before + cute.arch.popc(at[4 * u + j])
+            above_done = above_done + (total & 0xFFFF)
+            at_done = at_done + (total >> 16)
         for i in range(cutlass.min(n, self.k) + tid, self.k, THREADS):
             P.store_i32(out + token * self.k + i, Int32(-1))
             if self.dcp > 1:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
-    def load_step(self, row, first, last_vector) -> list:
-        """STEP scores from `first` as words, all loads issued before any is used (clamped
-        to the last vector holding a valid score; callers mask by index)."""
+    @staticmethod
+    def index(start, warp, lane, e):
+        """The row index of a lane's element e (load e // 4, word e % 4) of a chunk."""
+        return start + warp * SEGMENT + (e // 4 * 32 + lane) * 4 + e % 4
+
+    def load_segment(self, row, start, warp, lane, last_vector) -> list:
+        """A lane's 4 x LOADS scores of its warp's segment, as words, every load issued
+        before any is used (clamped to the last vector holding a valid score; callers mask
+        by index)."""
         words = []
-        for u in range(STEP // 4):
-            words += list(P.load_u32x4(row + cutlass.min(first + 4 * u, last_vector)))
+        for u in range(LOADS):
+            words += list(P.load_u32x4(row + cutlass.min(self.index(start, warp, lane, 4 * u), last_vector)))
         return words
+
+    @cute.jit
+    def warp_scan(self, count, scratch, lane, warp):
+        """(sum of `count` over the lower warps, sum over all warps) for a per-warp count."""
+        if lane == 0:
+            scratch[warp] = count
+        cute.arch.sync_threads()
+        mine = scratch[lane]
+        inclusive = mine
+        for offset in (1, 2, 4, 8, 16):
+            below = cute.arch.shuffle_sync_up(inclusive, offset=offset)
+            inclusive = inclusive + P.select_i32(lane >= offset, below, 0)
+        before = cute.arch.shuffle_sync(inclusive - mine, offset=warp)
+        total = cute.arch.shuffle_sync(inclusive, offset=31)
+        cute.arch.sync_threads()
+        return before, total
 
     @cute.jit
     def count_aggregated(self, hist, digit, lane):

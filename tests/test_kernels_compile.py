@@ -36,8 +36,8 @@ def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
-    assert {"index_query", "dsa_index", "top_k"} <= names
-    assert len(ptx) == 7 + 10
+    assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
+    assert len(ptx) == 8 + 11
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -104,9 +104,9 @@ def test_polling_is_volatile_and_bounded(ptx):
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["dsa_index.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
+    assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
                      "query_norm_rows.sm_90a.ptx", "top_k.sm_90a.ptx"]
-    assert "5 kernel variants" in capsys.readouterr().out
+    assert "6 kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():

@@ -138,9 +138,10 @@ def test_graph_edges_show_pdl_fork_and_join(tp8):
         chain = [_kernel(info, "project", "IndexQuery"), _kernel(info, "finish", "IndexQuery"),
                  _kernel(info, "DsaIndex"), _kernel(info, "TopK")]
         assert any(e.dst == chain[0] and e.type == 1 for e in info.edges), "q_c's writer -> IndexQuery is PDL"
+        assert any(e.src == _kernel(info, "IndexKey") and e.type == 1 for e in info.edges), "IndexKey opens the chain"
         for a, b in zip(chain, chain[1:]):
             assert edges[(a, b)].type == 1, (a, b)
-    assert len(fork.programmatic) >= 6 and len(serial.programmatic) >= 6
+    assert len(fork.programmatic) >= 7 and len(serial.programmatic) >= 7
     assert (len(fork.roots) >= 2 or fork.forks) and fork.joins
     assert not serial.forks and not serial.joins and len(serial.roots) == 1
 
