@@ -46,7 +46,102 @@ def order_key(word) -> Uint32:
     return word ^ flip
 
 
-class TopK:
+def element(start, warp, lane, e):
+    """The index of a lane's element e (load e // 4, word e % 4) in the chunk at `start`."""
+    return start + warp * SEGMENT + (e // 4 * 32 + lane) * 4 + e % 4
+
+
+class RadixSelect:
+    """The threshold search TopK and DcpMerge share. A subclass defines
+    `segment(source, start, warp, lane) -> (words, valids)`: a lane's 4 x LOADS elements of
+    the chunk at `start` (see `element`) as fp32 bits, and which of them take part."""
+
+    @cute.jit
+    def find_threshold(self, source, count, k: int, hist, scratch, chosen, tid, lane, warp):
+        """(T, need) over the `count` elements of `source`: the k best are every valid key
+        > T and the first `need` valid keys == T (need = ALL: every one). Fewer than k
+        valid keys: T = 0 and need = ALL (every valid key)."""
+        threshold, need = Uint32(0), Int32(k)
+        prefix, done = Uint32(0), Int32(0)
+        for r in cutlass.range_constexpr(len(ROUNDS)):
+            shift, bits = ROUNDS[r]
+            if done == 0:
+                for i in range(tid, HIST, THREADS):
+                    hist[i] = 0
+                cute.arch.sync_threads()
+                for start in range(0, count, CHUNK):
+                    words, valids = self.segment(source, start, warp, lane)
+                    for e in cutlass.range_constexpr(4 * LOADS):
+                        key = order_key(words[e])
+                        digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                        if r == 0:
+                            self.count_aggregated(hist, P.select_i32(valids[e], digit, HIST), lane)
+                        else:
+                            if valids[e] and (key >> Uint32(shift + bits)) == prefix:
+                                cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+                cute.arch.sync_threads()
+                self.find_bin(hist, scratch, chosen, 1 << bits, need, tid, lane, warp)
+                if chosen[3] < need:  # round 0 only: fewer valid keys than k, keep them all
+                    threshold, need, done = Uint32(0), Int32(ALL), Int32(1)
+                else:
+                    prefix = (prefix << Uint32(bits)) | Uint32(chosen[0])
+                    need = need - chosen[1]
+                    threshold = prefix << Uint32(shift)
+                    if chosen[2] == need:  # the bin is taken whole: every key >= its lowest
+                        need = Int32(ALL)
+                        done = Int32(1)
+        return threshold, need
+
+    @cute.jit
+    def warp_scan(self, count, scratch, lane, warp):
+        """(sum of `count` over the lower warps, sum over all warps) for a per-warp count."""
+        if lane == 0:
+            scratch[warp] = count
+        cute.arch.sync_threads()
+        mine = scratch[lane]
+        inclusive = mine
+        for offset in (1, 2, 4, 8, 16):
+            below = cute.arch.shuffle_sync_up(inclusive, offset=offset)
+            inclusive = inclusive + P.select_i32(lane >= offset, below, 0)
+        before = cute.arch.shuffle_sync(inclusive - mine, offset=warp)
+        total = cute.arch.shuffle_sync(inclusive, offset=31)
+        cute.arch.sync_threads()
+        return before, total
+
+    @cute.jit
+    def count_aggregated(self, hist, digit, lane):
+        """hist[digit] += 1 for every lane, one shared atomic per distinct digit of the warp
+        (digit HIST: nothing to count)."""
+        peers = cute.arch.match_sync(0xFFFFFFFF, digit)
+        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)
+        if (peers & lower) == Uint32(0) and digit < HIST:
+            cute.arch.atomic_add(hist.iterator + digit, Int32(cute.arch.popc(peers)))
+
+    @cute.jit
+    def find_bin(self, hist, scratch, chosen, bins: int, need, tid, lane, warp):
+        """chosen = (the bin holding the need-th highest key, the count above that bin, the
+        bin's own count, the count of every bin). Thread t owns bins in descending order, so
+        an exclusive scan counts what is above."""
+        per = bins // THREADS
+        counts = []
+        for j in cutlass.range_constexpr(per):
+            counts.append(hist[bins - 1 - (tid * per + j)])
+        total = counts[0]
+        for j in cutlass.range_constexpr(1, per):
+            total = total + counts[j]
+        before = P.block_exclusive_sum(total, scratch, lane, warp, WARPS)
+        if tid == THREADS - 1:
+            chosen[3] = before + total
+        for j in cutlass.range_constexpr(per):
+            if before < need and before + counts[j] >= need:
+                chosen[0] = bins - 1 - (tid * per + j)
+                chosen[1] = before
+                chosen[2] = counts[j]
+            before = before + counts[j]
+        cute.arch.sync_threads()
+
+
+class TopK(RadixSelect):
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, pdl: bool = True):
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
 
@@ -78,45 +173,19 @@ class TopK:
 
         threshold, need = Uint32(0), Int32(ALL)  # n <= k: every position is kept
         if n > self.k:
-            need = Int32(self.k)
-            prefix, done = Uint32(0), Int32(0)
-            for r in cutlass.range_constexpr(len(ROUNDS)):
-                shift, bits = ROUNDS[r]
-                if done == 0:
-                    for i in range(tid, HIST, THREADS):
-                        hist[i] = 0
-                    cute.arch.sync_threads()
-                    for start in range(0, n, CHUNK):
-                        words = self.load_segment(row, start, warp, lane, last_vector)
-                        for e in cutlass.range_constexpr(4 * LOADS):
-                            key = order_key(words[e])
-                            digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                            valid = self.index(start, warp, lane, e) < n
-                            if r == 0:
-                                self.count_aggregated(hist, P.select_i32(valid, digit, HIST), lane)
-                            else:
-                                if valid and (key >> Uint32(shift + bits)) == prefix:
-                                    cute.arch.atomic_add(hist.iterator + digit, Int32(1))
-                    cute.arch.sync_threads()
-                    self.find_bin(hist, scratch, chosen, 1 << bits, need, tid, lane, warp)
-                    prefix = (prefix << Uint32(bits)) | Uint32(chosen[0])
-                    need = need - chosen[1]
-                    threshold = prefix << Uint32(shift)
-                    if chosen[2] == need:  # the bin is taken whole: every key >= its lowest
-                        need = Int32(ALL)
-                        done = Int32(1)
+            threshold, need = self.find_threshold((row, n, last_vector), n, self.k, hist, scratch, chosen, tid, lane, warp)
 
         # Ordered compaction: an element's place = (keys above T before it) + min(keys at T
         # before it, need); it is taken if above T, or at T with fewer than `need` before it.
         lower_lanes = (Int32(1) << lane) - Int32(1)
         above_done, at_done = Int32(0), Int32(0)  # counts of the chunks before this one
         for start in range(0, n, CHUNK):
-            words = self.load_segment(row, start, warp, lane, last_vector)
+            words, valids = self.segment((row, n, last_vector), start, warp, lane)
             above, at = [], []
             warp_above, warp_at = Int32(0), Int32(0)
             for e in cutlass.range_constexpr(4 * LOADS):
                 key = order_key(words[e])
-                valid = self.index(start, warp, lane, e) < n
+                valid = valids[e]
                 above.append(cute.arch.vote_ballot_sync(valid and key > threshold))
                 at.append(cute.arch.vote_ballot_sync(valid and key == threshold))
                 warp_above = warp_above + cute.arch.popc(above[e])
@@ -136,7 +205,7 @@ class TopK:
                     mine_at = (at[e] >> lane) & 1
                     if mine_above == 1 or (mine_at == 1 and lane_at < need):
                         self.write(out, out_scores, block_tables, token, pages_per_seq,
-                                   lane_above + cutlass.min(lane_at, need), self.index(start, warp, lane, e), words[e])
+                                   lane_above + cutlass.min(lane_at, need), element(start, warp, lane, e), words[e])
                     lane_above = lane_above + mine_above
                     lane_at = lane_at + mine_at
                 for j in cutlass.range_constexpr(4):  # the whole warp's load u precedes load u + 1
@@ -149,65 +218,16 @@ class TopK:
             if self.dcp > 1:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
-    @staticmethod
-    def index(start, warp, lane, e):
-        """The row index of a lane's element e (load e // 4, word e % 4) of a chunk."""
-        return start + warp * SEGMENT + (e // 4 * 32 + lane) * 4 + e % 4
-
-    def load_segment(self, row, start, warp, lane, last_vector) -> list:
-        """A lane's 4 x LOADS scores of its warp's segment, as words, every load issued
-        before any is used (clamped to the last vector holding a valid score; callers mask
-        by index)."""
-        words = []
+    def segment(self, source, start, warp, lane) -> tuple:
+        """A lane's 4 x LOADS scores of its warp's segment of the chunk at `start`, as words,
+        every load issued before any is used (clamped to the last vector holding a valid
+        score), and whether each is a score of the row."""
+        row, n, last_vector = source
+        words, valids = [], []
         for u in range(LOADS):
-            words += list(P.load_u32x4(row + cutlass.min(self.index(start, warp, lane, 4 * u), last_vector)))
-        return words
-
-    @cute.jit
-    def warp_scan(self, count, scratch, lane, warp):
-        """(sum of `count` over the lower warps, sum over all warps) for a per-warp count."""
-        if lane == 0:
-            scratch[warp] = count
-        cute.arch.sync_threads()
-        mine = scratch[lane]
-        inclusive = mine
-        for offset in (1, 2, 4, 8, 16):
-            below = cute.arch.shuffle_sync_up(inclusive, offset=offset)
-            inclusive = inclusive + P.select_i32(lane >= offset, below, 0)
-        before = cute.arch.shuffle_sync(inclusive - mine, offset=warp)
-        total = cute.arch.shuffle_sync(inclusive, offset=31)
-        cute.arch.sync_threads()
-        return before, total
-
-    @cute.jit
-    def count_aggregated(self, hist, digit, lane):
-        """hist[digit] += 1 for every lane, one shared atomic per distinct digit of the warp
-        (digit HIST: nothing to count)."""
-        peers = cute.arch.match_sync(0xFFFFFFFF, digit)
-        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)
-        if (peers & lower) == Uint32(0) and digit < HIST:
-            cute.arch.atomic_add(hist.iterator + digit, Int32(cute.arch.popc(peers)))
-
-    @cute.jit
-    def find_bin(self, hist, scratch, chosen, bins: int, need, tid, lane, warp):
-        """chosen = (the bin holding the need-th highest key, the count above that bin, the
-        bin's own count).
-        Thread t owns bins in descending order, so an exclusive scan counts what is above."""
-        per = bins // THREADS
-        counts = []
-        for j in cutlass.range_constexpr(per):
-            counts.append(hist[bins - 1 - (tid * per + j)])
-        total = counts[0]
-        for j in cutlass.range_constexpr(1, per):
-            total = total + counts[j]
-        before = P.block_exclusive_sum(total, scratch, lane, warp, WARPS)
-        for j in cutlass.range_constexpr(per):
-            if before < need and before + counts[j] >= need:
-                chosen[0] = bins - 1 - (tid * per + j)
-                chosen[1] = before
-                chosen[2] = counts[j]
-            before = before + counts[j]
-        cute.arch.sync_threads()
+            words += list(P.load_u32x4(row + cutlass.min(element(start, warp, lane, 4 * u), last_vector)))
+            valids += [element(start, warp, lane, 4 * u + j) < n for j in range(4)]
+        return words, valids
 
     @cute.jit
     def write(self, out, out_scores, block_tables, token, pages_per_seq, position, index, word):
