@@ -135,6 +135,13 @@ class Kernels:
         op = top_k.TopK(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
         return catalog.compile_op(op, top_k.compile_args())
 
+    def _dcp_merge_op(self):
+        from .kernels import catalog, dcp_merge
+
+        topo = self.shape.topology
+        op = dcp_merge.DcpMerge(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
+        return catalog.compile_op(op, dcp_merge.compile_args())
+
     def warm(self, polls=(False, True)) -> None:
         """Compile every variant this rank can launch (no launches)."""
         for tiled in (False, True):
@@ -216,3 +223,13 @@ class Kernels:
 
         self._top_k_op()(ptr(scores), ptr(block_tables, 4), ptr(context_lens, 4), ptr(out, 4), ptr(out_scores, 4),
                          Int32(batch), Int32(block_tables.shape[1]), current_stream())
+
+    def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
+        """DCP: this rank's candidates (TopK's, [>= batch, topk]) and every rank's
+        (peer_*, [>= batch, dcp, topk]; this rank's row unused) -> out int32 [>= batch,
+        topk]: this rank's share of the global top-k as local cache slots, -1 padded."""
+        from cutlass import Int32
+
+        self._dcp_merge_op()(ptr(own_positions, 4), ptr(own_scores, 4), ptr(peer_positions, 4), ptr(peer_scores, 4),
+                             ptr(block_tables, 4), ptr(out, 4), Int32(batch), Int32(block_tables.shape[1]),
+                             current_stream())

@@ -10,9 +10,9 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
              side:          MlaQuery -> QueryWait (DCP) ------/
   fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
 Backends: "cute" runs QueryNorm, MlaQuery, QueryWait and the indexer's key insert
-(IndexKey), wq_b (IndexQuery), scoring (DsaIndex) and top-k (TopK) as CuTe DSL kernels
-chained with PDL; the DCP candidate merge and the sparse core are still the capturable
-torch versions (graphstep.torch_stages): their CuTe DSL kernels are not written yet. "torch" runs every
+(IndexKey), wq_b (IndexQuery), scoring (DsaIndex), top-k (TopK) and DCP merge (DcpMerge)
+as CuTe DSL kernels chained with PDL; the sparse core is still the capturable torch
+version (graphstep.torch_stages): its CuTe DSL kernel is not written yet. "torch" runs every
 stage in torch (the plain-torch baseline).
 
 Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
@@ -194,10 +194,9 @@ class DecodeStep:
         k.dsa_index(b.index_q, b.index_w, caches.index_cache, b.block_tables, b.context_lens, b.scores, size)
         if topo.dcp == 1:
             k.top_k(b.scores, b.block_tables, b.context_lens, b.slots, b.own_scores, size)
-        else:  # the candidates' merge is still torch
+        else:
             k.top_k(b.scores, b.block_tables, b.context_lens, b.own_positions, b.own_scores, size)
-            own = ref.Candidates(b.own_positions[:size], b.own_scores[:size])
-            b.slots[:size] = torch_stages.dcp_slots(self.state, inputs, own, candidates)
+            k.dcp_merge(b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables, b.slots, size)
 
     def _query_norm(self, inputs: StepInputs, size: int) -> None:
         if self.kernels is not None:

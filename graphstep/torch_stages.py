@@ -4,7 +4,7 @@ writes (slot -1) sent to the state's spare page instead of being masked out.
 
 They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS bf16 GEMMs, an
 fp32 bmm over the dequantized FP8 indexer cache, torch.topk). The cute backend still uses
-two of them: the DCP candidate merge and the sparse core (no CuTe DSL kernels for those yet).
+one of them: the sparse core (no CuTe DSL kernel for it yet).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from . import dsa_index, index_key, index_query, mla_query, query_norm, query_wait, top_k
+from . import dcp_merge, dsa_index, index_key, index_query, mla_query, query_norm, query_wait, top_k
 
 _CACHE: dict[tuple, object] = {}
 
@@ -75,6 +75,8 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
     if topo.dcp > 1:
+        out.append(Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl),
+                           dcp_merge.compile_args()))
         out.append(Variant("query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
                            query_wait.compile_args()))
     return out

@@ -93,7 +93,7 @@ def _masked(scores: torch.Tensor, dcp: int = 1, rank: int = 0) -> torch.Tensor:
 
 def _run_top_k(scores: torch.Tensor, dcp: int = 1, rank: int = 0):
     """TopK of `rank` over scores [8, local width] with a fresh state's shuffled block
-    tables; outputs poisoned first. -> (tables, out, out_scores)."""
+    tables; outputs poisoned first. -> (tables, out, out_scores, kernels)."""
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
                        max_batch=len(TOPK_LENGTHS), max_context=32768, seed=7 + rank, device="cuda")
     tables = state.caches.block_tables
@@ -101,9 +101,10 @@ def _run_top_k(scores: torch.Tensor, dcp: int = 1, rank: int = 0):
     out = torch.full((len(TOPK_LENGTHS), 2048), -7, dtype=torch.int32, device="cuda")
     out_scores = torch.full((len(TOPK_LENGTHS), 2048), float("nan"), device="cuda")
     lens = torch.tensor(TOPK_LENGTHS, dtype=torch.int32, device="cuda")
-    Kernels(state.shape, state.weights).top_k(scores, tables, lens, out, out_scores, len(TOPK_LENGTHS))
+    kernels = Kernels(state.shape, state.weights)
+    kernels.top_k(scores, tables, lens, out, out_scores, len(TOPK_LENGTHS))
     torch.cuda.synchronize()
-    return tables, out, out_scores
+    return tables, out, out_scores, kernels
 
 
 SCORES = {
@@ -116,7 +117,7 @@ SCORES = {
 @pytest.mark.parametrize("kind", SCORES)
 def test_top_k_equals_the_reference_exactly(kind):
     scores = _masked(SCORES[kind]())
-    tables, out, _ = _run_top_k(scores)
+    tables, out, _, _ = _run_top_k(scores)
     assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
     assert ((out >= 0).sum(1).cpu() == torch.tensor(TOPK_LENGTHS).clamp(max=2048)).all()
     if kind == "all-equal":  # ties go to the lower index: the first 2048 positions
@@ -125,13 +126,27 @@ def test_top_k_equals_the_reference_exactly(kind):
 
 
 @pytest.mark.parametrize("dcp", [2, 4])
-def test_top_k_dcp_candidates_merge_to_the_single_rank_top_k(dcp):
-    full = _masked(torch.randn(8, 32768, device="cuda").round(decimals=2))  # some ties across ranks
-    candidates = []
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
+def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
+    full = torch.randn(8, 32768, device="cuda")
+    full = _masked(torch.randint(-3, 4, full.shape, device="cuda").float() if ties else full.round(decimals=2))
+    candidates, ranks = [], []
     for rank in range(dcp):
         local = full[:, rank::dcp].contiguous()
-        _, out, out_scores = _run_top_k(local, dcp, rank)
+        tables, out, out_scores, kernels = _run_top_k(local, dcp, rank)
         expect = ref.local_candidates(local, 2048, dcp, rank)
         assert torch.equal(out, expect.positions) and torch.equal(out_scores, expect.scores)
         candidates.append(ref.Candidates(out, out_scores))
-    assert torch.equal(ref.dcp_merge(candidates, 2048), ref.topk_indices(full, 2048))
+        ranks.append((tables, kernels))
+    merged = ref.dcp_merge(candidates, 2048)
+    assert torch.equal(merged, ref.topk_indices(full, 2048)), "the reference merge is the single-rank top-k"
+    peer_positions = torch.stack([c.positions for c in candidates], dim=1)
+    peer_scores = torch.stack([c.scores for c in candidates], dim=1)
+    for rank, (tables, kernels) in enumerate(ranks):
+        peer_positions[:, rank] = -7  # the kernel reads this rank's candidates from `own`, not here
+        slots = torch.full((8, 2048), -9, dtype=torch.int32, device="cuda")
+        kernels.dcp_merge(candidates[rank].positions, candidates[rank].scores, peer_positions, peer_scores, tables,
+                          slots, 8)
+        torch.cuda.synchronize()
+        peer_positions[:, rank] = candidates[rank].positions
+        assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, rank)), rank

@@ -37,7 +37,8 @@ def test_every_variant_compiled(ptx):
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
-    assert len(ptx) == 8 + 11
+    assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
+    assert len(ptx) == 8 + 12
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -131,10 +132,10 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
 
 
 def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
-    for shape in SHAPES:
-        text = ptx[(shape, "top_k")]
+    for shape, name in [*((shape, "top_k") for shape in SHAPES), ("kimi-dcp2-fp8", "dcp_merge")]:
+        text = ptx[(shape, name)]
         assert "match.any.sync.b32" in text  # the warp-aggregated first histogram
         assert "atom.shared.add" in text and "bar.sync" in text
-        assert "shfl.sync.up.b32" in text  # the block scans
+        assert "shfl.sync.up.b32" in text and "vote.sync.ballot.b32" in text  # block scans, ballot ranks
     # DCP: candidates carry their scores for the merge; a single rank writes slots only
     assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")

@@ -1,0 +1,140 @@
+"""DcpMerge: under DCP, every rank's top-k candidates -> this rank's share of the global
+top-k, as cache slots.
+
+Each rank's TopK gives k candidates in ascending global position (local x dcp + rank) with
+their scores (-inf padded). The global top-k is the k best of the dcp x k candidates
+(equal scores: lower global position first), found with TopK's radix threshold search
+(kernels/top_k.py, one CTA of 1024 threads per token). This rank keeps the selected
+candidates that are its own, and its own list is already in ascending position, so the
+output is a compaction of that list (warp ballots, one block scan): local slots in
+ascending position, -1 padded, as graphstep.reference.local_slots gives them.
+
+A candidate whose score equals the threshold is taken if fewer than `need` tied
+candidates of any rank have a lower position; each such candidate counts them with a scan
+over all dcp x k candidates (ties at the exact threshold are rare with real scores; when
+every score is equal this costs ~dcp x k loads per tied candidate, still bounded).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from . import primitives as P
+from .top_k import CHUNK, HIST, LOADS, PAGE, THREADS, WARPS, RadixSelect, element, order_key
+
+NEG_INF_BITS = 0xFF800000
+
+
+class DcpMerge(RadixSelect):
+    def __init__(self, k: int, dcp: int, rank: int, pdl: bool = True):
+        if dcp < 2:
+            raise ValueError(f"DcpMerge needs dcp >= 2, got {dcp}")
+        self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
+
+    @cute.jit
+    def __call__(self, own_positions: cute.Pointer, own_scores: cute.Pointer, peer_positions: cute.Pointer,
+                 peer_scores: cute.Pointer, block_tables: cute.Pointer, out: cute.Pointer, batch: Int32,
+                 pages_per_seq: Int32, stream: cuda.CUstream):
+        self.kernel(own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq).launch(
+            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, own_positions: cute.Pointer, own_scores: cute.Pointer, peer_positions: cute.Pointer,
+               peer_scores: cute.Pointer, block_tables: cute.Pointer, out: cute.Pointer, pages_per_seq: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
+        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+        chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        source = (token, own_scores, peer_scores, own_positions, peer_positions)
+        count = self.dcp * self.k
+        threshold, need = self.find_threshold(source, count, self.k, hist, scratch, chosen, tid, lane, warp)
+
+        # This rank's selected candidates, compacted in their (ascending position) order.
+        lower_lanes = (Int32(1) << lane) - Int32(1)
+        kept = Int32(0)  # selected candidates of the chunks before this one
+        for start in range(0, self.k, CHUNK):
+            words, valids = self.segment(source, start, warp, lane, own_only=True)
+            takes, positions = [], []
+            warp_count = Int32(0)
+            for e in cutlass.range_constexpr(4 * LOADS):
+                key = order_key(words[e])
+                index = cutlass.min(element(start, warp, lane, e), self.k - 1)
+                position = P.load_i32(own_positions + token * self.k + index)
+                take = valids[e] and key > threshold
+                if valids[e] and key == threshold:
+                    take = self.tied_before(source, position, words[e], count) < need
+                takes.append(cute.arch.vote_ballot_sync(take))
+                positions.append(position)
+                warp_count = warp_count + cute.arch.popc(takes[e])
+            before, total = self.warp_scan(warp_count, scratch, lane, warp)
+            place = kept + before
+            for u in cutlass.range_constexpr(LOADS):
+                mine_before = place
+                for j in cutlass.range_constexpr(4):
+                    mine_before = mine_before + cute.arch.popc(takes[4 * u + j] & lower_lanes)
+                for j in cutlass.range_constexpr(4):
+                    e = 4 * u + j
+                    if ((takes[e] >> lane) & 1) == 1:
+                        local = positions[e] // self.dcp
+                        page = P.load_i32(block_tables + token * pages_per_seq + local // PAGE)
+                        P.store_i32(out + token * self.k + mine_before, page * PAGE + local % PAGE)
+                    mine_before = mine_before + ((takes[e] >> lane) & 1)
+                for j in cutlass.range_constexpr(4):
+                    place = place + cute.arch.popc(takes[4 * u + j])
+            kept = kept + total
+        for i in range(kept + tid, self.k, THREADS):
+            P.store_i32(out + token * self.k + i, Int32(-1))
+
+    @cute.jit
+    def segment(self, source, start, warp, lane, own_only: bool = False) -> tuple:
+        """A lane's candidates of the chunk at `start` over [rank 0's k | rank 1's k | ...]
+        (or the own list alone), as score words, and which are real (not -inf padding)."""
+        token, own_scores, peer_scores, _, _ = source
+        count = self.k if own_only else self.dcp * self.k
+        words, valids = [], []
+        for u in cutlass.range_constexpr(LOADS):
+            c = cutlass.min(element(start, warp, lane, 4 * u), count - 4)
+            vector = []
+            if cutlass.const_expr(own_only):
+                vector = list(P.load_u32x4(own_scores + token * self.k + c))
+            else:
+                rank, i = c // self.k, c % self.k
+                mine = P.load_u32x4_if(own_scores + token * self.k + i, rank == self.rank)
+                theirs = P.load_u32x4_if(peer_scores + (token * self.dcp + rank) * self.k + i, rank != self.rank)
+                vector = [mine[j] | theirs[j] for j in range(4)]
+            for j in cutlass.range_constexpr(4):
+                word = vector[j]
+                words.append(word)
+                valids.append(element(start, warp, lane, 4 * u + j) < count and word != Uint32(NEG_INF_BITS))
+        return words, valids
+
+    @cute.jit
+    def tied_before(self, source, position, word, count):
+        """How many candidates of any rank have this score and a lower global position."""
+        token, own_scores, peer_scores, own_positions, peer_positions = source
+        tied = Int32(0)
+        for c in range(count):
+            rank, i = c // self.k, c % self.k
+            other, at = Uint32(0), Int32(0)
+            if rank == self.rank:
+                other = P.load_u32(own_scores + token * self.k + i)
+                at = P.load_i32(own_positions + token * self.k + i)
+            else:
+                other = P.load_u32(peer_scores + (token * self.dcp + rank) * self.k + i)
+                at = P.load_i32(peer_positions + (token * self.dcp + rank) * self.k + i)
+            tied = tied + P.select_i32(other == word and at < position, 1, 0)
+        return tied
+
+
+def compile_args():
+    i32, f32 = P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4)
+    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1))
