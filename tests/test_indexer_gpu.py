@@ -143,10 +143,10 @@ def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
     peer_positions = torch.stack([c.positions for c in candidates], dim=1)
     peer_scores = torch.stack([c.scores for c in candidates], dim=1)
     for rank, (tables, kernels) in enumerate(ranks):
-        peer_positions[:, rank] = -7  # the kernel reads this rank's candidates from `own`, not here
+        peer_positions[:, rank], peer_scores[:, rank] = -7, float("nan")  # read from `own`, not here
         slots = torch.full((8, 2048), -9, dtype=torch.int32, device="cuda")
         kernels.dcp_merge(candidates[rank].positions, candidates[rank].scores, peer_positions, peer_scores, tables,
                           slots, 8)
         torch.cuda.synchronize()
-        peer_positions[:, rank] = candidates[rank].positions
+        peer_positions[:, rank], peer_scores[:, rank] = candidates[rank].positions, candidates[rank].scores
         assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, rank)), rank
