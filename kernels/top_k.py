@@ -6,9 +6,10 @@ loads per lane (lane l, load u: scores 4 (32 u + l) .. + 3 of the segment), so e
 load instruction covers 512 contiguous bytes. A score's float bits map to an
 order-preserving 32-bit key; histogram rounds over 11 + 11 + 10 key bits find the exact
 k-th key T and how many keys equal to T are still needed; a round whose chosen bin is
-needed whole ends the search early (with continuous scores, usually after two). The first
-round's histogram is warp-aggregated (`match.any`): scores of similar magnitude share
-their top 11 bits, and 32 lanes adding to one shared counter would serialize.
+needed whole ends the search early (with continuous scores, usually after two). Every
+histogram is plain shared-memory atomics: warp-aggregating the first round with
+`match.any` (scores of similar magnitude share their top 11 bits) was measured 2x slower
+at 32K (bench/RESULTS.md).
 
 Output, in ascending score index (the sparse core does not depend on order; a compaction
 in index order is what needs no sort): every index with key > T, and the first `need`
@@ -75,7 +76,8 @@ class RadixSelect:
                         key = order_key(words[e])
                         digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
                         if r == 0:
-                            self.count_aggregated(hist, P.select_i32(valids[e], digit, HIST), lane)
+                            if valids[e]:
+                                cute.arch.atomic_add(hist.iterator + digit, Int32(1))
                         else:
                             if valids[e] and (key >> Uint32(shift + bits)) == prefix:
                                 cute.arch.atomic_add(hist.iterator + digit, Int32(1))
@@ -107,15 +109,6 @@ class RadixSelect:
         total = cute.arch.shuffle_sync(inclusive, offset=31)
         cute.arch.sync_threads()
         return before, total
-
-    @cute.jit
-    def count_aggregated(self, hist, digit, lane):
-        """hist[digit] += 1 for every lane, one shared atomic per distinct digit of the warp
-        (digit HIST: nothing to count)."""
-        peers = cute.arch.match_sync(0xFFFFFFFF, digit)
-        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)
-        if (peers & lower) == Uint32(0) and digit < HIST:
-            cute.arch.atomic_add(hist.iterator + digit, Int32(cute.arch.popc(peers)))
 
     @cute.jit
     def find_bin(self, hist, scratch, chosen, bins: int, need, tid, lane, warp):
