@@ -9,10 +9,10 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
   fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
              side:          MlaQuery -> QueryWait (DCP) ------/
   fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
-Backends: "cute" runs QueryNorm, MlaQuery, QueryWait and the indexer's key insert
-(IndexKey), wq_b (IndexQuery), scoring (DsaIndex), top-k (TopK) and DCP merge (DcpMerge)
-as CuTe DSL kernels chained with PDL; the sparse core is still the capturable torch
-version (graphstep.torch_stages): its CuTe DSL kernel is not written yet. "torch" runs every
+Backends: "cute" runs every stage as CuTe DSL kernels chained with PDL: QueryNorm,
+MlaQuery, QueryWait, the indexer's key insert (IndexKey), wq_b (IndexQuery), scoring
+(DsaIndex), top-k (TopK), DCP merge (DcpMerge) and the sparse core (SparseCore). "torch"
+runs every stage in torch (graphstep.torch_stages; the plain-torch baseline). "torch" runs every
 stage in torch (the plain-torch baseline).
 
 Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
@@ -58,6 +58,8 @@ class Buffers:
     own_positions: torch.Tensor  # DCP: this rank's top-k candidates, global positions [B, topk]
     own_scores: torch.Tensor  # and their scores
     slots: torch.Tensor  # the indexer's selection [B, topk]
+    partial_o: torch.Tensor  # SparseCore's split partials (cute backend; empty for torch)
+    partial_ml: torch.Tensor
     q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
     out: torch.Tensor  # sparse core [B, gathered, 512] fp32
     lse: torch.Tensor  # [B, gathered] fp32
@@ -99,6 +101,8 @@ class DecodeStep:
         s, dev = self.shape, self.device
         m, k = s.model, s.model.index_topk
         row_bytes = m.query_row * s.q_bytes
+        partial_o, partial_ml = (self.kernels.sparse_core_buffers(rows, dev) if self.kernels is not None
+                                 else (torch.empty(0, device=dev), torch.empty(0, device=dev)))
         return Buffers(
             qkv=torch.zeros(rows, m.packed_width, dtype=torch.bfloat16, device=dev),
             context_lens=torch.ones(rows, dtype=torch.int32, device=dev),
@@ -114,6 +118,8 @@ class DecodeStep:
             own_positions=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
             own_scores=torch.full((rows, k), float("-inf"), device=dev),
             slots=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
+            partial_o=partial_o,
+            partial_ml=partial_ml,
             q_out=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
             out=torch.zeros(rows, s.gathered, m.kv_lora_rank, device=dev),
             lse=torch.zeros(rows, s.gathered, device=dev),
@@ -170,7 +176,7 @@ class DecodeStep:
                     self._query_wait(size)
             if side is not None:
                 main.wait_stream(side)
-        torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
+        self._sparse_core(size)
         b.q_out[:size] = caches.mailbox[:size, : s.gathered]
         formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
 
@@ -197,6 +203,14 @@ class DecodeStep:
         else:
             k.top_k(b.scores, b.block_tables, b.context_lens, b.own_positions, b.own_scores, size)
             k.dcp_merge(b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables, b.slots, size)
+
+    def _sparse_core(self, size: int) -> None:
+        b, caches = self.buffers, self.caches
+        if self.kernels is not None:
+            self.kernels.sparse_core(caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse,
+                                     size)
+        else:
+            torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
 
     def _query_norm(self, inputs: StepInputs, size: int) -> None:
         if self.kernels is not None:

@@ -3,8 +3,7 @@ shapes: fixed shapes per captured batch, no host synchronization, and the padded
 writes (slot -1) sent to the state's spare page instead of being masked out.
 
 They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS bf16 GEMMs, an
-fp32 bmm over the dequantized FP8 indexer cache, torch.topk). The cute backend still uses
-one of them: the sparse core (no CuTe DSL kernel for it yet).
+fp32 bmm over the dequantized FP8 indexer cache, torch.topk).
 """
 
 from __future__ import annotations

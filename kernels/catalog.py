@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from . import dcp_merge, dsa_index, index_key, index_query, mla_query, query_norm, query_wait, top_k
+from . import dcp_merge, dsa_index, index_key, index_query, mla_query, query_norm, query_wait, sparse_core, top_k
 
 _CACHE: dict[tuple, object] = {}
 
@@ -74,6 +74,8 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
                        index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
+    out.append(Variant("sparse_core", sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8,
+                                                             m.softmax_scale, pdl), sparse_core.compile_args()))
     if topo.dcp > 1:
         out.append(Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl),
                            dcp_merge.compile_args()))

@@ -60,6 +60,20 @@ def load_u32x4_if(ptr, live) -> tuple:
         write_only_types=[Uint32] * 4, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
 
 
+def load_u32x2_if(ptr, live) -> tuple:
+    """8-byte global load issued only where `live` (0 words otherwise)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\tmov.b32 {$w1}, 0;\n\t"
+        "@p ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];\n\t}",
+        write_only_types=[Uint32] * 2, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
+def load_u32_if(ptr, live) -> Uint32:
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.b32 {$w0}, [{$r0}];\n\t}",
+        write_only_types=[Uint32], read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
 def load_f32_if(ptr, live) -> Float32:
     return cute.arch.inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.f32 {$w0}, [{$r0}];\n\t}",
@@ -137,6 +151,16 @@ def unpack_bf16x8(words) -> list:
         lo, hi = unpack_bf16x2(words[i])
         values += [lo, hi]
     return values
+
+
+def unpack_e4m3x4(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> four fp32 (exact)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi, f0, f1, f2, f3;\n\t.reg .b32 h01, h23;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 h01, lo;\n\tcvt.rn.f16x2.e4m3x2 h23, hi;\n\tmov.b32 {f0, f1}, h01;\n\t"
+        "mov.b32 {f2, f3}, h23;\n\tcvt.f32.f16 {$w0}, f0;\n\tcvt.f32.f16 {$w1}, f1;\n\tcvt.f32.f16 {$w2}, f2;\n\t"
+        "cvt.f32.f16 {$w3}, f3;\n\t}",
+        write_only_types=[Float32] * 4, read_only_args=[word])
 
 
 def pack_bf16x2(low, high) -> Uint32:

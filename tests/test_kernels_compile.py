@@ -38,7 +38,7 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == 8 + 12
+    assert len(ptx) == 9 + 13
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -106,8 +106,9 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
-                     "query_norm_rows.sm_90a.ptx", "top_k.sm_90a.ptx"]
-    assert "6 kernel variants" in capsys.readouterr().out
+                     "query_norm_rows.sm_90a.ptx", "sparse_core.sm_90a.ptx",
+                     "top_k.sm_90a.ptx"]
+    assert "7 kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():
@@ -138,3 +139,13 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
         assert "shfl.sync.up.b32" in text and "vote.sync.ballot.b32" in text  # block scans, ballot ranks
     # DCP: candidates carry their scores for the merge; a single rank writes slots only
     assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")
+
+
+def test_sparse_core_scores_on_tensor_cores(ptx):
+    for shape in SHAPES:
+        text = ptx[(shape, "sparse_core")]
+        assert len(_entries(text)) == 2  # partial, combine
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 4 * 36  # groups x chunks x 2
+    # the fp8 cache and fp8 query rows are widened on load
+    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core")]
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core")]
