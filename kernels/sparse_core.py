@@ -2,14 +2,15 @@
 
     out[b, h] = softmax_k(scale x q[b, h] . row[slot_k]) @ row[slot_k][:512],  lse[b, h]
 
-partial  grid (k / 128 slot splits, q_heads / 16 head tiles, tokens); 128 threads.
+partial  grid (k / 64 slot splits, q_heads / 16 head tiles, tokens); 128 threads.
          The tile's 16 query rows (bf16, or e4m3 widened exactly to bf16) go to shared
          memory; each warp scores 4 groups of 8 slots with mma.sync m16n8k16 (heads as M,
          slots as N, the 576 dims as K: every 16-byte key load is paired with the same
          dims of the query rows, the consistent-permutation trick of kernels/projection.py);
-         a softmax per head over the split's 128 slots (max and sum over 8 lanes); then
-         P @ V on the CUDA cores, thread t owning latent dims 4t..4t+3 of all 16 heads, eight
-         value rows loaded ahead. Writes the unnormalized partial output and (max, sum).
+         a softmax per head over the split's 64 slots (max and sum over 8 lanes); then
+         P @ V on the CUDA cores, thread t owning latent dims 4t..4t+3 of all 16 heads, the
+         next eight value rows in flight while the current eight are accumulated. Writes
+         the unnormalized partial output and (max, sum).
 combine  one warp per (token, head): the splits' partials rescaled to the global max,
          out = sum / total, lse = max + log(total) (natural log).
 
@@ -31,7 +32,9 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 
 HEADS = 16  # head tile: the MMA's M
-SLOTS = 128  # slots per split
+SLOTS = 64  # slots per split: 32 CTAs per token and head tile (parallelism at small batch)
+GROUPS = SLOTS // 8 // 4  # 8-slot MMA groups per warp
+PER_THREAD = SLOTS // 8  # slots per thread in the softmax (8 threads per head)
 THREADS = 128
 ROW, LATENT = 576, 512
 WORDS = ROW // 2  # bf16 pairs per query row in shared memory
@@ -72,13 +75,14 @@ class SparseCore:
         cute.arch.griddepcontrol_launch_dependents()
 
         head0 = group * HEADS
-        ids[tid] = P.load_i32(slots + token * self.k + split * SLOTS + tid)
+        if tid < SLOTS:
+            ids[tid] = P.load_i32(slots + token * self.k + split * SLOTS + tid)
         self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, qs, tid)
         cute.arch.sync_threads()
 
-        # scores: 4 groups of 8 slots per warp, 16 heads x 8 slots per MMA tile
-        for grp in cutlass.range_constexpr(4):
-            col0 = (warp * 4 + grp) * 8
+        # scores: GROUPS groups of 8 slots per warp, 16 heads x 8 slots per MMA tile
+        for grp in cutlass.range_constexpr(GROUPS):
+            col0 = (warp * GROUPS + grp) * 8
             slot = ids[col0 + g]
             row = cache + Int64(cutlass.max(slot, 0)) * self.row_bytes
             acc = [Float32(0)] * 4
@@ -97,20 +101,20 @@ class SparseCore:
                                                                 Float32(-math.inf))
         cute.arch.sync_threads()
 
-        # softmax over the split's slots: 8 threads per head, 16 slots each
+        # softmax over the split's slots: 8 threads per head, PER_THREAD slots each
         head, part = tid // 8, tid % 8
         values = []
-        for i in cutlass.range_constexpr(16):
-            values.append(ps[head * SLOTS + part * 16 + i])
+        for i in cutlass.range_constexpr(PER_THREAD):
+            values.append(ps[head * SLOTS + part * PER_THREAD + i])
         top = values[0]
-        for i in cutlass.range_constexpr(1, 16):
+        for i in cutlass.range_constexpr(1, PER_THREAD):
             top = cute.arch.fmax(top, values[i])
         for offset in cutlass.range_constexpr(3):
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
         total = Float32(0)
-        for i in cutlass.range_constexpr(16):
+        for i in cutlass.range_constexpr(PER_THREAD):
             p = P.select(top > Float32(-math.inf), cute.math.exp(values[i] - top), Float32(0))
-            ps[head * SLOTS + part * 16 + i] = p
+            ps[head * SLOTS + part * PER_THREAD + i] = p
             total = total + p
         for offset in cutlass.range_constexpr(3):
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
@@ -119,18 +123,18 @@ class SparseCore:
             P.store_f32x2(partial_ml + 2 * where, top, total)
         cute.arch.sync_threads()
 
-        # P @ V: thread t owns latent dims 4t..4t+3 of every head of the tile
+        # P @ V: thread t owns latent dims 4t..4t+3 of every head of the tile; the next
+        # UNROLL value rows are loaded while the current ones are accumulated
         acc_o = [[Float32(0)] * 4 for _ in range(HEADS)]
+        rows = self.value_rows(cache, ids, 0, tid)
         for j0 in range(0, SLOTS, UNROLL):
-            rows = []
-            for u in cutlass.range_constexpr(UNROLL):
-                slot = ids[j0 + u]
-                rows.append(self.value4(cache + Int64(cutlass.max(slot, 0)) * self.row_bytes, tid, slot >= 0))
+            ahead = self.value_rows(cache, ids, cutlass.min(j0 + UNROLL, SLOTS - UNROLL), tid)
             for u in cutlass.range_constexpr(UNROLL):
                 for h in cutlass.range_constexpr(HEADS):
                     p = ps[h * SLOTS + j0 + u]
                     for d in cutlass.range_constexpr(4):
                         acc_o[h][d] = acc_o[h][d] + p * rows[u][d]
+            rows = ahead
         for h in cutlass.range_constexpr(HEADS):
             dst = partial_o + ((token * self.splits + split) * self.q_heads + head0 + h) * LATENT + 4 * tid
             P.store_f32x2(dst, acc_o[h][0], acc_o[h][1])
@@ -170,6 +174,15 @@ class SparseCore:
         else:  # the bf16 rope after the 512 e4m3 and 4 scales
             words = list(P.load_u32x4_if(row + LATENT + 16 + 2 * (d0 - LATENT), live))
         return words
+
+    @cute.jit
+    def value_rows(self, cache, ids, first, tid) -> list:
+        """Latent dims 4 tid .. + 3 of the UNROLL cache rows of slots ids[first ..]."""
+        rows = []
+        for u in cutlass.range_constexpr(UNROLL):
+            slot = ids[first + u]
+            rows.append(self.value4(cache + Int64(cutlass.max(slot, 0)) * self.row_bytes, tid, slot >= 0))
+        return rows
 
     @cute.jit
     def value4(self, row, tid, live):
