@@ -142,20 +142,20 @@ class Kernels:
         op = dcp_merge.DcpMerge(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
         return catalog.compile_op(op, dcp_merge.compile_args())
 
-    def _sparse_core_op(self, split: int):
+    def _sparse_core_op(self):
         from .kernels import catalog, sparse_core
 
         s, topo = self.shape, self.shape.topology
         op = sparse_core.SparseCore(s.q_heads, s.gathered, s.model.index_topk, topo.q_format == "fp8",
-                                    topo.mla_cache == "fp8", s.model.softmax_scale, split, self.pdl)
+                                    topo.mla_cache == "fp8", s.model.softmax_scale, self.pdl)
         return catalog.compile_op(op, sparse_core.compile_args())
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """SparseCore's split partials for up to `rows` tokens at the finest split: (out
-        [rows, splits, q_heads, 512], (max, sum) [rows, splits, q_heads, 2]) fp32."""
-        from .kernels.sparse_core import SPLITS
+        """SparseCore's split partials for up to `rows` tokens: (out [rows, splits, q_heads,
+        512], (max, sum) [rows, splits, q_heads, 2]) fp32."""
+        from .kernels.sparse_core import SLOTS
 
-        splits, q_heads = self.shape.model.index_topk // min(SPLITS), self.shape.q_heads
+        splits, q_heads = self.shape.model.index_topk // SLOTS, self.shape.q_heads
         return (torch.empty(rows, splits, q_heads, self.shape.model.kv_lora_rank, device=device),
                 torch.empty(rows, splits, q_heads, 2, device=device))
 
@@ -251,8 +251,7 @@ class Kernels:
                              ptr(block_tables, 4), ptr(out, 4), Int32(batch), Int32(block_tables.shape[1]),
                              current_stream())
 
-    def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int,
-                    split: int | None = None) -> None:
+    def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int) -> None:
         """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
         576 x q_bytes]), slots int32 [>= batch, topk] (-1: none) -> out fp32 [>= batch,
         gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers."""

@@ -2,12 +2,12 @@
 
     out[b, h] = softmax_k(scale x q[b, h] . row[slot_k]) @ row[slot_k][:512],  lse[b, h]
 
-partial  grid (k / split slot splits, q_heads / 16 head tiles, tokens); 128 threads.
+partial  grid (k / 64 slot splits, q_heads / 16 head tiles, tokens); 128 threads.
          The tile's 16 query rows (bf16, or e4m3 widened exactly to bf16) go to shared
          memory; each warp scores 4 groups of 8 slots with mma.sync m16n8k16 (heads as M,
          slots as N, the 576 dims as K: every 16-byte key load is paired with the same
          dims of the query rows, the consistent-permutation trick of kernels/projection.py);
-         a softmax per head over the split's 64 or 128 slots (max, sum over 8 lanes); then
+         a softmax per head over the split's 64 slots (max and sum over 8 lanes); then
          P @ V on the CUDA cores, thread t owning latent dims 4t..4t+3 of all 16 heads, the
          next eight value rows in flight while the current eight are accumulated. Writes
          the unnormalized partial output and (max, sum).
@@ -32,31 +32,23 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 
 HEADS = 16  # head tile: the MMA's M
-SPLITS = (64, 128)  # slots per split: 64 doubles the CTAs at small batch, 128 halves the
-# partials' traffic at large batch (Kernels.sparse_core picks by batch)
+SLOTS = 64  # slots per split: 32 CTAs per token and head tile (parallelism at small batch)
+GROUPS = SLOTS // 8 // 4  # 8-slot MMA groups per warp
+PER_THREAD = SLOTS // 8  # slots per thread in the softmax (8 threads per head)
 THREADS = 128
 ROW, LATENT = 576, 512
 WORDS = ROW // 2  # bf16 pairs per query row in shared memory
 UNROLL = 8  # value rows loaded ahead in P @ V
 
 
-def split_for(batch: int, q_heads: int, k: int, sms: int = 132) -> int:
-    """Slots per split for a batch: 64 (twice the CTAs) while 128-slot splits would fill
-    fewer than two waves of two CTAs per SM, else 128 (half the partials' traffic).
-    Measured at TP8, 32K on the H200: 64 is faster at B <= 16, 128 at B = 64."""
-    return 64 if batch * (q_heads // HEADS) * (k // 128) < 2 * 2 * sms else 128
-
-
 class SparseCore:
     def __init__(self, q_heads: int, gathered: int, k: int, q_fp8: bool, mla_fp8: bool, softmax_scale: float,
-                 split: int = 64, pdl: bool = True):
-        if q_heads % HEADS or split not in SPLITS or k % split:
-            raise ValueError(f"SparseCore needs q_heads % {HEADS} == 0, split in {SPLITS} and k % split == 0, "
-                             f"got {q_heads}, {split}, {k}")
-        self.slots = split
+                 pdl: bool = True):
+        if q_heads % HEADS or k % SLOTS:
+            raise ValueError(f"SparseCore needs q_heads % {HEADS} == 0 and k % {SLOTS} == 0, got {q_heads}, {k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
         self.softmax_scale, self.pdl = softmax_scale, pdl
-        self.splits = k // split
+        self.splits = k // SLOTS
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = 656 if mla_fp8 else 2 * ROW
 
@@ -77,21 +69,20 @@ class SparseCore:
         g, t = lane // 4, lane % 4
         smem = cutlass.memory.SmemAllocator()
         qs = smem.allocate_tensor(Uint32, cute.make_layout(HEADS * WORDS), byte_alignment=16)
-        ps = smem.allocate_tensor(Float32, cute.make_layout(HEADS * self.slots), byte_alignment=16)
-        ids = smem.allocate_tensor(Int32, cute.make_layout(self.slots), byte_alignment=16)
+        ps = smem.allocate_tensor(Float32, cute.make_layout(HEADS * SLOTS), byte_alignment=16)
+        ids = smem.allocate_tensor(Int32, cute.make_layout(SLOTS), byte_alignment=16)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
         head0 = group * HEADS
-        if tid < self.slots:
-            ids[tid] = P.load_i32(slots + token * self.k + split * self.slots + tid)
+        if tid < SLOTS:
+            ids[tid] = P.load_i32(slots + token * self.k + split * SLOTS + tid)
         self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, qs, tid)
         cute.arch.sync_threads()
 
-        # scores: `groups` groups of 8 slots per warp, 16 heads x 8 slots per MMA tile
-        groups = self.slots // 32
-        for grp in cutlass.range_constexpr(groups):
-            col0 = (warp * groups + grp) * 8
+        # scores: GROUPS groups of 8 slots per warp, 16 heads x 8 slots per MMA tile
+        for grp in cutlass.range_constexpr(GROUPS):
+            col0 = (warp * GROUPS + grp) * 8
             slot = ids[col0 + g]
             row = cache + Int64(cutlass.max(slot, 0)) * self.row_bytes
             acc = [Float32(0)] * 4
@@ -106,24 +97,24 @@ class SparseCore:
                 acc = P.mma_bf16_16816((qa[2], qb[2], qa[3], qb[3]), (key[2], key[3]), acc)
             for q in cutlass.range_constexpr(4):  # acc: heads (g, g + 8) x slots (2t, 2t + 1)
                 col = col0 + 2 * t + q % 2
-                ps[(g + 8 * (q // 2)) * self.slots + col] = P.select(
-                    ids[col] >= 0, acc[q] * Float32(self.softmax_scale), Float32(-math.inf))
+                ps[(g + 8 * (q // 2)) * SLOTS + col] = P.select(ids[col] >= 0, acc[q] * Float32(self.softmax_scale),
+                                                                Float32(-math.inf))
         cute.arch.sync_threads()
 
-        # softmax over the split's slots: 8 threads per head, `each` slots per thread
-        head, part, each = tid // 8, tid % 8, self.slots // 8
+        # softmax over the split's slots: 8 threads per head, PER_THREAD slots each
+        head, part = tid // 8, tid % 8
         values = []
-        for i in cutlass.range_constexpr(each):
-            values.append(ps[head * self.slots + part * each + i])
+        for i in cutlass.range_constexpr(PER_THREAD):
+            values.append(ps[head * SLOTS + part * PER_THREAD + i])
         top = values[0]
-        for i in cutlass.range_constexpr(1, each):
+        for i in cutlass.range_constexpr(1, PER_THREAD):
             top = cute.arch.fmax(top, values[i])
         for offset in cutlass.range_constexpr(3):
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
         total = Float32(0)
-        for i in cutlass.range_constexpr(each):
+        for i in cutlass.range_constexpr(PER_THREAD):
             p = P.select(top > Float32(-math.inf), cute.math.exp(values[i] - top), Float32(0))
-            ps[head * self.slots + part * each + i] = p
+            ps[head * SLOTS + part * PER_THREAD + i] = p
             total = total + p
         for offset in cutlass.range_constexpr(3):
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
@@ -136,11 +127,11 @@ class SparseCore:
         # UNROLL value rows are loaded while the current ones are accumulated
         acc_o = [[Float32(0)] * 4 for _ in range(HEADS)]
         rows = self.value_rows(cache, ids, 0, tid)
-        for j0 in range(0, self.slots, UNROLL):
-            ahead = self.value_rows(cache, ids, cutlass.min(j0 + UNROLL, self.slots - UNROLL), tid)
+        for j0 in range(0, SLOTS, UNROLL):
+            ahead = self.value_rows(cache, ids, cutlass.min(j0 + UNROLL, SLOTS - UNROLL), tid)
             for u in cutlass.range_constexpr(UNROLL):
                 for h in cutlass.range_constexpr(HEADS):
-                    p = ps[h * self.slots + j0 + u]
+                    p = ps[h * SLOTS + j0 + u]
                     for d in cutlass.range_constexpr(4):
                         acc_o[h][d] = acc_o[h][d] + p * rows[u][d]
             rows = ahead

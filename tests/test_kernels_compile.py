@@ -38,7 +38,7 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == 10 + 14
+    assert len(ptx) == 9 + 13
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -106,7 +106,7 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
-                     "query_norm_rows.sm_90a.ptx", "sparse_core_64.sm_90a.ptx",
+                     "query_norm_rows.sm_90a.ptx", "sparse_core.sm_90a.ptx",
                      "top_k.sm_90a.ptx"]
     assert "7 kernel variants" in capsys.readouterr().out
 
@@ -143,17 +143,10 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
 
 def test_sparse_core_scores_on_tensor_cores(ptx):
     for shape in SHAPES:
-        for split in sparse_core.SPLITS:
-            text = ptx[(shape, f"sparse_core_{split}")]
-            assert len(_entries(text)) == 2  # partial, combine
-            # MMA groups of 8 slots per warp x 18 chunks of 32 dims x 2 MMAs
-            assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= split // 32 * 36
+        text = ptx[(shape, "sparse_core")]
+        assert len(_entries(text)) == 2  # partial, combine
+        groups = sparse_core.SLOTS // 8 // 4  # MMA groups per warp x 18 chunks x 2
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= groups * 36
     # the fp8 cache and fp8 query rows are widened on load
-    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_64")]
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_64")]
-
-
-def test_sparse_core_split_follows_the_batch():
-    assert sparse_core.split_for(1, 16, 2048) == 64 and sparse_core.split_for(16, 16, 2048) == 64
-    assert sparse_core.split_for(64, 16, 2048) == 128
-    assert sparse_core.split_for(8, 128, 2048) == 128  # 8 head tiles of TP1 fill the GPU already
+    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core")]
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core")]
