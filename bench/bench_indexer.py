@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import json
 import sys
 
 import torch
 
-from bench_kernels import L2_BYTES, graph_time_us
+from bench_kernels import L2_BYTES, graph_time_us, parse_args
 from graphstep import reference as ref, torch_stages
 from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.launch import Kernels
@@ -108,7 +107,6 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
         rows.append(dict(context=context, batch=batch, wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
                          score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW, **t))
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr, flush=True)
-        del caches
     return rows
 
 
@@ -116,11 +114,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--context", default="4096,32768,131072")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--watchdog", type=float, default=0, help="seconds before dumping stacks and exiting")
-    args = parser.parse_args()
-    if args.watchdog:
-        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    args = parse_args(parser)
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
     batches = [int(b) for b in args.batch.split(",")]
     rows = []

@@ -155,15 +155,21 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", default="16,128")
-    parser.add_argument("--batch", default="1,4,16,64,128")
-    parser.add_argument("--json", default=None)
+def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The benchmarks' shared flags (--json, --watchdog), parsed; the watchdog started."""
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--watchdog", type=float, default=0, help="seconds before dumping stacks and exiting")
     args = parser.parse_args()
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    return args
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", default="16,128")
+    parser.add_argument("--batch", default="1,4,16,64,128")
+    args = parse_args(parser)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):

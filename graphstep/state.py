@@ -141,7 +141,7 @@ class LayerState:
         check_batch(batch)
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the state's max_batch {self.max_batch}")
-        model, topo, dev = self.shape.model, self.shape.topology, self.device
+        model, dev = self.shape.model, self.device
         gen = self._gen if seed is None else torch.Generator(device=dev).manual_seed(seed)
         if context_lens is None:
             lens = torch.randint(1, self.max_context + 1, (batch,), generator=gen, device=dev)

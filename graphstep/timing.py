@@ -16,7 +16,6 @@ import torch
 
 from . import floor
 from .report import Progress, table
-from .shapes import RankShape
 from .step import DecodeStep
 
 

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from . import primitives as P
-from .top_k import CHUNK, HIST, LOADS, PAGE, THREADS, WARPS, RadixSelect, element, order_key
+from .top_k import CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
 
 NEG_INF_BITS = 0xFF800000
 
@@ -47,10 +47,7 @@ class DcpMerge(RadixSelect):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
-        smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-        chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        hist, scratch, chosen = self.shared_buffers()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 

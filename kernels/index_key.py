@@ -12,7 +12,6 @@ DsaIndex -> TopK) and DsaIndex sees the new keys.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 

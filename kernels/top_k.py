@@ -57,6 +57,14 @@ class RadixSelect:
     `segment(source, start, warp, lane) -> (words, valids)`: a lane's 4 x LOADS elements of
     the chunk at `start` (see `element`) as fp32 bits, and which of them take part."""
 
+    @staticmethod
+    def shared_buffers():
+        """(histogram, per-warp scratch, the chosen bin's 4 words) in shared memory."""
+        smem = cutlass.memory.SmemAllocator()
+        return (smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16),
+                smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16),
+                smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16))
+
     @cute.jit
     def find_threshold(self, source, count, k: int, hist, scratch, chosen, tid, lane, warp):
         """(T, need) over the `count` elements of `source`: the k best are every valid key
@@ -151,10 +159,7 @@ class TopK(RadixSelect):
         tid, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
-        smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
-        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-        chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        hist, scratch, chosen = self.shared_buffers()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
