@@ -5,11 +5,11 @@
 
 Grid: (page groups of 4 pages, tokens); 128 threads. A CTA keeps its token's 64 e4m3
 query rows (8 KB) and head weights in registers; each warp takes 16 cached keys of each of
-its 4 pages, all loads issued first (predicated loads: key blocks of 16 that start past the
-length are never read), then per page: mma.sync m16n8k32 e4m3 with the keys as A (16 x 128) and the
-queries as B (8 heads per MMA, 8 MMA columns for 64 heads), FP32 accumulation; ReLU, the
-weighted head sum (in registers, then across the 4 lanes of a row), times the key's
-scale. The page layout is graphstep/formats.py's: [64 x 128 e4m3 | 64 x fp32 scale].
+its 4 pages, all loads issued first (predicated loads: key blocks of 16 that start past
+the length are never read), then per page: mma.sync m16n8k32 e4m3 with the keys as A
+(16 x 128) and the queries as B (8 heads per MMA, 8 MMA columns for 64 heads), FP32
+accumulation; ReLU, the weighted head sum (in registers, then across the 4 lanes of a
+row), times the key's scale. The page layout is graphstep/formats.py's: [64 x 128 e4m3 | 64 x fp32 scale].
 Every 16-byte word a thread loads from a key row is paired with the same word of the
 query rows, so any consistent split of the 128 dims over the MMA's k slots is exact.
 Under DCP the local length of a sequence is ceil((len - rank) / dcp).
