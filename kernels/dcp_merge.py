@@ -44,12 +44,7 @@ class DcpMerge(RadixSelect):
     @cute.kernel
     def kernel(self, own_positions: cute.Pointer, own_scores: cute.Pointer, peer_positions: cute.Pointer,
                peer_scores: cute.Pointer, block_tables: cute.Pointer, out: cute.Pointer, pages_per_seq: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        hist, scratch, chosen = self.shared_buffers()
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
         source = (token, own_scores, peer_scores, own_positions, peer_positions)
         count = self.dcp * self.k

@@ -58,12 +58,19 @@ class RadixSelect:
     the chunk at `start` (see `element`) as fp32 bits, and which of them take part."""
 
     @staticmethod
-    def shared_buffers():
-        """(histogram, per-warp scratch, the chosen bin's 4 words) in shared memory."""
+    def begin() -> tuple:
+        """A kernel's opening: (tid, token, lane, warp) and the shared buffers (histogram,
+        per-warp scratch, the chosen bin's 4 words), after the PDL wait and release."""
+        tid, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        return (smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16),
-                smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16),
-                smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16))
+        hist = smem.allocate_tensor(Int32, cute.make_layout(HIST), byte_alignment=16)
+        scratch = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
+        chosen = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        return tid, token, lane, warp, hist, scratch, chosen
 
     @cute.jit
     def find_threshold(self, source, count, k: int, hist, scratch, chosen, tid, lane, warp):
@@ -156,12 +163,7 @@ class TopK(RadixSelect):
     @cute.kernel
     def kernel(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
                out: cute.Pointer, out_scores: cute.Pointer, pages_per_seq: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        hist, scratch, chosen = self.shared_buffers()
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
         width = pages_per_seq * PAGE
         n = cutlass.min(cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0),
