@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import torch
 
-from bench_kernels import L2_BYTES, graph_time_us, parse_args
+from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
 from graphstep import reference as ref, torch_stages
 from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.launch import Kernels
-from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -123,14 +121,10 @@ def main() -> int:
         torch.cuda.empty_cache()
     headers = ["ctx", "B", "wq_b", "cublas", "wq_b %BW", "score", "bmm", "score %BW", "top_k", "torch.topk",
                "path", "torch path", "torch/ours"]
-    print(table(headers, [[r["context"], r["batch"], r["wq_b"], r["torch_wq_b"], round(100 * r["wq_b_bw"], 1),
-                           r["score"], r["torch_score"], round(100 * r["score_bw"], 1), r["top_k"], r["torch_top_k"],
-                           r["path"], r["torch_path"], round(r["torch_path"] / r["path"], 1)] for r in rows],
-                markdown=True))
-    print("times in us per launch (median of graph replays); %BW of 4.3 TB/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, headers, [[r["context"], r["batch"], r["wq_b"], r["torch_wq_b"], round(100 * r["wq_b_bw"], 1),
+                            r["score"], r["torch_score"], round(100 * r["score_bw"], 1), r["top_k"], r["torch_top_k"],
+                            r["path"], r["torch_path"], round(r["torch_path"] / r["path"], 1)] for r in rows],
+           "times in us per launch (median of graph replays); %BW of 4.3 TB/s", args.json)
     return 0
 
 

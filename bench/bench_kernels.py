@@ -165,6 +165,15 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def report(rows: list[dict], headers: list[str], cells: list[list], caption: str, json_path: str | None) -> None:
+    """Print a benchmark's markdown table and caption; write its rows as JSON if asked."""
+    print(table(headers, cells, markdown=True))
+    print(caption)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default="16,128")
@@ -176,16 +185,12 @@ def main() -> int:
         rows += bench_shape(heads, batches)
     headers = ["H", "B", "norm pdl", "norm no-pdl", "torch norm", "mla pdl", "mla no-pdl", "cublas qb+uk",
                "torch mla", "floor", "mla %4.3TB/s", "cublas/mla", "torch/mla"]
-    print(table(headers, [[r["heads"], r["batch"], r["query_norm_pdl"], r["query_norm_nopdl"], r["torch_rmsnorm"],
-                           r["mla_query_pdl"], r["mla_query_nopdl"], r["cublas_qb_uk"], r["torch_mla_query"],
-                           r["floor_us"], round(100 * r["mla_bw_frac"], 1),
-                           round(r["cublas_qb_uk"] / r["mla_query_pdl"], 2),
-                           round(r["torch_mla_query"] / r["mla_query_pdl"], 2)]
-                          for r in rows], markdown=True))
-    print("times in us per launch (median of graph replays)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report(rows, headers, [[r["heads"], r["batch"], r["query_norm_pdl"], r["query_norm_nopdl"], r["torch_rmsnorm"],
+                            r["mla_query_pdl"], r["mla_query_nopdl"], r["cublas_qb_uk"], r["torch_mla_query"],
+                            r["floor_us"], round(100 * r["mla_bw_frac"], 1),
+                            round(r["cublas_qb_uk"] / r["mla_query_pdl"], 2),
+                            round(r["torch_mla_query"] / r["mla_query_pdl"], 2)] for r in rows],
+           "times in us per launch (median of graph replays)", args.json)
     return 0
 
 
