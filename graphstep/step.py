@@ -160,14 +160,14 @@ class DecodeStep:
             caches.mailbox[:size, : own.start] = b.peer_rows[:size, : own.start]
             caches.mailbox[:size, own.stop: s.gathered] = b.peer_rows[:size, own.stop:]
         if mode == "serial":
-            self._index_key_insert(inputs)
+            self._index_key_insert(size)
             self._mla_query(inputs, size, store_qc=True, poll=dcp)
             self._indexer(inputs, size, candidates)
         else:
             side = side_stream(self.device.index) if main is not None else None
             if side is not None:
                 side.wait_stream(main)
-            self._index_key_insert(inputs)
+            self._index_key_insert(size)
             self._query_norm(inputs, size)
             self._indexer(inputs, size, candidates)
             with torch.cuda.stream(side) if side is not None else nullcontext():
@@ -180,14 +180,13 @@ class DecodeStep:
         b.q_out[:size] = caches.mailbox[:size, : s.gathered]
         formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
 
-    def _index_key_insert(self, inputs: StepInputs) -> None:
+    def _index_key_insert(self, size: int) -> None:
         """The new tokens' indexer keys. It needs only the inputs, so it opens the main
         stream's PDL chain: IndexKey -> QueryNorm -> IndexQuery -> DsaIndex -> TopK (the
         torch backend inserts its keys inside torch_stages.indexer)."""
         if self.kernels is not None:
             b = self.buffers
-            self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.caches.index_cache,
-                                   inputs.qkv.shape[0])
+            self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.caches.index_cache, size)
 
     def _indexer(self, inputs: StepInputs, size: int, candidates) -> None:
         """wq_b, scoring and top-k of the main stream -> buffers.slots."""

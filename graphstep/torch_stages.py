@@ -71,14 +71,6 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
     picked = scores.gather(1, local.clamp_min(0).long())
     own = ref.Candidates(torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
                          torch.where(local >= 0, picked, float("-inf")))
-    return dcp_slots(state, inputs, own, peer_candidates)
-
-
-def dcp_slots(state: LayerState, inputs: StepInputs, own: ref.Candidates,
-              peer_candidates: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """DCP: merge this rank's candidates with the peers' ((positions, scores) [B, dcp,
-    topk], this rank's ignored) into the global top-k, and keep this rank's slots."""
-    m, topo = state.shape.model, state.shape.topology
     positions, scores_of = peer_candidates
     candidates = [own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank])
                   for rank in range(topo.dcp)]
