@@ -142,22 +142,30 @@ class Kernels:
         op = dcp_merge.DcpMerge(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
         return catalog.compile_op(op, dcp_merge.compile_args())
 
-    def _sparse_core_op(self):
+    def _sparse_core_op(self, slots_per_cta: int):
         from .kernels import catalog, sparse_core
 
         s, topo = self.shape, self.shape.topology
         op = sparse_core.SparseCore(s.q_heads, s.gathered, s.model.index_topk, topo.q_format == "fp8",
-                                    topo.mla_cache == "fp8", s.model.softmax_scale, self.pdl)
+                                    topo.mla_cache == "fp8", s.model.softmax_scale, slots_per_cta, self.pdl)
         return catalog.compile_op(op, sparse_core.compile_args())
 
-    def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """SparseCore's split partials for up to `rows` tokens: (out [rows, splits, q_heads,
-        512], (max, sum) [rows, splits, q_heads, 2]) fp32."""
-        from .kernels.sparse_core import SLOTS
+    def sparse_core_plan(self, batch: int) -> int:
+        """The slots per SparseCore CTA a launch of `batch` tokens uses."""
+        from .kernels.sparse_core import plan
 
-        splits, q_heads = self.shape.model.index_topk // SLOTS, self.shape.q_heads
-        return (torch.empty(rows, splits, q_heads, self.shape.model.kv_lora_rank, device=device),
-                torch.empty(rows, splits, q_heads, 2, device=device))
+        return plan(batch, self.shape.q_heads, self.shape.model.index_topk)
+
+    def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,
+        512], (max, sum) [n, q_heads, 2]) fp32, n = the most (token, split) pairs a launch
+        of 1 .. rows tokens makes."""
+        from .kernels.sparse_core import partial_rows
+
+        s = self.shape
+        n = max(partial_rows(b, s.q_heads, s.model.index_topk) for b in range(1, rows + 1))
+        return (torch.empty(n, s.q_heads, s.model.kv_lora_rank, device=device),
+                torch.empty(n, s.q_heads, 2, device=device))
 
     def warm(self, polls=(False, True)) -> None:
         """Compile every variant this rank can launch (no launches)."""
@@ -251,11 +259,19 @@ class Kernels:
                              ptr(block_tables, 4), ptr(out, 4), Int32(batch), Int32(block_tables.shape[1]),
                              current_stream())
 
-    def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int) -> None:
+    def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int,
+                    slots_per_cta: int | None = None) -> None:
         """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
         576 x q_bytes]), slots int32 [>= batch, topk] (-1: none) -> out fp32 [>= batch,
-        gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers."""
+        gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers.
+        slots_per_cta: the plan's choice unless given (benchmarks sweep it; the partials
+        must then hold batch x topk / slots_per_cta rows)."""
         from cutlass import Int32
 
-        self._sparse_core_op()(ptr(q_rows), ptr(slots, 4), ptr(mla_cache.view(torch.uint8)), ptr(partial_o),
-                               ptr(partial_ml), ptr(out), ptr(lse, 4), Int32(batch), current_stream())
+        spc = slots_per_cta or self.sparse_core_plan(batch)
+        needed = batch * self.shape.model.index_topk // spc
+        if partial_o.shape[0] < needed or partial_ml.shape[0] < needed:
+            raise ValueError(f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "
+                             f"{spc} slots per CTA needs {needed}")
+        self._sparse_core_op(spc)(ptr(q_rows), ptr(slots, 4), ptr(mla_cache.view(torch.uint8)), ptr(partial_o),
+                                  ptr(partial_ml, 8), ptr(out), ptr(lse, 4), Int32(batch), current_stream())

@@ -56,8 +56,9 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
     return fn
 
 
-def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) -> list[Variant]:
-    """The kernel variants a step of `shape` (a graphstep RankShape) can launch."""
+def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), batches=range(1, 65)) -> list[Variant]:
+    """The kernel variants a step of `shape` (a graphstep RankShape) can launch for the
+    given batch sizes (SparseCore's slots per CTA depend on the batch)."""
     m, topo = shape.model, shape.topology
     q_fp8, mla_fp8 = topo.q_format == "fp8", topo.mla_cache == "fp8"
     out = []
@@ -74,8 +75,10 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
                        index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
-    out.append(Variant("sparse_core", sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8,
-                                                             m.softmax_scale, pdl), sparse_core.compile_args()))
+    for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
+        op = sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale,
+                                    slots, pdl)
+        out.append(Variant(f"sparse_core_s{slots}", op, sparse_core.compile_args()))
     if topo.dcp > 1:
         out.append(Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl),
                            dcp_merge.compile_args()))
@@ -90,11 +93,11 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]
     from graphstep.shapes import tiled_from
 
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
-    # (the indexer kernels do not depend on the batch)
+    batches = range(1, 65) if batch is None else (batch,)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for variant in variants(shape, norms=norms):
+    for variant in variants(shape, norms=norms, batches=batches):
         with tempfile.TemporaryDirectory() as tmp:
             compile_op(variant.op, variant.args, arch, tmp)
             ptx = [p for p in Path(tmp).iterdir() if p.suffix == ".ptx"]

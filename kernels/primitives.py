@@ -69,6 +69,22 @@ def load_u32x2_if(ptr, live) -> tuple:
         write_only_types=[Uint32] * 2, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
 
 
+def load_f32x4_if(ptr, live) -> tuple:
+    """16-byte fp32 global load issued only where `live` (0.0 otherwise)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.f32 {$w0}, 0f00000000;\n\tmov.f32 {$w1}, 0f00000000;\n\t"
+        "mov.f32 {$w2}, 0f00000000;\n\tmov.f32 {$w3}, 0f00000000;\n\t@p ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];\n\t}",
+        write_only_types=[Float32] * 4, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
+def load_f32x2_if(ptr, live) -> tuple:
+    """8-byte fp32 global load issued only where `live` (0.0 otherwise)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.f32 {$w0}, 0f00000000;\n\tmov.f32 {$w1}, 0f00000000;\n\t"
+        "@p ld.global.v2.f32 {{$w0}, {$w1}}, [{$r0}];\n\t}",
+        write_only_types=[Float32] * 2, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
 def load_u32_if(ptr, live) -> Uint32:
     return cute.arch.inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.b32 {$w0}, [{$r0}];\n\t}",
@@ -385,6 +401,68 @@ def mma_bf16_16816(a, b, c) -> list:
 def mma_e4m3_16832(a, b, c) -> list:
     """m16n8k32, four e4m3 in each word."""
     return _mma("m16n8k32.row.col.f32.e4m3.e4m3.f32", a, b, c)
+
+
+# -- shared memory, asynchronous copies, ldmatrix --------------------------------------------
+# Shared-memory pointers (a smem tensor's `.iterator` plus a byte offset) lower to 32-bit
+# `.shared` addresses in PTX.
+
+def cp_async_16(dst, src, live):
+    """Copy 16 bytes global -> shared without blocking (`cp.async.cg`, L2 only); where not
+    `live` nothing is read and the 16 bytes are zero-filled."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))])
+
+
+def cp_async_commit():
+    cute.arch.inline_ptx("cp.async.commit_group;")
+
+
+def cp_async_wait(pending: int):
+    """Wait until at most `pending` of this thread's committed copy groups are in flight."""
+    cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
+
+
+def ld_shared_u32x4(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[ptr])
+
+
+def ld_shared_u32x2(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2,
+                                read_only_args=[ptr])
+
+
+def ld_shared_f32(ptr) -> Float32:
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
+
+
+def st_shared_u32x4(ptr, words):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[ptr, words[0], words[1], words[2], words[3]])
+
+
+def st_shared_u32(ptr, word):
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[ptr, word])
+
+
+def ldmatrix_x4(ptr) -> tuple:
+    """Four 8 x 8 b16 matrices: lanes 8i..8i+7 give the row addresses of matrix i; lane
+    (g = lane / 4, t = lane % 4) receives row g, columns 2t, 2t + 1 of each."""
+    return cute.arch.inline_ptx("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[ptr])
+
+
+def ldmatrix_x4_trans(ptr) -> tuple:
+    """As ldmatrix_x4, transposed: lane (g, t) receives rows 2t, 2t + 1 of column g."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4, read_only_args=[ptr])
+
+
+def exp2_approx(x) -> Float32:
+    """2^x (ex2.approx: about 2 ulp; -inf -> +0)."""
+    return cute.arch.inline_ptx("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[x])
 
 
 # -- host side ----------------------------------------------------------------------------

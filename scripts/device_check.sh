@@ -18,13 +18,13 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels indexer pybench)
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels indexer sparse pybench)
   only=" $* "
 else
   only=" gpu_tests graph run bench serve nsys kernels "
 fi
 want() { [[ "$only" == *" $1 "* ]]; }
-want gpu_tests && step gpu_tests 170 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+want gpu_tests && step gpu_tests 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
 want bench && step bench 150 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
@@ -32,5 +32,6 @@ want serve && step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --
 want nsys && step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 --steps 3 --context 8192
 want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
 want indexer && TAIL=20 step indexer 240 python3 bench/bench_indexer.py --json "$out/indexer.json" --watchdog 235
+want sparse && TAIL=16 step sparse 240 python3 bench/bench_sparse_core.py --sweep --json "$out/sparse.json" --watchdog 235
 want pybench && TAIL=30 step pybench 150 python3 -m pytest bench/test_step_bench.py -q -m gpu -p no:cacheprovider \
   --benchmark-only --benchmark-columns=median,iqr,rounds --benchmark-json "$out/pybench.json"

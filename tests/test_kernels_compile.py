@@ -38,7 +38,7 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == 9 + 13
+    assert len(ptx) == (8 + 7) + (12 + 7)  # + 7 SparseCore splits each (16 .. 1024 slots per CTA)
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -106,7 +106,7 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
-                     "query_norm_rows.sm_90a.ptx", "sparse_core.sm_90a.ptx",
+                     "query_norm_rows.sm_90a.ptx", "sparse_core_s64.sm_90a.ptx",
                      "top_k.sm_90a.ptx"]
     assert "7 kernel variants" in capsys.readouterr().out
 
@@ -141,12 +141,22 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
     assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")
 
 
-def test_sparse_core_scores_on_tensor_cores(ptx):
-    for shape in SHAPES:
-        text = ptx[(shape, "sparse_core")]
-        assert len(_entries(text)) == 2  # partial, combine
-        groups = sparse_core.SLOTS // 8 // 4  # MMA groups per warp x 18 chunks x 2
-        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= groups * 36
-    # the fp8 cache and fp8 query rows are widened on load
-    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core")]
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core")]
+def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(ptx):
+    for shape_name, shape in SHAPES.items():
+        names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
+        choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
+        assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
+        for name in names:
+            op_slots = int(name.split("_s")[-1])
+            block = sparse_core.block_for(sparse_core.heads_per_cta(shape.q_heads), op_slots)
+            text = ptx[(shape_name, name)]
+            assert len(_entries(text)) == 2  # partial, combine
+            tiles = max(1, block // 8 // sparse_core.COLS)  # QK slot tiles per warp: 36 k steps each
+            mmas = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            assert mmas == tiles * 36 + block // 16 * 16, (name, mmas)  # + P @ V: 16 n-tiles per 16 slots
+            assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
+            assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
+            assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text
+    # the fp8 cache and fp8 query rows are widened in shared memory
+    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s16")]
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s16")]

@@ -86,3 +86,20 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
 def test_launch_rejects_cpu_tensors():
     with pytest.raises(ValueError, match="must be CUDA tensors"):
         launch.ptr(torch.zeros(4))
+
+
+def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
+    from graphstep.kernels import sparse_core
+
+    for q_heads in (16, 32, 64, 128):
+        for batch in (1, 2, 3, 4, 16, 64, 200):
+            slots = sparse_core.plan(batch, q_heads, 2048)
+            ctas = batch * q_heads // sparse_core.heads_per_cta(q_heads) * (2048 // slots)
+            assert 2048 % slots == 0 and (ctas >= sparse_core.WAVE or slots == 16), (q_heads, batch, slots, ctas)
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=256, seed=1)
+    kernels = Kernels(state.shape, state.weights)
+    partial_o, partial_ml = kernels.sparse_core_buffers(64, "cpu")
+    k = state.shape.model.index_topk
+    assert partial_o.shape[0] == partial_ml.shape[0] == max(b * k // kernels.sparse_core_plan(b) for b in range(1, 65))
+    with pytest.raises(ValueError, match="partials hold"):
+        kernels.sparse_core(*[None] * 3, partial_o[:10], partial_ml[:10], None, None, 64)

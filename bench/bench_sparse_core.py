@@ -1,0 +1,117 @@
+"""SparseCore alone (sparse MLA decode over 2048 random slots per token) in CUDA graphs,
+against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
+
+    python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
+
+Each time is the median over graph replays of back-to-back launches, each launch with its
+own slot lists over a cache several times the L2, so every selected row comes from HBM
+(as in a step). Bytes = the selected rows + the query rows + out and lse. `--sweep` also
+times every slots-per-CTA variant within 4x of the plan's choice and prints the best.
+FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
+earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
+pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
+from graphstep import formats
+from graphstep.floor import H200_COPY_BW
+from graphstep.kernels import sparse_core
+from graphstep.launch import Kernels
+from graphstep.shapes import RankShape, Topology, preset
+from graphstep.state import LayerState
+
+CONFIGS = {
+    "tp8-bf16": ("deepseek-v3.2", Topology(tp=8)),
+    "tp8-fp8": ("deepseek-v3.2", Topology(tp=8, mla_cache="fp8")),
+    "tp1-fp8": ("deepseek-v3.2", Topology(tp=1, mla_cache="fp8")),
+    "tp1-bf16": ("deepseek-v3.2", Topology(tp=1)),
+}
+FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
+MMA_PEAK = 800e12
+
+
+def bench_config(name: str, batches: list[int], sweep: bool) -> list[dict]:
+    model, topology = CONFIGS[name]
+    shape = RankShape(preset(model), topology)
+    m, k = shape.model, shape.model.index_topk
+    state = LayerState(shape, max_batch=64, max_context=8192, seed=5, device="cuda")
+    kernels = Kernels(shape, state.weights)
+    cache = state.caches.mla_cache
+    total = cache.view(-1, cache.shape[-1]).shape[0]
+    row_bytes = cache.view(-1, cache.shape[-1]).shape[-1] * cache.element_size()
+    rows = []
+    for batch in batches:
+        step_bytes = batch * (k * row_bytes + shape.gathered * (m.query_row * shape.q_bytes + 4 * (m.kv_lora_rank + 1)))
+        launches = min(64, max(8, int(2 * L2_BYTES / step_bytes) + 1))
+        q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
+        mailbox = formats.arm(torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8,
+                                          device="cuda"))
+        mailbox[:, : shape.gathered] = formats.encode_q_rows(q, topology.q_format).view(batch, shape.gathered, -1)
+        slot_sets = [torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda") for _ in range(launches)]
+        out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
+        lse = torch.empty(batch, shape.gathered, device="cuda")
+        planned = kernels.sparse_core_plan(batch)
+        choices = [planned]
+        if sweep:
+            choices = [s for s in (planned // 4, planned // 2, planned, planned * 2, planned * 4) if 16 <= s <= k]
+        times = {}
+        for slots_per_cta in choices:
+            n = batch * k // slots_per_cta
+            partial_o = torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda")
+            partial_ml = torch.empty(n, shape.q_heads, 2, device="cuda")
+
+            def body(spc=slots_per_cta, po=partial_o, pml=partial_ml):
+                for slots in slot_sets:
+                    kernels.sparse_core(mailbox, slots, cache, po, pml, out, lse, batch, spc)
+
+            print(f"  {name} B={batch} slots/CTA={slots_per_cta} ...", file=sys.stderr, flush=True)
+            times[slots_per_cta] = graph_time_us(body, launches, replays=10)
+        best = min(times, key=times.get)
+        us = times[planned]
+        flops = 2 * batch * shape.gathered * k * (m.query_row + m.kv_lora_rank)
+        peer = FLASH_MLA_US[64 if shape.gathered <= 64 else 128].get(batch, float("nan"))
+        rows.append(dict(config=name, batch=batch, us=us, slots_per_cta=planned, floor_us=step_bytes / H200_COPY_BW * 1e6,
+                         bw=step_bytes / (us * 1e-6) / H200_COPY_BW, tflops=flops / (us * 1e-6) / 1e12,
+                         mma=flops / (us * 1e-6) / MMA_PEAK, flash_mla=peer, best_slots=best, best_us=times[best],
+                         sweep={str(s): t for s, t in times.items()}))
+        print(f"  {name} B={batch}: " + ", ".join(f"{s}: {t:.1f} us" for s, t in times.items()), file=sys.stderr,
+              flush=True)
+    del state
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,4,16,64")
+    parser.add_argument("--configs", default="tp8-bf16,tp8-fp8,tp1-fp8")
+    parser.add_argument("--sweep", action="store_true", help="also time slots-per-CTA variants around the plan")
+    args = parse_args(parser)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
+        print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
+        rows += bench_config(name, batches, args.sweep)
+    headers = ["config", "B", "us", "slots/CTA", "floor us", "%BW", "TFLOP/s", "FlashMLA us", "FlashMLA/ours",
+               "best slots/CTA", "best us"]
+    report(rows, headers, [[r["config"], r["batch"], r["us"], r["slots_per_cta"], r["floor_us"], round(100 * r["bw"], 1),
+                            round(r["tflops"]), r["flash_mla"], round(r["flash_mla"] / r["us"], 2), r["best_slots"],
+                            r["best_us"]] for r in rows],
+           "SparseCore us per launch (median of graph replays); %BW of 4.3 TB/s; FlashMLA: h_q 64 (TP 8) / 128 (TP 1)",
+           args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
