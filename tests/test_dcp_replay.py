@@ -43,7 +43,10 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    monkeypatch.setattr(launch, "ptr", lambda t, align=16: gmem_ptr(launch._cutlass_dtype(t.dtype), t.data_ptr(), align))
+    def cpu_ptr(tensor, align=16):  # launch.ptr without its CUDA check
+        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
+
+    monkeypatch.setattr(launch, "ptr", cpu_ptr)
     monkeypatch.setattr(launch, "current_stream", lambda: "stream")
     monkeypatch.setattr(catalog, "compile_op", lambda op, args, arch=None, dump_dir=None: Recorder(op))
     Recorder.calls = []
@@ -177,7 +180,8 @@ def test_dcp_merge_takes_a_whole_threshold_bin_without_counting_ties():
         out = torch.full((4, K), -9, dtype=torch.int32, device="cuda")
         times[tied] = _merge_us(kernels, tables, candidates, out, 4)
         own_positions, own_scores, peer_positions, peer_scores = candidates
-        merged = ref.dcp_merge([ref.Candidates(own_positions, own_scores), ref.Candidates(peer_positions, peer_scores)], K)
+        ranks = [ref.Candidates(own_positions, own_scores), ref.Candidates(peer_positions, peer_scores)]
+        merged = ref.dcp_merge(ranks, K)
         assert torch.equal(out, ref.local_slots(merged, tables, 64, DCP, 0)), tied
     # before the fix the tied case added a 4096-load serial scan: ~100-250 us
     assert times[True] < 2 * times[False] + 10, times
