@@ -126,8 +126,24 @@ def serve(args) -> int:
     return 0
 
 
+ALONE_SLOWER = 1.25  # flag the smallest size's graph when the full step replays it this much slower
+
+
+def alone_line(size: int, alone_us: float, default_us: float, sizes: list[int]) -> str:
+    """The smallest batch's graph (cute fork) in a step that captured only that size beside
+    the same graph in the step that captured every size (issue 10: under DCP 2 a B = 1
+    graph once took 311 us beside 60 us when the step had also captured size 64)."""
+    ratio = default_us / alone_us
+    line = (f"B = {size} graph, cute fork: {alone_us:.1f} us in a step that captured only [{size}], "
+            f"{default_us:.1f} us in the step that captured {list(sizes)} ({ratio:.2f}x)")
+    if ratio > ALONE_SLOWER:
+        line += " <- SLOWER once the larger sizes are captured: something sized by the largest batch (issue 10)"
+    return line
+
+
 def bench(args) -> int:
-    """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor."""
+    """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor;
+    then the smallest batch's graph of a step that captured only that size beside the default's."""
     from .cli import rank_shape
 
     shape = rank_shape(args)
@@ -141,6 +157,9 @@ def bench(args) -> int:
     steps["cute"].capture(modes=("serial",))
     steps["cute_nopdl"].capture()
     steps["torch"].capture()
+    smallest = min(sizes)
+    alone = DecodeStep(shape, policy="fork", **dict(common, capture_sizes=[smallest]))
+    alone.capture()
     rows, records = [], []
     for size in sizes:
         for step in steps.values():
@@ -158,15 +177,19 @@ def bench(args) -> int:
                      t["cute_fork"] / bound.us, t["torch_fork"] / t["cute_fork"], t["cute_serial"] / t["cute_fork"],
                      t["cute_fork_nopdl"] / t["cute_fork"]])
         print(f"  batch {size} done", file=sys.stderr, flush=True)
+    load_batch(alone, smallest, args.context, args.seed)
+    alone_us = statistics.median(replay_us(alone, smallest, "fork", args.replays))
+    default_us = next(r["cute_fork"] for r in records if r["batch"] == smallest)
     headers = ["batch", "cute fork", "cute serial", "fork no-PDL", "torch", "floor", "fork/floor", "torch/fork",
                "serial/fork", "no-PDL/fork"]
-    text = table(headers, rows, markdown=True)
+    text = table(headers, rows, markdown=True) + "\n\n" + alone_line(smallest, alone_us, default_us, sizes)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=shape.model.name,
                 topology=shape.topology.name, context=args.context)
-    (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records), indent=1))
+    alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))
     (out / "bench.md").write_text(f"{meta}\n\ntimes in us (median of {args.replays} graph replays)\n\n{text}\n")
     _plot(records, out / "bench.png", meta)
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if (out / "bench.png").exists() else ""))

@@ -9,10 +9,16 @@ candidates that are its own, and its own list is already in ascending position, 
 output is a compaction of that list (warp ballots, one block scan): local slots in
 ascending position, -1 padded, as graphstep.reference.local_slots gives them.
 
-A candidate whose score equals the threshold is taken if fewer than `need` tied
-candidates of any rank have a lower position; each such candidate counts them with a scan
-over all dcp x k candidates (ties at the exact threshold are rare with real scores; when
-every score is equal this costs ~dcp x k loads per tied candidate, still bounded).
+A candidate whose score equals the threshold is taken outright when the search took
+its bin whole (need = ALL: every candidate at the threshold is selected). Only when more
+candidates sit at the exact threshold than are needed (true ties) is one taken if fewer than
+`need` tied candidates of any rank have a lower position, each such candidate counting them
+with a scan over all dcp x k candidates (~dcp x k dependent loads, ~100-250 us at dcp x k =
+4096: rare with real scores; all-equal scores pay it per tied candidate, still bounded).
+Without the need = ALL shortcut the scan also ran, for nothing, whenever the search
+resolved in its last radix round with this rank's candidate as the k-th: about one token in
+15-20 of the step's random data (a CPU model of the search), one scan holding the whole
+step (issue 10's DCP 2 bullet: ~250 us at every batch; tests/test_dcp_replay.py).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from . import primitives as P
-from .top_k import CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
+from .top_k import ALL, CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
 
 NEG_INF_BITS = 0xFF800000
 
@@ -61,8 +67,9 @@ class DcpMerge(RadixSelect):
                 key = order_key(words[e])
                 index = cutlass.min(element(start, warp, lane, e), self.k - 1)
                 position = P.load_i32(own_positions + token * self.k + index)
-                take = valids[e] and key > threshold
-                if valids[e] and key == threshold:
+                # need == ALL: every candidate at the threshold is taken, no tie count
+                take = valids[e] and (key > threshold or (key == threshold and need == ALL))
+                if valids[e] and key == threshold and need != ALL:
                     take = self.tied_before(source, position, words[e], count) < need
                 takes.append(cute.arch.vote_ballot_sync(take))
                 positions.append(position)
