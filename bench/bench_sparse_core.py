@@ -37,7 +37,7 @@ FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18
 MMA_PEAK = 800e12
 
 
-def bench_config(name: str, batches: list[int], sweep: bool) -> list[dict]:
+def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = False) -> list[dict]:
     model, topology = CONFIGS[name]
     shape = RankShape(preset(model), topology)
     m, k = shape.model, shape.model.index_topk
@@ -62,6 +62,17 @@ def bench_config(name: str, batches: list[int], sweep: bool) -> list[dict]:
         if sweep:
             choices = [s for s in (planned // 4, planned // 2, planned, planned * 2, planned * 4) if 16 <= s <= k]
         times = {}
+        if profile:  # one eager launch of the plan's variant inside a profiler range (for ncu)
+            n = batch * k // planned
+            po, pml = (torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda"),
+                       torch.empty(n, shape.q_heads, 2, device="cuda"))
+            kernels.sparse_core(mailbox, slot_sets[0], cache, po, pml, out, lse, batch)
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            kernels.sparse_core(mailbox, slot_sets[1], cache, po, pml, out, lse, batch)
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            continue
         for slots_per_cta in choices:
             n = batch * k // slots_per_cta
             partial_o = torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda")
@@ -93,6 +104,9 @@ def main() -> int:
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--configs", default="tp8-bf16,tp8-fp8,tp1-fp8")
     parser.add_argument("--sweep", action="store_true", help="also time slots-per-CTA variants around the plan")
+    parser.add_argument("--profile", action="store_true",
+                        help="only one eager launch per config and batch inside cudaProfilerStart/Stop: "
+                             "ncu --profile-from-start off python bench/bench_sparse_core.py --profile")
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
@@ -102,7 +116,9 @@ def main() -> int:
     for name in args.configs.split(","):
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
-        rows += bench_config(name, batches, args.sweep)
+        rows += bench_config(name, batches, args.sweep, args.profile)
+    if args.profile:
+        return 0
     headers = ["config", "B", "us", "slots/CTA", "floor us", "%BW", "TFLOP/s", "FlashMLA us", "FlashMLA/ours",
                "best slots/CTA", "best us"]
     report(rows, headers, [[r["config"], r["batch"], r["us"], r["slots_per_cta"], r["floor_us"], round(100 * r["bw"], 1),
