@@ -262,16 +262,17 @@ class Kernels:
     def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int,
                     slots_per_cta: int | None = None) -> None:
         """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
-        576 x q_bytes]), slots int32 [>= batch, topk] (-1: none) -> out fp32 [>= batch,
+        576 x q_bytes]), slots int32 [>= batch, topk] (-1: none; 16-byte aligned) -> out fp32 [>= batch,
         gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers.
         slots_per_cta: the plan's choice unless given (benchmarks sweep it; the partials
         must then hold batch x topk / slots_per_cta rows)."""
         from cutlass import Int32
 
         spc = slots_per_cta or self.sparse_core_plan(batch)
-        needed = batch * self.shape.model.index_topk // spc
+        k = self.shape.model.index_topk
+        needed = batch * k // spc if spc < k else 0  # one split: no partials
         if partial_o.shape[0] < needed or partial_ml.shape[0] < needed:
             raise ValueError(f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "
                              f"{spc} slots per CTA needs {needed}")
-        self._sparse_core_op(spc)(ptr(q_rows), ptr(slots, 4), ptr(mla_cache.view(torch.uint8)), ptr(partial_o),
+        self._sparse_core_op(spc)(ptr(q_rows), ptr(slots), ptr(mla_cache.view(torch.uint8)), ptr(partial_o),
                                   ptr(partial_ml, 8), ptr(out), ptr(lse, 4), Int32(batch), current_stream())

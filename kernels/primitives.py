@@ -410,6 +410,9 @@ def mma_e4m3_16832(a, b, c) -> list:
 def cp_async_16(dst, src, live):
     """Copy 16 bytes global -> shared without blocking (`cp.async.cg`, L2 only); where not
     `live` nothing is read and the 16 bytes are zero-filled."""
+    if live is True:
+        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
+        return
     cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
                          read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))])
 

@@ -148,12 +148,14 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
         for name in names:
             op_slots = int(name.split("_s")[-1])
-            block = sparse_core.block_for(sparse_core.heads_per_cta(shape.q_heads), op_slots)
+            heads = sparse_core.heads_per_cta(shape.q_heads)
+            block, cols = sparse_core.block_for(heads, op_slots), sparse_core.cols_for(heads)
             text = ptx[(shape_name, name)]
-            assert len(_entries(text)) == 2  # partial, combine
-            tiles = max(1, block // 8 // sparse_core.COLS)  # QK slot tiles per warp: 36 k steps each
+            assert len(_entries(text)) == (2 if op_slots < shape.model.index_topk else 1)  # partial (+ combine)
+            tiles = max(1, block // 8 // cols)  # QK slot tiles per warp: 36 k steps each
             mmas = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
-            assert mmas == tiles * 36 + block // 16 * 16, (name, mmas)  # + P @ V: 16 n-tiles per 16 slots
+            per_block = tiles * 36 + (block // 16) * (512 // cols // 8)  # + P @ V: k steps x n-tiles
+            assert mmas >= per_block and mmas % per_block == 0, (name, mmas)  # (the compiler may peel a block)
             assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
             assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text
