@@ -38,7 +38,7 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == (8 + 7) + (12 + 7)  # + 7 SparseCore splits each (16 .. 1024 slots per CTA)
+    assert len(ptx) == (8 + 6) + (12 + 6)  # + 6 SparseCore splits each (32 .. 1024 slots per CTA)
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -160,5 +160,5 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
             assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text
     # the fp8 cache and fp8 query rows are widened in shared memory
-    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s16")]
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s16")]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
