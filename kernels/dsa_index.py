@@ -29,8 +29,9 @@ reduced precision (DeepSeek-V3 measured ~14 bits on H800), which would break "wi
 
 The k order inside an MMA is free as long as A and B agree: a thread's key byte i of its
 32 (i < 16: 16 t + i, else 64 + 16 t + i - 16) is logical k = 16 s + 8 h + 2 t + j with
-i = 4 s + 2 h + j (`_phys`), and the query rows are written to shared memory in the same
-order. Under DCP the local length of a sequence is ceil((len - rank) / dcp). Every byte
+i = 4 s + 2 h + j, and the query rows are written to shared memory in the same
+order (`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
+checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a sequence is ceil((len - rank) / dcp). Every byte
 offset into the cache is 64-bit (caches pass 2 GiB). PDL: every global read comes after
 griddepcontrol.wait (IndexKey writes the new key into the cache, IndexQuery the query rows).
 """
@@ -51,7 +52,6 @@ STAGES = 4  # pages in flight per CTA
 CONSUMERS = 128  # one warpgroup
 THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
-CHUNK_BYTES = HEADS * 16  # one 16-byte k chunk of every head
 NTILES = HEADS // 8
 SMS = 132  # H100 / H200 SXM
 CTA_PAGES = (2, 4, 8, 16, 32)  # the runs the host picks from (every one GPU-tested)
@@ -71,9 +71,43 @@ def grid_for(batch: int, pages_per_seq: int, run: int) -> tuple[int, int]:
     return (-(-pages_per_seq // run), batch)
 
 
-def _phys(i: int, t):
-    """Byte of a key row (or query row) that a thread's byte i of 32 holds."""
+# -- the k order and the layouts (pure index math, shared with tests/test_dsa_index_layout.py)
+
+LBO, SBO = HEADS * 16, 8 * 16  # bytes between k chunks / between 8-head groups of the fp16 query rows
+DESC_LAYOUT = (SBO >> 4) << 32 | (LBO >> 4) << 16  # wgmma descriptor bits besides the start address
+STEP_BYTES = 2 * LBO  # the query bytes one k16 step reads (two k chunks)
+
+
+def key_byte(i: int, t):
+    """The byte of a key row that byte i (of 32) of thread t's share holds: [16 t, 16 t + 16)
+    then [64 + 16 t, 64 + 16 t + 16)."""
     return 16 * t + i if i < 16 else 64 + 16 * t + i - 16
+
+
+def a_fragment(halves, s: int) -> list:
+    """A registers of k16 step s from a thread's fp16 pairs of rows g (halves[0]) and
+    g + 8 (halves[1]), pair q = bytes 2 q, 2 q + 1 of its 32: (g, k 2t..) (g + 8, k 2t..)
+    (g, k 8 + 2t..) (g + 8, k 8 + 2t..) of the step. So logical k = 16 s + 8 h + 2 t + j
+    is byte i = 4 s + 2 h + j of the share."""
+    return [halves[0][2 * s], halves[1][2 * s], halves[0][2 * s + 1], halves[1][2 * s + 1]]
+
+
+def query_source(cc: int, tt: int) -> tuple[int, int]:
+    """(word, high half) of a thread's 16 words (bytes [64 half, 64 half + 64) of its head's
+    query row) holding the byte pair at position 2 tt, 2 tt + 1 of k chunk 8 half + cc: k
+    chunk c holds logical k 8 c .. 8 c + 7, i.e. bytes 2 c + j (+ 16 t) of the key order."""
+    return cc // 2 + 4 * tt, cc % 2
+
+
+def query_offset(chunk: int, n):
+    """Byte offset of k chunk `chunk` of head n in the fp16 query rows (K-major, no swizzle:
+    8 heads x 16 B core matrices, SBO between 8-head groups, LBO between k chunks)."""
+    return chunk * LBO + n * 16
+
+
+def accumulator(nt: int, r: int, e: int) -> int:
+    """Index of (key row g + 8 r, head 8 nt + 2 t + e) in a thread's 32 wgmma accumulators."""
+    return 4 * nt + 2 * r + e
 
 
 # -- shared memory, mbarriers, bulk copies (32-bit shared addresses) ----------------------
@@ -156,17 +190,17 @@ def _e4m3x2_to_f16x2(word, high: int) -> Uint32:
 def _wgmma_page(a, qbase) -> list:
     """One page: D[64 keys, 64 heads] = sum over 8 k-steps of A (registers: a[4 s .. 4 s + 3]
     is step s's fragment) x B (shared fp16 queries at qbase, K-major no swizzle: LBO 1024 B
-    between k chunks, SBO 128 B between 8-head groups; step s starts 2 s x 1024 B in).
+    between k chunks, SBO 128 B between 8-head groups; step s starts s x STEP_BYTES in).
     Issued, committed and waited for inside one asm block, so nothing touches the
     accumulators or A while the wgmmas are in flight. Returns the 32 accumulators."""
     d = ", ".join(f"{{$w{i}}}" for i in range(32))
     lines = ["{", ".reg .b64 desc0, desc;", ".reg .pred first, more;",
              "cvt.u64.u32 desc0, {$r32};", "shr.u64 desc0, desc0, 4;",
-             "or.b64 desc0, desc0, 0x0000000800400000;",  # SBO 128 B >> 4 = 8 (bit 32), LBO 1024 >> 4 = 64 (bit 16)
+             f"or.b64 desc0, desc0, {DESC_LAYOUT:#018x};",
              "setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
     for s in range(8):
         regs = ", ".join(f"{{$r{4 * s + i}}}" for i in range(4))
-        lines.append(f"add.s64 desc, desc0, {s * 2 * CHUNK_BYTES >> 4};")
+        lines.append(f"add.s64 desc, desc0, {s * STEP_BYTES >> 4};")
         lines.append(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {{{d}}}, {{{regs}}}, desc, "
                      f"{'first' if s == 0 else 'more'}, 1, 1, 0;")
     lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
@@ -265,13 +299,15 @@ class DsaIndex:
                 frags = []
                 scales = []
                 for r in cutlass.range_constexpr(2):
-                    row = base + rows[r] * DIM + 16 * t
-                    # odd rows read the halves in the other order (bank-conflict free)
-                    x = _lds_v4(row + 64 * odd)
-                    y = _lds_v4(row + 64 - 64 * odd)
+                    row = base + rows[r] * DIM
+                    lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
+                    # odd rows read the halves in the other order: a quarter-warp's 8 loads
+                    # (rows g, g + 1 x 4 lanes) then cover all 32 banks
+                    x = _lds_v4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
+                    y = _lds_v4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
                     lo = [Uint32(cutlass.select_(odd == 1, y[k], x[k])) for k in range(4)]
                     hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
-                    frags.append(lo + hi)
+                    frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
                     scales.append(_lds_f32(base + KEY_BYTES + 4 * rows[r]))
                 _mbar_arrive(empty0 + 8 * stage)  # the stage's bytes are in registers now
                 halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
@@ -280,8 +316,8 @@ class DsaIndex:
                         f0, f1 = _e4m3x4_to_f16x2x2(frags[r][k])
                         halves[r] += [f0, f1]
                 a = []
-                for s in cutlass.range_constexpr(8):  # A fragment of k-step s: (g, g + 8) x (a0, a2)
-                    a += [halves[0][2 * s], halves[1][2 * s], halves[0][2 * s + 1], halves[1][2 * s + 1]]
+                for s in cutlass.range_constexpr(8):
+                    a += a_fragment(halves, s)
                 acc = _wgmma_page(a, qbase)
                 sums = self.head_sums(acc, weights)
                 position = (first + i) * PAGE
@@ -306,8 +342,8 @@ class DsaIndex:
         for k in cutlass.range_constexpr(4):
             words += list(P.load_u32x4(src + 16 * k))
         for cc in cutlass.range_constexpr(8):
-            chunk = [_e4m3x2_to_f16x2(words[cc // 2 + 4 * tt], cc % 2) for tt in range(4)]
-            _sts_v4(qbase + (8 * half + cc) * CHUNK_BYTES + n * 16, chunk)
+            pairs = [query_source(cc, tt) for tt in range(4)]
+            _sts_v4(qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs])
 
     @cute.jit
     def head_sums(self, acc, weights):
@@ -318,7 +354,7 @@ class DsaIndex:
             parts = [Float32(0), Float32(0)]
             for nt in cutlass.range_constexpr(NTILES):
                 for e in cutlass.range_constexpr(2):
-                    parts[e] = parts[e] + cute.arch.fmax(acc[4 * nt + 2 * r + e], Float32(0)) * weights[nt][e]
+                    parts[e] = parts[e] + cute.arch.fmax(acc[accumulator(nt, r, e)], Float32(0)) * weights[nt][e]
             total = parts[0] + parts[1]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
