@@ -32,8 +32,12 @@ The k order inside an MMA is free as long as A and B agree: a thread's key byte 
 i = 4 s + 2 h + j, and the query rows are written to shared memory in the same
 order (`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
 checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a sequence is ceil((len - rank) / dcp). Every byte
-offset into the cache is 64-bit (caches pass 2 GiB). PDL: every global read comes after
-griddepcontrol.wait (IndexKey writes the new key into the cache, IndexQuery the query rows).
+offset into the cache is 64-bit (caches pass 2 GiB). PDL: the cache pages, query rows and
+weights are read after griddepcontrol.wait (IndexKey writes the new key into the cache,
+IndexQuery the query rows); before it only the length and block-table entries (no kernel of
+the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
+no data into the SM (L2 is the point of coherence: the copies after the wait see IndexKey's
+write), so a launch's first pages stream in while its predecessor finishes.
 """
 
 from __future__ import annotations
@@ -111,6 +115,16 @@ def accumulator(nt: int, r: int, e: int) -> int:
 
 
 # -- shared memory, mbarriers, bulk copies (32-bit shared addresses) ----------------------
+
+def _ldg_nc_i32(ptr) -> Int32:
+    """Read-only global load (data no kernel of the step writes: lengths, block tables)."""
+    return cute.arch.inline_ptx("ld.global.nc.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
+
+
+def _prefetch_l2(ptr, nbytes):
+    """Bulk L2 prefetch of nbytes (a multiple of 16) at a 16-byte aligned address."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
+
 
 def _lds_v4(addr) -> tuple:
     return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
@@ -238,28 +252,39 @@ class DsaIndex:
                 _mbar_init(full0 + 8 * s, 1)
                 _mbar_init(empty0 + 8 * s, CONSUMERS)
             _mbar_init_fence()
-        cute.arch.sync_threads()
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-
-        length = cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
+        # Before the PDL wait only what no kernel of the step writes: the length, the run's
+        # first 32 block-table entries (one per lane), and an L2 prefetch of the run's first
+        # STAGES pages (live bytes only; no data reaches the SM, and L2 is the point of
+        # coherence, so IndexKey's later write of the new key is what the copies read).
+        length = cutlass.max((_ldg_nc_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
         first = chunk * run  # this CTA's first page (index into the token's block table)
         count = cutlass.max(cutlass.min(run, pages_per_seq - first), 0)
         live = cutlass.min(cutlass.max((length + PAGE - 1) // PAGE - first, 0), count)
         width = pages_per_seq * PAGE
+        table = block_tables + token * pages_per_seq
+        mine = _ldg_nc_i32(table + cutlass.min(first + lane, pages_per_seq - 1))
+        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES):
+            keys = cutlass.min(length - (first + lane) * PAGE, PAGE)
+            src = cache + Int64(mine) * PAGE_BYTES
+            _prefetch_l2(src, keys * DIM)
+            _prefetch_l2(src + KEY_BYTES, (keys * 4 + 15) // 16 * 16)
+        cute.arch.sync_threads()  # the mbarriers are initialized
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         if warp == CONSUMERS // 32:
-            self.produce(cache, block_tables, token, pages_per_seq, first, live, length, ring0, full0, empty0, lane)
+            self.produce(cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane)
         else:
             self.consume(q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0,
                          tid, lane, warp)
 
     @cute.jit
-    def produce(self, cache, block_tables, token, pages_per_seq, first, live, length, ring0, full0, empty0, lane):
-        """Warp 4: the block-table entries 32 at a time (one per lane), then one bulk copy
-        per live page into the ring, waiting for the consumers to free a stage."""
-        table = block_tables + token * pages_per_seq
+    def produce(self, cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane):
+        """Warp 4: the block-table entries 32 at a time (one per lane; the first 32 loaded
+        before the wait), then one bulk copy per live page into the ring, waiting for the
+        consumers to free a stage."""
         for i0 in range(0, live, 32):
-            mine = P.load_i32(table + cutlass.min(first + i0 + lane, pages_per_seq - 1))
+            if i0 > 0:
+                mine = _ldg_nc_i32(table + cutlass.min(first + i0 + lane, pages_per_seq - 1))
             for j in range(0, cutlass.min(32, live - i0)):
                 i = i0 + j
                 page = cute.arch.shuffle_sync(mine, j)

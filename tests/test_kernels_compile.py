@@ -135,8 +135,12 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in scorer
         assert "mbarrier.arrive.expect_tx.shared::cta.b64" in scorer and "mbarrier.try_wait.parity" in scorer
         assert "ld.global.v4.b32" in scorer  # the query rows
-        # every cache read (bulk copies included) comes after the PDL wait
-        assert scorer.index("griddepcontrol.wait") < scorer.index("cp.async.bulk.shared")
+        # before the PDL wait: the length and a block-table entry (read-only loads), and an L2
+        # prefetch of the first pages; every copy of cache bytes into the SM comes after it
+        wait = scorer.index("griddepcontrol.wait")
+        assert re.findall(r"ld\.global[.\w]*", scorer[:wait]) == ["ld.global.nc.s32"] * 2
+        assert "cp.async.bulk.prefetch.L2.global" in scorer[:wait]
+        assert "cp.async.bulk.shared" not in scorer[:wait] and "ld.shared" not in scorer[:wait]
     wq_b = ptx[("tp8", "index_query")]
     assert wq_b.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 48
     assert "cvt.rn.satfinite.e4m3x2.f32" in wq_b and "cp.async.bulk.prefetch.L2.global" in wq_b
