@@ -22,6 +22,14 @@ keys as A from registers (M = the page's 64 keys) and the queries as B from shar
 8 j + 2 t (+ 1): ReLU, the weighted head sum in registers, two butterflies over the 4
 lanes of a key, times the key's scale.
 
+Predicted on the H200 (us per launch, B = 1 / 4 / 16 / 64; not yet measured): 32K
+~3 / 5.5 / 19 / 70, 128K ~6 / 19 / 70 / 275 -- the cache bytes at ~4.0 TB/s plus ~1.5-2 us
+of launch, first-page latency and the last page's compute. Per page and SM the tensor cores
+need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock), shared memory ~250 (16 KB of B reads,
+8 KB of key loads, 8.4 KB of copies), a consumer warp issues ~190 instructions (32 F2FP),
+against ~500 cycles of HBM time per page per SM at 4.3 TB/s: bandwidth-bound with 4 CTAs
+(16 pages) per SM in flight, if the F2FP rate is not below 16 per clock per SM.
+
 Why fp16 wgmma and not e4m3: `mma.sync ... e4m3` is not native on sm_90 (ptxas emulates
 it: F2FP + two HMMA + four FADD per MMA, what v2 ran), and e4m3 wgmma accumulates in
 reduced precision (DeepSeek-V3 measured ~14 bits on H800), which would break "within
@@ -59,12 +67,14 @@ QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
 SMS = 132  # H100 / H200 SXM
 CTA_PAGES = (2, 4, 8, 16, 32)  # the runs the host picks from (every one GPU-tested)
-WAVE_CTAS = 4 * SMS  # aim for about this many CTAs (two waves of two CTAs per SM)
+# 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
+WAVE_CTAS = 4 * SMS
 
 
 def pages_per_cta(batch: int, pages_per_seq: int) -> int:
-    """Pages per CTA for a launch: the smallest run in CTA_PAGES that keeps the grid within
-    about WAVE_CTAS CTAs (B = 1, 32K: 2 pages -> 256 CTAs; B = 64, 32K: 32 -> 1024)."""
+    """Pages per CTA for a launch: the smallest run in CTA_PAGES whose grid fits one wave of
+    WAVE_CTAS CTAs, else the longest run (about 2 waves at B = 64, 32K; 8 at B = 64, 128K).
+    Pages: 32K -> B 1/4/16/64: 2/4/16/32 (256/512/512/1024 CTAs); 128K: 4/16/32/32."""
     for run in CTA_PAGES:
         if batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run
