@@ -23,11 +23,11 @@ import sys
 import torch
 
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
-from graphstep.report import table
 from graphstep import reference as ref, torch_stages
 from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.kernels.dsa_index import pages_per_cta
 from graphstep.launch import Kernels
+from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -117,7 +117,8 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
         cost = {c.name: c for c in stage_costs(shape, batch, context)}
         wq_b_bytes = cost["index_query"].bytes
         score_bytes = cost["index_score"].bytes
-        rows.append(dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]), wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
+        rows.append(dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]),
+                         wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
                          score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW, **t))
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr, flush=True)
     return rows

@@ -37,10 +37,11 @@ reduced precision (DeepSeek-V3 measured ~14 bits on H800), which would break "wi
 
 The k order inside an MMA is free as long as A and B agree: a thread's key byte i of its
 32 (i < 16: 16 t + i, else 64 + 16 t + i - 16) is logical k = 16 s + 8 h + 2 t + j with
-i = 4 s + 2 h + j, and the query rows are written to shared memory in the same
-order (`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
-checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a sequence is ceil((len - rank) / dcp). Every byte
-offset into the cache is 64-bit (caches pass 2 GiB). PDL: the cache pages, query rows and
+i = 4 s + 2 h + j, and the query rows are written to shared memory in the same order
+(`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
+checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a
+sequence is ceil((len - rank) / dcp). Every byte offset into the cache is 64-bit (caches
+pass 2 GiB). PDL: the cache pages, query rows and
 weights are read after griddepcontrol.wait (IndexKey writes the new key into the cache,
 IndexQuery the query rows); before it only the length and block-table entries (no kernel of
 the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
