@@ -232,12 +232,21 @@ class Kernels:
                                ptr(context_lens, 4), ptr(workspace), ptr(q_out), ptr(w_out), Int32(batch),
                                current_stream())
 
-    def dsa_index(self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int) -> None:
-        """scores fp32 [>= batch, pages_per_seq x 64]: every local position scored or -inf."""
+    def dsa_index(self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int,
+                  pages_per_cta: int | None = None) -> None:
+        """scores fp32 [>= batch, pages_per_seq x 64]: every local position scored or -inf.
+        pages_per_cta: the run of block-table pages each CTA streams (default: the host's
+        choice for this batch and table width, `dsa_index.pages_per_cta`)."""
         from cutlass import Int32
 
+        from .kernels.dsa_index import pages_per_cta as choose
+
+        pages = block_tables.shape[1]
+        run = choose(batch, pages) if pages_per_cta is None else pages_per_cta
+        if run < 1:
+            raise ValueError(f"pages_per_cta must be >= 1, got {run}")
         self._dsa_index_op()(ptr(q), ptr(head_w), ptr(index_cache), ptr(block_tables, 4), ptr(context_lens, 4),
-                             ptr(scores, 4), Int32(batch), Int32(block_tables.shape[1]), current_stream())
+                             ptr(scores, 4), Int32(batch), Int32(pages), Int32(run), current_stream())
 
     def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int) -> None:
         """The index_topk best of each row of DsaIndex's scores, in ascending position:

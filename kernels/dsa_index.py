@@ -1,21 +1,52 @@
-"""DsaIndex: score every cached token of each sequence on the FP8 tensor cores.
+"""DsaIndex: score every cached token of each sequence on the tensor cores (wgmma).
 
     score[b, i] = k_scale[i] * sum_h w[b, h] * relu(q[b, h] . k[i])     (i < local length)
     score[b, i] = -inf                                                   (past it)
 
-Grid: (page groups of 4 pages, tokens); 128 threads. A CTA keeps its token's 64 e4m3
-query rows (8 KB) and head weights in registers; each warp takes 16 cached keys of each of
-its 4 pages, all loads issued first (predicated loads: key blocks of 16 that start past
-the length are never read), then per page: mma.sync m16n8k32 e4m3 with the keys as A
-(16 x 128) and the queries as B (8 heads per MMA, 8 MMA columns for 64 heads), FP32
-accumulation; ReLU, the weighted head sum (in registers, then across the 4 lanes of a
-row), times the key's scale. The page layout is graphstep/formats.py's: [64 x 128 e4m3 | 64 x fp32 scale].
-Every 16-byte word a thread loads from a key row is paired with the same word of the
-query rows, so any consistent split of the 128 dims over the MMA's k slots is exact.
-Under DCP the local length of a sequence is ceil((len - rank) / dcp).
+Grid: (page runs, tokens); 160 threads. A CTA owns one token and a run of `pages_per_cta`
+consecutive block-table pages (chosen on the host by `pages_per_cta(batch, pages)` so that
+B = 1 still fills the GPU and large batches are one or two waves). Warp 4 is the producer:
+one `cp.async.bulk` per live page (8448 B: 64 keys x 128 e4m3 | 64 fp32 scales) into a
+STAGES-deep ring of shared-memory stages, completing on a `full` mbarrier; a last, partial
+page copies only its live keys and the 16-byte words of their scales, so keys past the
+length are never read. Warps 0-3 (one warpgroup) are the consumers: once per CTA they
+write the token's 64 query rows to shared memory as fp16 (e4m3 widens exactly) in the
+no-swizzle K-major layout wgmma reads (8 x 16 B core matrices; chunk c of head n at
+c x 1024 + n x 16) and keep its head weights in registers; per page they load their keys
+(thread (warp w, g, t): key rows 16 w + g and + 8, bytes 16 t.. and 64 + 16 t..; odd rows
+take the halves in the other order so a quarter-warp hits 32 distinct banks), release the
+stage to the producer (`empty` mbarrier), widen the bytes to fp16 pairs
+(`cvt.rn.f16x2.e4m3x2`, exact) and issue eight `wgmma.m64n64k16.f32.f16.f16` with the
+keys as A from registers (M = the page's 64 keys) and the queries as B from shared memory
+(N = 64 heads), FP32 accumulation. Thread (w, g, t) then holds keys 16 w + g (+ 8) x heads
+8 j + 2 t (+ 1): ReLU, the weighted head sum in registers, two butterflies over the 4
+lanes of a key, times the key's scale.
 
-Tested on the H200 against the reference (tests/test_indexer_gpu.py); DecodeStep's cute
-backend runs it. Measured in bench/RESULTS.md.
+Predicted on the H200 (us per launch, B = 1 / 4 / 16 / 64; not yet measured): 32K
+~3 / 5.5 / 19 / 70, 128K ~6 / 19 / 70 / 275 -- the cache bytes at ~4.0 TB/s plus ~1.5-2 us
+of launch, first-page latency and the last page's compute. Per page and SM the tensor cores
+need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock), shared memory ~250 (16 KB of B reads,
+8 KB of key loads, 8.4 KB of copies), a consumer warp issues ~190 instructions (32 F2FP),
+against ~500 cycles of HBM time per page per SM at 4.3 TB/s: bandwidth-bound with 4 CTAs
+(16 pages) per SM in flight, if the F2FP rate is not below 16 per clock per SM.
+
+Why fp16 wgmma and not e4m3: `mma.sync ... e4m3` is not native on sm_90 (ptxas emulates
+it: F2FP + two HMMA + four FADD per MMA, what v2 ran), and e4m3 wgmma accumulates in
+reduced precision (DeepSeek-V3 measured ~14 bits on H800), which would break "within
+1e-5 of the fp32 reference". e4m3 -> fp16 is exact and fp16 wgmma accumulates in FP32.
+
+The k order inside an MMA is free as long as A and B agree: a thread's key byte i of its
+32 (i < 16: 16 t + i, else 64 + 16 t + i - 16) is logical k = 16 s + 8 h + 2 t + j with
+i = 4 s + 2 h + j, and the query rows are written to shared memory in the same order
+(`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
+checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a
+sequence is ceil((len - rank) / dcp). Every byte offset into the cache is 64-bit (caches
+pass 2 GiB). PDL: the cache pages, query rows and
+weights are read after griddepcontrol.wait (IndexKey writes the new key into the cache,
+IndexQuery the query rows); before it only the length and block-table entries (no kernel of
+the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
+no data into the SM (L2 is the point of coherence: the copies after the wait see IndexKey's
+write), so a launch's first pages stream in while its predecessor finishes.
 """
 
 from __future__ import annotations
@@ -23,14 +54,183 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint32, Uint8
 
 from . import primitives as P
 
 HEADS, DIM, PAGE = 64, 128, 64
-PAGE_BYTES = PAGE * (DIM + 4)
-PAGES_PER_CTA = 4
+KEY_BYTES = PAGE * DIM  # 8192: the page's keys, then its 64 fp32 scales
+PAGE_BYTES = KEY_BYTES + 4 * PAGE  # 8448 (graphstep/formats.py)
+STAGES = 4  # pages in flight per CTA
+CONSUMERS = 128  # one warpgroup
+THREADS = CONSUMERS + 32  # + the producer warp
+QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
+SMS = 132  # H100 / H200 SXM
+CTA_PAGES = (2, 4, 8, 16, 32)  # the runs the host picks from (every one GPU-tested)
+# 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
+WAVE_CTAS = 4 * SMS
+
+
+def pages_per_cta(batch: int, pages_per_seq: int) -> int:
+    """Pages per CTA for a launch: the smallest run in CTA_PAGES whose grid fits one wave of
+    WAVE_CTAS CTAs, else the longest run (about 2 waves at B = 64, 32K; 8 at B = 64, 128K).
+    Pages: 32K -> B 1/4/16/64: 2/4/16/32 (256/512/512/1024 CTAs); 128K: 4/16/32/32."""
+    for run in CTA_PAGES:
+        if batch * -(-pages_per_seq // run) <= WAVE_CTAS:
+            return run
+    return CTA_PAGES[-1]
+
+
+def grid_for(batch: int, pages_per_seq: int, run: int) -> tuple[int, int]:
+    return (-(-pages_per_seq // run), batch)
+
+
+# -- the k order and the layouts (pure index math, shared with tests/test_dsa_index_layout.py)
+
+LBO, SBO = HEADS * 16, 8 * 16  # bytes between k chunks / between 8-head groups of the fp16 query rows
+DESC_LAYOUT = (SBO >> 4) << 32 | (LBO >> 4) << 16  # wgmma descriptor bits besides the start address
+STEP_BYTES = 2 * LBO  # the query bytes one k16 step reads (two k chunks)
+
+
+def key_byte(i: int, t):
+    """The byte of a key row that byte i (of 32) of thread t's share holds: [16 t, 16 t + 16)
+    then [64 + 16 t, 64 + 16 t + 16)."""
+    return 16 * t + i if i < 16 else 64 + 16 * t + i - 16
+
+
+def a_fragment(halves, s: int) -> list:
+    """A registers of k16 step s from a thread's fp16 pairs of rows g (halves[0]) and
+    g + 8 (halves[1]), pair q = bytes 2 q, 2 q + 1 of its 32: (g, k 2t..) (g + 8, k 2t..)
+    (g, k 8 + 2t..) (g + 8, k 8 + 2t..) of the step. So logical k = 16 s + 8 h + 2 t + j
+    is byte i = 4 s + 2 h + j of the share."""
+    return [halves[0][2 * s], halves[1][2 * s], halves[0][2 * s + 1], halves[1][2 * s + 1]]
+
+
+def query_source(cc: int, tt: int) -> tuple[int, int]:
+    """(word, high half) of a thread's 16 words (bytes [64 half, 64 half + 64) of its head's
+    query row) holding the byte pair at position 2 tt, 2 tt + 1 of k chunk 8 half + cc: k
+    chunk c holds logical k 8 c .. 8 c + 7, i.e. bytes 2 c + j (+ 16 t) of the key order."""
+    return cc // 2 + 4 * tt, cc % 2
+
+
+def query_offset(chunk: int, n):
+    """Byte offset of k chunk `chunk` of head n in the fp16 query rows (K-major, no swizzle:
+    8 heads x 16 B core matrices, SBO between 8-head groups, LBO between k chunks)."""
+    return chunk * LBO + n * 16
+
+
+def accumulator(nt: int, r: int, e: int) -> int:
+    """Index of (key row g + 8 r, head 8 nt + 2 t + e) in a thread's 32 wgmma accumulators."""
+    return 4 * nt + 2 * r + e
+
+
+# -- shared memory, mbarriers, bulk copies (32-bit shared addresses) ----------------------
+
+def _ldg_nc_i32(ptr) -> Int32:
+    """Read-only global load (data no kernel of the step writes: lengths, block tables)."""
+    return cute.arch.inline_ptx("ld.global.nc.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
+
+
+def _prefetch_l2(ptr, nbytes):
+    """Bulk L2 prefetch of nbytes (a multiple of 16) at a 16-byte aligned address."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
+
+
+def _lds_v4(addr) -> tuple:
+    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[addr])
+
+
+def _lds_f32(addr) -> Float32:
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
+
+
+def _sts_v4(addr, words):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[addr, words[0], words[1], words[2], words[3]])
+
+
+def _mbar_init(addr, count: int):
+    cute.arch.inline_ptx(f"mbarrier.init.shared::cta.b64 [{{$r0}}], {count};", read_only_args=[addr])
+
+
+def _mbar_init_fence():
+    cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
+
+
+def _mbar_expect(addr, nbytes):
+    """Arrive (the producer's one arrival) and expect `nbytes` of bulk copies."""
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                         read_only_args=[addr, nbytes])
+
+
+def _mbar_arrive(addr):
+    cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
+
+
+def _mbar_wait(addr, parity):
+    """Spin until the mbarrier's phase with this parity has completed."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
+        "@!done bra WAIT;\n\t}",
+        read_only_args=[addr, parity])
+
+
+def _bulk_copy(dst, src, nbytes, bar):
+    """Global -> shared bulk copy (a multiple of 16 bytes, 16-byte aligned), completing
+    its bytes on the mbarrier."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst, src, nbytes, bar])
+
+
+def _fence_async_shared():
+    """Generic-proxy shared-memory writes -> visible to wgmma (the async proxy)."""
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+
+
+def _consumer_sync():
+    cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
+
+
+def _e4m3x4_to_f16x2x2(word) -> tuple:
+    """Four e4m3 (byte 0 first) -> two fp16x2 words (bytes 0-1, bytes 2-3); exact."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
+        write_only_types=[Uint32, Uint32], read_only_args=[word])
+
+
+def _e4m3x2_to_f16x2(word, high: int) -> Uint32:
+    """Bytes 0-1 (high = 0) or 2-3 (high = 1) of a word -> one fp16x2 word; exact."""
+    half = "hi" if high else "lo"
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        f"cvt.rn.f16x2.e4m3x2 {{$w0}}, {half};\n\t}}",
+        write_only_types=[Uint32], read_only_args=[word])
+
+
+def _wgmma_page(a, qbase) -> list:
+    """One page: D[64 keys, 64 heads] = sum over 8 k-steps of A (registers: a[4 s .. 4 s + 3]
+    is step s's fragment) x B (shared fp16 queries at qbase, K-major no swizzle: LBO 1024 B
+    between k chunks, SBO 128 B between 8-head groups; step s starts s x STEP_BYTES in).
+    Issued, committed and waited for inside one asm block, so nothing touches the
+    accumulators or A while the wgmmas are in flight. Returns the 32 accumulators."""
+    d = ", ".join(f"{{$w{i}}}" for i in range(32))
+    lines = ["{", ".reg .b64 desc0, desc;", ".reg .pred first, more;",
+             "cvt.u64.u32 desc0, {$r32};", "shr.u64 desc0, desc0, 4;",
+             f"or.b64 desc0, desc0, {DESC_LAYOUT:#018x};",
+             "setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
+    for s in range(8):
+        regs = ", ".join(f"{{$r{4 * s + i}}}" for i in range(4))
+        lines.append(f"add.s64 desc, desc0, {s * STEP_BYTES >> 4};")
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {{{d}}}, {{{regs}}}, desc, "
+                     f"{'first' if s == 0 else 'more'}, 1, 1, 0;")
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    out = cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * 32, read_only_args=list(a) + [qbase])
+    return list(out)
 
 
 class DsaIndex:
@@ -40,74 +240,164 @@ class DsaIndex:
     @cute.jit
     def __call__(self, q: cute.Pointer, head_w: cute.Pointer, cache: cute.Pointer, block_tables: cute.Pointer,
                  context_lens: cute.Pointer, scores: cute.Pointer, batch: Int32, pages_per_seq: Int32,
-                 stream: cuda.CUstream):
-        self.kernel(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq).launch(
-            grid=[(pages_per_seq + PAGES_PER_CTA - 1) // PAGES_PER_CTA, batch, 1], block=[128, 1, 1], stream=stream,
+                 run: Int32, stream: cuda.CUstream):
+        self.kernel(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run).launch(
+            grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, head_w: cute.Pointer, cache: cute.Pointer, block_tables: cute.Pointer,
-               context_lens: cute.Pointer, scores: cute.Pointer, pages_per_seq: Int32):
+               context_lens: cute.Pointer, scores: cute.Pointer, pages_per_seq: Int32, run: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        group, token, _ = cute.arch.block_idx()
+        chunk, token, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
-        g, t = lane // 4, lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * PAGE_BYTES), byte_alignment=128)
+        queries = smem.allocate_tensor(Uint8, cute.make_layout(QUERY_BYTES), byte_alignment=128)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * STAGES), byte_alignment=8)
+        ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
+        full0 = bars.iterator.toint()
+        empty0 = full0 + 8 * STAGES
+        if tid == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                _mbar_init(full0 + 8 * s, 1)
+                _mbar_init(empty0 + 8 * s, CONSUMERS)
+            _mbar_init_fence()
+        # Before the PDL wait only what no kernel of the step writes: the length, the run's
+        # first 32 block-table entries (one per lane), and an L2 prefetch of the run's first
+        # STAGES pages (live bytes only; no data reaches the SM, and L2 is the point of
+        # coherence, so IndexKey's later write of the new key is what the copies read).
+        length = cutlass.max((_ldg_nc_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
+        first = chunk * run  # this CTA's first page (index into the token's block table)
+        count = cutlass.max(cutlass.min(run, pages_per_seq - first), 0)
+        live = cutlass.min(cutlass.max((length + PAGE - 1) // PAGE - first, 0), count)
+        width = pages_per_seq * PAGE
+        table = block_tables + token * pages_per_seq
+        mine = _ldg_nc_i32(table + cutlass.min(first + lane, pages_per_seq - 1))
+        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES):
+            keys = cutlass.min(length - (first + lane) * PAGE, PAGE)
+            src = cache + Int64(mine) * PAGE_BYTES
+            _prefetch_l2(src, keys * DIM)
+            _prefetch_l2(src + KEY_BYTES, (keys * 4 + 15) // 16 * 16)
+        cute.arch.sync_threads()  # the mbarriers are initialized
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-
-        length = cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
-        # B operands: head nt * 8 + g, its bytes 16t..16t+15 and 64+16t..64+16t+15; and the
-        # weights of the two heads (nt * 8 + 2t, + 1) whose scores this thread accumulates.
-        queries, weights = [], []
-        for nt in cutlass.range_constexpr(NTILES):
-            row = q + (token * HEADS + nt * 8 + g) * DIM
-            queries.append(list(P.load_u32x4(row + 16 * t)) + list(P.load_u32x4(row + 64 + 16 * t)))
-            weights.append(P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t))
-        width = pages_per_seq * PAGE
-        # Every key load of the CTA's pages is issued before the first MMA (predicated off
-        # past the length or the table), so a warp has 4 pages x 1 KB in flight.
-        keys, scales = [], []
-        for p in cutlass.range_constexpr(PAGES_PER_CTA):
-            index = group * PAGES_PER_CTA + p
-            live = index < pages_per_seq and index * PAGE + warp * 16 < length
-            page = P.load_i32(block_tables + token * pages_per_seq + cutlass.min(index, pages_per_seq - 1))
-            base = cache + Int64(page) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
-            rows = []
-            for r in cutlass.range_constexpr(2):
-                key = base + (warp * 16 + g + 8 * r) * DIM
-                rows.append(list(P.load_u32x4_if(key + 16 * t, live)) + list(P.load_u32x4_if(key + 64 + 16 * t, live)))
-                scales.append(P.load_f32_if(base + PAGE * DIM + 4 * (warp * 16 + g + 8 * r), live and t == 0))
-            keys.append(rows)
-        for p in cutlass.range_constexpr(PAGES_PER_CTA):
-            index = group * PAGES_PER_CTA + p
-            first = index * PAGE + warp * 16  # this warp's first key position
-            if index < pages_per_seq:
-                s0, s1 = self.score_rows(queries, weights, keys[p])
-                if t == 0:
-                    P.store_f32(scores + token * width + first + g,
-                                P.select(first + g < length, s0 * scales[2 * p], Float32(float("-inf"))))
-                    P.store_f32(scores + token * width + first + g + 8,
-                                P.select(first + g + 8 < length, s1 * scales[2 * p + 1], Float32(float("-inf"))))
+        if warp == CONSUMERS // 32:
+            self.produce(cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane)
+        else:
+            self.consume(q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0,
+                         tid, lane, warp)
 
     @cute.jit
-    def score_rows(self, queries, weights, keys):
-        """Unscaled scores of a warp's 16 keys, rows g and g + 8 (complete on lane t = 0)."""
-        sums = [Float32(0), Float32(0)]
-        for nt in cutlass.range_constexpr(NTILES):
-            acc = [Float32(0)] * 4
-            for step in cutlass.range_constexpr(4):
-                a = (keys[0][2 * step], keys[1][2 * step], keys[0][2 * step + 1], keys[1][2 * step + 1])
-                acc = P.mma_e4m3_16832(a, (queries[nt][2 * step], queries[nt][2 * step + 1]), acc)
-            # acc: rows (g, g + 8) x heads (nt * 8 + 2t, + 1)
-            for r in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(2):
-                    sums[r] = sums[r] + cute.arch.fmax(acc[2 * r + j], Float32(0)) * weights[nt][j]
-        for r in cutlass.range_constexpr(2):  # the row's heads are spread over its 4 lanes
-            sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=1)
-            sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=2)
-        return sums[0], sums[1]
+    def produce(self, cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane):
+        """Warp 4: the block-table entries 32 at a time (one per lane; the first 32 loaded
+        before the wait), then one bulk copy per live page into the ring, waiting for the
+        consumers to free a stage."""
+        for i0 in range(0, live, 32):
+            if i0 > 0:
+                mine = _ldg_nc_i32(table + cutlass.min(first + i0 + lane, pages_per_seq - 1))
+            for j in range(0, cutlass.min(32, live - i0)):
+                i = i0 + j
+                page = cute.arch.shuffle_sync(mine, j)
+                stage, use = i % STAGES, i // STAGES
+                if use > 0:
+                    _mbar_wait(empty0 + 8 * stage, (use - 1) % 2)
+                if lane == 0:
+                    keys = cutlass.min(length - (first + i) * PAGE, PAGE)
+                    dst, bar = ring0 + stage * PAGE_BYTES, full0 + 8 * stage
+                    src = cache + Int64(page) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
+                    if keys == PAGE:
+                        _mbar_expect(bar, Int32(PAGE_BYTES))
+                        _bulk_copy(dst, src, Int32(PAGE_BYTES), bar)
+                    else:  # the last page: its live keys and the 16-byte words of their scales
+                        scale_bytes = (keys * 4 + 15) // 16 * 16
+                        _mbar_expect(bar, keys * DIM + scale_bytes)
+                        _bulk_copy(dst, src, keys * DIM, bar)
+                        _bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, scale_bytes, bar)
+
+    @cute.jit
+    def consume(self, q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0,
+                tid, lane, warp):
+        g, t = lane // 4, lane % 4
+        out = scores + token * width
+        if live > 0:
+            self.stage_queries(q, token, qbase, tid)
+            # this thread's heads: 8 j + 2 t and + 1
+            weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
+            _fence_async_shared()
+            _consumer_sync()
+            odd = g % 2
+            for i in range(live):
+                stage = i % STAGES
+                _mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
+                base = ring0 + stage * PAGE_BYTES
+                rows = [warp * 16 + g, warp * 16 + g + 8]
+                frags = []
+                scales = []
+                for r in cutlass.range_constexpr(2):
+                    row = base + rows[r] * DIM
+                    lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
+                    # odd rows read the halves in the other order: a quarter-warp's 8 loads
+                    # (rows g, g + 1 x 4 lanes) then cover all 32 banks
+                    x = _lds_v4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
+                    y = _lds_v4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
+                    lo = [Uint32(cutlass.select_(odd == 1, y[k], x[k])) for k in range(4)]
+                    hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
+                    frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
+                    scales.append(_lds_f32(base + KEY_BYTES + 4 * rows[r]))
+                _mbar_arrive(empty0 + 8 * stage)  # the stage's bytes are in registers now
+                halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
+                for r in cutlass.range_constexpr(2):
+                    for k in cutlass.range_constexpr(8):
+                        f0, f1 = _e4m3x4_to_f16x2x2(frags[r][k])
+                        halves[r] += [f0, f1]
+                a = []
+                for s in cutlass.range_constexpr(8):
+                    a += a_fragment(halves, s)
+                acc = _wgmma_page(a, qbase)
+                sums = self.head_sums(acc, weights)
+                position = (first + i) * PAGE
+                if t == 0:
+                    for r in cutlass.range_constexpr(2):
+                        key = position + rows[r]
+                        P.store_f32(out + key, P.select(key < length, sums[r] * scales[r], Float32(float("-inf"))))
+        # pages of the run past the length: -inf, never read
+        start, stop = (first + live) * PAGE, (first + count) * PAGE
+        for p in range(start + tid, stop, CONSUMERS):
+            P.store_f32(out + p, Float32(float("-inf")))
+
+    @cute.jit
+    def stage_queries(self, q, token, qbase, tid):
+        """The token's 64 e4m3 query rows -> shared fp16, in the keys' k order: thread
+        (head n = tid % 64, half = tid // 64) reads bytes [64 half, 64 half + 64) of row n and
+        writes k chunks c = 8 half + cc (logical k 8 c .. 8 c + 7 = byte pairs 2 cc + 16 t of
+        the half, t = 0..3) to qbase + c x 1024 + n x 16."""
+        n, half = tid % HEADS, tid // HEADS
+        src = q + (token * HEADS + n) * DIM + 64 * half
+        words = []
+        for k in cutlass.range_constexpr(4):
+            words += list(P.load_u32x4(src + 16 * k))
+        for cc in cutlass.range_constexpr(8):
+            pairs = [query_source(cc, tt) for tt in range(4)]
+            _sts_v4(qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs])
+
+    @cute.jit
+    def head_sums(self, acc, weights):
+        """Unscaled scores of rows g and g + 8 (every lane of the quad ends with them):
+        acc[4 j + 2 r + e] is row g + 8 r x head 8 j + 2 t + e."""
+        sums = []
+        for r in cutlass.range_constexpr(2):
+            parts = [Float32(0), Float32(0)]
+            for nt in cutlass.range_constexpr(NTILES):
+                for e in cutlass.range_constexpr(2):
+                    parts[e] = parts[e] + cute.arch.fmax(acc[accumulator(nt, r, e)], Float32(0)) * weights[nt][e]
+            total = parts[0] + parts[1]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            sums.append(total)
+        return sums
 
 
 def compile_args():
     return (P.gmem_ptr(Uint8), P.gmem_ptr(Float32), P.gmem_ptr(Uint8), P.gmem_ptr(Int32, align=4),
-            P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4), Int32(1), Int32(1))
+            P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4), Int32(1), Int32(1), Int32(2))

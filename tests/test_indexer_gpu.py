@@ -5,9 +5,10 @@ import torch
 
 from conftest import rel_err
 from graphstep import formats, reference as ref
+from graphstep.kernels import dsa_index
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
-from graphstep.state import LayerState, local_lens
+from graphstep.state import LayerState, StepInputs, local_lens
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 4096]
@@ -61,25 +62,69 @@ def test_index_query_matches_the_reference():
     assert rel_err(w_out, expect_w) < 1e-3
 
 
-@pytest.mark.parametrize("dcp, rank", [(1, 0), (2, 1)])
-def test_dsa_index_scores_every_position_and_nothing_past_the_length(dcp, rank):
-    state = _state(Topology(tp=8, dcp=dcp, rank=rank))
-    kernels = Kernels(state.shape, state.weights)
-    inputs = state.inputs(len(LENGTHS), context_lens=LENGTHS)
+SCORE_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768, 131072]
+
+
+@pytest.fixture(scope="module", params=[(1, 0), (2, 1)], ids=["single", "dcp2-rank1"])
+def scoring(request):
+    """One state whose shuffled block tables hold 131072 positions (local: 131072 / dcp)
+    per sequence, the SCORE_LENGTHS tokens' query rows and weights, and the fp32 reference
+    scores (about 1.5 GB of GPU memory with the MLA cache)."""
+    dcp, rank = request.param
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
+                       max_batch=len(SCORE_LENGTHS), max_context=max(SCORE_LENGTHS), seed=11 + rank, device="cuda")
+    inputs = state.inputs(len(SCORE_LENGTHS), context_lens=SCORE_LENGTHS)
     q_fp8, head_w = ref.index_query(state, inputs, ref.query_norm(state, inputs))
-    width = state.pages_per_seq * 64
-    scores = torch.full((len(LENGTHS), width), float("nan"), device="cuda")
-    kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores,
-                      len(LENGTHS))
-    torch.cuda.synchronize()
     expect = ref.index_scores(state, state.caches, inputs, q_fp8, head_w)
-    lens = local_lens(inputs.context_lens, dcp, rank)
+    yield state, inputs, q_fp8, head_w, expect, local_lens(inputs.context_lens, dcp, rank)
+    torch.cuda.empty_cache()
+
+
+# every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
+# launch), and runs that are not powers of two
+@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
+def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run):
+    state, inputs, q_fp8, head_w, expect, lens = scoring
+    kernels = Kernels(state.shape, state.weights)
+    width = state.pages_per_seq * 64
+    scores = torch.full((len(SCORE_LENGTHS), width), float("nan"), device="cuda")  # poison
+    kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores,
+                      len(SCORE_LENGTHS), pages_per_cta=run)
+    torch.cuda.synchronize()
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
     for b, n in enumerate(lens.tolist()):
-        assert torch.isneginf(scores[b, n:]).all()
-        assert rel_err(scores[b, :n], expect[b, :n]) < 1e-5
+        assert torch.isneginf(scores[b, n:]).all(), (b, n)
+        assert torch.isfinite(scores[b, :n]).all(), (b, n)
+        assert rel_err(scores[b, :n], expect[b, :n]) < 1e-5, (b, n, rel_err(scores[b, :n], expect[b, :n]))
     top = ref.topk_indices(scores, 2048)
     assert ((top >= 0).sum(1) == lens.clamp(max=2048)).all()
+
+
+def test_dsa_index_batch_of_64_at_32k_matches_the_reference():
+    """The host's pick at the largest captured batch (full 32-page runs): 64 tokens over the
+    block tables of 8 sequences (each table used by 8 tokens, rows shuffled; scoring only
+    reads the cache), so the state stays small."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=8, max_context=32768, seed=5,
+                       device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = torch.tensor([32768 - 37 * b for b in range(64)], dtype=torch.int32, device="cuda")
+    tables = state.caches.block_tables.repeat(8, 1)[torch.randperm(64, generator=gen, device="cuda")].contiguous()
+    qkv = torch.randn(64, state.shape.model.packed_width, generator=gen, device="cuda").bfloat16()
+    inputs = StepInputs(qkv, lens, torch.full_like(lens, -1), tables)
+    q_fp8, head_w = ref.index_query(state, inputs, ref.query_norm(state, inputs))
+    kernels = Kernels(state.shape, state.weights)
+    scores = torch.full((64, state.pages_per_seq * 64), float("nan"), device="cuda")
+    kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, tables, lens, scores, 64)
+    torch.cuda.synchronize()
+    assert not torch.isnan(scores).any()
+    for b0 in range(0, 64, 16):  # the reference 16 tokens at a time
+        part = slice(b0, b0 + 16)
+        sub = StepInputs(qkv[part], lens[part], inputs.slot_mapping[part], tables[part])
+        expect = ref.index_scores(state, state.caches, sub, q_fp8[part], head_w[part])
+        for b in range(16):
+            n = int(lens[b0 + b])
+            assert torch.isneginf(scores[b0 + b, n:]).all()
+            assert rel_err(scores[b0 + b, :n], expect[b, :n]) < 1e-5, b0 + b
 
 
 TOPK_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768]

@@ -124,9 +124,23 @@ def test_compile_cache_is_keyed_by_configuration_not_identity():
 
 
 def test_indexer_kernels_use_the_tensor_cores(ptx):
-    scorer = ptx[("tp8", "dsa_index")]
-    assert scorer.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 4 * 8 * 4  # pages x heads/8 x k
-    assert "ld.global.v4.b32" in scorer
+    for shape in SHAPES:
+        scorer = ptx[(shape, "dsa_index")]
+        # a page: eight m64n64k16 wgmmas (64 keys x 64 heads x 128 dims), keys as A from
+        # registers widened exactly from e4m3, queries as B from shared memory, FP32 accumulation
+        assert scorer.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 8
+        assert scorer.count("wgmma.commit_group.sync.aligned") == 1 and "wgmma.wait_group.sync.aligned 0" in scorer
+        assert "cvt.rn.f16x2.e4m3x2" in scorer and "fence.proxy.async.shared::cta" in scorer
+        # pages stream by the bulk copy engine into an mbarrier-completed ring
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in scorer
+        assert "mbarrier.arrive.expect_tx.shared::cta.b64" in scorer and "mbarrier.try_wait.parity" in scorer
+        assert "ld.global.v4.b32" in scorer  # the query rows
+        # before the PDL wait: the length and a block-table entry (read-only loads), and an L2
+        # prefetch of the first pages; every copy of cache bytes into the SM comes after it
+        wait = scorer.index("griddepcontrol.wait")
+        assert re.findall(r"ld\.global[.\w]*", scorer[:wait]) == ["ld.global.nc.s32"] * 2
+        assert "cp.async.bulk.prefetch.L2.global" in scorer[:wait]
+        assert "cp.async.bulk.shared" not in scorer[:wait] and "ld.shared" not in scorer[:wait]
     wq_b = ptx[("tp8", "index_query")]
     assert wq_b.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 48
     assert "cvt.rn.satfinite.e4m3x2.f32" in wq_b and "cp.async.bulk.prefetch.L2.global" in wq_b
