@@ -15,7 +15,7 @@ finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 th
          448, values / scale as saturated e4m3, and rank 0 writes the head weight
          w = weights_proj * heads^-0.5 * scale * dim^-0.5 (DeepSeek-V3.2's folding).
 
-A variant holds `tokens` (16 or 64) token rows per stage; the host picks the smallest that
+A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
 holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
 Tested on the H200 against the reference (tests/test_indexer_gpu.py).
 """
@@ -31,7 +31,7 @@ from . import primitives as P
 from . import projection as J
 
 HEADS, DIM, ROPE = 64, 128, 64
-RING = {16: 5, 64: 3}  # slots per variant: 108.8 KB / 104.4 KB of shared memory
+RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
 TOKENS = tuple(sorted(RING))
 
 

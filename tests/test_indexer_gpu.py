@@ -78,15 +78,15 @@ def _check_index_query(q_out, w_out, expect, batch):
     assert rel_err(w_out, expect_w) < 1e-3
 
 
-@pytest.mark.parametrize("batch", [1, 3, 16, 17, 37, 64, 80])
+@pytest.mark.parametrize("batch", [1, 3, 16, 17, 32, 37, 64, 80])
 def test_index_query_matches_the_reference(batch):
-    """Through the launcher: the 16-token variant up to 16, the 64-token one above, and
-    chunks of 64 past 64 (80 = 64 + 16)."""
+    """Through the launcher: the 16-, 32- and 64-token variants by batch, and chunks of 64
+    past 64 (80 = 64 + 16)."""
     q_out, w_out, expect = _index_query(batch)
     _check_index_query(q_out, w_out, expect, batch)
 
 
-@pytest.mark.parametrize("tokens, batch", [(16, 1), (64, 1), (64, 3), (64, 16)])
+@pytest.mark.parametrize("tokens, batch", [(16, 1), (32, 1), (32, 5), (64, 1), (64, 3), (64, 16)])
 def test_every_index_query_variant_matches_the_reference(tokens, batch):
     """Each variant directly, also far below its capacity (zero-filled token rows)."""
     q_out, w_out, expect = _index_query(batch, tokens)

@@ -36,9 +36,9 @@ def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
-    assert {"index_key", "index_query_16", "index_query_64", "dsa_index", "top_k"} <= names
+    assert {"index_key", "index_query_16", "index_query_32", "index_query_64", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == 10 + 14
+    assert len(ptx) == 11 + 15
 
 
 def test_every_kernel_waits_and_releases(ptx):
