@@ -77,13 +77,14 @@ class IndexQuery:
     def __call__(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer,
                  context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer, batch: Int32,
                  stream: cuda.CUstream):
-        self.kernel(qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, batch).launch(
+        self.index_query(qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, batch).launch(
             grid=[2 * HEADS, 1, 1], block=[J.THREADS, 1, 1], cluster=[2, 1, 1], stream=stream, use_pdl=self.pdl,
             min_blocks_per_mp=2, preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer,
-               context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer, batch: Int32):
+    def index_query(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer,
+                    sin: cute.Pointer, context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer,
+                    batch: Int32):
         tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -95,11 +96,14 @@ class IndexQuery:
         s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
         cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
-        # Weights never change within a step: every slot is filled before the wait.
+        # Weights never change within a step: every slot is filled before the wait, and the
+        # next AHEAD stages are requested into L2.
         weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
         for stage in cutlass.range_constexpr(ring):
             s.issue_weights(weights, stage)
             cute.arch.cp_async_commit_group()
+        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
+            s.prefetch_weights(weights, stage)
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         ntok = cutlass.min(batch, tokens)
@@ -119,6 +123,8 @@ class IndexQuery:
                 if cutlass.const_expr(nxt < J.STAGES):
                     s.issue_weights(weights, nxt)
                     s.issue_tokens(qc, ntok, nxt)
+                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
+                    s.prefetch_weights(weights, nxt + J.AHEAD)
                 cute.arch.cp_async_commit_group()
             acc = s.compute(it, acc)
         cute.arch.sync_threads()  # every copy landed and every warp is done with the ring

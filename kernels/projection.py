@@ -9,7 +9,10 @@ of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct
 bank groups. The classic multistage loop keeps `ring - 1` stages in flight: wait for the
 oldest group, one CTA barrier, refill the slot everybody just finished, then compute.
 The weight copies of the first `ring - 1` stages do not depend on the previous kernel,
-so the kernel issues them before `griddepcontrol.wait`; the q_c chunks come after it.
+so the kernel issues them before `griddepcontrol.wait`, with the weights of the AHEAD
+stages after the ring requested into L2 (`prefetch.global.L2`, one 128-byte line per
+thread) and kept AHEAD stages ahead of the ring from then on; the q_c chunks come after
+the wait.
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage; `mma.sync m16n8k16`
 with the weights as A (ldmatrix.x4) and the tokens as the narrow N side (ldmatrix.x4 gives
@@ -35,6 +38,7 @@ ROWS = 64  # weight rows per CTA
 PITCH = KC * 2 + 16  # bytes per row in a slot (16-byte skew: conflict-free ldmatrix)
 ROW_CHUNKS = KC * 2 // 16  # 16-byte chunks per row per stage
 OUT_PITCH = ROWS * 4 + 16  # bytes per token in the fp32 [token][row] result tile
+AHEAD = 3  # stages past the ring whose weights are already requested into L2
 
 
 def slot_bytes(tokens: int) -> int:
@@ -55,6 +59,12 @@ def cp_async_16(dst, src, live=None):
     else:
         size = Int32(cutlass.select_(live, Int32(16), Int32(0)))
         cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", read_only_args=[dst, src, size])
+
+
+def prefetch_l2_line(ptr, live):
+    """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
+    cute.arch.inline_ptx("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
+                         read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
 
 
 def ldmatrix_x4(addr) -> tuple:
@@ -106,6 +116,11 @@ class Stream:
         for i in range(ROWS * ROW_CHUNKS // THREADS):
             row = self.first_row + (THREADS // ROW_CHUNKS) * i
             cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
+
+    def prefetch_weights(self, weights, stage: int):
+        """The 64 rows' chunk of `stage` into L2 only: threads 0-127 one 128-byte line each."""
+        row, half = self.tid // 2 % ROWS, self.tid % 2
+        prefetch_l2_line(weights + row * K + stage * KC + (KC // 2) * half, self.tid < 2 * ROWS)
 
     def issue_tokens(self, qc, ntok, stage: int):
         """The tokens' chunk of `stage`; rows >= ntok are zero-filled (q_c is not read there)."""

@@ -142,8 +142,10 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     q_c = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", entry)
     assert len(weights) == J.ROWS * J.K * 2 // 16 // J.THREADS
     assert len(q_c) == J.STAGES * tokens * J.ROW_CHUNKS // J.THREADS
-    before = entry[:wait]
-    assert before.count("cp.async.cg.shared.global") == index_query.RING[tokens] * 4 and ", 16, %r" not in before
+    before, ring = entry[:wait], index_query.RING[tokens]
+    assert before.count("cp.async.cg.shared.global") == ring * 4 and ", 16, %r" not in before
+    # the stages past the ring are requested into L2 (AHEAD of them before the wait)
+    assert entry.count("prefetch.global.L2") == J.STAGES - ring and before.count("prefetch.global.L2") == J.AHEAD
     assert not re.search(r"ld\.global", before)
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
