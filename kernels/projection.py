@@ -6,13 +6,12 @@ The weights stream once through a shared-memory ring of `ring` stages of 128 k-c
 each stage holds the 64 rows' 256-byte chunks (16 KB) and the tokens' matching chunks,
 copied by every thread with 16-byte `cp.async.cg` (L2 only, no registers held) into rows
 of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct 16-byte
-bank groups. The classic multistage loop keeps `ring - 1` stages in flight: wait for the
-oldest group, one CTA barrier, refill the slot everybody just finished, then compute.
-The weight copies of the first `ring - 1` stages do not depend on the previous kernel,
-so the kernel issues them before `griddepcontrol.wait`, with the weights of the AHEAD
-stages after the ring requested into L2 (`prefetch.global.L2`, one 128-byte line per
-thread) and kept AHEAD stages ahead of the ring from then on; the q_c chunks come after
-the wait.
+bank groups. The multistage loop keeps `ring - 1` stages in flight while it computes
+one: wait for the oldest group, one CTA barrier, refill the slot everybody just finished,
+then compute. Weights do not depend on the previous kernel, so the kernel fills every
+slot before `griddepcontrol.wait` and requests the AHEAD stages after the ring into L2
+(`prefetch.global.L2`, one 128-byte line per thread), staying AHEAD stages ahead of the
+ring from then on; the q_c chunks come after the wait.
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage; `mma.sync m16n8k16`
 with the weights as A (ldmatrix.x4) and the tokens as the narrow N side (ldmatrix.x4 gives
