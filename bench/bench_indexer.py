@@ -51,7 +51,6 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
                                               for _ in range(min(copies_for(cache_bytes), 8) - 1)]
         width = state.pages_per_seq * m.page_size
         qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-        ws = torch.empty(batch, m.index_heads * m.index_dim, device="cuda")
         q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
         hw = torch.empty(batch, m.index_heads, device="cuda")
         scores = torch.empty(batch, width, device="cuda")
@@ -62,7 +61,7 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
 
         def ours_wq_b():
             for i in range(launches):
-                kernel_sets[i % len(kernel_sets)].index_query(qc, inputs.qkv, lens, ws, q8, hw, batch)
+                kernel_sets[i % len(kernel_sets)].index_query(qc, inputs.qkv, lens, q8, hw, batch)
 
         def ours_score():
             for i in range(launches):
@@ -75,7 +74,7 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
         def ours_path():
             for i in range(launches):
                 k = kernel_sets[i % len(kernel_sets)]
-                k.index_query(qc, inputs.qkv, lens, ws, q8, hw, batch)
+                k.index_query(qc, inputs.qkv, lens, q8, hw, batch)
                 k.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch)
                 k.top_k(scores, tables, lens, slots, unused, batch)
 

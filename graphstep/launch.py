@@ -115,11 +115,11 @@ class Kernels:
         op = index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, self.pdl)
         return catalog.compile_op(op, index_key.compile_args())
 
-    def _index_query_op(self):
+    def _index_query_op(self, tokens: int):
         from .kernels import catalog, index_query
 
         m = self.shape.model
-        op = index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], self.pdl)
+        op = index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, self.pdl)
         return catalog.compile_op(op, index_query.compile_args())
 
     def _dsa_index_op(self):
@@ -175,6 +175,10 @@ class Kernels:
                 self._mla_query_op(tiled, poll)
         if self.shape.topology.dcp > 1:
             self._query_wait_op()
+        from .kernels.index_query import TOKENS
+
+        for tokens in TOKENS:  # chosen by batch, like the norm variants
+            self._index_query_op(tokens)
 
     # -- launches on the current stream ------------------------------------------------
 
@@ -222,15 +226,19 @@ class Kernels:
                              ptr(w.index_rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(index_cache),
                              Int32(batch), current_stream())
 
-    def index_query(self, qc, qkv, context_lens, workspace, q_out, w_out, batch: int) -> None:
-        """wq_b + RoPE + e4m3 quantization: q_out uint8 [B, 64, 128], w_out fp32 [B, 64];
-        workspace fp32 [>= batch, 8192]."""
+    def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int) -> None:
+        """wq_b + RoPE + e4m3 quantization + head weights in one kernel: q_out uint8
+        [>= batch, 64, 128], w_out fp32 [>= batch, 64]. One launch of the variant that holds
+        the batch; above 64 tokens, one per chunk of 64 (kernels/index_query.py launches)."""
         from cutlass import Int32
 
+        from .kernels.index_query import launches
+
         w = self.weights
-        self._index_query_op()(ptr(qc), ptr(w.wq_b_index), ptr(qkv), ptr(w.index_rope_cos), ptr(w.index_rope_sin),
-                               ptr(context_lens, 4), ptr(workspace), ptr(q_out), ptr(w_out), Int32(batch),
-                               current_stream())
+        for start, rows, tokens in launches(batch):
+            self._index_query_op(tokens)(
+                ptr(qc[start:]), ptr(w.wq_b_index), ptr(qkv[start:]), ptr(w.index_rope_cos), ptr(w.index_rope_sin),
+                ptr(context_lens[start:], 4), ptr(q_out[start:]), ptr(w_out[start:]), Int32(rows), current_stream())
 
     def dsa_index(self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int,
                   pages_per_cta: int | None = None) -> None:

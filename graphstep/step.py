@@ -51,7 +51,6 @@ class Buffers:
     qc: torch.Tensor  # the indexer's q_c
     qc_private: torch.Tensor  # MlaQuery's own q_c when it runs off the main stream
     workspace: torch.Tensor  # MlaQuery's raw q [B, heads, 192] fp32
-    index_workspace: torch.Tensor  # IndexQuery's raw q [B, 64 x 128] fp32
     index_q: torch.Tensor  # the indexer's e4m3 queries [B, 64, 128] (uint8)
     index_w: torch.Tensor  # its folded head weights [B, 64] fp32
     scores: torch.Tensor  # DsaIndex's scores [B, local positions a block table holds] fp32
@@ -111,7 +110,6 @@ class DecodeStep:
             qc=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             qc_private=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             workspace=torch.zeros(rows, s.heads, m.qk_head_dim, device=dev),
-            index_workspace=torch.zeros(rows, m.index_heads * m.index_dim, device=dev),
             index_q=torch.zeros(rows, m.index_heads, m.index_dim, dtype=torch.uint8, device=dev),
             index_w=torch.zeros(rows, m.index_heads, device=dev),
             scores=torch.zeros(rows, self.state.pages_per_seq * m.page_size, device=dev),
@@ -195,7 +193,7 @@ class DecodeStep:
             b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
             return
         k = self.kernels
-        k.index_query(b.qc, b.qkv, b.context_lens, b.index_workspace, b.index_q, b.index_w, size)
+        k.index_query(b.qc, b.qkv, b.context_lens, b.index_q, b.index_w, size)
         k.dsa_index(b.index_q, b.index_w, caches.index_cache, b.block_tables, b.context_lens, b.scores, size)
         if topo.dcp == 1:
             k.top_k(b.scores, b.block_tables, b.context_lens, b.slots, b.own_scores, size)

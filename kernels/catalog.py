@@ -56,9 +56,11 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
     return fn
 
 
-def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), batches=range(1, 65)) -> list[Variant]:
+def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), batches=range(1, 65),
+             index_tokens=index_query.TOKENS) -> list[Variant]:
     """The kernel variants a step of `shape` (a graphstep RankShape) can launch for the
-    given batch sizes (SparseCore's slots per CTA depend on the batch)."""
+    given batch sizes (SparseCore's slots per CTA depend on the batch; norms,
+    index_tokens: only these MlaQuery/QueryNorm and IndexQuery variants)."""
     m, topo = shape.model, shape.topology
     q_fp8, mla_fp8 = topo.q_format == "fp8", topo.mla_cache == "fp8"
     out = []
@@ -71,8 +73,9 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), 
             out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
     out.append(Variant("index_key", index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
                        index_key.compile_args()))
-    out.append(Variant("index_query", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], pdl),
-                       index_query.compile_args()))
+    for tokens in index_tokens:  # launch.Kernels.index_query picks by batch
+        out.append(Variant(f"index_query_{tokens}", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0],
+                                                                           tokens, pdl), index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
     for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
@@ -89,15 +92,17 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), 
 
 def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]:
     """Compile every variant for `arch` and write `<variant>.ptx` files into out_dir.
-    batch: only the norm variant that batch would use."""
+    batch: only the norm and IndexQuery variants that batch would use."""
     from graphstep.shapes import tiled_from
 
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
     batches = range(1, 65) if batch is None else (batch,)
+    index_tokens = index_query.TOKENS if batch is None else sorted({t for _, _, t in index_query.launches(batch)})
+    # (the other indexer kernels do not depend on the batch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for variant in variants(shape, norms=norms, batches=batches):
+    for variant in variants(shape, norms=norms, batches=batches, index_tokens=index_tokens):
         with tempfile.TemporaryDirectory() as tmp:
             compile_op(variant.op, variant.args, arch, tmp)
             ptx = [p for p in Path(tmp).iterdir() if p.suffix == ".ptx"]

@@ -1,15 +1,23 @@
-"""IndexQuery: the indexer's wq_b and its epilogue, as two PDL-chained kernels.
+"""IndexQuery: the indexer's wq_b, NeoX RoPE, per-(token, head) e4m3 and the folded head
+weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
-project  (grid: 64 x 128 / 16 = 512 CTAs of 16 wq_b rows, x batch-tile groups)
-         q = q_c . wq_b^T through kernels/projection.py into an fp32 workspace [B, 8192].
-finish   (one warp per (token, head); lane l holds dims 4l..4l+3)
-         NeoX RoPE on the first 64 dims (pair (i, i + 32): lanes l and l ^ 8), the per-head
-         e4m3 quantization (scale = max(amax, 1e-4) / 448, values / scale, saturated), the
-         queries as e4m3 [B, 64, 128] and the head weights with DeepSeek-V3.2's folding:
-         w = weights_proj * heads^-0.5 * q_scale * dim^-0.5, fp32 [B, 64].
+grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
+         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
+         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
+         kernel's CTAs can already sit beside it and issue their own loads).
+project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
+         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
+         stages' weight copies go out before griddepcontrol.wait, q_c after it.
+finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
+         token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
+         |max| over the 16 threads, the two CTAs swap their halves' maxima through
+         distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
+         448, values / scale as saturated e4m3, and rank 0 writes the head weight
+         w = weights_proj * heads^-0.5 * scale * dim^-0.5 (DeepSeek-V3.2's folding).
 
-Tested on the H200 against the reference (tests/test_indexer_gpu.py); DecodeStep's cute
-backend runs it. Measured in bench/RESULTS.md.
+A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
+holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
+Tested on the H200 against the reference (tests/test_indexer_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,71 +25,165 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from . import primitives as P
-from . import projection
-from .mla_query import tile_groups
+from . import projection as J
 
 HEADS, DIM, ROPE = 64, 128, 64
+RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
+TOKENS = tuple(sorted(RING))
+
+
+def launches(batch: int) -> list[tuple[int, int, int]]:
+    """How the host runs `batch` tokens: (first token, tokens, variant) per launch, the
+    smallest variant that holds each chunk of at most 64 tokens."""
+    out = []
+    for start in range(0, batch, TOKENS[-1]):
+        rows = min(TOKENS[-1], batch - start)
+        out.append((start, rows, next(t for t in TOKENS if rows <= t)))
+    return out
+
+
+# -- cluster primitives -----------------------------------------------------------------
+
+def cluster_arrive_relaxed():
+    cute.arch.inline_ptx("barrier.cluster.arrive.relaxed.aligned;")
+
+
+def cluster_arrive():
+    cute.arch.inline_ptx("barrier.cluster.arrive.release.aligned;")
+
+
+def cluster_wait():
+    cute.arch.inline_ptx("barrier.cluster.wait.acquire.aligned;")
+
+
+def st_peer_f32(addr, rank, value):
+    """Store to the same shared offset in CTA `rank` of the cluster."""
+    cute.arch.inline_ptx("{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\t"
+                         "st.shared::cluster.f32 [a], {$r2};\n\t}", read_only_args=[addr, rank, value])
 
 
 class IndexQuery:
-    def __init__(self, row_stride: int, weights_column: int, pdl: bool = True):
-        """row_stride: elements per packed qkv row; weights_column: where idx_w starts in it."""
-        self.row_stride, self.weights_column, self.pdl = row_stride, weights_column, pdl
+    def __init__(self, row_stride: int, weights_column: int, tokens: int = 16, pdl: bool = True):
+        """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
+        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens."""
+        if tokens not in RING:
+            raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
+        self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
 
     @cute.jit
     def __call__(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer,
-                 context_lens: cute.Pointer, workspace: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer,
-                 batch: Int32, stream: cuda.CUstream):
-        ctas = HEADS * DIM // projection.ROWS
-        tiles = (batch + projection.BATCH_TILE - 1) // projection.BATCH_TILE
-        self.project(qc, wq_b, workspace, batch).launch(
-            grid=[ctas, cutlass.min(tiles, tile_groups(ctas)), 1], block=[projection.THREADS, 1, 1], stream=stream,
-            use_pdl=self.pdl)
-        self.finish(qkv, cos, sin, context_lens, workspace, q_out, w_out, batch).launch(
-            grid=[(batch * HEADS + 3) // 4, 1, 1], block=[128, 1, 1], stream=stream, use_pdl=self.pdl)
+                 context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer, batch: Int32,
+                 stream: cuda.CUstream):
+        self.index_query(qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, batch).launch(
+            grid=[2 * HEADS, 1, 1], block=[J.THREADS, 1, 1], cluster=[2, 1, 1], stream=stream, use_pdl=self.pdl,
+            min_blocks_per_mp=2, preferred_smem_carveout=100)
 
     @cute.kernel
-    def project(self, qc: cute.Pointer, wq_b: cute.Pointer, workspace: cute.Pointer, batch: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        mtile, group, _ = cute.arch.block_idx()
-        _, groups, _ = cute.arch.grid_dim()
-        lane, warp = tid % 32, tid // 32
-        g, t = lane // 4, lane % 4
-        smem = cutlass.memory.SmemAllocator()
-        partial = projection.partial_buffer(smem)
-        weights = wq_b + mtile * projection.ROWS * projection.K
-        if tid == 0:
-            P.prefetch_l2(weights, projection.ROWS * projection.K * 2)
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        lo, hi = projection.load_rows(weights, warp, g, t)
-        projection.project_tiles(lo, hi, qc, workspace + mtile * projection.ROWS, HEADS * DIM, partial, batch, group,
-                                 groups, tid, warp, g, t)
-
-    @cute.kernel
-    def finish(self, qkv: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
-               workspace: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer, batch: Int32):
+    def index_query(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer,
+                    sin: cute.Pointer, context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer,
+                    batch: Int32):
+        tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane = tid % 32
-        item = cta * 4 + tid // 32  # (token, head) of this warp
-        cute.arch.griddepcontrol_wait()
+        lane, warp = tid % 32, tid // 32
+        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
+        smem = cutlass.memory.SmemAllocator()
+        slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
+        peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
+        s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
+        cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
+
+        # Weights never change within a step: every slot is filled before the wait, and the
+        # next AHEAD stages are requested into L2.
+        weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
+        for stage in cutlass.range_constexpr(ring):
+            s.issue_weights(weights, stage)
+            cute.arch.cp_async_commit_group()
+        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
+            s.prefetch_weights(weights, stage)
+        cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
-        if item < batch * HEADS:
-            token, head = item // HEADS, item % HEADS
-            q = list(P.load_f32x4(workspace + item * DIM + 4 * lane))
-            out = P.rope_neox_row(q, cos, sin, P.load_i32(context_lens + token) - 1, lane)
-            word, scale = P.quantize_e4m3_row(out)
-            P.store_u32(q_out + item * DIM + 4 * lane, word)
-            if lane == 0:
-                raw = P.unpack_bf16x2(P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2))
-                proj = P.select(head % 2 == 0, raw[0], raw[1])
-                P.store_f32(w_out + item, proj * Float32(HEADS ** -0.5) * scale * Float32(DIM ** -0.5))
+        ntok = cutlass.min(batch, tokens)
+        for stage in cutlass.range_constexpr(ring):
+            s.issue_tokens(qc, ntok, stage)
+            cute.arch.cp_async_commit_group()
+
+        # Commit groups: W0 .. W(ring-1), T0 .. T(ring-1), then one per iteration it >= 1
+        # holding stage it - 1 + ring, so stage `it` is complete once at most ring - 1
+        # (it = 0: T1 .. T(ring-1)) or ring - 2 (later) newer groups are pending.
+        acc = s.zero_acc()
+        for it in cutlass.range_constexpr(J.STAGES):
+            cute.arch.cp_async_wait_group(ring - 1 if it == 0 else ring - 2)
+            cute.arch.sync_threads()  # stage `it` visible to every warp; the slot of it - 1 free
+            if cutlass.const_expr(it >= 1):
+                nxt = it - 1 + ring
+                if cutlass.const_expr(nxt < J.STAGES):
+                    s.issue_weights(weights, nxt)
+                    s.issue_tokens(qc, ntok, nxt)
+                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
+                    s.prefetch_weights(weights, nxt + J.AHEAD)
+                cute.arch.cp_async_commit_group()
+            acc = s.compute(it, acc)
+        cute.arch.sync_threads()  # every copy landed and every warp is done with the ring
+
+        # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
+        out = s.base
+        addrs = s.acc_addrs(out, lane)
+        if s.khalf == 1:
+            for i in cutlass.range_constexpr(len(addrs)):
+                J.st_shared_f32(addrs[i], acc[i // 4][i % 4])
+        cute.arch.sync_threads()
+        if s.khalf == 0:
+            for i in cutlass.range_constexpr(len(addrs)):
+                J.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], J.ld_shared_f32(addrs[i])))
+        cute.arch.sync_threads()
+
+        # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
+        j, first_token = tid % 16, tid // 16
+        values, amaxes = [], []
+        for p in cutlass.range_constexpr(tokens // 16):
+            token = first_token + 16 * p
+            v = list(J.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
+            partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
+            pos = P.load_i32(context_lens + cutlass.min(token, ntok - 1)) - 1
+            c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
+            sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
+            first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
+            second = [partner[q] * sn[q] + v[q] * c[q] for q in range(4)]
+            v = [P.select(rank == 0, P.select(j < 8, first[q], second[q]), v[q]) for q in range(4)]
+            amax = cute.arch.fmax(cute.arch.fmax(cute.math.abs(v[0]), cute.math.abs(v[1])),
+                                  cute.arch.fmax(cute.math.abs(v[2]), cute.math.abs(v[3])))
+            for offset in (8, 4, 2, 1):  # the 16 threads of this token
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+            values.append(v)
+            amaxes.append(amax)
+
+        peer_base = peer_amax.iterator.toint()
+        cluster_wait()  # the peer CTA is running: its shared memory may be written
+        if j == 0:
+            for p in cutlass.range_constexpr(tokens // 16):
+                st_peer_f32(peer_base + 4 * (first_token + 16 * p), 1 - rank, amaxes[p])
+        cluster_arrive()
+        cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
+
+        for p in cutlass.range_constexpr(tokens // 16):
+            token = first_token + 16 * p
+            v = values[p]
+            amax = cute.arch.fmax(amaxes[p], J.ld_shared_f32(peer_base + 4 * token))
+            scale = cute.arch.fmax(amax, Float32(1e-4)) / Float32(448.0)
+            word = P.pack_e4m3x4(v[0] / scale, v[1] / scale, v[2] / scale, v[3] / scale)
+            if token < ntok:
+                item = token * HEADS + head
+                P.store_u32(q_out + item * DIM + J.ROWS * rank + 4 * j, word)
+                if rank + j == 0:  # rank 0, thread 0 of the token
+                    raw = P.unpack_bf16x2(P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2))
+                    proj = P.select(head % 2 == 0, raw[0], raw[1])
+                    P.store_f32(w_out + item, proj * Float32(HEADS ** -0.5) * scale * Float32(DIM ** -0.5))
 
 
 def compile_args():
     bf16, f32 = P.gmem_ptr(BFloat16), P.gmem_ptr(Float32)
-    return (bf16, bf16, bf16, f32, f32, P.gmem_ptr(Int32, align=4), f32, P.gmem_ptr(Uint8), f32, Int32(1))
+    return (bf16, bf16, bf16, f32, f32, P.gmem_ptr(Int32, align=4), P.gmem_ptr(Uint8), f32, Int32(1))

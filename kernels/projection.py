@@ -1,71 +1,156 @@
-"""The decode-batch projection core of the indexer's wq_b (IndexQuery), the same loop as
-MlaQuery.project's Q_B, which keeps its own H200-tested copy until a GPU run validates it on
-this one: out[b, n] = q_c[b, :] . W[n, :] for a CTA's 16 weight rows, K = 1536, 128 threads.
+"""The streamed decode-batch GEMM core of the indexer's wq_b (IndexQuery): a CTA owns 64
+weight rows (half of one head, 192 KB of bf16) over the whole K = 1536 and computes
+out[row, token] = W[row, :] . q_c[token, :] for up to `tokens` tokens on the tensor cores.
 
-Each warp holds its quarter of K of the 16 rows in registers (load_rows, issued right
-after griddepcontrol_wait) and, for every batch tile of 16 tokens, runs mma.sync
-m16n8k16 with the weights as A (the batch is the narrow N side); the four warps' partial
-sums are added in a fixed order, so results do not depend on scheduling. The 16-byte
-weight and q_c words are split the same way over two MMAs (k 8t..8t+3, then 8t+4..8t+7):
-any consistent permutation of K gives the same dot products.
+The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns:
+each stage holds the 64 rows' 256-byte chunks (16 KB) and the tokens' matching chunks,
+copied by every thread with 16-byte `cp.async.cg` (L2 only, no registers held) into rows
+of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct 16-byte
+bank groups. The multistage loop keeps `ring - 1` stages in flight while it computes
+one: wait for the oldest group, one CTA barrier, refill the slot everybody just finished,
+then compute. Weights do not depend on the previous kernel, so the kernel fills every
+slot before `griddepcontrol.wait` and requests the AHEAD stages after the ring into L2
+(`prefetch.global.L2`, one 128-byte line per thread), staying AHEAD stages ahead of the
+ring from then on; the q_c chunks come after the wait.
+
+Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage; `mma.sync m16n8k16`
+with the weights as A (ldmatrix.x4) and the tokens as the narrow N side (ldmatrix.x4 gives
+two k-steps of one 8-token n-tile). The two k-halves' fp32 sums add in a fixed order
+(half 0 + half 1) into an fp32 [token][row] tile in shared memory (reusing the ring), so
+results do not depend on scheduling.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, Uint32
 
 from . import primitives as P
 
-THREADS = 128
-BATCH_TILE = 16
-ROWS = 16  # weight rows per CTA
+THREADS = 256
+WARPS = THREADS // 32
 K = 1536
-CHUNKS = K // 4 // 32  # 32-wide K chunks per warp
+KC = 128  # k-columns per stage
+STAGES = K // KC  # 12
+ROWS = 64  # weight rows per CTA
+PITCH = KC * 2 + 16  # bytes per row in a slot (16-byte skew: conflict-free ldmatrix)
+ROW_CHUNKS = KC * 2 // 16  # 16-byte chunks per row per stage
+OUT_PITCH = ROWS * 4 + 16  # bytes per token in the fp32 [token][row] result tile
+AHEAD = 3  # stages past the ring whose weights are already requested into L2
 
 
-def load_rows(weights, warp, g, t):
-    """This thread's share of the CTA's 16 rows (row-major, K contiguous): (lo, hi) lists
-    of CHUNKS 16-byte words of rows g and g + 8."""
-    lo, hi = [], []
-    for c in range(CHUNKS):
-        k = warp * (K // 4) + 32 * c + 8 * t
-        lo.append(P.load_u32x4_nc(weights + g * K + k))
-        hi.append(P.load_u32x4_nc(weights + (g + 8) * K + k))
-    return lo, hi
+def slot_bytes(tokens: int) -> int:
+    return (ROWS + tokens) * PITCH
 
 
-def partial_buffer(smem):
-    return smem.allocate_tensor(Float32, cute.make_layout(4 * ROWS * BATCH_TILE), byte_alignment=16)
+def ring_bytes(tokens: int, ring: int) -> int:
+    return ring * slot_bytes(tokens)
 
 
-@cute.jit
-def project_tiles(lo, hi, qc, out, out_stride, partial, batch, group, groups, tid, warp, g, t):
-    """For batch tiles group, group + groups, ...: out[row * out_stride + r] (r < 16) as
-    fp32 for every token row < batch. Tokens past the batch repeat the last one; their
-    columns are discarded."""
-    for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
-        acc = [[Float32(0)] * 4 for _ in range(2)]
-        for c in cutlass.range_constexpr(CHUNKS):
-            k = warp * (K // 4) + 32 * c + 8 * t
-            for nt in cutlass.range_constexpr(2):
-                b = P.load_u32x4(qc + cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1) * K + k)
-                acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
-                acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
-        for nt in cutlass.range_constexpr(2):
-            col = nt * 8 + 2 * t
-            for q in cutlass.range_constexpr(4):
-                partial[(warp * ROWS + g + 8 * (q // 2)) * BATCH_TILE + col + q % 2] = acc[nt][q]
-        cute.arch.sync_threads()
+# -- shared-memory primitives (32-bit shared addresses) -----------------------------------
 
-        # Fixed-order reduction over the four K quarters; thread -> (token, two rows).
-        token, pair = tid % BATCH_TILE, tid // BATCH_TILE
-        sums = [Float32(0), Float32(0)]
-        for w in cutlass.range_constexpr(4):
-            for j in cutlass.range_constexpr(2):
-                sums[j] = P.add_rn(sums[j], partial[(w * ROWS + 2 * pair + j) * BATCH_TILE + token])
-        row = tile * BATCH_TILE + token
-        if row < batch:
-            P.store_f32x2(out + row * out_stride + 2 * pair, sums[0], sums[1])
-        cute.arch.sync_threads()  # the next tile reuses `partial`
+def cp_async_16(dst, src, live=None):
+    """16-byte global -> shared copy through L2 (`cp.async.cg`); with `live` false the
+    destination is zero-filled and nothing is read."""
+    if live is None:
+        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
+    else:
+        size = Int32(cutlass.select_(live, Int32(16), Int32(0)))
+        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", read_only_args=[dst, src, size])
+
+
+def prefetch_l2_line(ptr, live):
+    """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
+    cute.arch.inline_ptx("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
+                         read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
+def ldmatrix_x4(addr) -> tuple:
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4, read_only_args=[addr])
+
+
+def st_shared_f32(addr, value):
+    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+def ld_shared_f32(addr) -> Float32:
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
+
+
+def ld_shared_f32x4(addr) -> tuple:
+    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+# -- the stream -----------------------------------------------------------------------
+
+class Stream:
+    """One CTA's view of the ring: per-thread copy and fragment offsets, fixed at start.
+
+    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2)."""
+
+    def __init__(self, tokens: int, ring: int, base, tid, warp, lane):
+        assert tokens % 16 == 0 and ring >= 2
+        self.tokens, self.ring, self.base, self.tid = tokens, ring, base, tid
+        self.slot = slot_bytes(tokens)
+        # copies: thread tid takes 16-byte chunk tid % 16 of rows tid // 16 + 16 i
+        self.chunk, self.first_row = tid % ROW_CHUNKS, tid // ROW_CHUNKS
+        # fragments: warp = (k-half, m-tile); ldmatrix row addresses of this lane
+        mtile, khalf = warp % 4, warp // 4
+        k_bytes = khalf * (KC // 2) * 2
+        a_row = 16 * mtile + lane % 8 + 8 * ((lane // 8) % 2)
+        self.a_off = a_row * PITCH + 16 * (lane // 16) + k_bytes
+        self.b_off = (ROWS + lane % 8) * PITCH + 16 * (lane // 8) + k_bytes
+        self.mtile, self.khalf = mtile, khalf
+
+    def slot_addr(self, stage: int):
+        return self.base + (stage % self.ring) * self.slot
+
+    def issue_weights(self, weights, stage: int):
+        """The 64 rows' chunk of `stage` (weights: bf16 pointer to the CTA's first row)."""
+        slot = self.slot_addr(stage)
+        for i in range(ROWS * ROW_CHUNKS // THREADS):
+            row = self.first_row + (THREADS // ROW_CHUNKS) * i
+            cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
+
+    def prefetch_weights(self, weights, stage: int):
+        """The 64 rows' chunk of `stage` into L2 only: threads 0-127 one 128-byte line each."""
+        row, half = self.tid // 2 % ROWS, self.tid % 2
+        prefetch_l2_line(weights + row * K + stage * KC + (KC // 2) * half, self.tid < 2 * ROWS)
+
+    def issue_tokens(self, qc, ntok, stage: int):
+        """The tokens' chunk of `stage`; rows >= ntok are zero-filled (q_c is not read there)."""
+        slot = self.slot_addr(stage) + ROWS * PITCH
+        for i in range(self.tokens * ROW_CHUNKS // THREADS):
+            token = self.first_row + (THREADS // ROW_CHUNKS) * i
+            src = qc + cutlass.min(token, ntok - 1) * K + stage * KC + 8 * self.chunk
+            cp_async_16(slot + token * PITCH + 16 * self.chunk, src, token < ntok)
+
+    def compute(self, stage: int, acc: list) -> list:
+        """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
+        slot = self.slot_addr(stage)
+        for kp in range(2):  # pairs of k-steps
+            a0 = ldmatrix_x4(slot + self.a_off + 64 * kp)
+            a1 = ldmatrix_x4(slot + self.a_off + 64 * kp + 32)
+            for nt in range(self.tokens // 8):
+                b = ldmatrix_x4(slot + self.b_off + 8 * nt * PITCH + 64 * kp)
+                acc[nt] = P.mma_bf16_16816(a0, (b[0], b[1]), acc[nt])
+                acc[nt] = P.mma_bf16_16816(a1, (b[2], b[3]), acc[nt])
+        return acc
+
+    def zero_acc(self) -> list:
+        return [[Float32(0)] * 4 for _ in range(self.tokens // 8)]
+
+    def acc_addrs(self, out, lane) -> list:
+        """Shared addresses of this lane's accumulators in the [token][row] fp32 tile."""
+        g, t = lane // 4, lane % 4
+        addrs = []
+        for nt in range(self.tokens // 8):
+            for q in range(4):
+                row = 16 * self.mtile + g + 8 * (q // 2)
+                token = 8 * nt + 2 * t + q % 2
+                addrs.append(out + token * OUT_PITCH + 4 * row)
+        return addrs

@@ -59,6 +59,7 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     step = DecodeStep(shape, capture_sizes=(8, 1), backend="torch", device="cpu", max_context=200)
     step.kernels = Kernels(shape, step.state.weights)  # the cute launchers, recording instead of launching
     b, mailbox = step.buffers, step.caches.mailbox
+    b.partial_o, b.partial_ml = step.kernels.sparse_core_buffers(8, "cpu")  # (the torch backend has none)
     assert mailbox.shape[0] == b.peer_rows.shape[0] == 8
     mailbox[1:] = 0x5A
     b.peer_rows.fill_(0x11)

@@ -43,23 +43,55 @@ def test_index_key_writes_exactly_the_new_slots():
     assert rel_err(scales[slots], expect_s[here]) < 1e-3
 
 
-def test_index_query_matches_the_reference():
-    state = _state(Topology(tp=8), max_batch=37)
+def _index_query(batch, tokens=None):
+    """IndexQuery of `batch` tokens into poisoned outputs with 3 spare rows (through the
+    launcher, or the variant holding `tokens` rows launched directly) -> (q, w, expected)."""
+    from cutlass import Int32
+
+    from graphstep.launch import current_stream, ptr
+
+    state = _state(Topology(tp=8), max_batch=batch)
     kernels = Kernels(state.shape, state.weights)
-    inputs = state.inputs(37)
+    inputs = state.inputs(batch)
     q_c = ref.query_norm(state, inputs)
-    q_out = torch.full((37, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-    w_out = torch.full((37, 64), float("nan"), device="cuda")
-    workspace = torch.empty(37, 8192, device="cuda")
-    kernels.index_query(q_c, inputs.qkv, inputs.context_lens, workspace, q_out, w_out, 37)
+    q_out = torch.full((batch + 3, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+    w_out = torch.full((batch + 3, 64), float("nan"), device="cuda")
+    if tokens is None:
+        kernels.index_query(q_c, inputs.qkv, inputs.context_lens, q_out, w_out, batch)
+    else:
+        w = state.weights
+        kernels._index_query_op(tokens)(ptr(q_c), ptr(w.wq_b_index), ptr(inputs.qkv), ptr(w.index_rope_cos),
+                                        ptr(w.index_rope_sin), ptr(inputs.context_lens, 4), ptr(q_out), ptr(w_out),
+                                        Int32(batch), current_stream())
     torch.cuda.synchronize()
-    expect_q, expect_w = ref.index_query(state, inputs, q_c)
+    return q_out, w_out, ref.index_query(state, inputs, q_c)
+
+
+def _check_index_query(q_out, w_out, expect, batch):
+    expect_q, expect_w = expect
+    assert (q_out[batch:] == 0xFF).all() and torch.isnan(w_out[batch:]).all(), "rows past the batch untouched"
+    q_out, w_out = q_out[:batch], w_out[:batch]
     got = formats.fp8_to_float(q_out)
-    assert torch.isfinite(got).all() and torch.isfinite(w_out).all()
+    assert torch.isfinite(got).all() and torch.isfinite(w_out).all(), "every element written"
     # fp32 GEMMs in another order may flip an e4m3 rounding here and there
     assert (q_out == expect_q).float().mean() > 0.97
     assert rel_err(got, formats.fp8_to_float(expect_q)) < 0.02
     assert rel_err(w_out, expect_w) < 1e-3
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 17, 32, 37, 64, 80])
+def test_index_query_matches_the_reference(batch):
+    """Through the launcher: the 16-, 32- and 64-token variants by batch, and chunks of 64
+    past 64 (80 = 64 + 16)."""
+    q_out, w_out, expect = _index_query(batch)
+    _check_index_query(q_out, w_out, expect, batch)
+
+
+@pytest.mark.parametrize("tokens, batch", [(16, 1), (32, 1), (32, 5), (64, 1), (64, 3), (64, 16)])
+def test_every_index_query_variant_matches_the_reference(tokens, batch):
+    """Each variant directly, also far below its capacity (zero-filled token rows)."""
+    q_out, w_out, expect = _index_query(batch, tokens)
+    _check_index_query(q_out, w_out, expect, batch)
 
 
 SCORE_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768, 131072]

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from graphstep.cli import main
-from graphstep.kernels import catalog, sparse_core
+from graphstep.kernels import catalog, index_query, sparse_core
 from graphstep.shapes import RankShape, Topology, preset
 
 SHAPES = {
@@ -36,9 +36,9 @@ def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
     assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
             "mla_query_tiled_poll"} <= names
-    assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
+    assert {"index_key", "index_query_16", "index_query_32", "index_query_64", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == (8 + 6) + (12 + 6)  # + 6 SparseCore splits each (32 .. 1024 slots per CTA)
+    assert len(ptx) == (8 + 6 + 2) + (12 + 6 + 2)  # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -105,7 +105,7 @@ def test_polling_is_volatile_and_bounded(ptx):
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
+    assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query_16.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
                      "query_norm_rows.sm_90a.ptx", "sparse_core_s64.sm_90a.ptx",
                      "top_k.sm_90a.ptx"]
     assert "7 kernel variants" in capsys.readouterr().out
@@ -141,9 +141,33 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
         assert re.findall(r"ld\.global[.\w]*", scorer[:wait]) == ["ld.global.nc.s32"] * 2
         assert "cp.async.bulk.prefetch.L2.global" in scorer[:wait]
         assert "cp.async.bulk.shared" not in scorer[:wait] and "ld.shared" not in scorer[:wait]
-    wq_b = ptx[("tp8", "index_query")]
-    assert wq_b.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 48
-    assert "cvt.rn.satfinite.e4m3x2.f32" in wq_b and "cp.async.bulk.prefetch.L2.global" in wq_b
+
+
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
+def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
+    from graphstep.kernels import projection as J
+
+    text = ptx[("tp8", f"index_query_{tokens}")]
+    (entry,) = _entries(text)  # projection, RoPE, e4m3 and head weights in one kernel
+    wait = entry.index("griddepcontrol.wait;")
+    # every weight byte once: 12 stages x 64 rows x 256 B in 16-byte copies, the first
+    # ring's worth of them before the wait; q_c (zero-filled past the batch) after it
+    weights = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", entry)
+    q_c = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", entry)
+    assert len(weights) == J.ROWS * J.K * 2 // 16 // J.THREADS
+    assert len(q_c) == J.STAGES * tokens * J.ROW_CHUNKS // J.THREADS
+    before, ring = entry[:wait], index_query.RING[tokens]
+    assert before.count("cp.async.cg.shared.global") == ring * 4 and ", 16, %r" not in before
+    # the stages past the ring are requested into L2 (AHEAD of them before the wait)
+    assert entry.count("prefetch.global.L2") == J.STAGES - ring and before.count("prefetch.global.L2") == J.AHEAD
+    assert not re.search(r"ld\.global", before)
+    # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
+    assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
+    assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
+    # the head's two CTAs swap their amax through distributed shared memory
+    assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.f32" in entry
+    assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
+    assert "cvt.rn.satfinite.e4m3x2.f32" in entry and ".minnctapersm 2" in entry
 
 
 def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):

@@ -69,7 +69,7 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
     kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, qc, qc.clone(), f32(b, s.heads, 192),
                       c.mailbox, c.mla_cache, error, b, store_qc=True, poll=topology.dcp > 1)
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
-    kernels.index_query(qc, inputs.qkv, inputs.context_lens, f32(b, 8192), q8, f32(b, m.index_heads), b)
+    kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, f32(b, m.index_heads), b)
     kernels.dsa_index(q8, f32(b, m.index_heads), c.index_cache, inputs.block_tables, inputs.context_lens, scores, b)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, i32(b, m.index_topk), f32(b, m.index_topk), b)
     kernels.sparse_core(c.mailbox, i32(b, m.index_topk), c.mla_cache, partial_o, partial_ml,

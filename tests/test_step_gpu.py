@@ -134,9 +134,8 @@ def test_graph_edges_show_pdl_fork_and_join(tp8):
         project, absorb = _kernel(info, "project", "MlaQuery"), _kernel(info, "absorb", "MlaQuery")
         assert edges[(project, absorb)].type == 1, "project -> absorb is a programmatic edge"
         assert any(e.dst == project and e.type == 1 for e in info.edges), "norm -> project is programmatic"
-        # the indexer: (QueryNorm or MlaQuery) -> IndexQuery.project -> finish -> DsaIndex -> TopK, all PDL
-        chain = [_kernel(info, "project", "IndexQuery"), _kernel(info, "finish", "IndexQuery"),
-                 _kernel(info, "DsaIndex"), _kernel(info, "TopK")]
+        # the indexer: (QueryNorm or MlaQuery) -> IndexQuery (one kernel) -> DsaIndex -> TopK, all PDL
+        chain = [_kernel(info, "index_query", "IndexQuery"), _kernel(info, "DsaIndex"), _kernel(info, "TopK")]
         assert any(e.dst == chain[0] and e.type == 1 for e in info.edges), "q_c's writer -> IndexQuery is PDL"
         assert any(e.src == _kernel(info, "IndexKey") and e.type == 1 for e in info.edges), "IndexKey opens the chain"
         for a, b in zip(chain, chain[1:]):
