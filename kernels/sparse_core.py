@@ -53,7 +53,7 @@ STRIDE = 2 * ROW + 16  # bytes per bf16 row in shared memory (+16: ldmatrix rows
 FP8_ROW = 656  # 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 BF16_CHUNKS, FP8_CHUNKS = 2 * ROW // 16, FP8_ROW // 16  # 16-byte chunks per cache row
 K_STEPS = ROW // 16  # MMA k steps of a score
-STAGES = 2
+SMEM_BYTES = 232448  # the H100/H200 per-CTA opt-in limit (227 KB)
 LOG2E = 1.4426950408889634
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 
@@ -89,6 +89,18 @@ def plan(batch: int, q_heads: int, k: int) -> int:
     return slots
 
 
+def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> int:
+    """Blocks in the shared-memory ring: as many as fit (2 .. 4, at most the CTA's blocks,
+    at least 2), the rest of shared memory being the query rows (unless they live in
+    registers: then they share the ring's first stage), P, the slot ids and a scratch row."""
+    stage = block * (FP8_ROW if mla_fp8 else STRIDE)
+    fixed = heads * (2 * block + 16) + 4 * slots_per_cta + 4 * 8 * heads + 1024  # P, ids, scratch, alignment
+    fixed += block * STRIDE if mla_fp8 else 0  # the dequantized block
+    fixed += 0 if heads == 16 else heads * STRIDE
+    fit = (SMEM_BYTES - fixed) // stage
+    return max(2, min(4, fit, slots_per_cta // block))
+
+
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
     """Partial-output rows (token x split) a launch of `batch` tokens needs (0: one split,
     the partial kernel writes out and lse itself)."""
@@ -107,6 +119,7 @@ class SparseCore:
         self.cols = cols_for(self.heads)
         self.block = block_for(self.heads, slots_per_cta)
         self.splits = k // slots_per_cta
+        self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.threads = self.heads // 16 * self.cols * 32
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
@@ -136,12 +149,15 @@ class SparseCore:
         mt, col = warp // cols, warp % cols
         m, block = self.heads, self.block
         smem = cutlass.memory.SmemAllocator()
-        q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
-        kv_s = smem.allocate_tensor(Uint8, cute.make_layout((1 if self.mla_fp8 else STAGES) * block * STRIDE),
-                                    byte_alignment=128).iterator
-        raw_s = kv_s
+        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(max(self.stages * stage_bytes, m * STRIDE)),
+                                    byte_alignment=128).iterator  # bf16 rows, or raw fp8 rows
+        q_s = ring  # query rows held in registers only pass through the ring's first stage
+        if cutlass.const_expr(not self.q_in_registers):
+            q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
+        kv_s = ring
         if cutlass.const_expr(self.mla_fp8):
-            raw_s = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * block * FP8_ROW), byte_alignment=128).iterator
+            kv_s = smem.allocate_tensor(Uint8, cute.make_layout(block * STRIDE), byte_alignment=128).iterator
         p_stride = 2 * block + 16
         p_s = smem.allocate_tensor(Uint8, cute.make_layout(m * p_stride), byte_alignment=128).iterator
         ids_t = smem.allocate_tensor(Int32, cute.make_layout(self.slots_per_cta), byte_alignment=16)
@@ -170,7 +186,7 @@ class SparseCore:
         if cutlass.const_expr(self.q_in_registers):
             for ks in cutlass.range_constexpr(K_STEPS):
                 q_frags.append(P.ldmatrix_x4(q_lane + 2 * 16 * ks))
-        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
+            cute.arch.sync_threads()  # every warp holds its fragments: the ring may be overwritten
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         ntiles = LATENT // cols // 8  # P @ V n-tiles of 8 dims per warp
@@ -179,17 +195,20 @@ class SparseCore:
         acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
         row_max = [neg_inf, neg_inf]  # rows g, g + 8 (log2 units)
         row_sum = [Float32(0), Float32(0)]  # this thread's share
-        self.issue_block(cache, ids_t, raw_s, 0, tid)
-        P.cp_async_commit()
-        for b in range(self.slots_per_cta // block):
-            if b + 1 < self.slots_per_cta // block:
-                self.issue_block(cache, ids_t, raw_s + (b + 1) % STAGES * stage_bytes, (b + 1) * block, tid)
+        blocks, stages = self.slots_per_cta // block, self.stages
+        for b in cutlass.range_constexpr(stages - 1):  # the ring's first stages-1 blocks in flight
+            self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, tid)
             P.cp_async_commit()
-            P.cp_async_wait(1)  # block b's copies (this thread's) have landed
+        for b in range(blocks):
+            ahead = b + stages - 1
+            if ahead < blocks:  # into the stage block b - 1 used (freed by its closing barrier)
+                self.issue_block(cache, ids_t, ring + ahead % stages * stage_bytes, ahead * block, tid)
+            P.cp_async_commit()
+            P.cp_async_wait(stages - 1)  # block b's copies (this thread's) have landed
             cute.arch.sync_threads()
-            kv = kv_s + b % STAGES * stage_bytes
+            kv = ring + b % stages * stage_bytes
             if cutlass.const_expr(self.mla_fp8):
-                self.dequantize_block(raw_s + b % STAGES * stage_bytes, kv_s, tid)
+                self.dequantize_block(kv, kv_s, tid)
                 cute.arch.sync_threads()
                 kv = kv_s
 
@@ -231,17 +250,11 @@ class SparseCore:
                     P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
             cute.arch.sync_threads()
 
-            # P @ V: this warp's 16 rows x latent dims 8 ntiles col .. + 8 ntiles - 1
             for n in cutlass.range_constexpr(ntiles):
                 for q in cutlass.range_constexpr(4):
                     acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
-            v_lane = kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2))
-            for ks in cutlass.range_constexpr(block // 16):
-                a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
-                for n2 in cutlass.range_constexpr(ntiles // 2):
-                    v = P.ldmatrix_x4_trans(v_lane + 16 * ks * STRIDE + 2 * 16 * n2)
-                    acc_o[2 * n2] = P.mma_bf16_16816(a, (v[0], v[1]), acc_o[2 * n2])
-                    acc_o[2 * n2 + 1] = P.mma_bf16_16816(a, (v[2], v[3]), acc_o[2 * n2 + 1])
+            acc_o = self.values_block(acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE
+                                      + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles)
             cute.arch.sync_threads()  # the block's buffers are free for the next copies
 
         # the row sums over the 4 lanes of a row, then over the column warps
@@ -278,6 +291,18 @@ class SparseCore:
         """Natural-log lse from the log2-unit max and the sum at that max (-inf: no slot)."""
         return P.select(total > Float32(0), (top + cute.math.log2(total)) * Float32(math.log(2.0)),
                         Float32(-math.inf))
+
+    @cute.jit
+    def values_block(self, acc_o, p_lane, v_lane, ntiles: int) -> list:
+        """P @ V for a block: this warp's 16 rows x its 8 x ntiles latent dims; P (A) by
+        ldmatrix, the block's rows (B) by ldmatrix.trans (16 slots x 16 dims per load)."""
+        for ks in cutlass.range_constexpr(self.block // 16):
+            a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
+            for n2 in cutlass.range_constexpr(ntiles // 2):
+                v = P.ldmatrix_x4_trans(v_lane + 16 * ks * STRIDE + 2 * 16 * n2)
+                acc_o[2 * n2] = P.mma_bf16_16816(a, (v[0], v[1]), acc_o[2 * n2])
+                acc_o[2 * n2 + 1] = P.mma_bf16_16816(a, (v[2], v[3]), acc_o[2 * n2 + 1])
+        return acc_o
 
     @cute.jit
     def score_tiles(self, q_lane, q_frags, kv, first_tile, per: int, mi, mj) -> list:
