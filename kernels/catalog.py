@@ -74,6 +74,9 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True)) 
                        index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
+    for split in top_k.SPLITS:  # every split top_k.split_for can choose
+        out.append(Variant(f"top_k_{split.name}", top_k.ClusterTopK(m.index_topk, topo.dcp, topo.rank, split, pdl),
+                           top_k.compile_args()))
     out.append(Variant("sparse_core", sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8,
                                                              m.softmax_scale, pdl), sparse_core.compile_args()))
     if topo.dcp > 1:
@@ -90,7 +93,8 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]
     from graphstep.shapes import tiled_from
 
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
-    # (the indexer kernels do not depend on the batch)
+    # (the indexer kernels do not depend on the batch; every TopK split is written, the
+    # choice depends on the context too)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

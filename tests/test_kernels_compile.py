@@ -7,7 +7,7 @@ import re
 import pytest
 
 from graphstep.cli import main
-from graphstep.kernels import catalog, sparse_core
+from graphstep.kernels import catalog, sparse_core, top_k
 from graphstep.shapes import RankShape, Topology, preset
 
 SHAPES = {
@@ -38,7 +38,8 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == 9 + 13
+    assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
+    assert len(ptx) == 9 + 13 + 2 * len(top_k.SPLITS)
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -105,10 +106,11 @@ def test_polling_is_volatile_and_bounded(ptx):
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
+    splits = sorted(f"top_k_{split.name}.sm_90a.ptx" for split in top_k.SPLITS)
     assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
                      "query_norm_rows.sm_90a.ptx", "sparse_core.sm_90a.ptx",
-                     "top_k.sm_90a.ptx"]
-    assert "7 kernel variants" in capsys.readouterr().out
+                     "top_k.sm_90a.ptx", *splits]
+    assert f"{7 + len(splits)} kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():
@@ -139,6 +141,33 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
         assert "shfl.sync.up.b32" in text and "vote.sync.ballot.b32" in text  # block scans, ballot ranks
     # DCP: candidates carry their scores for the merge; a single rank writes slots only
     assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")
+
+
+@pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
+def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, split):
+    for shape in SHAPES:
+        text = ptx[(shape, f"top_k_{split.name}")]
+        (entry,) = _entries(text)
+        # the CTA's own histogram in shared memory; ballots and scans rank the kept scores
+        assert "atom.shared.add" in entry and "bar.sync" in entry
+        assert "vote.sync.ballot.b32" in entry and "shfl.sync.up.b32" in entry
+        # each round's bins, and the lower CTAs' counts, go to the other CTAs' shared memory
+        assert "mapa.shared::cluster.u32" in entry
+        assert "red.shared::cluster.add.u32" in entry and "st.shared::cluster.v2.b32" in entry
+        assert "%cluster_ctarank" in entry
+        # one cluster barrier after zeroing, one per radix round, one for the counts
+        assert entry.count("barrier.cluster.arrive.aligned;") == 1 + len(top_k.ROUNDS) + 1
+        assert entry.count("barrier.cluster.wait;") == 1 + len(top_k.ROUNDS) + 1
+        # the histograms are zeroed (no global reads) before the PDL wait; the cluster
+        # barrier that publishes them is waited on only after it
+        wait = entry.index("griddepcontrol.wait;")
+        assert entry.index("st.shared.v4.b32") < entry.index("barrier.cluster.arrive.aligned;") < wait
+        assert wait < entry.index("barrier.cluster.wait;") < entry.index("red.shared::cluster")
+        # the slice is read once, 16-byte loads predicated by the row's length
+        assert entry.count("@p ld.global.v4.b32") == split.loads
+    # DCP: positions and scores; a single rank: cache slots through the block table
+    name = f"top_k_{split.name}"
+    assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")
 
 
 def test_sparse_core_scores_on_tensor_cores(ptx):
