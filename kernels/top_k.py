@@ -273,7 +273,8 @@ SPLITS = (
     Split(8, 512, 2),  # up to 32K, batch <= 32: 8 CTAs of 4K scores per row
     Split(4, 512, 4),  # up to 32K, batch > 32: 4 CTAs of 8K (2 CTAs / SM: 64 rows in one wave)
     Split(16, 512, 4),  # up to 128K, batch <= 16: 16 CTAs of 8K (a non-portable cluster size)
-    Split(8, 512, 8),  # up to 128K, batch > 16: 8 CTAs of 16K
+    Split(8, 1024, 4),  # up to 128K, batch > 16: 8 CTAs of 16K
+    Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K
 )
 
 
@@ -287,7 +288,9 @@ def split_for(width: int, batch: int) -> Split | None:
         return fits[0]
     if width <= 32768:
         return Split(8, 512, 2) if batch <= 32 else Split(4, 512, 4)
-    return Split(16, 512, 4) if batch <= 16 and width <= 131072 else fits[-1]
+    if width <= 131072:
+        return Split(16, 512, 4) if batch <= 16 else Split(8, 1024, 4)
+    return fits[-1]
 
 
 HISTS = ((0, 0, 2048), (2048, 64, 2048), (4096, 128, 1024))  # (bin offset, group offset, bins) per round
@@ -385,19 +388,22 @@ class ClusterTopK:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
+        # The slice's scores up to the row's width and its block table entries, loaded
+        # alongside the length (not after it: one global latency, not two).
+        length = P.load_i32(context_lens + token)
         width = pages_per_seq * PAGE
-        n = cutlass.min(cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0),
-                        width)
         base = cta * per_cta  # this CTA's first index
         row = scores + token * width + base
-        limit = n - base - 4 * tid  # this thread's element at offset o (4 threads u + j) is valid if o < limit
+        in_row = width - base - 4 * tid  # this thread's element at offset o (4 threads u + j) is < width if o < in_row
         words = []
         for u in cutlass.range_constexpr(loads):
-            words += list(P.load_u32x4_if(row + 4 * (threads * u + tid), 4 * threads * u < limit))
-        if cutlass.const_expr(self.dcp == 1):  # this slice's block table entries, for the slots
+            words += list(P.load_u32x4_if(row + 4 * (threads * u + tid), 4 * threads * u < in_row))
+        if cutlass.const_expr(self.dcp == 1):  # for the slots
             for p in range(tid, per_cta // PAGE, threads):
-                if base + PAGE * p < n:
+                if base + PAGE * p < width:
                     pages[p] = P.load_i32(block_tables + token * pages_per_seq + base // PAGE + p)
+        n = cutlass.min(cutlass.max((length - self.rank + self.dcp - 1) // self.dcp, 0), width)
+        limit = n - base - 4 * tid  # ... and valid (a score of the row) if o < limit
         keys = [order_key(w) for w in words]
         cute.arch.cluster_wait()
 

@@ -3,6 +3,8 @@ the design needs: PDL in every kernel, 16-byte global accesses, no local memory,
 exact-order FP32 ops the order model assumes, tensor-core MMAs in MlaQuery."""
 
 import re
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +181,47 @@ def test_sparse_core_scores_on_tensor_cores(ptx):
     # the fp8 cache and fp8 query rows are widened on load
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core")]
+
+
+def _cubin_attributes(cubin: bytes) -> dict:
+    """REGCOUNT and FRAME_SIZE (local memory per thread: spills) of a one-kernel cubin, from
+    its ELF .nv.info attributes (EIATTR 0x2f and 0x11: [symbol, value] words)."""
+    assert cubin[:4] == b"\x7fELF"
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    found = {}
+    for name, _, _, _, offset, size, *_ in sections:
+        if not cubin[names + name:].startswith(b".nv.info"):
+            continue
+        i = 0
+        while i + 4 <= size:
+            fmt, attribute, value = cubin[offset + i], cubin[offset + i + 1], struct.unpack_from("<H", cubin, offset + i + 2)[0]
+            if fmt == 4:  # a sized value
+                if attribute in (0x2F, 0x11):
+                    found["regs" if attribute == 0x2F else "frame"] = struct.unpack_from("<I", cubin, offset + i + 8)[0]
+                i += 4 + value
+            else:
+                i += 4
+    return found
+
+
+@pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
+def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
+    """A 1024-thread CTA must fit 64 registers a thread; the scores stay in registers (ptxas
+    spills show only in the cubin, not in the PTX)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    for dcp, rank in ((1, 0), (2, 1)):
+        folder = tmp_path / f"dcp{dcp}"
+        folder.mkdir()
+        op = top_k.ClusterTopK(2048, dcp, rank, split)
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](op, *top_k.compile_args(),
+                                                                                      make_fake_stream())
+        (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
+        found = _cubin_attributes(cubin.read_bytes())
+        assert found["frame"] == 0, (split.name, dcp, found)
+        assert found["regs"] * split.threads <= 65536, (split.name, dcp, found)
