@@ -19,6 +19,16 @@ block scan of the warps' counts per chunk. Rows shorter than k keep every positi
 are padded with -1. With DCP the output is this rank's candidates for the merge: global
 positions (local x dcp + rank) and their scores (-inf padded); otherwise cache slots
 (block table page x 64 + offset).
+
+Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
+16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
+over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
+its slice in registers, so the row is read from global memory once and every round and the
+compaction work on registers; the CTAs sum their histograms and exchange their counts
+through distributed shared memory (see its docstring). The host picks the variant with
+`split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
+the batch; every split in SPLITS is compiled by kernels/catalog.py, and rows wider than
+every split fall back to TopK.
 """
 
 from __future__ import annotations
