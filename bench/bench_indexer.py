@@ -7,11 +7,16 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 "score" times DsaIndex with the host's pages-per-CTA pick (`dsa_index.pages_per_cta`, the
 "run" column); --runs also times every listed run and prints them in a second table, to
 tune the host's table on the device.
+    python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...]   # every TopK variant
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
 rotates over enough weight copies and scoring over enough cache copies that each launch
 streams from HBM, not L2; top-k reads the scores the scorer just wrote (L2-warm when they
-fit, as in a step). Bandwidth = bytes the stage must move / time, against 4.3 TB/s.
+fit, as in a step), with the variant the launcher picks for that width and batch
+(`Kernels.top_k_split`, named in the `split` column). Bandwidth = bytes the stage must
+move / time, against 4.3 TB/s. `--top-k-sweep` times only TopK, every variant that holds
+the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the data for
+`kernels/top_k.py`'s `split_for` table.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
 from graphstep import reference as ref, torch_stages
 from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.kernels.dsa_index import pages_per_cta
+from graphstep.kernels import top_k as top_k_kernels
 from graphstep.launch import Kernels
 from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
@@ -116,11 +122,81 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
         cost = {c.name: c for c in stage_costs(shape, batch, context)}
         wq_b_bytes = cost["index_query"].bytes
         score_bytes = cost["index_score"].bytes
+        split = k0.top_k_split(width, batch)
         rows.append(dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]),
+                         split=split.name if split else "one-cta",
                          wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
                          score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW, **t))
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr, flush=True)
     return rows
+
+
+def bench_top_k_variants(shape: RankShape, context: int, batches: list[int], launches: int = 8) -> list[dict]:
+    """TopK alone, every variant that holds the row, over the scores DsaIndex writes."""
+    m = shape.model
+    state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
+    kernels = Kernels(shape, state.weights)
+    width = state.pages_per_seq * m.page_size
+    variants = [s for s in top_k_kernels.SPLITS if s.capacity >= width] + [None]
+    rows = []
+    for batch in batches:
+        inputs = state.inputs(batch, context_lens=context)
+        tables, lens = inputs.block_tables, inputs.context_lens
+        qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
+        ws = torch.empty(batch, m.index_heads * m.index_dim, device="cuda")
+        q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
+        hw = torch.empty(batch, m.index_heads, device="cuda")
+        scores = torch.empty(batch, width, device="cuda")
+        kernels.index_query(qc, inputs.qkv, lens, ws, q8, hw, batch)
+        kernels.dsa_index(q8, hw, state.caches.index_cache, tables, lens, scores, batch)
+        slots = torch.empty(batch, m.index_topk, dtype=torch.int32, device="cuda")
+        unused = torch.empty(batch, m.index_topk, device="cuda")
+        expect = ref.to_slots(ref.topk_indices(scores, m.index_topk), tables, m.page_size)
+        picked = kernels.top_k_split(width, batch)
+        row = dict(context=context, batch=batch, picked=picked.name if picked else "one-cta")
+        for split in variants:
+            name = split.name if split else "one-cta"
+
+            def body(split=split):
+                for _ in range(launches):
+                    kernels.top_k(scores, tables, lens, slots, unused, batch, split=split)
+
+            print(f"  ctx={context} B={batch} top_k {name} ...", file=sys.stderr, flush=True)
+            try:
+                slots.fill_(-7)
+                row[name] = graph_time_us(body, launches, replays=10)
+                row[name + "_exact"] = bool(torch.equal(slots, expect))
+            except Exception as e:  # a launch the device refuses (e.g. a cluster size) is a result too
+                print(f"  {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                torch.cuda.synchronize()
+                row[name + "_error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+        print("  " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr, flush=True)
+    return rows
+
+
+def main_top_k_sweep(args, shape: RankShape) -> int:
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for context in (int(c) for c in args.context.split(",")):
+        rows += bench_top_k_variants(shape, context, batches)
+        torch.cuda.empty_cache()
+    names = [s.name for s in top_k_kernels.SPLITS] + ["one-cta"]
+    cells = []
+    def cell(r, n):
+        if n + "_error" in r:
+            return "error"
+        return f"{r[n]:.2f}{'' if r[n + '_exact'] else ' WRONG'}" if n in r else "-"
+
+    for r in rows:
+        timed = {n: r[n] for n in names if n in r and r[n + "_exact"]}
+        best = min(timed, key=timed.get) if timed else "-"
+        cells.append([r["context"], r["batch"], r["picked"], cell(r, r["picked"]), best, timed.get(best, "-"),
+                      *[cell(r, n) for n in names]])
+    report(rows, ["ctx", "B", "picked", "picked us", "best", "best us", *names], cells,
+           "TopK us per launch (median of graph replays of 8 launches) per variant; WRONG: not the reference's "
+           "slots", args.json)
+    return 0
 
 
 def main() -> int:
@@ -128,18 +204,21 @@ def main() -> int:
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--context", default="4096,32768,131072")
     parser.add_argument("--runs", default="", help="also time DsaIndex at these pages-per-CTA runs")
+    parser.add_argument("--top-k-sweep", action="store_true", help="time every TopK variant only")
     args = parse_args(parser)
     runs = tuple(int(r) for r in args.runs.split(",") if r)
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    if args.top_k_sweep:
+        return main_top_k_sweep(args, shape)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):
         rows += bench_context(shape, context, batches, runs=runs)
         torch.cuda.empty_cache()
-    headers = ["ctx", "B", "wq_b", "cublas", "wq_b %BW", "run", "score", "bmm", "score %BW", "top_k", "torch.topk",
-               "path", "torch path", "torch/ours"]
+    headers = ["ctx", "B", "wq_b", "cublas", "wq_b %BW", "run", "score", "bmm", "score %BW", "top_k", "split",
+               "torch.topk", "path", "torch path", "torch/ours"]
     report(rows, headers, [[r["context"], r["batch"], r["wq_b"], r["torch_wq_b"], round(100 * r["wq_b_bw"], 1),
-                            r["run"], r["score"], r["torch_score"], round(100 * r["score_bw"], 1), r["top_k"],
+                            r["run"], r["score"], r["torch_score"], round(100 * r["score_bw"], 1), r["top_k"], r["split"],
                             r["torch_top_k"],
                             r["path"], r["torch_path"], round(r["torch_path"] / r["path"], 1)] for r in rows],
            "times in us per launch (median of graph replays); %BW of 4.3 TB/s; run: DsaIndex pages per CTA",

@@ -128,12 +128,22 @@ class Kernels:
         topo = self.shape.topology
         return catalog.compile_op(dsa_index.DsaIndex(topo.dcp, topo.rank, self.pdl), dsa_index.compile_args())
 
-    def _top_k_op(self):
+    def _top_k_op(self, split):
+        """split: a top_k.Split (ClusterTopK) or None (TopK, one CTA per row)."""
         from .kernels import catalog, top_k
 
-        topo = self.shape.topology
-        op = top_k.TopK(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
+        k, topo = self.shape.model.index_topk, self.shape.topology
+        if split is None:
+            op = top_k.TopK(k, topo.dcp, topo.rank, self.pdl)
+        else:
+            op = top_k.ClusterTopK(k, topo.dcp, topo.rank, split, self.pdl)
         return catalog.compile_op(op, top_k.compile_args())
+
+    def top_k_split(self, width: int, batch: int):
+        """The TopK variant the launcher uses for rows of `width` scores at this batch."""
+        from .kernels.top_k import split_for
+
+        return split_for(width, batch)
 
     def _dcp_merge_op(self):
         from .kernels import catalog, dcp_merge
@@ -256,15 +266,23 @@ class Kernels:
         self._dsa_index_op()(ptr(q), ptr(head_w), ptr(index_cache), ptr(block_tables, 4), ptr(context_lens, 4),
                              ptr(scores, 4), Int32(batch), Int32(pages), Int32(run), current_stream())
 
-    def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int) -> None:
+    def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int, split="auto") -> None:
         """The index_topk best of each row of DsaIndex's scores, in ascending position:
         out int32 [>= batch, topk] cache slots, or under DCP this rank's candidates (global
         positions in out, their scores in out_scores fp32 [>= batch, topk]; unused
-        otherwise, pass any fp32 CUDA tensor)."""
+        otherwise, pass any fp32 CUDA tensor). split: "auto" (top_k_split's choice for the
+        block table's width and this batch), a top_k.Split, or None (one CTA per row)."""
         from cutlass import Int32
 
-        self._top_k_op()(ptr(scores), ptr(block_tables, 4), ptr(context_lens, 4), ptr(out, 4), ptr(out_scores, 4),
-                         Int32(batch), Int32(block_tables.shape[1]), current_stream())
+        width = block_tables.shape[1] * self.shape.model.page_size
+        if isinstance(split, str):
+            if split != "auto":
+                raise ValueError(f"split must be 'auto', a Split or None, got {split!r}")
+            split = self.top_k_split(width, batch)
+        elif split is not None and split.capacity < width:
+            raise ValueError(f"TopK split {split.name} holds rows of up to {split.capacity} scores, not {width}")
+        self._top_k_op(split)(ptr(scores), ptr(block_tables, 4), ptr(context_lens, 4), ptr(out, 4),
+                              ptr(out_scores, 4), Int32(batch), Int32(block_tables.shape[1]), current_stream())
 
     def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
         """DCP: this rank's candidates (TopK's, [>= batch, topk]) and every rank's

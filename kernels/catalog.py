@@ -78,6 +78,9 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), 
                                                                            tokens, pdl), index_query.compile_args()))
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
+    for split in top_k.SPLITS:  # every split top_k.split_for can choose
+        out.append(Variant(f"top_k_{split.name}", top_k.ClusterTopK(m.index_topk, topo.dcp, topo.rank, split, pdl),
+                           top_k.compile_args()))
     for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
         op = sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale,
                                     slots, pdl)
@@ -98,7 +101,8 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
     batches = range(1, 65) if batch is None else (batch,)
     index_tokens = index_query.TOKENS if batch is None else sorted({t for _, _, t in index_query.launches(batch)})
-    # (the other indexer kernels do not depend on the batch)
+    # (the other indexer kernels do not depend on the batch; every TopK split is written,
+    # the choice depends on the context too)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -19,9 +19,21 @@ block scan of the warps' counts per chunk. Rows shorter than k keep every positi
 are padded with -1. With DCP the output is this rank's candidates for the merge: global
 positions (local x dcp + rank) and their scores (-inf padded); otherwise cache slots
 (block table page x 64 + offset).
+
+Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
+16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
+over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
+its slice in registers, so the row is read from global memory once and every round and the
+compaction work on registers; the CTAs sum their histograms and exchange their counts
+through distributed shared memory (see its docstring). The host picks the variant with
+`split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
+the batch; every split in SPLITS is compiled by kernels/catalog.py, and rows wider than
+every split fall back to TopK.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -237,6 +249,343 @@ class TopK(RadixSelect):
         else:
             page = P.load_i32(block_tables + token * pages_per_seq + index // PAGE)
             P.store_i32(out + token * self.k + position, page * PAGE + index % PAGE)
+
+
+# -- a row split over a thread-block cluster ---------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """A row split over `ctas` CTAs of one cluster, `threads` threads each, every thread
+    holding 4 x `loads` scores in registers: a row of up to `capacity` scores."""
+
+    ctas: int
+    threads: int
+    loads: int
+
+    @property
+    def per_cta(self) -> int:
+        return self.threads * 4 * self.loads
+
+    @property
+    def capacity(self) -> int:
+        return self.ctas * self.per_cta
+
+    @property
+    def name(self) -> str:
+        return f"c{self.ctas}x{self.threads}x{4 * self.loads}"
+
+
+# Every split the host can choose (each compiled in kernels/catalog.py), smallest first.
+# split_for picks by the row width (the block table's pages x 64: every row's length is
+# at most that) and the batch.
+SPLITS = (
+    Split(4, 512, 1),  # rows up to 8K
+    Split(8, 512, 2),  # up to 32K, batch <= 32: 8 CTAs of 4K scores per row
+    Split(4, 512, 4),  # up to 32K, batch > 32: 4 CTAs of 8K (2 CTAs / SM: 64 rows in one wave)
+    Split(16, 512, 4),  # up to 128K, batch <= 16: 16 CTAs of 8K (a non-portable cluster size)
+    Split(8, 1024, 4),  # up to 128K, batch > 16: 8 CTAs of 16K
+    Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K
+)
+
+
+def split_for(width: int, batch: int) -> Split | None:
+    """The split TopK uses for rows of `width` scores at this batch; None: the one-CTA-per-row
+    kernel (TopK), for rows wider than every split."""
+    fits = [s for s in SPLITS if s.capacity >= width]
+    if not fits:
+        return None
+    if width <= 8192:
+        return fits[0]
+    if width <= 32768:
+        return Split(8, 512, 2) if batch <= 32 else Split(4, 512, 4)
+    if width <= 131072:
+        return Split(16, 512, 4) if batch <= 16 else Split(8, 1024, 4)
+    return fits[-1]
+
+
+HISTS = ((0, 0, 2048), (2048, 64, 2048), (4096, 128, 1024))  # (bin offset, group offset, bins) per round
+ZEROED = 2 * 5120 + 160  # per-CTA histograms | cluster-summed histograms | summed group counts
+SUMS = 5120  # offset of the cluster-summed histograms
+
+
+def dsmem_add(address, cta, value):
+    """Atomically add `value` to the Int32 at shared address `address` in CTA `cta` of the cluster."""
+    cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+                         "red.shared::cluster.add.u32 [remote], {$r2};\n\t}",
+                         read_only_args=[address, cta, value])
+
+
+def dsmem_store2(address, cta, a, b):
+    """Store two Int32 at shared address `address` (8-byte aligned) in CTA `cta` of the cluster."""
+    cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+                         "st.shared::cluster.v2.b32 [remote], {{$r2}, {$r3}};\n\t}",
+                         read_only_args=[address, cta, a, b])
+
+
+def store_zero4(address):
+    cute.arch.inline_ptx("{\n\t.reg .b32 z;\n\tmov.b32 z, 0;\n\tst.shared.v4.b32 [{$r0}], {z, z, z, z};\n\t}",
+                         read_only_args=[address])
+
+
+def word_of(key) -> Uint32:
+    """order_key's inverse: the fp32 bits of a key."""
+    flip = Uint32(cutlass.select_((key >> Uint32(31)) == Uint32(1), Uint32(0x80000000), Uint32(0xFFFFFFFF)))
+    return key ^ flip
+
+
+def inclusive_scan(value, lane) -> Int32:
+    for offset in (1, 2, 4, 8, 16):
+        below = cute.arch.shuffle_sync_up(value, offset=offset)
+        value = value + P.select_i32(lane >= offset, below, 0)
+    return value
+
+
+def lowest_lane(mask) -> Int32:
+    """The lowest set bit of a non-zero ballot."""
+    return cute.arch.popc((mask & (Int32(0) - mask)) - Int32(1))
+
+
+class ClusterTopK:
+    """TopK's contract (see the module docstring) with a row split over a cluster of CTAs.
+
+    CTA c of the cluster holds scores [c x per_cta, (c + 1) x per_cta) of its row in
+    registers (thread t, load u: the 4 scores at 4 (threads x u + t); read once, 16-byte
+    loads), so index order is (CTA, load, thread, word). Each radix round (11 + 11 + 10 key
+    bits, as TopK) histograms the CTA's candidates in shared memory (atomics), then every
+    non-zero bin, and the sums of every 32 bins, are added into every CTA's copy of the
+    cluster histogram (`red.shared::cluster`), one cluster barrier, and every warp finds
+    the bin holding the need-th key on its own (32-bin groups, then the group's bins: two
+    warp scans, no CTA barrier). The compaction ranks a CTA's kept scores with ballots and a
+    scan of per-(load, warp) counts, and offsets them by the lower CTAs' counts, exchanged
+    through distributed shared memory (one more cluster barrier). Rows of at most k scores
+    keep every score at its own index (no search, no exchange)."""
+
+    def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
+        if split.ctas > 16 or split.per_cta >= 1 << 15 or 1024 % split.threads or split.threads < 256:
+            raise ValueError(f"unsupported split {split}")
+        self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
+        self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
+
+    @cute.jit
+    def __call__(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
+                 out: cute.Pointer, out_scores: cute.Pointer, batch: Int32, pages_per_seq: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
+            grid=[self.ctas, batch, 1], block=[self.threads, 1, 1], cluster=[self.ctas, 1, 1], stream=stream,
+            use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
+               out: cute.Pointer, out_scores: cute.Pointer, pages_per_seq: Int32):
+        threads, ctas, loads = self.threads, self.ctas, self.loads
+        warps = threads // 32
+        per_cta = threads * 4 * loads
+        tid, _, _ = cute.arch.thread_idx()
+        _, token, _ = cute.arch.block_idx()
+        cta = cute.arch.block_idx_in_cluster()
+        lane, warp = tid % 32, tid // 32
+        smem = cutlass.memory.SmemAllocator()
+        zeroed = smem.allocate_tensor(Int32, cute.make_layout(ZEROED), byte_alignment=16)
+        counts = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
+        offsets = smem.allocate_tensor(Int32, cute.make_layout(2 * ctas), byte_alignment=16)
+        pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
+        base_address = zeroed.iterator.toint()
+        # Zero the histograms before the PDL wait (no global reads), and tell the cluster:
+        # no CTA adds into another's histogram before this barrier's wait.
+        for i in range(tid, ZEROED // 4, threads):
+            store_zero4(base_address + 16 * i)
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # The slice's scores up to the row's width and its block table entries, loaded
+        # alongside the length (not after it: one global latency, not two).
+        length = P.load_i32(context_lens + token)
+        width = pages_per_seq * PAGE
+        base = cta * per_cta  # this CTA's first index
+        row = scores + token * width + base
+        in_row = width - base - 4 * tid  # this thread's element at offset o (4 threads u + j) is < width if o < in_row
+        words = []
+        for u in cutlass.range_constexpr(loads):
+            words += list(P.load_u32x4_if(row + 4 * (threads * u + tid), 4 * threads * u < in_row))
+        if cutlass.const_expr(self.dcp == 1):  # for the slots
+            for p in range(tid, per_cta // PAGE, threads):
+                if base + PAGE * p < width:
+                    pages[p] = P.load_i32(block_tables + token * pages_per_seq + base // PAGE + p)
+        n = cutlass.min(cutlass.max((length - self.rank + self.dcp - 1) // self.dcp, 0), width)
+        limit = n - base - 4 * tid  # ... and valid (a score of the row) if o < limit
+        keys = [order_key(w) for w in words]
+        cute.arch.cluster_wait()
+
+        if n > self.k:
+            threshold, need = self.find_threshold(keys, limit, zeroed, base_address, tid, lane, cta)
+            self.compact(keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid,
+                         lane, warp, cta)
+        else:  # every score is kept, at its own index
+            cute.arch.sync_threads()  # the block table entries
+            for u in cutlass.range_constexpr(loads):
+                for j in cutlass.range_constexpr(4):
+                    offset = 4 * (threads * u + tid) + j
+                    if 4 * threads * u + j < limit:
+                        self.write(out, out_scores, pages, token, base + offset, base + offset, offset, keys[4 * u + j])
+        for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
+            P.store_i32(out + token * self.k + i, Int32(-1))
+            if cutlass.const_expr(self.dcp > 1):
+                P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
+
+    @cute.jit
+    def find_threshold(self, keys, limit, zeroed, base_address, tid, lane, cta):
+        """(T, need) over the cluster's row: the k best are every key > T and the first
+        `need` keys == T (need = ALL: every one). The row has more than k scores."""
+        threads, ctas = self.threads, self.ctas
+        threshold, need = Uint32(0), Int32(self.k)
+        prefix, done = Uint32(0), Int32(0)
+        for r in cutlass.range_constexpr(len(ROUNDS)):
+            shift, bits = ROUNDS[r]
+            hist, groups, bins = HISTS[r]
+            if done == 0:
+                for u in cutlass.range_constexpr(self.loads):
+                    for j in cutlass.range_constexpr(4):
+                        key = keys[4 * u + j]
+                        digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                        live = 4 * threads * u + j < limit
+                        if cutlass.const_expr(r > 0):
+                            live = live and (key >> Uint32(shift + bits)) == prefix
+                        if live:
+                            cute.arch.atomic_add(zeroed.iterator + hist + digit, Int32(1))
+                cute.arch.sync_threads()
+                # Add this CTA's non-zero bins (thread t owns `per` consecutive bins) and its
+                # 32-bin group sums into every CTA's cluster histogram.
+                per = bins // threads
+                group_sum = Int32(0)
+                for j in cutlass.range_constexpr(per):
+                    b = tid * per + j
+                    count = zeroed[hist + b]
+                    group_sum = group_sum + count
+                    if count != 0:
+                        for i in cutlass.range_constexpr(ctas):
+                            dsmem_add(base_address + 4 * (SUMS + hist + b), (cta + i) % ctas, count)
+                span = 32 // per  # lanes sharing a group
+                for step in cutlass.range_constexpr(span.bit_length() - 1):
+                    group_sum = group_sum + cute.arch.shuffle_sync_bfly(group_sum, offset=1 << step)
+                if lane % span == 0 and group_sum != 0:
+                    for i in cutlass.range_constexpr(ctas):
+                        dsmem_add(base_address + 4 * (2 * SUMS + groups + tid * per // 32), (cta + i) % ctas, group_sum)
+                cute.arch.cluster_arrive(aligned=True)
+                cute.arch.cluster_wait()
+                digit, above, count = self.find_bin(zeroed, SUMS + hist, 2 * SUMS + groups, bins, need, lane)
+                prefix = (prefix << Uint32(bits)) | Uint32(digit)
+                need = need - above
+                threshold = prefix << Uint32(shift)
+                if count == need:  # the bin is taken whole: every key >= its lowest
+                    need = Int32(ALL)
+                    done = Int32(1)
+        return threshold, need
+
+    @cute.jit
+    def find_bin(self, zeroed, hist: int, groups: int, bins: int, need, lane):
+        """(the bin holding the need-th highest key, the count above it, its count) of the
+        summed histogram at `hist` with its 32-bin group sums at `groups`; every warp on
+        its own. Lanes take groups, then the chosen group's bins, in descending order."""
+        ngroups = bins // 32
+        high = Int32(0)
+        own = Int32(0)
+        if cutlass.const_expr(ngroups == 64):
+            high = zeroed[groups + 63 - 2 * lane]
+            own = high + zeroed[groups + 62 - 2 * lane]
+        else:
+            high = zeroed[groups + 31 - lane]
+            own = high
+        inclusive = inclusive_scan(own, lane)
+        chosen = lowest_lane(cute.arch.vote_ballot_sync(inclusive >= need))
+        above = cute.arch.shuffle_sync(inclusive - own, offset=chosen)
+        group = Int32(0)
+        if cutlass.const_expr(ngroups == 64):
+            chosen_high = cute.arch.shuffle_sync(high, offset=chosen)
+            group = 63 - 2 * chosen
+            if above + chosen_high < need:
+                group = group - 1
+                above = above + chosen_high
+        else:
+            group = 31 - chosen
+        count = zeroed[hist + 32 * group + 31 - lane]
+        inclusive = inclusive_scan(count, lane)
+        chosen = lowest_lane(cute.arch.vote_ballot_sync(above + inclusive >= need))
+        above = above + cute.arch.shuffle_sync(inclusive - count, offset=chosen)
+        return 32 * group + 31 - chosen, above, cute.arch.shuffle_sync(count, offset=chosen)
+
+    @cute.jit
+    def compact(self, keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane,
+                warp, cta):
+        """Write the kept scores of this CTA at their places: (kept keys > T before them in
+        the row) + min(kept keys == T before them, need)."""
+        threads, ctas, loads = self.threads, self.ctas, self.loads
+        warps = threads // 32
+        # this warp's counts per load, (above | at << 16): each at most per_cta < 2^15
+        for u in cutlass.range_constexpr(loads):
+            warp_count = Int32(0)
+            for j in cutlass.range_constexpr(4):
+                valid = 4 * threads * u + j < limit
+                key = keys[4 * u + j]
+                warp_count = warp_count + cute.arch.popc(cute.arch.vote_ballot_sync(valid and key > threshold))
+                warp_count = warp_count + (cute.arch.popc(cute.arch.vote_ballot_sync(valid and key == threshold)) << 16)
+            if lane == 0:
+                counts[u * warps + warp] = warp_count
+        cute.arch.sync_threads()
+        # this CTA's counts to every higher CTA of the cluster
+        cta_total = Int32(0)
+        for u in cutlass.range_constexpr(loads):
+            cta_total = cta_total + P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
+        for offset in (16, 8, 4, 2, 1):
+            cta_total = cta_total + cute.arch.shuffle_sync_bfly(cta_total, offset=offset)
+        if tid > cta and tid < ctas:
+            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_total & 0xFFFF, cta_total >> 16)
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+        above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
+        at_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas) + 1], 0)
+        for offset in (16, 8, 4, 2, 1):
+            above_before = above_before + cute.arch.shuffle_sync_bfly(above_before, offset=offset)
+            at_before = at_before + cute.arch.shuffle_sync_bfly(at_before, offset=offset)
+
+        lower_lanes = (Int32(1) << lane) - Int32(1)
+        for u in cutlass.range_constexpr(loads):
+            # the counts of the warps before this one in load u
+            count = P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
+            inclusive = inclusive_scan(count, lane)
+            before = cute.arch.shuffle_sync(inclusive - count, offset=warp)
+            total = cute.arch.shuffle_sync(inclusive, offset=31)
+            above, at = [], []
+            for j in cutlass.range_constexpr(4):
+                valid = 4 * threads * u + j < limit
+                key = keys[4 * u + j]
+                above.append(cute.arch.vote_ballot_sync(valid and key > threshold))
+                at.append(cute.arch.vote_ballot_sync(valid and key == threshold))
+            lane_above = above_before + (before & 0xFFFF)
+            lane_at = at_before + (before >> 16)
+            for j in cutlass.range_constexpr(4):
+                lane_above = lane_above + cute.arch.popc(above[j] & lower_lanes)
+                lane_at = lane_at + cute.arch.popc(at[j] & lower_lanes)
+            for j in cutlass.range_constexpr(4):
+                mine_above = (above[j] >> lane) & 1
+                mine_at = (at[j] >> lane) & 1
+                if mine_above == 1 or (mine_at == 1 and lane_at < need):
+                    offset = 4 * (threads * u + tid) + j
+                    self.write(out, out_scores, pages, token, lane_above + cutlass.min(lane_at, need), base + offset,
+                               offset, keys[4 * u + j])
+                lane_above = lane_above + mine_above
+                lane_at = lane_at + mine_at
+            above_before = above_before + (total & 0xFFFF)
+            at_before = at_before + (total >> 16)
+
+    @cute.jit
+    def write(self, out, out_scores, pages, token, position, index, offset, key):
+        """Score `index` of the row (`offset` in this CTA's slice) kept at `position`."""
+        if cutlass.const_expr(self.dcp > 1):
+            P.store_i32(out + token * self.k + position, index * self.dcp + self.rank)
+            P.store_u32(out_scores + token * self.k + position, word_of(key))
+        else:
+            P.store_i32(out + token * self.k + position, pages[offset // PAGE] * PAGE + index % PAGE)
 
 
 def compile_args():

@@ -18,7 +18,7 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels indexer sparse pybench)
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels indexer sparse topk pybench)
   only=" $* "
 else
   only=" gpu_tests graph run bench serve nsys kernels "
@@ -33,5 +33,6 @@ want nsys && step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 -
 want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
 want indexer && TAIL=20 step indexer 240 python3 bench/bench_indexer.py --json "$out/indexer.json" --watchdog 235
 want sparse && TAIL=16 step sparse 240 python3 bench/bench_sparse_core.py --sweep --json "$out/sparse.json" --watchdog 235
+want topk && TAIL=20 step topk 240 python3 bench/bench_indexer.py --top-k-sweep --json "$out/topk.json" --watchdog 235
 want pybench && TAIL=30 step pybench 150 python3 -m pytest bench/test_step_bench.py -q -m gpu -p no:cacheprovider \
   --benchmark-only --benchmark-columns=median,iqr,rounds --benchmark-json "$out/pybench.json"

@@ -67,9 +67,9 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     step.run_stages(1, mode)
 
     names = [name for name, _ in recorded]
-    expect = {"fork": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "TopK", "DcpMerge", "MlaQuery", "QueryWait"],
-              "fork_poll": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "TopK", "DcpMerge", "MlaQuery"],
-              "serial": ["IndexKey", "MlaQuery", "IndexQuery", "DsaIndex", "TopK", "DcpMerge"]}[mode]
+    expect = {"fork": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery", "QueryWait"],
+              "fork_poll": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery"],
+              "serial": ["IndexKey", "MlaQuery", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge"]}[mode]
     assert names == expect + ["SparseCore"]
     for name, scalars in recorded:
         assert scalars[0] == 1, (name, scalars)  # the batch: the replayed size, never 8

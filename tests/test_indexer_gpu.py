@@ -5,7 +5,7 @@ import torch
 
 from conftest import rel_err
 from graphstep import formats, reference as ref
-from graphstep.kernels import dsa_index
+from graphstep.kernels import dsa_index, top_k as top_k_kernels
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState, StepInputs, local_lens
@@ -227,3 +227,96 @@ def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
         torch.cuda.synchronize()
         peer_positions[:, rank], peer_scores[:, rank] = candidates[rank].positions, candidates[rank].scores
         assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, rank)), rank
+
+
+# -- every TopK variant the host can choose (top_k.split_for), and the one-CTA kernel --------
+
+VARIANTS = [*top_k_kernels.SPLITS, None]
+MAX_WIDTH = 131072
+
+
+def _variant_id(split) -> str:
+    return split.name if split is not None else "one-cta"
+
+
+def _variant_width(split) -> int:
+    return MAX_WIDTH if split is None else min(split.capacity, MAX_WIDTH)
+
+
+def _variant_lengths(split) -> list[int]:
+    """Lengths at k's edges, at the variant's CTA-slice edges (a partial last 16-byte
+    vector included), and up to the variant's whole width."""
+    width = _variant_width(split)
+    per_cta = split.per_cta if split is not None else 16384
+    lengths = {1, 63, 64, 65, 2047, 2048, 2049, 4097, per_cta - 1, per_cta, per_cta + 5, 3 * per_cta + 2,
+               32768, 131072, width - 3, width}
+    return sorted(n for n in lengths if 0 < n <= width)
+
+
+def _tables(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Block tables [rows, width / 64] of scattered pages (as a paged allocator leaves them)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = width // 64
+    return torch.randperm(rows * pages, generator=gen, device="cuda").to(torch.int32).view(rows, pages)
+
+
+def _variant_scores(kind: str, rows: int, width: int) -> torch.Tensor:
+    if kind == "continuous":
+        return torch.randn(rows, width, device="cuda") * torch.rand(rows, 1, device="cuda") * 100
+    if kind == "many-ties":
+        return torch.randint(-3, 4, (rows, width), device="cuda").float()
+    return torch.ones(rows, width, device="cuda")
+
+
+def _run_variant(split, scores, tables, lens, dcp: int = 1, rank: int = 0):
+    """TopK of `split` over scores [rows, width]; outputs poisoned first."""
+    rows = scores.shape[0]
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)), max_batch=1,
+                       max_context=256, seed=1, device="cuda")
+    kernels = Kernels(state.shape, state.weights)
+    out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
+    out_scores = torch.full((rows, 2048), float("nan"), device="cuda")
+    kernels.top_k(scores, tables, lens, out, out_scores, rows, split=split)
+    torch.cuda.synchronize()
+    return out, out_scores
+
+
+@pytest.mark.parametrize("kind", ["continuous", "many-ties", "all-equal"])
+@pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
+def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
+    width = _variant_width(split)
+    lengths = _variant_lengths(split)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scores = _variant_scores(kind, len(lengths), width)
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    tables = _tables(len(lengths), width, seed=len(lengths))
+    out, _ = _run_variant(split, scores, tables, lens)
+    expect = ref.to_slots(ref.topk_indices(scores, 2048), tables, 64)
+    for row, n in enumerate(lengths):  # row by row, for a readable failure
+        assert torch.equal(out[row], expect[row]), (n, (out[row] != expect[row]).nonzero()[:8].flatten().tolist())
+    assert ((out >= 0).sum(1).cpu() == torch.tensor(lengths).clamp(max=2048)).all()
+    if kind == "all-equal":  # ties go to the lower index: the first 2048 positions
+        first = torch.arange(2048, dtype=torch.int32, device="cuda").expand(len(lengths), -1)
+        long = lens >= 2048
+        assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
+
+
+@pytest.mark.parametrize("dcp, rank", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
+@pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
+def test_every_top_k_variant_gives_the_dcp_candidates(split, ties, dcp, rank):
+    """Under DCP: this rank's global positions (local x dcp + rank) and their scores, -inf
+    padded, exactly the reference's local candidates."""
+    width = _variant_width(split)
+    full_lengths = [dcp * n + rank for n in _variant_lengths(split)]  # local lengths: the variant's lengths
+    lens = torch.tensor(full_lengths, dtype=torch.int32, device="cuda")
+    local_n = local_lens(lens, dcp, rank)
+    scores = _variant_scores("many-ties" if ties else "continuous", len(full_lengths), width)
+    if not ties:
+        scores = scores.round(decimals=2)
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= local_n[:, None], float("-inf"))
+    tables = _tables(len(full_lengths), width, seed=dcp)
+    out, out_scores = _run_variant(split, scores, tables, lens, dcp, rank)
+    expect = ref.local_candidates(scores, 2048, dcp, rank)
+    assert torch.equal(out, expect.positions)
+    assert torch.equal(out_scores, expect.scores)

@@ -3,11 +3,13 @@ the design needs: PDL in every kernel, 16-byte global accesses, no local memory,
 exact-order FP32 ops the order model assumes, tensor-core MMAs in MlaQuery."""
 
 import re
+import struct
+from pathlib import Path
 
 import pytest
 
 from graphstep.cli import main
-from graphstep.kernels import catalog, index_query, sparse_core
+from graphstep.kernels import catalog, index_query, sparse_core, top_k
 from graphstep.shapes import RankShape, Topology, preset
 
 SHAPES = {
@@ -38,7 +40,9 @@ def test_every_variant_compiled(ptx):
             "mla_query_tiled_poll"} <= names
     assert {"index_key", "index_query_16", "index_query_32", "index_query_64", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
-    assert len(ptx) == (8 + 6 + 2) + (12 + 6 + 2)  # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes
+    assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
+    # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, every TopK split
+    assert len(ptx) == (8 + 6 + 2) + (12 + 6 + 2) + 2 * len(top_k.SPLITS)
 
 
 def test_every_kernel_waits_and_releases(ptx):
@@ -105,10 +109,11 @@ def test_polling_is_volatile_and_bounded(ptx):
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
+    splits = sorted(f"top_k_{split.name}.sm_90a.ptx" for split in top_k.SPLITS)
     assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query_16.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
                      "query_norm_rows.sm_90a.ptx", "sparse_core_s64.sm_90a.ptx",
-                     "top_k.sm_90a.ptx"]
-    assert "7 kernel variants" in capsys.readouterr().out
+                     "top_k.sm_90a.ptx", *splits]
+    assert f"{7 + len(splits)} kernel variants" in capsys.readouterr().out
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():
@@ -201,3 +206,74 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
     # the fp8 cache and fp8 query rows are widened in shared memory
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
+
+
+@pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
+def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, split):
+    for shape in SHAPES:
+        text = ptx[(shape, f"top_k_{split.name}")]
+        (entry,) = _entries(text)
+        # the CTA's own histogram in shared memory; ballots and scans rank the kept scores
+        assert "atom.shared.add" in entry and "bar.sync" in entry
+        assert "vote.sync.ballot.b32" in entry and "shfl.sync.up.b32" in entry
+        # each round's bins, and the lower CTAs' counts, go to the other CTAs' shared memory
+        assert "mapa.shared::cluster.u32" in entry
+        assert "red.shared::cluster.add.u32" in entry and "st.shared::cluster.v2.b32" in entry
+        assert "%cluster_ctarank" in entry
+        # one cluster barrier after zeroing, one per radix round, one for the counts
+        assert entry.count("barrier.cluster.arrive.aligned;") == 1 + len(top_k.ROUNDS) + 1
+        assert entry.count("barrier.cluster.wait;") == 1 + len(top_k.ROUNDS) + 1
+        # the histograms are zeroed (no global reads) before the PDL wait; the cluster
+        # barrier that publishes them is waited on only after it
+        wait = entry.index("griddepcontrol.wait;")
+        assert entry.index("st.shared.v4.b32") < entry.index("barrier.cluster.arrive.aligned;") < wait
+        assert wait < entry.index("barrier.cluster.wait;") < entry.index("red.shared::cluster")
+        # the slice is read once, 16-byte loads predicated by the row's length
+        assert entry.count("@p ld.global.v4.b32") == split.loads
+    # DCP: positions and scores; a single rank: cache slots through the block table
+    name = f"top_k_{split.name}"
+    assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")
+
+
+def _cubin_attributes(cubin: bytes) -> dict:
+    """REGCOUNT and FRAME_SIZE (local memory per thread: spills) of a one-kernel cubin, from
+    its ELF .nv.info attributes (EIATTR 0x2f and 0x11: [symbol, value] words)."""
+    assert cubin[:4] == b"\x7fELF"
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    found = {}
+    for name, _, _, _, offset, size, *_ in sections:
+        if not cubin[names + name:].startswith(b".nv.info"):
+            continue
+        i = 0
+        while i + 4 <= size:
+            fmt, attribute, value = cubin[offset + i], cubin[offset + i + 1], struct.unpack_from("<H", cubin, offset + i + 2)[0]
+            if fmt == 4:  # a sized value
+                if attribute in (0x2F, 0x11):
+                    found["regs" if attribute == 0x2F else "frame"] = struct.unpack_from("<I", cubin, offset + i + 8)[0]
+                i += 4 + value
+            else:
+                i += 4
+    return found
+
+
+@pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
+def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
+    """A 1024-thread CTA must fit 64 registers a thread; the scores stay in registers (ptxas
+    spills show only in the cubin, not in the PTX)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    for dcp, rank in ((1, 0), (2, 1)):
+        folder = tmp_path / f"dcp{dcp}"
+        folder.mkdir()
+        op = top_k.ClusterTopK(2048, dcp, rank, split)
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](op, *top_k.compile_args(),
+                                                                                      make_fake_stream())
+        (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
+        found = _cubin_attributes(cubin.read_bytes())
+        assert found["frame"] == 0, (split.name, dcp, found)
+        assert found["regs"] * split.threads <= 65536, (split.name, dcp, found)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphstep import launch
-from graphstep.kernels import catalog
+from graphstep.kernels import catalog, top_k
 from graphstep.kernels.primitives import gmem_ptr
 from graphstep.launch import ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
@@ -23,6 +23,7 @@ class Launch:
     """Stands in for a compiled kernel: checks a call against the placeholders."""
 
     calls: list = []
+    ops: list = []
 
     def __init__(self, op, placeholders):
         self.op, self.placeholders = op, placeholders
@@ -35,6 +36,7 @@ class Launch:
         for i, (got, want) in enumerate(zip(args, self.placeholders)):
             assert _signature(got) == _signature(want), (name, i, _signature(got), _signature(want))
         Launch.calls.append(name)
+        Launch.ops.append(self.op)
 
 
 @pytest.fixture
@@ -46,6 +48,7 @@ def cpu_launches(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda: "stream")
     monkeypatch.setattr(catalog, "compile_op", lambda op, args, arch=None, dump_dir=None: Launch(op, args))
     Launch.calls = []
+    Launch.ops = []
     return Launch.calls
 
 
@@ -74,7 +77,7 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, i32(b, m.index_topk), f32(b, m.index_topk), b)
     kernels.sparse_core(c.mailbox, i32(b, m.index_topk), c.mla_cache, partial_o, partial_ml,
                         f32(b, s.gathered, m.kv_lora_rank), f32(b, s.gathered), b)
-    launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "TopK", "SparseCore"]
+    launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "ClusterTopK", "SparseCore"]
     if topology.dcp > 1:
         kernels.query_wait(c.mailbox, error, b)
         kernels.dcp_merge(i32(b, m.index_topk), f32(b, m.index_topk), i32(b, topology.dcp, m.index_topk),
@@ -103,3 +106,64 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
     assert partial_o.shape[0] == partial_ml.shape[0] == max(b * k // kernels.sparse_core_plan(b) for b in range(1, 65))
     with pytest.raises(ValueError, match="partials hold"):
         kernels.sparse_core(*[None] * 3, partial_o[:10], partial_ml[:10], None, None, 64)
+
+
+def _top_k_setup(topology, context: int, batch: int):
+    """A small state's kernels, and TopK's arguments for `batch` rows of `context` scores
+    (only the block table's width matters to the launcher)."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
+    m = state.shape.model
+    tables = torch.zeros(batch, context // m.page_size, dtype=torch.int32)
+    args = (torch.zeros(batch, context), tables, torch.full((batch,), context, dtype=torch.int32),
+            torch.zeros(batch, m.index_topk, dtype=torch.int32), torch.zeros(batch, m.index_topk))
+    return Kernels(state.shape, state.weights), args
+
+
+@pytest.mark.parametrize("topology", [Topology(tp=8), Topology(tp=8, dcp=2, rank=1)], ids=["tp8", "dcp2"])
+@pytest.mark.parametrize("context, batch", [(64, 1), (4096, 4), (8192, 64), (32768, 1), (32768, 16), (32768, 64),
+                                            (131072, 4), (131072, 64), (262144, 2)])
+def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch):
+    """The launcher picks split_for(width, batch): a ClusterTopK of that split (its
+    compiled signature, its k / dcp / rank) or, for rows wider than every split, TopK."""
+    kernels, args = _top_k_setup(topology, context, batch)
+    split = top_k.split_for(context, batch)
+    assert kernels.top_k_split(context, batch) == split
+    kernels.top_k(*args, batch)
+    (op,) = Launch.ops
+    assert (op.k, op.dcp, op.rank) == (2048, topology.dcp, topology.rank)
+    if split is None:
+        assert context > max(s.capacity for s in top_k.SPLITS) and type(op) is top_k.TopK
+    else:
+        assert split in top_k.SPLITS and split.capacity >= context
+        assert type(op) is top_k.ClusterTopK
+        assert (op.ctas, op.threads, op.loads) == (split.ctas, split.threads, split.loads)
+
+
+@pytest.mark.parametrize("split", [*top_k.SPLITS, None], ids=lambda s: s.name if s else "one-cta")
+def test_top_k_launches_any_split_that_holds_the_row(cpu_launches, split):
+    kernels, args = _top_k_setup(Topology(tp=8), 8192, 4)
+    kernels.top_k(*args, 4, split=split)
+    assert cpu_launches == ["TopK" if split is None else "ClusterTopK"]
+    if split is not None:
+        op = Launch.ops[0]
+        assert (op.ctas, op.threads, op.loads) == (split.ctas, split.threads, split.loads)
+
+
+def test_top_k_refuses_a_split_too_small_for_the_row(cpu_launches):
+    kernels, args = _top_k_setup(Topology(tp=8), 32768, 1)
+    small = min(top_k.SPLITS, key=lambda s: s.capacity)
+    with pytest.raises(ValueError, match="holds rows of up to"):
+        kernels.top_k(*args, 1, split=small)
+    with pytest.raises(ValueError, match="split must be"):
+        kernels.top_k(*args, 1, split="fast")
+    assert cpu_launches == []
+
+
+def test_split_for_covers_every_width():
+    assert top_k.split_for(64, 1) is not None
+    for width in (64, 2048, 4096, 8192, 8256, 32768, 32832, 65536, 131072):
+        for batch in (1, 4, 16, 32, 64, 256):
+            split = top_k.split_for(width, batch)
+            assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
+    assert top_k.split_for(max(s.capacity for s in top_k.SPLITS) + 64, 1) is None
+    assert len({s.name for s in top_k.SPLITS}) == len(top_k.SPLITS)
