@@ -345,12 +345,15 @@ class DsaIndex:
                     hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
                     frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
                     scales.append(_lds_f32(base + KEY_BYTES + 4 * rows[r]))
-                _mbar_arrive(empty0 + 8 * stage)  # the stage's bytes are in registers now
                 halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
                 for r in cutlass.range_constexpr(2):
                     for k in cutlass.range_constexpr(8):
                         f0, f1 = _e4m3x4_to_f16x2x2(frags[r][k])
                         halves[r] += [f0, f1]
+                # release the stage only after the widening has consumed the key words (they
+                # are then certainly in registers, not only requested; the arrive's .release
+                # orders the scale loads issued before them): hardening, not a proven cause
+                _mbar_arrive(empty0 + 8 * stage)
                 a = []
                 for s in cutlass.range_constexpr(8):
                     a += a_fragment(halves, s)
