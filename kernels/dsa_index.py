@@ -67,15 +67,19 @@ THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
 SMS = 132  # H100 / H200 SXM
-CTA_PAGES = (2, 4, 8, 16, 32)  # the runs the host picks from (every one GPU-tested)
+# The runs the host picks from. Runs longer than the ring (STAGES pages) reuse a stage and
+# were measured WRONG on the H200 at B = 64 (a few keys per token, different ones each
+# launch: a race on stage reuse, not yet found; bench/RESULTS.md): the launcher refuses them
+# until it is fixed, so every CTA streams at most one pass of the ring.
+CTA_PAGES = (2, 4)
+MAX_RUN = STAGES
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
 
 
 def pages_per_cta(batch: int, pages_per_seq: int) -> int:
     """Pages per CTA for a launch: the smallest run in CTA_PAGES whose grid fits one wave of
-    WAVE_CTAS CTAs, else the longest run (about 2 waves at B = 64, 32K; 8 at B = 64, 128K).
-    Pages: 32K -> B 1/4/16/64: 2/4/16/32 (256/512/512/1024 CTAs); 128K: 4/16/32/32."""
+    WAVE_CTAS CTAs, else the longest run (at most the ring: see CTA_PAGES)."""
     for run in CTA_PAGES:
         if batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run

@@ -167,3 +167,19 @@ def test_split_for_covers_every_width():
             assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
     assert top_k.split_for(max(s.capacity for s in top_k.SPLITS) + 64, 1) is None
     assert len({s.name for s in top_k.SPLITS}) == len(top_k.SPLITS)
+
+
+def test_dsa_index_refuses_runs_that_reuse_a_ring_stage(cpu_launches):
+    """Runs longer than the ring were measured wrong on the H200 (kernels/dsa_index.py)."""
+    from graphstep.kernels import dsa_index
+
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=2, max_context=4096, seed=1)
+    kernels, inputs = Kernels(state.shape, state.weights), state.inputs(2)
+    args = (torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64), state.caches.index_cache,
+            inputs.block_tables, inputs.context_lens, torch.zeros(2, state.pages_per_seq * 64), 2)
+    for run in (0, dsa_index.MAX_RUN + 1, 32):
+        with pytest.raises(ValueError, match="pages_per_cta must be in"):
+            kernels.dsa_index(*args, pages_per_cta=run)
+    kernels.dsa_index(*args, pages_per_cta=dsa_index.MAX_RUN)
+    kernels.dsa_index(*args)
+    assert cpu_launches == ["DsaIndex", "DsaIndex"]
