@@ -103,9 +103,12 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the indices of the k highest finite scores (equal scores: the lower index
     is chosen first), in ascending index order, -1 padded past the row's finite count.
     int32 [B, k]. The order is a contract, not a ranking: the sparse core does not depend
-    on it, and a select-then-compact kernel (kernels/top_k.py) produces it with no sort."""
+    on it, and a select-then-compact kernel (kernels/top_k.py) produces it with no sort.
+    A NaN or infinite score is never selected (it ranks below every finite one)."""
+    finite_mask = torch.isfinite(scores)
+    scores = scores.masked_fill(~finite_mask, float("-inf"))
     by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    finite = torch.isfinite(scores).sum(-1, keepdim=True)
+    finite = finite_mask.sum(-1, keepdim=True)
     if by_score.shape[-1] < k:
         by_score = torch.nn.functional.pad(by_score, (0, k - by_score.shape[-1]), value=0)
     keep = torch.arange(k, device=scores.device)[None, :] < finite

@@ -25,6 +25,7 @@ MailboxTimeout from step().
 from __future__ import annotations
 
 import gc
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from . import formats, reference as ref, torch_stages
 from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
-from .state import LayerCaches, LayerState, PeerInputs, StepInputs
+from .state import LayerCaches, LayerState, PeerInputs, StepInputs, local_lens
 
 BACKENDS = ("cute", "torch")
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)  # vLLM's: 1, 2, 4, then steps of 8
@@ -80,6 +81,9 @@ class DecodeStep:
         if not sizes:
             raise ValueError("capture_sizes must name at least one batch size")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
+                             "on the CPU use DecodeStep(..., backend='torch', device='cpu') and step(..., eager=True)")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if backend == "cute" and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
@@ -95,6 +99,7 @@ class DecodeStep:
         self.buffers = self._buffers(sizes[-1])
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
+        self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
 
     def _buffers(self, rows: int) -> Buffers:
         s, dev = self.shape, self.device
@@ -293,7 +298,10 @@ class DecodeStep:
 
     def load(self, inputs: StepInputs, peers: PeerInputs | None = None, check_values: bool = True) -> int:
         """Validate `inputs` and copy them into the static buffers, padded. Returns the size.
-        check_values: also check the context lengths' range (one device-to-host sync)."""
+        check_values: also check the values (one device-to-host sync): context lengths in
+        [1, max_context], each block table's used pages in the pool, each slot -1 or the new
+        token's slot through its own block table, the peers' candidate positions; NaN/inf
+        rows of qkv are reported (NonFiniteInputs warning, self.nonfinite_rows), not refused."""
         batch = self._validate(inputs, peers, check_values)
         size = self.padded(batch)
         b = self.buffers
@@ -319,7 +327,7 @@ class DecodeStep:
         """Run one decode step; returns views of the outputs' real rows (valid until the next step).
 
         Shapes, dtypes and devices are always checked (no synchronization); check_values
-        also checks the context lengths, which costs one device-to-host sync: a serving
+        also checks the values (see load()), which costs one device-to-host sync: a serving
         loop that guarantees them can turn it off. Under DCP the step always synchronizes
         to read QueryWait's error word."""
         if not eager:
@@ -346,26 +354,119 @@ class DecodeStep:
             "slot_mapping": (inputs.slot_mapping, torch.int32, (batch,)),
             "block_tables": (inputs.block_tables, torch.int32, (batch, self.state.pages_per_seq)),
         }
-        for name, (tensor, dtype, shape) in expect.items():
-            if tensor.dtype != dtype:
-                raise ValueError(f"inputs.{name} must be {dtype}, got {tensor.dtype}")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"inputs.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
-            if tensor.device != self.device:
-                raise ValueError(f"inputs.{name} must be on {self.device}, got {tensor.device}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"inputs.{name} must be contiguous")
+        _check_tensors("inputs", expect, self.device)
         if batch == 0:
             raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
         self.padded(batch)
-        if check_values:
-            low, high = torch.stack([inputs.context_lens.min(), inputs.context_lens.max()]).tolist()
-            if low < 1 or high > self.state.max_context:
-                raise ValueError(f"inputs.context_lens must be in [1, {self.state.max_context}], got [{low}, {high}]")
-        if s.topology.dcp > 1:
+        topo = s.topology
+        if topo.dcp > 1:
             if peers is None:
                 raise ValueError("a DCP step needs peers=PeerInputs (what the other ranks contribute)")
-            if peers.rows.shape != (batch, s.gathered, m.query_row):
-                raise ValueError(f"peers.rows must have shape {[batch, s.gathered, m.query_row]}, got {list(peers.rows.shape)}")
+            if not isinstance(peers, PeerInputs):
+                raise TypeError(f"peers must be PeerInputs, got {type(peers).__name__}")
+            k = m.index_topk
+            _check_tensors("peers", {
+                "rows": (peers.rows, torch.float32, (batch, s.gathered, m.query_row)),
+                "positions": (peers.positions, torch.int32, (batch, topo.dcp, k)),
+                "scores": (peers.scores, torch.float32, (batch, topo.dcp, k)),
+            }, self.device, contiguous=False)
+        elif peers is not None:
+            raise ValueError(f"peers are only for a DCP step; this step's topology is {topo.name} (dcp 1)")
+        self.nonfinite_rows = []
+        if check_values:
+            self._check_values(inputs, peers)
         return batch
 
+    def _check_values(self, inputs: StepInputs, peers: PeerInputs | None) -> None:
+        """The values' ranges, with one device-to-host sync: per row, a flag for each check,
+        computed on the inputs' device and read back together; the messages (only on a
+        failure) read what they name."""
+        st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
+        lens = inputs.context_lens.long()
+        len_bad = (lens < 1) | (lens > st.max_context)
+        safe = lens.clamp(1, st.max_context)
+        # the new token's slot: -1, or the slot its block table holds at its local index
+        pos = safe - 1
+        local = torch.div(pos, topo.dcp, rounding_mode="floor")
+        mine = pos % topo.dcp == topo.rank
+        tables = inputs.block_tables
+        held = tables.gather(1, torch.div(local, page, rounding_mode="floor")[:, None])[:, 0].long()
+        want = torch.where(mine, held * page + local % page, -1)
+        slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
+        # the used part of each block table: pages of [0, local length)
+        used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
+        columns = torch.arange(tables.shape[1], device=tables.device)[None]
+        page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
+        checks = [len_bad, page_bad.any(1), slot_bad, ~torch.isfinite(inputs.qkv).all(1)]
+        if peers is not None:
+            checks.append(self._peer_bad(peers, safe).any(1))
+        flags = torch.stack(checks).tolist()  # the one sync
+        if any(flags[0]):
+            row = flags[0].index(True)
+            raise ValueError(f"inputs.context_lens[{row}] = {int(inputs.context_lens[row])}: "
+                             f"must be in [1, {st.max_context}] (the step's max_context)")
+        if any(flags[1]):
+            row = flags[1].index(True)
+            col = int(page_bad[row].nonzero()[0, 0])
+            raise ValueError(f"inputs.block_tables[{row}, {col}] = {int(tables[row, col])}: a page of the used part "
+                             f"(the first {int(used[row])} of row {row}, context {int(lens[row])}) must be in "
+                             f"[0, {st.trash_page}) (page {st.trash_page} is the spare page of padded rows)")
+        if any(flags[2]):
+            row = flags[2].index(True)
+            slot, p = int(inputs.slot_mapping[row]), int(pos[row])
+            if not bool(mine[row]):
+                where = f"position {p} lives on DCP rank {p % topo.dcp}, not rank {topo.rank}: its slot here must be -1"
+            else:
+                pool = st.trash_page * page
+                inside = f"outside the pool [0, {pool})" if not 0 <= slot < pool else "not the new token's slot"
+                where = (f"{inside}: position {p} is at page {int(held[row])} of block_tables[{row}], slot "
+                         f"{int(want[row])} (or -1 to write nothing)")
+            raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
+        if peers is not None and any(flags[4]):
+            row = flags[4].index(True)
+            self._raise_peer(peers, row, safe)
+        self.nonfinite_rows = [row for row, bad in enumerate(flags[3]) if bad]
+        if self.nonfinite_rows:
+            warnings.warn(NonFiniteInputs(self.nonfinite_rows), stacklevel=4)
+
+    def _peer_bad(self, peers: PeerInputs, lens: torch.Tensor) -> torch.Tensor:
+        """[B, dcp x topk] True where another rank's candidate position is neither -1 nor a
+        position of its own rank below the token's context length (this rank's are ignored)."""
+        topo = self.shape.topology
+        positions = peers.positions.long()
+        ranks = torch.arange(topo.dcp, device=positions.device)[None, :, None]
+        ok = (positions == -1) | ((positions >= 0) & (positions < lens[:, None, None]) & (positions % topo.dcp == ranks))
+        return (~ok & (ranks != topo.rank)).flatten(1)
+
+    def _raise_peer(self, peers: PeerInputs, row: int, lens: torch.Tensor) -> None:
+        topo, k = self.shape.topology, self.shape.model.index_topk
+        rank, i = divmod(int(self._peer_bad(peers, lens)[row].nonzero()[0, 0]), k)
+        raise ValueError(f"peers.positions[{row}, {rank}, {i}] = {int(peers.positions[row, rank, i])}: rank {rank}'s "
+                         f"candidates must be -1 or positions p < {int(lens[row])} (the context length) with "
+                         f"p % {topo.dcp} == {rank}")
+
+
+class NonFiniteInputs(UserWarning):
+    """step(check_values=True) saw NaN or inf in these tokens' qkv rows. The step still runs:
+    each token's outputs depend only on its own inputs (and its own sequence's cache), so
+    the other tokens' outputs are unaffected; these tokens' outputs are not meaningful.
+    warnings.simplefilter("error", NonFiniteInputs) turns it into an error."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"inputs.qkv has NaN or inf in rows {rows}: their outputs are not meaningful; "
+                         "the other rows are unaffected")
+        self.rows = rows
+
+
+def _check_tensors(owner: str, expect: dict, device: torch.device, contiguous: bool = True) -> None:
+    for name, (tensor, dtype, shape) in expect.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"{owner}.{name} must be {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{owner}.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+        if tensor.device != device:
+            raise ValueError(f"{owner}.{name} must be on {device}, got {tensor.device}")
+        if contiguous and not tensor.is_contiguous():
+            raise ValueError(f"{owner}.{name} must be contiguous")

@@ -49,7 +49,9 @@ def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_f
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk (ties in no defined order), -1 past the finite scores. int32 [B, k]."""
+    """torch.topk (ties in no defined order), -1 past the finite scores. int32 [B, k].
+    NaN and inf scores are never selected (torch.topk would rank NaN first)."""
+    scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))
     if scores.shape[1] < k:
         scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=float("-inf"))
     values, indices = torch.topk(scores, k, dim=1)
