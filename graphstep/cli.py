@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from . import floor
+from .policy import MODES
 from .report import mb, table
 from .shapes import PRESETS, RankShape, Topology, preset
 
@@ -20,20 +24,99 @@ def sm90_device() -> bool:
 
 
 def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8) -> None:
-    parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS), help="model shapes")
     parser.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (heads per rank = heads / tp)")
     parser.add_argument("--dcp", type=int, default=1, help="decode context-parallel size")
     parser.add_argument("--rank", type=int, default=0, help="the DCP rank simulated")
     parser.add_argument("--wide", action="store_true", help="TP1's split query")
     parser.add_argument("--split", action="store_true", help="the split query under DCP")
-    parser.add_argument("--q-format", default="bf16", choices=["bf16", "fp8"])
-    parser.add_argument("--mla-cache", default="bf16", choices=["bf16", "fp8"])
+    parser.add_argument("--q-format", default="bf16", choices=["bf16", "fp8"], help="query rows in the mailbox")
+    parser.add_argument("--mla-cache", default="bf16", choices=["bf16", "fp8"], help="MLA cache format")
 
 
 def rank_shape(args) -> RankShape:
     topology = Topology(tp=args.tp, dcp=args.dcp, wide=args.wide, split=args.split, rank=args.rank,
                         q_format=args.q_format, mla_cache=args.mla_cache)
     return RankShape(preset(args.preset), topology)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+class Formatter(argparse.HelpFormatter):
+    """--help shows every option's default (lists comma-separated; none for flags)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).replace("%", "%%")
+        return f"{text} (default: {shown})"
+
+
+ARCHS = ("sm_90a",)  # the kernels use wgmma, setmaxnreg and clusters: sm_90a only
+
+
+def writable_dir(path: str, flag: str) -> None:
+    """Create the folder `path` if missing and check a file can be written in it (before any work)."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: not a writable folder ({error.strerror or error})") from None
+
+
+def host_memory_bytes() -> int:
+    """Memory available for new allocations (MemAvailable; the physical size elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(shape: RankShape, batch: int, context: int, available: int, where: str, flag: str,
+               reference: bool = False) -> None:
+    from .state import state_bytes
+
+    need = state_bytes(shape, batch, context, reference=reference)
+    if need > available:
+        raise ValueError(f"{flag} {context}: the state for batch {batch} needs about {need / 1e9:,.1f} GB, more than "
+                         f"the {available / 1e9:,.1f} GB of {where}")
 
 
 def batches(text: str) -> list[int]:
@@ -69,42 +152,84 @@ def cmd_info(args) -> int:
     return 0
 
 
+RUN_GPU_DEFAULTS = {"batch": [1, 4, 16, 64], "context": 32768, "policy": None, "replays": 200}
+RUN_CPU_DEFAULTS = {"cpu_batch": 4, "cpu_context": 4096}
+
+
+def _given(args, defaults: dict) -> list[str]:
+    return ["--" + name.replace("_", "-") for name in defaults if getattr(args, name) is not None]
+
+
 def cmd_run(args) -> int:
-    if sm90_device() and not args.cpu:
+    gpu = not args.cpu and sm90_device()
+    if gpu:
+        given = _given(args, RUN_CPU_DEFAULTS)
+        if given:
+            raise ValueError(f"{', '.join(given)}: for the CPU reference run only (add --cpu); the GPU run takes "
+                             "--batch and --context")
+        for name, value in RUN_GPU_DEFAULTS.items():
+            setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+        check_policy(args, rank_shape(args))
+        _check_device_memory(args, rank_shape(args), max(args.batch))
         from .timing import run_gpu
 
         return run_gpu(args)
+    given = _given(args, RUN_GPU_DEFAULTS)
+    if given:
+        why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
+        raise ValueError(f"{', '.join(given)}: for the GPU run only ({why}); the CPU reference run takes "
+                         "--cpu-batch and --cpu-context")
+    for name, value in RUN_CPU_DEFAULTS.items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    check_fits(rank_shape(args), args.cpu_batch, args.cpu_context, host_memory_bytes(), "memory available",
+               "--cpu-context", reference=True)
     return run_cpu(args)
 
 
-def _needs_gpu(command: str) -> None:
+def check_policy(args, shape: RankShape) -> None:
+    from .policy import overlap_for
+
+    topo = shape.topology
+    for batch in args.batch:
+        overlap_for(batch, getattr(args, "policy", None), dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+
+
+def _check_device_memory(args, shape: RankShape, batch: int) -> None:
+    import torch
+
+    check_fits(shape, batch, args.context, torch.cuda.mem_get_info()[1], "GPU memory", "--context")
+
+
+def _needs_gpu(command: str, args=None) -> None:
     if not sm90_device():
         raise SystemExit(f"graphstep {command}: needs an sm_90 GPU (H100/H200) for graph capture; none was found")
+    if args is not None:
+        _check_device_memory(args, rank_shape(args), max(args.batch) if hasattr(args, "batch") else args.batch_size)
 
 
 def cmd_serve(args) -> int:
-    _needs_gpu("serve")
+    _needs_gpu("serve", args)
     from .timing import serve
 
     return serve(args)
 
 
 def cmd_bench(args) -> int:
-    _needs_gpu("bench")
+    _needs_gpu("bench", args)
     from .timing import bench
 
     return bench(args)
 
 
 def cmd_tune(args) -> int:
-    _needs_gpu("tune")
+    _needs_gpu("tune", args)
     from .timing import tune
 
     return tune(args)
 
 
 def cmd_graph(args) -> int:
-    _needs_gpu("graph")
+    _needs_gpu("graph", args)
     from .graphs import describe, inspect
     from .step import DecodeStep
 
@@ -152,79 +277,132 @@ def cmd_ptx(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graphstep", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphstep", description=__doc__, formatter_class=Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="shapes, per-stage bytes and floors")
-    add_shape_args(info)
+    def command(name: str, help: str, tp: int = 8) -> argparse.ArgumentParser:
+        verb = sub.add_parser(name, help=help, description=help, formatter_class=Formatter)
+        add_shape_args(verb, tp)
+        return verb
+
+    info = command("info", "shapes, per-stage bytes and floors")
     info.add_argument("--batch", type=batches, default=[1, 4, 16, 64], help="comma-separated batch sizes")
-    info.add_argument("--context", type=int, default=32768)
-    info.add_argument("--bandwidth", type=float, default=floor.H200_COPY_BW / 1e12, help="TB/s")
+    info.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
+    info.add_argument("--bandwidth", type=positive_float, default=floor.H200_COPY_BW / 1e12,
+                      help="TB/s the floors are computed at")
     info.set_defaults(func=cmd_info)
 
-    run = sub.add_parser("run", help="build, capture and replay the step (reference on the CPU without an sm_90 GPU)")
-    add_shape_args(run)
-    run.add_argument("--batch", type=batches, default=[1, 4, 16, 64])
-    run.add_argument("--context", type=int, default=32768)
-    run.add_argument("--policy", default=None, help="a mode or a 'rows:mode,...' table")
-    run.add_argument("--replays", type=int, default=200)
-    run.add_argument("--seed", type=int, default=0)
+    run = command("run", "build, capture and replay the step (reference on the CPU without an sm_90 GPU)")
+    run.add_argument("--batch", type=batches, default=None,
+                     help=f"captured sizes, GPU run only (default: {','.join(map(str, RUN_GPU_DEFAULTS['batch']))})")
+    run.add_argument("--context", type=positive_int, default=None,
+                     help=f"tokens per sequence, GPU run only (default: {RUN_GPU_DEFAULTS['context']})")
+    run.add_argument("--policy", default=None, help="a mode or a 'rows:mode,...' table, GPU run only (default: the tables)")
+    run.add_argument("--replays", type=positive_int, default=None,
+                     help=f"timed replays per size, GPU run only (default: {RUN_GPU_DEFAULTS['replays']})")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     run.add_argument("--cpu", action="store_true", help="run the CPU reference even on a GPU machine")
-    run.add_argument("--cpu-batch", type=int, default=4)
-    run.add_argument("--cpu-context", type=int, default=4096)
+    run.add_argument("--cpu-batch", type=positive_int, default=None,
+                     help=f"tokens of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_batch']})")
+    run.add_argument("--cpu-context", type=positive_int, default=None,
+                     help=f"largest context of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_context']})")
     run.set_defaults(func=cmd_run)
 
-    ptx = sub.add_parser("ptx", help="compile every kernel variant and write its PTX (no GPU needed)")
-    add_shape_args(ptx)
-    ptx.add_argument("--arch", default="sm_90a")
-    ptx.add_argument("--out", default="ptx")
-    ptx.add_argument("--batch-size", type=int, default=None, help="compile for this batch only")
+    ptx = command("ptx", "compile every kernel variant and write its PTX (no GPU needed)")
+    ptx.add_argument("--arch", default="sm_90a", choices=ARCHS, help="target architecture")
+    ptx.add_argument("--out", default="ptx", help="folder for the .ptx files (created if missing)")
+    ptx.add_argument("--batch-size", type=positive_int, default=None, help="compile for this batch only (default: every batch)")
     ptx.set_defaults(func=cmd_ptx)
 
-    serve = sub.add_parser("serve", help="replay a trace of batch sizes as a serving loop and print p50/p99")
-    add_shape_args(serve)
+    serve = command("serve", "replay a trace of batch sizes as a serving loop and print p50/p99")
     serve.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 24, 32], help="captured sizes")
-    serve.add_argument("--context", type=int, default=32768)
-    serve.add_argument("--policy", default=None)
-    serve.add_argument("--steps", type=int, default=1000)
+    serve.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
+    serve.add_argument("--policy", default=None, help="a mode or a 'rows:mode,...' table (default: the tables)")
+    serve.add_argument("--steps", type=positive_int, default=1000, help="steps to replay")
     serve.add_argument("--trace", default=None, help="a file of batch sizes (default: a synthetic drifting trace)")
-    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and trace")
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="cute fork / serial / no-PDL vs the torch backend and the floor, per batch")
-    add_shape_args(bench)
-    bench.add_argument("--batch", type=batches, default=[1, 4, 16, 64])
-    bench.add_argument("--context", type=int, default=32768)
-    bench.add_argument("--replays", type=int, default=100)
-    bench.add_argument("--seed", type=int, default=0)
+    bench = command("bench", "cute fork / serial / no-PDL vs the torch backend and the floor, per batch")
+    bench.add_argument("--batch", type=batches, default=[1, 4, 16, 64], help="captured sizes")
+    bench.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
+    bench.add_argument("--replays", type=positive_int, default=100, help="timed replays per size and variant")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.set_defaults(func=cmd_bench)
 
-    tune = sub.add_parser("tune", help="time every overlap mode per captured size and print the policy table")
-    add_shape_args(tune)
-    tune.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 32, 64])
-    tune.add_argument("--context", type=int, default=32768)
-    tune.add_argument("--replays", type=int, default=50)
-    tune.add_argument("--seed", type=int, default=0)
+    tune = command("tune", "time every overlap mode per captured size and print the policy table")
+    tune.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 32, 64], help="captured sizes")
+    tune.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
+    tune.add_argument("--replays", type=positive_int, default=50, help="timed replays per size and mode")
+    tune.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     tune.set_defaults(func=cmd_tune)
 
-    graph = sub.add_parser("graph", help="capture one size and print the graph's nodes and edges")
-    add_shape_args(graph)
-    graph.add_argument("--batch-size", "--batch", dest="batch_size", type=int, default=4)
-    graph.add_argument("--mode", default="fork", help="serial, fork or fork_poll")
-    graph.add_argument("--context", type=int, default=4096)
+    graph = command("graph", "capture one size and print the graph's nodes and edges")
+    graph.add_argument("--batch-size", "--batch", dest="batch_size", type=positive_int, default=4, help="the size captured")
+    graph.add_argument("--mode", default="fork", choices=MODES, help="the overlap mode")
+    graph.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence")
     graph.set_defaults(func=cmd_graph)
+    return parser
 
-    args = parser.parse_args(argv)
-    watchdog = os.environ.get("GRAPHSTEP_WATCHDOG")
-    if watchdog:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
-        faulthandler.dump_traceback_later(float(watchdog), exit=True)
+
+def check_args(args) -> None:
+    """Everything the flags alone decide, before any GPU check or allocation."""
+    shape = rank_shape(args)  # topology errors (ValueError)
+    if args.command in ("ptx", "bench"):
+        writable_dir(args.out, "--out")
+    if args.command == "serve":
+        if args.trace:
+            from .timing import read_trace
+
+            trace = read_trace(args.trace)
+            if max(trace) > max(args.batch):
+                raise ValueError(f"--trace {args.trace}: needs batch {max(trace)} but the largest captured size "
+                                 f"(--batch) is {max(args.batch)}")
+    if args.command in ("serve", "tune"):
+        check_policy(args, shape)
+    if args.command == "run" and args.policy is not None:
+        check_policy(argparse.Namespace(batch=args.batch or RUN_GPU_DEFAULTS["batch"], policy=args.policy), shape)
+    if args.command == "graph":
+        from .policy import overlap_for
+
+        topo = shape.topology
+        overlap_for(args.batch_size, args.mode, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+
+
+def watchdog_seconds() -> float | None:
+    text = os.environ.get("GRAPHSTEP_WATCHDOG", "").strip()
+    if not text:
+        return None
     try:
-        return args.func(args)
-    except ValueError as error:
-        print(f"graphstep {args.command}: {error}", file=sys.stderr)
-        return 2
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"GRAPHSTEP_WATCHDOG={text!r}: expected a positive number of seconds")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        try:
+            seconds = watchdog_seconds()
+            check_args(args)
+            if seconds:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
+                faulthandler.dump_traceback_later(seconds, exit=True)
+            return args.func(args)
+        except (ValueError, OSError) as error:
+            if isinstance(error, BrokenPipeError):
+                raise
+            print(f"graphstep {args.command}: {error}", file=sys.stderr)
+            return 2
+    except BrokenPipeError:
+        # the reader went away (`graphstep info | head -2`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -77,6 +77,27 @@ def local_lens(context_lens: torch.Tensor, dcp: int, rank: int) -> torch.Tensor:
     return torch.div(context_lens.long() - rank + dcp - 1, dcp, rounding_mode="floor").clamp_min(0)
 
 
+def state_bytes(shape: RankShape, max_batch: int, max_context: int, reference: bool = False) -> int:
+    """About how many bytes LayerState(shape, max_batch, max_context) takes while it is built
+    (the caches, the fp32 draws they are made from, weights, RoPE tables, mailbox); with
+    reference=True, plus the working set of reference_step over max_batch full contexts."""
+    model, topo = shape.model, shape.topology
+    page = model.page_size
+    local_max = -(-(max_context - topo.rank) // topo.dcp)
+    pages = max_batch * max(1, -(-local_max // page)) + 1
+    tokens = pages * page
+    caches = tokens * (model.index_token_bytes + shape.mla_token_bytes)
+    drawing = tokens * (model.query_row * 10 + model.index_dim * 16)  # fp32 draws, scaled copies, quantizing
+    weights = 2 * model.q_lora_rank * (shape.heads * model.qk_head_dim + model.index_heads * model.index_dim)
+    weights += 2 * shape.heads * model.qk_nope_dim * model.kv_lora_rank
+    rope = 4 * max_context * (model.qk_rope_dim + model.index_rope_dim)
+    mailbox = max_batch * shape.q_heads * model.query_row * shape.q_bytes
+    total = caches + drawing + weights + rope + mailbox
+    if reference:  # dequantized keys and per-head dots of every cached token, a few copies each
+        total += 3 * 4 * max_batch * local_max * (model.index_dim + model.index_heads)
+    return total
+
+
 def _normal(shape, generator, device, scale=1.0, dtype=torch.bfloat16) -> torch.Tensor:
     return (torch.randn(shape, generator=generator, device=device) * scale).to(dtype)
 

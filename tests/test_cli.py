@@ -41,3 +41,85 @@ def test_gpu_commands_say_they_need_a_gpu(capsys):
     for command in (["serve"], ["bench"], ["tune"], ["graph", "--batch", "4"]):
         with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
             main(command)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "--bandwidth", "0"], "--bandwidth: expected a positive number, got '0'"),
+    (["info", "--bandwidth", "-1"], "--bandwidth: expected a positive number"),
+    (["info", "--context", "0"], "--context: expected a positive integer"),
+    (["ptx", "--arch", "foo"], "invalid choice: 'foo'"),
+    (["ptx", "--batch-size", "0"], "--batch-size: expected a positive integer"),
+    (["graph", "--mode", "bogus"], "invalid choice: 'bogus'"),
+    (["serve", "--steps", "-3"], "--steps: expected a positive integer"),
+    (["run", "--cpu-batch", "x"], "--cpu-batch: expected a positive integer"),
+])
+def test_bad_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _error(argv, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def test_output_folders_are_checked_before_any_work(tmp_path, capsys):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    assert "--out" in _error(["ptx", "--out", str(afile)], capsys)
+    assert "not a writable folder" in _error(["ptx", "--out", str(afile / "below")], capsys)
+    assert "exists and is not a folder" in _error(["bench", "--out", str(afile)], capsys)  # before "needs a GPU"
+
+
+def test_a_context_that_does_not_fit_says_how_much_it_needs(capsys):
+    err = _error(["run", "--cpu", "--cpu-context", "1000000000"], capsys)
+    assert "--cpu-context 1000000000: the state for batch 4 needs about" in err and "GB of memory available" in err
+
+
+def test_cpu_run_rejects_the_gpu_runs_flags(capsys):
+    for flag, value in (("--batch", "4"), ("--context", "100"), ("--policy", "fork"), ("--replays", "3")):
+        err = _error(["run", "--cpu", flag, value], capsys)
+        assert f"{flag}: for the GPU run only" in err and "--cpu-batch" in err
+
+
+def test_cpu_run_honours_its_flags(capsys):
+    assert main(["run", "--cpu", "--cpu-batch", "3", "--cpu-context", "100", "--seed", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(lines) == 3 + 1 and all(int(line.split()[1]) <= 100 for line in lines[:3])  # 3 tokens + the summary
+
+
+def test_policy_and_trace_are_checked_before_the_gpu(tmp_path, capsys):
+    assert "'1:bogus'" in _error(["serve", "--policy", "1:bogus"], capsys)
+    assert "'1:bogus'" in _error(["run", "--policy", "1:bogus"], capsys)
+    assert "No such file" in _error(["serve", "--trace", str(tmp_path / "missing")], capsys)
+    trace = tmp_path / "trace"
+    trace.write_text("1 2 64")
+    assert "needs batch 64 but the largest captured size (--batch) is 32" in _error(["serve", "--trace", str(trace)], capsys)
+    assert "fork_poll" in _error(["graph", "--tp", "1", "--wide", "--mode", "fork_poll"], capsys)
+
+
+def test_a_bad_watchdog_is_an_error_not_a_traceback(monkeypatch, capsys):
+    for value in ("abc", "0", "-1", "nan"):
+        monkeypatch.setenv("GRAPHSTEP_WATCHDOG", value)
+        assert "GRAPHSTEP_WATCHDOG" in _error(["info", "--batch", "1"], capsys)
+
+
+def test_help_shows_defaults(capsys):
+    for verb, shown in (("info", "(default: 4.3)"), ("run", "(default: 1,4,16,64)"), ("ptx", "(default: sm_90a)"),
+                        ("serve", "(default: 1000)"), ("bench", "(default: bench-out)"), ("graph", "(default: fork)")):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert shown in out and "(default: deepseek-v3.2)" in out, verb
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    exe = Path(sys.executable).parent / "graphstep"
+    if not exe.exists():
+        pytest.skip("graphstep is not installed as a console script here")
+    result = subprocess.run(f"'{exe}' info | head -2", shell=True, capture_output=True, text=True, timeout=120)
+    assert result.stdout.count("\n") == 2 and result.stderr == ""
