@@ -98,14 +98,72 @@ def _inputs_of(state, batch):
     return type(state.inputs(1))(qkv, lens, torch.zeros(batch, dtype=torch.int32), tables)
 
 
+def _rope(x, pos, theta, interleaved):
+    """RoPE written out from its definition (float64), not through graphstep.formats."""
+    half = x.shape[-1] // 2
+    angle = pos.double()[:, None] * theta ** (-2 * torch.arange(half, dtype=torch.float64) / x.shape[-1])[None]
+    cos, sin = angle.cos(), angle.sin()
+    a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :half], x[:, half:])
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    return torch.stack([ra, rb], dim=-1).flatten(1) if interleaved else torch.cat([ra, rb], dim=1)
+
+
+def _within_bf16(got, expect):
+    """Each element within one bf16 rounding (2^-8 relative) of the float64 value."""
+    got, expect = got.double(), expect.double()
+    return bool(((got - expect).abs() <= expect.abs() * 2 ** -8 + 1e-6).all())
+
+
+def _independent_checks(step, inputs, got, before):
+    """q_c and the new cache rows computed here from their definitions in float64, and every
+    other cache row untouched: none of it through the reference functions the torch backend calls."""
+    m, w = step.shape.model, step.state.weights
+    qkv, pos = inputs.qkv.double(), inputs.context_lens.long() - 1
+    cols = m.packed_columns
+    q_a = qkv[:, slice(*cols["q_a"])]
+    q_c = q_a / (q_a.square().mean(1, keepdim=True) + m.rms_eps).sqrt() * w.gamma_q.double()
+    assert _within_bf16(got.q_c, q_c)
+    kv = qkv[:, slice(*cols["kv_a"])]
+    kv = kv / (kv.square().mean(1, keepdim=True) + m.rms_eps).sqrt() * w.gamma_kv.double()
+    row = torch.cat([kv, _rope(qkv[:, slice(*cols["k_pe"])], pos, m.rope_theta, True)], dim=1)
+    k = qkv[:, slice(*cols["idx_k"])]
+    k = (k - k.mean(1, keepdim=True)) / (k.var(1, unbiased=False, keepdim=True) + m.index_norm_eps).sqrt()
+    k = k * w.index_norm_weight.double() + w.index_norm_bias.double()
+    k = torch.cat([_rope(k[:, : m.index_rope_dim], pos, m.rope_theta, False), k[:, m.index_rope_dim:]], dim=1)
+    mla = step.caches.mla_cache.view(-1, m.query_row)
+    index = step.caches.index_cache
+    page_keys = m.page_size * m.index_dim
+    written = set()
+    for b, slot in enumerate(inputs.slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        written.add(slot)
+        assert _within_bf16(mla[slot], row[b]), b
+        page, offset = divmod(slot, m.page_size)
+        key = index[page, offset * m.index_dim: (offset + 1) * m.index_dim].view(torch.float8_e4m3fn).double()
+        scale = index[page, page_keys + 4 * offset: page_keys + 4 * offset + 4].view(torch.float32).double()
+        assert ((key * scale - k[b]).abs() <= k[b].abs() / 16 + scale * 2 ** -9).all(), b  # e4m3: 3 mantissa bits
+    assert written
+    spare = step.state.trash_page
+    others = torch.ones(mla.shape[0], dtype=torch.bool)
+    others[sorted(written)] = False
+    others[spare * m.page_size:] = False  # the pad rows' writes
+    assert torch.equal(mla[others], before.mla_cache.view(-1, m.query_row)[others])
+    keys_now = step.caches.index_cache[:spare, :page_keys].view(spare, m.page_size, m.index_dim)
+    keys_before = before.index_cache[:spare, :page_keys].view(spare, m.page_size, m.index_dim)
+    mask = others[: spare * m.page_size].view(spare, m.page_size)
+    assert torch.equal(keys_now[mask], keys_before[mask])
+
+
 @pytest.mark.parametrize("mode", ["serial", "fork"])
 def test_torch_backend_eager_step_equals_the_reference(mode):
     step = _step(policy=mode)
     inputs = step.state.inputs(3, seed=5)  # pads to 4
     expect_caches = step.state.clone_caches()
+    before = step.state.clone_caches()
     expect = ref.reference_step(step.state, inputs, expect_caches)
     got = step.step(inputs, eager=True)
-    assert torch.equal(got.q_c, expect.q_c)
+    _independent_checks(step, inputs, got, before)
     # the torch stages project in bf16 (as cuBLAS serves them), the reference in fp32:
     # the selections agree up to near-ties, the query rows to bf16 rounding
     assert _overlap(got.slots, expect.slots) > 0.97
@@ -123,9 +181,12 @@ def test_torch_backend_dcp_step_equals_the_reference():
     inputs = step.state.inputs(3, seed=6)
     peers = step.state.peer_inputs(inputs, seed=7)
     expect = ref.reference_step(step.state, inputs, step.state.clone_caches(), peers)
+    before = step.state.clone_caches()
     got = step.step(inputs, peers, eager=True)
+    _independent_checks(step, inputs, got, before)
     assert _overlap(got.slots, expect.slots) > 0.97
-    assert torch.equal(got.q_rows[:, :4].float(), expect.q_rows[:, :4])  # the peer's rows, copied
+    # the peer's rows (rank 0's 4 heads), copied into the mailbox in bf16: compared with the peers' own values
+    assert torch.equal(got.q_rows[:, :4], peers.rows[:, :4].bfloat16())
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
     assert rel_err(got.out, expect.out) < 2e-2
     with pytest.raises(ValueError, match="peers"):
