@@ -8,11 +8,12 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          `block` slots. Warp (mt, c): M tile mt, column c of `cols` (8, or 4 for 64-row
          CTAs). A 16-row CTA keeps its query rows' A fragments in registers. Per block:
          - the block's cache rows are copied into shared memory once (cp.async, 16-byte
-           chunks, -1 slots zero-filled), the next block's copies in flight while this
-           one is computed; fp8 rows (656 B) land raw and are dequantized to bf16 rows in
-           shared memory once per block;
+           chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
+           blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
+           and are dequantized to bf16 rows in shared memory once per block;
          - scores on the tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators): the
-           query rows are A (ldmatrix from shared memory), the block's rows B (ldmatrix),
+           query rows are A (registers, or ldmatrix from shared memory), the block's rows
+           B (ldmatrix),
            column warp c takes the block's 8-slot tiles c x per .. c x per + per - 1;
          - online softmax in the log2 domain: the row max of the block over the column
            warps through shared memory, P = 2^(s - max) written to shared memory as bf16;
@@ -24,11 +25,15 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          there is no combine launch.
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
-         splits' partial outputs (warp w takes splits w, w + 4, ..., 8 loads in flight),
+         splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
+         before the weights are computed),
          out = sum / total, lse = (max + log2(total)) x ln 2 (natural log).
 
-`plan(batch, q_heads, k)` picks heads_per_cta and slots_per_cta on the host so that a
-launch is about one wave of CTAs (bench/RESULTS.md has the measured sweep).
+`plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
+wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep).
+At TP 8 the kernel is bound by its 16-byte cache copies, not its math (A/B probes in
+bench/RESULTS.md); at 64-row tiles by the query rows' shared-memory reads (wgmma is the
+lever there).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. Query rows: bf16, or e4m3 widened exactly to bf16;
