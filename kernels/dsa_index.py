@@ -141,20 +141,6 @@ def _prefetch_l2(ptr, nbytes):
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
 
 
-def _lds_v4(addr) -> tuple:
-    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Uint32] * 4, read_only_args=[addr])
-
-
-def _lds_f32(addr) -> Float32:
-    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
-
-
-def _sts_v4(addr, words):
-    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                         read_only_args=[addr, words[0], words[1], words[2], words[3]])
-
-
 def _mbar_init(addr, count: int):
     cute.arch.inline_ptx(f"mbarrier.init.shared::cta.b64 [{{$r0}}], {count};", read_only_args=[addr])
 
@@ -343,12 +329,12 @@ class DsaIndex:
                     lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
                     # odd rows read the halves in the other order: a quarter-warp's 8 loads
                     # (rows g, g + 1 x 4 lanes) then cover all 32 banks
-                    x = _lds_v4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
-                    y = _lds_v4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
+                    x = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
+                    y = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
                     lo = [Uint32(cutlass.select_(odd == 1, y[k], x[k])) for k in range(4)]
                     hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
                     frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
-                    scales.append(_lds_f32(base + KEY_BYTES + 4 * rows[r]))
+                    scales.append(P.ld_shared_f32(base + KEY_BYTES + 4 * rows[r]))
                 halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
                 for r in cutlass.range_constexpr(2):
                     for k in cutlass.range_constexpr(8):
@@ -386,7 +372,7 @@ class DsaIndex:
             words += list(P.load_u32x4(src + 16 * k))
         for cc in cutlass.range_constexpr(8):
             pairs = [query_source(cc, tt) for tt in range(4)]
-            _sts_v4(qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs])
+            P.st_shared_u32x4(qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs])
 
     @cute.jit
     def head_sums(self, acc, weights):

@@ -134,11 +134,11 @@ class IndexQuery:
         addrs = s.acc_addrs(out, lane)
         if s.khalf == 1:
             for i in cutlass.range_constexpr(len(addrs)):
-                J.st_shared_f32(addrs[i], acc[i // 4][i % 4])
+                P.st_shared_f32(addrs[i], acc[i // 4][i % 4])
         cute.arch.sync_threads()
         if s.khalf == 0:
             for i in cutlass.range_constexpr(len(addrs)):
-                J.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], J.ld_shared_f32(addrs[i])))
+                P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
         cute.arch.sync_threads()
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
@@ -146,7 +146,7 @@ class IndexQuery:
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
             token = first_token + 16 * p
-            v = list(J.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
+            v = list(P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
             partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
             pos = P.load_i32(context_lens + cutlass.min(token, ntok - 1)) - 1
             c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
@@ -172,7 +172,7 @@ class IndexQuery:
         for p in cutlass.range_constexpr(tokens // 16):
             token = first_token + 16 * p
             v = values[p]
-            amax = cute.arch.fmax(amaxes[p], J.ld_shared_f32(peer_base + 4 * token))
+            amax = cute.arch.fmax(amaxes[p], P.ld_shared_f32(peer_base + 4 * token))
             scale = cute.arch.fmax(amax, Float32(1e-4)) / Float32(448.0)
             word = P.pack_e4m3x4(v[0] / scale, v[1] / scale, v[2] / scale, v[3] / scale)
             if token < ntok:

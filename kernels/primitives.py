@@ -52,49 +52,43 @@ def load_f32x4_nc(ptr) -> tuple:
     return _load_v4(ptr, "global.nc", Float32)
 
 
-def load_u32x4_if(ptr, live) -> tuple:
-    """16-byte global load issued only where `live` (a predicated ld: nothing is read
-    otherwise, and the words are 0), so loads can be issued ahead of the branch."""
+def _load_if(ptr, live, count: int, dtype, zero: str):
+    """`count` words at ptr by one predicated global load, issued only where `live`
+    (nothing is read otherwise, and the words are `zero`), so loads can be issued ahead
+    of the branch."""
+    kind = "f32" if dtype is Float32 else "b32"
+    words = ", ".join(f"{{$w{i}}}" for i in range(count))
+    target = f"{{{words}}}" if count > 1 else words
+    vector = f".v{count}" if count > 1 else ""
+    clear = "".join(f"mov.{'f32' if zero.startswith('0f') else 'b32'} {{$w{i}}}, {zero};\n\t" for i in range(count))
     return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\tmov.b32 {$w1}, 0;\n\t"
-        "mov.b32 {$w2}, 0;\n\tmov.b32 {$w3}, 0;\n\t@p ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];\n\t}",
-        write_only_types=[Uint32] * 4, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t" + clear + f"@p ld.global{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
+        write_only_types=[dtype] * count, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+
+
+def load_u32x4_if(ptr, live) -> tuple:
+    """16-byte global load issued only where `live` (0 words otherwise)."""
+    return _load_if(ptr, live, 4, Uint32, "0")
 
 
 def load_u32x2_if(ptr, live) -> tuple:
-    """8-byte global load issued only where `live` (0 words otherwise)."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\tmov.b32 {$w1}, 0;\n\t"
-        "@p ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];\n\t}",
-        write_only_types=[Uint32] * 2, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    return _load_if(ptr, live, 2, Uint32, "0")
 
 
 def load_f32x4_if(ptr, live) -> tuple:
-    """16-byte fp32 global load issued only where `live` (0.0 otherwise)."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.f32 {$w0}, 0f00000000;\n\tmov.f32 {$w1}, 0f00000000;\n\t"
-        "mov.f32 {$w2}, 0f00000000;\n\tmov.f32 {$w3}, 0f00000000;\n\t@p ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];\n\t}",
-        write_only_types=[Float32] * 4, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    return _load_if(ptr, live, 4, Float32, "0f00000000")
 
 
 def load_f32x2_if(ptr, live) -> tuple:
-    """8-byte fp32 global load issued only where `live` (0.0 otherwise)."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.f32 {$w0}, 0f00000000;\n\tmov.f32 {$w1}, 0f00000000;\n\t"
-        "@p ld.global.v2.f32 {{$w0}, {$w1}}, [{$r0}];\n\t}",
-        write_only_types=[Float32] * 2, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    return _load_if(ptr, live, 2, Float32, "0f00000000")
 
 
 def load_u32_if(ptr, live) -> Uint32:
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.b32 {$w0}, [{$r0}];\n\t}",
-        write_only_types=[Uint32], read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    return _load_if(ptr, live, 1, Uint32, "0")
 
 
 def load_f32_if(ptr, live) -> Float32:
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\tmov.b32 {$w0}, 0;\n\t@p ld.global.f32 {$w0}, [{$r0}];\n\t}",
-        write_only_types=[Float32], read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    return _load_if(ptr, live, 1, Float32, "0")
 
 
 def store_u32x4(ptr, words):
@@ -407,9 +401,9 @@ def mma_e4m3_16832(a, b, c) -> list:
 # Shared-memory pointers (a smem tensor's `.iterator` plus a byte offset) lower to 32-bit
 # `.shared` addresses in PTX.
 
-def cp_async_16(dst, src, live):
+def cp_async_16(dst, src, live=True):
     """Copy 16 bytes global -> shared without blocking (`cp.async.cg`, L2 only); where not
-    `live` nothing is read and the 16 bytes are zero-filled."""
+    `live` nothing is read and the 16 bytes are zero-filled (live=True: no predicate)."""
     if live is True:
         cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
         return
@@ -438,6 +432,15 @@ def ld_shared_u32x2(ptr) -> tuple:
 
 def ld_shared_f32(ptr) -> Float32:
     return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
+
+
+def ld_shared_f32x4(ptr) -> tuple:
+    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[ptr])
+
+
+def st_shared_f32(ptr, value):
+    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
 def st_shared_u32x4(ptr, words):

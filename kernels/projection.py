@@ -50,39 +50,10 @@ def ring_bytes(tokens: int, ring: int) -> int:
 
 # -- shared-memory primitives (32-bit shared addresses) -----------------------------------
 
-def cp_async_16(dst, src, live=None):
-    """16-byte global -> shared copy through L2 (`cp.async.cg`); with `live` false the
-    destination is zero-filled and nothing is read."""
-    if live is None:
-        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
-    else:
-        size = Int32(cutlass.select_(live, Int32(16), Int32(0)))
-        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", read_only_args=[dst, src, size])
-
-
 def prefetch_l2_line(ptr, live):
     """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
     cute.arch.inline_ptx("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
                          read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
-
-
-def ldmatrix_x4(addr) -> tuple:
-    return cute.arch.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Uint32] * 4, read_only_args=[addr])
-
-
-def st_shared_f32(addr, value):
-    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[addr, value])
-
-
-def ld_shared_f32(addr) -> Float32:
-    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
-
-
-def ld_shared_f32x4(addr) -> tuple:
-    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
 # -- the stream -----------------------------------------------------------------------
@@ -114,7 +85,7 @@ class Stream:
         slot = self.slot_addr(stage)
         for i in range(ROWS * ROW_CHUNKS // THREADS):
             row = self.first_row + (THREADS // ROW_CHUNKS) * i
-            cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
+            P.cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
 
     def prefetch_weights(self, weights, stage: int):
         """The 64 rows' chunk of `stage` into L2 only: threads 0-127 one 128-byte line each."""
@@ -127,16 +98,16 @@ class Stream:
         for i in range(self.tokens * ROW_CHUNKS // THREADS):
             token = self.first_row + (THREADS // ROW_CHUNKS) * i
             src = qc + cutlass.min(token, ntok - 1) * K + stage * KC + 8 * self.chunk
-            cp_async_16(slot + token * PITCH + 16 * self.chunk, src, token < ntok)
+            P.cp_async_16(slot + token * PITCH + 16 * self.chunk, src, token < ntok)
 
     def compute(self, stage: int, acc: list) -> list:
         """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
         slot = self.slot_addr(stage)
         for kp in range(2):  # pairs of k-steps
-            a0 = ldmatrix_x4(slot + self.a_off + 64 * kp)
-            a1 = ldmatrix_x4(slot + self.a_off + 64 * kp + 32)
+            a0 = P.ldmatrix_x4(slot + self.a_off + 64 * kp)
+            a1 = P.ldmatrix_x4(slot + self.a_off + 64 * kp + 32)
             for nt in range(self.tokens // 8):
-                b = ldmatrix_x4(slot + self.b_off + 8 * nt * PITCH + 64 * kp)
+                b = P.ldmatrix_x4(slot + self.b_off + 8 * nt * PITCH + 64 * kp)
                 acc[nt] = P.mma_bf16_16816(a0, (b[0], b[1]), acc[nt])
                 acc[nt] = P.mma_bf16_16816(a1, (b[2], b[3]), acc[nt])
         return acc
