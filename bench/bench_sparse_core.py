@@ -22,7 +22,6 @@ import torch
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
 from graphstep import formats
 from graphstep.floor import H200_COPY_BW
-from graphstep.kernels import sparse_core
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState

@@ -25,7 +25,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+from cutlass import BFloat16, Float32, Int32, Uint8
 
 from . import primitives as P
 from . import projection as J

@@ -49,7 +49,7 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float32, Int32, Int64, Uint8
 
 from . import primitives as P
 

@@ -17,3 +17,19 @@ def small():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def launch_on_cpu(monkeypatch, stand_in) -> None:
+    """graphstep.launch's launchers without a GPU: pointers to CPU tensors (launch.ptr
+    without its CUDA check), a fake stream "stream", and `stand_in(op, placeholder_args)`
+    in place of every compiled kernel."""
+    from graphstep import launch
+    from graphstep.kernels import catalog
+    from graphstep.kernels.primitives import gmem_ptr
+
+    def cpu_ptr(tensor, align=16):
+        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
+
+    monkeypatch.setattr(launch, "ptr", cpu_ptr)
+    monkeypatch.setattr(launch, "current_stream", lambda: "stream")
+    monkeypatch.setattr(catalog, "compile_op", lambda op, args, arch=None, dump_dir=None: stand_in(op, args))

@@ -17,10 +17,8 @@ import re
 import pytest
 import torch
 
-from conftest import SMALL
-from graphstep import launch
+from conftest import SMALL, launch_on_cpu
 from graphstep.kernels import catalog
-from graphstep.kernels.primitives import gmem_ptr
 from graphstep.launch import DEFAULT_BUDGET_NS, Kernels
 from graphstep.shapes import RankShape, Topology
 from graphstep.step import DecodeStep
@@ -43,12 +41,7 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    def cpu_ptr(tensor, align=16):  # launch.ptr without its CUDA check
-        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
-
-    monkeypatch.setattr(launch, "ptr", cpu_ptr)
-    monkeypatch.setattr(launch, "current_stream", lambda: "stream")
-    monkeypatch.setattr(catalog, "compile_op", lambda op, args, arch=None, dump_dir=None: Recorder(op))
+    launch_on_cpu(monkeypatch, lambda op, args: Recorder(op))
     Recorder.calls = []
     return Recorder.calls
 

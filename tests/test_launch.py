@@ -5,9 +5,9 @@ types), so a launcher that drifts from its kernel fails here, not first on a GPU
 import pytest
 import torch
 
+from conftest import launch_on_cpu
 from graphstep import launch
-from graphstep.kernels import catalog, top_k
-from graphstep.kernels.primitives import gmem_ptr
+from graphstep.kernels import top_k
 from graphstep.launch import ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
@@ -41,12 +41,7 @@ class Launch:
 
 @pytest.fixture
 def cpu_launches(monkeypatch):
-    def cpu_ptr(tensor, align=16):  # launch.ptr without its CUDA check
-        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
-
-    monkeypatch.setattr(launch, "ptr", cpu_ptr)
-    monkeypatch.setattr(launch, "current_stream", lambda: "stream")
-    monkeypatch.setattr(catalog, "compile_op", lambda op, args, arch=None, dump_dir=None: Launch(op, args))
+    launch_on_cpu(monkeypatch, Launch)
     Launch.calls = []
     Launch.ops = []
     return Launch.calls
