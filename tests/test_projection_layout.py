@@ -35,7 +35,7 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
             calls.append(("mma", a, b))
             return c
 
-        monkeypatch.setattr(J, "ldmatrix_x4", ldmatrix)
+        monkeypatch.setattr(J.P, "ldmatrix_x4", ldmatrix)
         monkeypatch.setattr(primitives, "mma_bf16_16816", mma)
         s.compute(stage, [None] * (s.tokens // 8))
         records.append(calls)
@@ -74,11 +74,11 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
     smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)  # one entry per bf16 element
 
-    def cp_async(dst, src, live=None):
+    def cp_async(dst, src, live=True):
         assert dst % 16 == 0
-        smem[dst // 2:dst // 2 + 8] = src.array[src.offset:src.offset + 8] if live is None or live else 0
+        smem[dst // 2:dst // 2 + 8] = src.array[src.offset:src.offset + 8] if live else 0
 
-    monkeypatch.setattr(J, "cp_async_16", cp_async)
+    monkeypatch.setattr(J.P, "cp_async_16", cp_async)
     monkeypatch.setattr(J.cutlass, "min", min)
     streams = [J.Stream(tokens, ring, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
     accs = [{} for _ in range(J.WARPS)]
