@@ -26,12 +26,13 @@ import dataclasses
 import sys
 
 import torch
-
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
-from graphstep import reference as ref, torch_stages
-from graphstep.floor import H200_COPY_BW, stage_costs
-from graphstep.kernels.dsa_index import pages_per_cta
 from graphstep.kernels import top_k as top_k_kernels
+from graphstep.kernels.dsa_index import pages_per_cta
+
+from graphstep import reference as ref
+from graphstep import torch_stages
+from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.launch import Kernels
 from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
@@ -42,8 +43,9 @@ def copies_for(nbytes: int) -> int:
     return max(1, int(2 * L2_BYTES // nbytes) + 1)
 
 
-def bench_context(shape: RankShape, context: int, batches: list[int], launches: int = 8,
-                  runs: tuple[int, ...] = ()) -> list[dict]:
+def bench_context(
+    shape: RankShape, context: int, batches: list[int], launches: int = 8, runs: tuple[int, ...] = ()
+) -> list[dict]:
     m = shape.model
     state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
     w = state.weights
@@ -53,8 +55,9 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
     for batch in batches:
         inputs = state.inputs(batch, context_lens=context)
         cache_bytes = batch * context * m.index_token_bytes
-        caches = [state.caches.index_cache] + [state.caches.index_cache.clone()
-                                              for _ in range(min(copies_for(cache_bytes), 8) - 1)]
+        caches = [state.caches.index_cache] + [
+            state.caches.index_cache.clone() for _ in range(min(copies_for(cache_bytes), 8) - 1)
+        ]
         width = state.pages_per_seq * m.page_size
         qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
         q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
@@ -106,13 +109,20 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
                 ref.to_slots(torch_stages.topk_indices(s, m.index_topk), tables, m.page_size)
 
         t = {}
-        for name, body, n in [("wq_b", ours_wq_b, launches), ("score", ours_score, launches),
-                              ("top_k", ours_top_k, launches), ("path", ours_path, launches),
-                              ("torch_wq_b", torch_wq_b, launches), ("torch_score", torch_score, min(launches, 2)),
-                              ("torch_top_k", torch_top_k, launches), ("torch_path", torch_path, min(launches, 2))]:
+        for name, body, n in [
+            ("wq_b", ours_wq_b, launches),
+            ("score", ours_score, launches),
+            ("top_k", ours_top_k, launches),
+            ("path", ours_path, launches),
+            ("torch_wq_b", torch_wq_b, launches),
+            ("torch_score", torch_score, min(launches, 2)),
+            ("torch_top_k", torch_top_k, launches),
+            ("torch_path", torch_path, min(launches, 2)),
+        ]:
             print(f"  ctx={context} B={batch} {name} ...", file=sys.stderr, flush=True)
             t[name] = graph_time_us(body, n, replays=10)
         for run in runs:  # DsaIndex at a forced pages-per-CTA run
+
             def score_at(run=run):
                 for i in range(launches):
                     k0.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch, pages_per_cta=run)
@@ -123,10 +133,17 @@ def bench_context(shape: RankShape, context: int, batches: list[int], launches: 
         wq_b_bytes = cost["index_query"].bytes
         score_bytes = cost["index_score"].bytes
         split = k0.top_k_split(width, batch)
-        rows.append(dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]),
-                         split=split.name if split else "one-cta",
-                         wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
-                         score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW, **t))
+        rows.append(
+            dict(
+                context=context,
+                batch=batch,
+                run=pages_per_cta(batch, tables.shape[1]),
+                split=split.name if split else "one-cta",
+                wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
+                score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW,
+                **t,
+            )
+        )
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr, flush=True)
     return rows
 
@@ -183,6 +200,7 @@ def main_top_k_sweep(args, shape: RankShape) -> int:
         torch.cuda.empty_cache()
     names = [s.name for s in top_k_kernels.SPLITS] + ["one-cta"]
     cells = []
+
     def cell(r, n):
         if n + "_error" in r:
             return "error"
@@ -191,11 +209,24 @@ def main_top_k_sweep(args, shape: RankShape) -> int:
     for r in rows:
         timed = {n: r[n] for n in names if n in r and r[n + "_exact"]}
         best = min(timed, key=timed.get) if timed else "-"
-        cells.append([r["context"], r["batch"], r["picked"], cell(r, r["picked"]), best, timed.get(best, "-"),
-                      *[cell(r, n) for n in names]])
-    report(rows, ["ctx", "B", "picked", "picked us", "best", "best us", *names], cells,
-           "TopK us per launch (median of graph replays of 8 launches) per variant; WRONG: not the reference's "
-           "slots", args.json)
+        cells.append(
+            [
+                r["context"],
+                r["batch"],
+                r["picked"],
+                cell(r, r["picked"]),
+                best,
+                timed.get(best, "-"),
+                *[cell(r, n) for n in names],
+            ]
+        )
+    report(
+        rows,
+        ["ctx", "B", "picked", "picked us", "best", "best us", *names],
+        cells,
+        "TopK us per launch (median of graph replays of 8 launches) per variant; WRONG: not the reference's slots",
+        args.json,
+    )
     return 0
 
 
@@ -215,18 +246,57 @@ def main() -> int:
     for context in (int(c) for c in args.context.split(",")):
         rows += bench_context(shape, context, batches, runs=runs)
         torch.cuda.empty_cache()
-    headers = ["ctx", "B", "wq_b", "cublas", "wq_b %BW", "run", "score", "bmm", "score %BW", "top_k", "split",
-               "torch.topk", "path", "torch path", "torch/ours"]
-    report(rows, headers, [[r["context"], r["batch"], r["wq_b"], r["torch_wq_b"], round(100 * r["wq_b_bw"], 1),
-                            r["run"], r["score"], r["torch_score"], round(100 * r["score_bw"], 1), r["top_k"], r["split"],
-                            r["torch_top_k"],
-                            r["path"], r["torch_path"], round(r["torch_path"] / r["path"], 1)] for r in rows],
-           "times in us per launch (median of graph replays); %BW of 4.3 TB/s; run: DsaIndex pages per CTA",
-           args.json)
+    headers = [
+        "ctx",
+        "B",
+        "wq_b",
+        "cublas",
+        "wq_b %BW",
+        "run",
+        "score",
+        "bmm",
+        "score %BW",
+        "top_k",
+        "split",
+        "torch.topk",
+        "path",
+        "torch path",
+        "torch/ours",
+    ]
+    report(
+        rows,
+        headers,
+        [
+            [
+                r["context"],
+                r["batch"],
+                r["wq_b"],
+                r["torch_wq_b"],
+                round(100 * r["wq_b_bw"], 1),
+                r["run"],
+                r["score"],
+                r["torch_score"],
+                round(100 * r["score_bw"], 1),
+                r["top_k"],
+                r["split"],
+                r["torch_top_k"],
+                r["path"],
+                r["torch_path"],
+                round(r["torch_path"] / r["path"], 1),
+            ]
+            for r in rows
+        ],
+        "times in us per launch (median of graph replays); %BW of 4.3 TB/s; run: DsaIndex pages per CTA",
+        args.json,
+    )
     if runs:
-        print(table(["ctx", "B", "host run"] + [f"run {r}" for r in runs],
-                    [[r["context"], r["batch"], r["run"]] + [r[f"score_run{x}"] for x in runs] for r in rows],
-                    markdown=True))
+        print(
+            table(
+                ["ctx", "B", "host run"] + [f"run {r}" for r in runs],
+                [[r["context"], r["batch"], r["run"]] + [r[f"score_run{x}"] for x in runs] for r in rows],
+                markdown=True,
+            )
+        )
         print("DsaIndex us per launch at each pages-per-CTA run")
     return 0
 

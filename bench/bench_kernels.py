@@ -57,8 +57,10 @@ class Copies:
     """Enough weight copies that one pass over them exceeds the L2."""
 
     def __init__(self, state: LayerState, count: int):
-        self.states = [state] + [LayerState(state.shape, state.max_batch, state.max_context, seed=state.seed + i + 1,
-                                            device="cuda") for i in range(count - 1)]
+        self.states = [state] + [
+            LayerState(state.shape, state.max_batch, state.max_context, seed=state.seed + i + 1, device="cuda")
+            for i in range(count - 1)
+        ]
         self.kernels = [Kernels(s.shape, s.weights, pdl=True) for s in self.states]
         self.kernels_nopdl = [Kernels(s.shape, s.weights, pdl=False) for s in self.states]
 
@@ -86,13 +88,27 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             def body():
                 for i in range(n):
                     kset[i % len(kset)].query_norm(inputs.qkv, qc, batch)
+
             return body
 
         def mla(kset):
             def body():
                 for i in range(n):
-                    kset[i % len(kset)].mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, qc, qc_private, ws, q_rows,
-                                                  cache, error, batch, store_qc=False, poll=False)
+                    kset[i % len(kset)].mla_query(
+                        inputs.qkv,
+                        inputs.context_lens,
+                        inputs.slot_mapping,
+                        qc,
+                        qc_private,
+                        ws,
+                        q_rows,
+                        cache,
+                        error,
+                        batch,
+                        store_qc=False,
+                        poll=False,
+                    )
+
             return body
 
         def torch_mla():
@@ -109,12 +125,15 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
                     q_c = torch.nn.functional.rms_norm(x, (1536,), w.gamma_q, 1e-6)
                     q = torch.nn.functional.linear(q_c, w.w_qb).view(batch, shape.heads, 192)
                     latent = torch.bmm(q[..., :128].transpose(0, 1), w.w_uk).transpose(0, 1)
-                    rope = formats.rope_interleaved(q[..., 128:].float(), w.rope_cos[pos][:, None], w.rope_sin[pos][:, None])
+                    rope = formats.rope_interleaved(
+                        q[..., 128:].float(), w.rope_cos[pos][:, None], w.rope_sin[pos][:, None]
+                    )
                     out[..., :512] = latent
                     out[..., 512:] = rope
                     kv = torch.nn.functional.rms_norm(inputs.qkv[:, 1536:2048], (512,), w.gamma_kv, 1e-6)
                     k_pe = formats.rope_interleaved(inputs.qkv[:, 2048:2112].float(), w.rope_cos[pos], w.rope_sin[pos])
                     flat.index_copy_(0, slots, torch.cat([kv, k_pe.bfloat16()], dim=-1))
+
             return body
 
         def cublas_qb_uk():
@@ -126,6 +145,7 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
                     w = w_sets[i % len(w_sets)]
                     q = torch.nn.functional.linear(qc, w.w_qb).view(batch, shape.heads, 192)
                     torch.bmm(q[..., :128].transpose(0, 1), w.w_uk)
+
             return body
 
         def torch_norm():
@@ -134,13 +154,17 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             def body():
                 for i in range(n):
                     torch.nn.functional.rms_norm(inputs.qkv[:, :1536], (1536,), w_sets[i % len(w_sets)].gamma_q, 1e-6)
+
             return body
 
         cost = next(c for c in stage_costs(shape, batch, 4096) if c.name == "mla_query")
         bodies = {
-            "query_norm_pdl": norm(copies.kernels), "query_norm_nopdl": norm(copies.kernels_nopdl),
-            "torch_rmsnorm": torch_norm(), "mla_query_pdl": mla(copies.kernels),
-            "mla_query_nopdl": mla(copies.kernels_nopdl), "torch_mla_query": torch_mla(),
+            "query_norm_pdl": norm(copies.kernels),
+            "query_norm_nopdl": norm(copies.kernels_nopdl),
+            "torch_rmsnorm": torch_norm(),
+            "mla_query_pdl": mla(copies.kernels),
+            "mla_query_nopdl": mla(copies.kernels_nopdl),
+            "torch_mla_query": torch_mla(),
             "cublas_qb_uk": cublas_qb_uk(),
         }
         t = {}
@@ -148,10 +172,20 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             print(f"  H={shape.heads} B={batch} {name} ...", file=sys.stderr, flush=True)
             t[name] = graph_time_us(body, n)
         floor_us = cost.bytes / H200_COPY_BW * 1e6
-        rows.append(dict(heads=shape.heads, batch=batch, floor_us=floor_us,
-                         mla_bw_frac=cost.bytes / (t["mla_query_pdl"] * 1e-6) / H200_COPY_BW, **t))
-        print(f"  H={shape.heads} B={batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()), file=sys.stderr,
-              flush=True)
+        rows.append(
+            dict(
+                heads=shape.heads,
+                batch=batch,
+                floor_us=floor_us,
+                mla_bw_frac=cost.bytes / (t["mla_query_pdl"] * 1e-6) / H200_COPY_BW,
+                **t,
+            )
+        )
+        print(
+            f"  H={shape.heads} B={batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -183,14 +217,45 @@ def main() -> int:
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         rows += bench_shape(heads, batches)
-    headers = ["H", "B", "norm pdl", "norm no-pdl", "torch norm", "mla pdl", "mla no-pdl", "cublas qb+uk",
-               "torch mla", "floor", "mla %4.3TB/s", "cublas/mla", "torch/mla"]
-    report(rows, headers, [[r["heads"], r["batch"], r["query_norm_pdl"], r["query_norm_nopdl"], r["torch_rmsnorm"],
-                            r["mla_query_pdl"], r["mla_query_nopdl"], r["cublas_qb_uk"], r["torch_mla_query"],
-                            r["floor_us"], round(100 * r["mla_bw_frac"], 1),
-                            round(r["cublas_qb_uk"] / r["mla_query_pdl"], 2),
-                            round(r["torch_mla_query"] / r["mla_query_pdl"], 2)] for r in rows],
-           "times in us per launch (median of graph replays)", args.json)
+    headers = [
+        "H",
+        "B",
+        "norm pdl",
+        "norm no-pdl",
+        "torch norm",
+        "mla pdl",
+        "mla no-pdl",
+        "cublas qb+uk",
+        "torch mla",
+        "floor",
+        "mla %4.3TB/s",
+        "cublas/mla",
+        "torch/mla",
+    ]
+    report(
+        rows,
+        headers,
+        [
+            [
+                r["heads"],
+                r["batch"],
+                r["query_norm_pdl"],
+                r["query_norm_nopdl"],
+                r["torch_rmsnorm"],
+                r["mla_query_pdl"],
+                r["mla_query_nopdl"],
+                r["cublas_qb_uk"],
+                r["torch_mla_query"],
+                r["floor_us"],
+                round(100 * r["mla_bw_frac"], 1),
+                round(r["cublas_qb_uk"] / r["mla_query_pdl"], 2),
+                round(r["torch_mla_query"] / r["mla_query_pdl"], 2),
+            ]
+            for r in rows
+        ],
+        "times in us per launch (median of graph replays)",
+        args.json,
+    )
     return 0
 
 

@@ -18,8 +18,8 @@ import argparse
 import sys
 
 import torch
-
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
+
 from graphstep import formats
 from graphstep.floor import H200_COPY_BW
 from graphstep.launch import Kernels
@@ -50,8 +50,9 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
         step_bytes = batch * (k * row_bytes + shape.gathered * (m.query_row * shape.q_bytes + 4 * (m.kv_lora_rank + 1)))
         launches = min(64, max(8, int(2 * L2_BYTES / step_bytes) + 1))
         q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
-        mailbox = formats.arm(torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8,
-                                          device="cuda"))
+        mailbox = formats.arm(
+            torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8, device="cuda")
+        )
         mailbox[:, : shape.gathered] = formats.encode_q_rows(q, topology.q_format).view(batch, shape.gathered, -1)
         slot_sets = [torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda") for _ in range(launches)]
         out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
@@ -63,8 +64,10 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
         times = {}
         if profile:  # one eager launch of the plan's variant inside a profiler range (for ncu)
             n = batch * k // planned
-            po, pml = (torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda"),
-                       torch.empty(n, shape.q_heads, 2, device="cuda"))
+            po, pml = (
+                torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda"),
+                torch.empty(n, shape.q_heads, 2, device="cuda"),
+            )
             kernels.sparse_core(mailbox, slot_sets[0], cache, po, pml, out, lse, batch)
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStart()
@@ -87,12 +90,27 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
         us = times[planned]
         flops = 2 * batch * shape.gathered * k * (m.query_row + m.kv_lora_rank)
         peer = FLASH_MLA_US[64 if shape.gathered <= 64 else 128].get(batch, float("nan"))
-        rows.append(dict(config=name, batch=batch, us=us, slots_per_cta=planned, floor_us=step_bytes / H200_COPY_BW * 1e6,
-                         bw=step_bytes / (us * 1e-6) / H200_COPY_BW, tflops=flops / (us * 1e-6) / 1e12,
-                         mma=flops / (us * 1e-6) / MMA_PEAK, flash_mla=peer, best_slots=best, best_us=times[best],
-                         sweep={str(s): t for s, t in times.items()}))
-        print(f"  {name} B={batch}: " + ", ".join(f"{s}: {t:.1f} us" for s, t in times.items()), file=sys.stderr,
-              flush=True)
+        rows.append(
+            dict(
+                config=name,
+                batch=batch,
+                us=us,
+                slots_per_cta=planned,
+                floor_us=step_bytes / H200_COPY_BW * 1e6,
+                bw=step_bytes / (us * 1e-6) / H200_COPY_BW,
+                tflops=flops / (us * 1e-6) / 1e12,
+                mma=flops / (us * 1e-6) / MMA_PEAK,
+                flash_mla=peer,
+                best_slots=best,
+                best_us=times[best],
+                sweep={str(s): t for s, t in times.items()},
+            )
+        )
+        print(
+            f"  {name} B={batch}: " + ", ".join(f"{s}: {t:.1f} us" for s, t in times.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     del state
     torch.cuda.empty_cache()
     return rows
@@ -103,9 +121,12 @@ def main() -> int:
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--configs", default="tp8-bf16,tp8-fp8,tp1-fp8")
     parser.add_argument("--sweep", action="store_true", help="also time slots-per-CTA variants around the plan")
-    parser.add_argument("--profile", action="store_true",
-                        help="only one eager launch per config and batch inside cudaProfilerStart/Stop: "
-                             "ncu --profile-from-start off python bench/bench_sparse_core.py --profile")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only one eager launch per config and batch inside cudaProfilerStart/Stop: "
+        "ncu --profile-from-start off python bench/bench_sparse_core.py --profile",
+    )
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
@@ -118,13 +139,41 @@ def main() -> int:
         rows += bench_config(name, batches, args.sweep, args.profile)
     if args.profile:
         return 0
-    headers = ["config", "B", "us", "slots/CTA", "floor us", "%BW", "TFLOP/s", "FlashMLA us", "FlashMLA/ours",
-               "best slots/CTA", "best us"]
-    report(rows, headers, [[r["config"], r["batch"], r["us"], r["slots_per_cta"], r["floor_us"], round(100 * r["bw"], 1),
-                            round(r["tflops"]), r["flash_mla"], round(r["flash_mla"] / r["us"], 2), r["best_slots"],
-                            r["best_us"]] for r in rows],
-           "SparseCore us per launch (median of graph replays); %BW of 4.3 TB/s; FlashMLA: h_q 64 (TP 8) / 128 (TP 1)",
-           args.json)
+    headers = [
+        "config",
+        "B",
+        "us",
+        "slots/CTA",
+        "floor us",
+        "%BW",
+        "TFLOP/s",
+        "FlashMLA us",
+        "FlashMLA/ours",
+        "best slots/CTA",
+        "best us",
+    ]
+    report(
+        rows,
+        headers,
+        [
+            [
+                r["config"],
+                r["batch"],
+                r["us"],
+                r["slots_per_cta"],
+                r["floor_us"],
+                round(100 * r["bw"], 1),
+                round(r["tflops"]),
+                r["flash_mla"],
+                round(r["flash_mla"] / r["us"], 2),
+                r["best_slots"],
+                r["best_us"],
+            ]
+            for r in rows
+        ],
+        "SparseCore us per launch (median of graph replays); %BW of 4.3 TB/s; FlashMLA: h_q 64 (TP 8) / 128 (TP 1)",
+        args.json,
+    )
     return 0
 
 

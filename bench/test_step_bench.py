@@ -22,8 +22,13 @@ CONTEXT = 32768
 
 @pytest.fixture(scope="module", params=["cute", "torch"])
 def step(request):
-    built = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), capture_sizes=SIZES, policy="fork",
-                       backend=request.param, max_context=CONTEXT)
+    built = DecodeStep(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
+        capture_sizes=SIZES,
+        policy="fork",
+        backend=request.param,
+        max_context=CONTEXT,
+    )
     built.capture(modes=("serial",) if request.param == "cute" else ())
     return built
 

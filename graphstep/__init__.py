@@ -4,6 +4,16 @@ from .policy import MODES, QUERY_OVERLAP, WIDE_MODES, batch_table, overlap_for, 
 from .shapes import PRESETS, ModelShape, RankShape, Topology, preset, tiled_from
 
 __all__ = [
-    "MODES", "WIDE_MODES", "QUERY_OVERLAP", "batch_table", "overlap_for", "side_stream",
-    "PRESETS", "ModelShape", "RankShape", "Topology", "preset", "tiled_from",
+    "MODES",
+    "WIDE_MODES",
+    "QUERY_OVERLAP",
+    "batch_table",
+    "overlap_for",
+    "side_stream",
+    "PRESETS",
+    "ModelShape",
+    "RankShape",
+    "Topology",
+    "preset",
+    "tiled_from",
 ]

@@ -35,13 +35,21 @@ def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8) -> None:
 
 
 def rank_shape(args) -> RankShape:
-    topology = Topology(tp=args.tp, dcp=args.dcp, wide=args.wide, split=args.split, rank=args.rank,
-                        q_format=args.q_format, mla_cache=args.mla_cache)
+    topology = Topology(
+        tp=args.tp,
+        dcp=args.dcp,
+        wide=args.wide,
+        split=args.split,
+        rank=args.rank,
+        q_format=args.q_format,
+        mla_cache=args.mla_cache,
+    )
     return RankShape(preset(args.preset), topology)
 
 
 def _number(kind, accepts, expected: str):
     """An argparse type: `kind(text)` where `accepts` it, else an error naming `expected`."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -50,6 +58,7 @@ def _number(kind, accepts, expected: str):
         if value is None or not accepts(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
+
     parse.__name__ = expected
     return parse
 
@@ -64,7 +73,13 @@ class Formatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
+        if (
+            "(default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or not action.option_strings
+        ):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).replace("%", "%%")
         return f"{text} (default: {shown})"
@@ -97,14 +112,17 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(shape: RankShape, batch: int, context: int, available: int, where: str, flag: str,
-               reference: bool = False) -> None:
+def check_fits(
+    shape: RankShape, batch: int, context: int, available: int, where: str, flag: str, reference: bool = False
+) -> None:
     from .state import state_bytes
 
     need = state_bytes(shape, batch, context, reference=reference)
     if need > available:
-        raise ValueError(f"{flag} {context}: the state for batch {batch} needs about {need / 1e9:,.1f} GB, more than "
-                         f"the {available / 1e9:,.1f} GB of {where}")
+        raise ValueError(
+            f"{flag} {context}: the state for batch {batch} needs about {need / 1e9:,.1f} GB, more than "
+            f"the {available / 1e9:,.1f} GB of {where}"
+        )
 
 
 def batches(text: str) -> list[int]:
@@ -121,19 +139,39 @@ def cmd_info(args) -> int:
     shape = rank_shape(args)
     m, t = shape.model, shape.topology
     print(f"{m.name} ({t.name}); assumed: {', '.join(m.assumed) or 'nothing'}")
-    print(table(["size", "value"], [
-        ["heads per rank / gathered / q_heads", f"{shape.heads} / {shape.gathered} / {shape.q_heads}"],
-        ["q_lora / kv_lora / nope / rope", f"{m.q_lora_rank} / {m.kv_lora_rank} / {m.qk_nope_dim} / {m.qk_rope_dim}"],
-        ["query row / q_bytes / mailbox chunks per row", f"{m.query_row} / {shape.q_bytes} / {shape.mailbox_row_chunks}"],
-        ["packed row P", m.packed_width],
-        ["indexer heads x dim, top-k", f"{m.index_heads} x {m.index_dim}, {m.index_topk}"],
-        ["indexer / MLA cache bytes per token", f"{m.index_token_bytes} / {shape.mla_token_bytes}"],
-    ]))
+    print(
+        table(
+            ["size", "value"],
+            [
+                ["heads per rank / gathered / q_heads", f"{shape.heads} / {shape.gathered} / {shape.q_heads}"],
+                [
+                    "q_lora / kv_lora / nope / rope",
+                    f"{m.q_lora_rank} / {m.kv_lora_rank} / {m.qk_nope_dim} / {m.qk_rope_dim}",
+                ],
+                [
+                    "query row / q_bytes / mailbox chunks per row",
+                    f"{m.query_row} / {shape.q_bytes} / {shape.mailbox_row_chunks}",
+                ],
+                ["packed row P", m.packed_width],
+                ["indexer heads x dim, top-k", f"{m.index_heads} x {m.index_dim}, {m.index_topk}"],
+                ["indexer / MLA cache bytes per token", f"{m.index_token_bytes} / {shape.mla_token_bytes}"],
+            ],
+        )
+    )
     for batch in args.batch:
         step = floor.step_floor(shape, batch, args.context, args.bandwidth * 1e12)
         print(f"\nbatch {batch}, context {args.context}, {args.bandwidth} TB/s")
-        rows = [[c.name, c.stream, round(mb(c.weight_bytes), 2), round(mb(c.io_bytes), 2),
-                 round(c.flops / 1e9, 3), c.floor_us(step.bandwidth)] for c in step.costs]
+        rows = [
+            [
+                c.name,
+                c.stream,
+                round(mb(c.weight_bytes), 2),
+                round(mb(c.io_bytes), 2),
+                round(c.flops / 1e9, 3),
+                c.floor_us(step.bandwidth),
+            ]
+            for c in step.costs
+        ]
         rows.append(["step (each tensor once)", "", "", round(mb(step.bytes), 2), "", step.us])
         rows.append(["indexer floor (wq_b + cache)", "main", "", round(mb(step.indexer_bytes), 2), "", step.indexer_us])
         print(table(["stage", "stream", "weights MB", "io MB", "GFLOP", "floor us"], rows))
@@ -153,8 +191,10 @@ def cmd_run(args) -> int:
     if gpu:
         given = _given(args, RUN_CPU_DEFAULTS)
         if given:
-            raise ValueError(f"{', '.join(given)}: for the CPU reference run only (add --cpu); the GPU run takes "
-                             "--batch and --context")
+            raise ValueError(
+                f"{', '.join(given)}: for the CPU reference run only (add --cpu); the GPU run takes "
+                "--batch and --context"
+            )
         for name, value in RUN_GPU_DEFAULTS.items():
             setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
         check_policy(args, rank_shape(args))
@@ -165,12 +205,21 @@ def cmd_run(args) -> int:
     given = _given(args, RUN_GPU_DEFAULTS)
     if given:
         why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
-        raise ValueError(f"{', '.join(given)}: for the GPU run only ({why}); the CPU reference run takes "
-                         "--cpu-batch and --cpu-context")
+        raise ValueError(
+            f"{', '.join(given)}: for the GPU run only ({why}); the CPU reference run takes "
+            "--cpu-batch and --cpu-context"
+        )
     for name, value in RUN_CPU_DEFAULTS.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    check_fits(rank_shape(args), args.cpu_batch, args.cpu_context, host_memory_bytes(), "memory available",
-               "--cpu-context", reference=True)
+    check_fits(
+        rank_shape(args),
+        args.cpu_batch,
+        args.cpu_context,
+        host_memory_bytes(),
+        "memory available",
+        "--cpu-context",
+        reference=True,
+    )
     return run_cpu(args)
 
 
@@ -245,13 +294,27 @@ def run_cpu(args) -> int:
     elapsed = time.perf_counter() - started
     picked = (out.slots >= 0).sum(dim=1).tolist()
     print(f"graphstep run: {shape.model.name} {shape.topology.name}, reference step on the CPU")
-    print(table(["token", "context", "slots picked", "q_c rms", "out rms", "lse mean"], [
-        [b, int(inputs.context_lens[b]), picked[b], float(out.q_c[b].float().square().mean().sqrt()),
-         float(out.out[b].square().mean().sqrt()), float(out.lse[b].mean())] for b in range(batch)
-    ]))
+    print(
+        table(
+            ["token", "context", "slots picked", "q_c rms", "out rms", "lse mean"],
+            [
+                [
+                    b,
+                    int(inputs.context_lens[b]),
+                    picked[b],
+                    float(out.q_c[b].float().square().mean().sqrt()),
+                    float(out.out[b].square().mean().sqrt()),
+                    float(out.lse[b].mean()),
+                ]
+                for b in range(batch)
+            ],
+        )
+    )
     print(f"{batch} tokens in {elapsed:.2f} s on the CPU (torch {torch.__version__}).")
-    print("Graph capture, PDL and the CuTe DSL kernels need an sm_90 GPU (H100/H200): none was found,"
-          " so no graph was built and no latency was measured.")
+    print(
+        "Graph capture, PDL and the CuTe DSL kernels need an sm_90 GPU (H100/H200): none was found,"
+        " so no graph was built and no latency was measured."
+    )
     return 0
 
 
@@ -277,30 +340,55 @@ def build_parser() -> argparse.ArgumentParser:
     info = command("info", "shapes, per-stage bytes and floors")
     info.add_argument("--batch", type=batches, default=[1, 4, 16, 64], help="comma-separated batch sizes")
     info.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
-    info.add_argument("--bandwidth", type=positive_float, default=floor.H200_COPY_BW / 1e12,
-                      help="TB/s the floors are computed at")
+    info.add_argument(
+        "--bandwidth", type=positive_float, default=floor.H200_COPY_BW / 1e12, help="TB/s the floors are computed at"
+    )
     info.set_defaults(func=cmd_info)
 
     run = command("run", "build, capture and replay the step (reference on the CPU without an sm_90 GPU)")
-    run.add_argument("--batch", type=batches, default=None,
-                     help=f"captured sizes, GPU run only (default: {','.join(map(str, RUN_GPU_DEFAULTS['batch']))})")
-    run.add_argument("--context", type=positive_int, default=None,
-                     help=f"tokens per sequence, GPU run only (default: {RUN_GPU_DEFAULTS['context']})")
-    run.add_argument("--policy", default=None, help="a mode or a 'rows:mode,...' table, GPU run only (default: the tables)")
-    run.add_argument("--replays", type=positive_int, default=None,
-                     help=f"timed replays per size, GPU run only (default: {RUN_GPU_DEFAULTS['replays']})")
+    run.add_argument(
+        "--batch",
+        type=batches,
+        default=None,
+        help=f"captured sizes, GPU run only (default: {','.join(map(str, RUN_GPU_DEFAULTS['batch']))})",
+    )
+    run.add_argument(
+        "--context",
+        type=positive_int,
+        default=None,
+        help=f"tokens per sequence, GPU run only (default: {RUN_GPU_DEFAULTS['context']})",
+    )
+    run.add_argument(
+        "--policy", default=None, help="a mode or a 'rows:mode,...' table, GPU run only (default: the tables)"
+    )
+    run.add_argument(
+        "--replays",
+        type=positive_int,
+        default=None,
+        help=f"timed replays per size, GPU run only (default: {RUN_GPU_DEFAULTS['replays']})",
+    )
     run.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     run.add_argument("--cpu", action="store_true", help="run the CPU reference even on a GPU machine")
-    run.add_argument("--cpu-batch", type=positive_int, default=None,
-                     help=f"tokens of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_batch']})")
-    run.add_argument("--cpu-context", type=positive_int, default=None,
-                     help=f"largest context of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_context']})")
+    run.add_argument(
+        "--cpu-batch",
+        type=positive_int,
+        default=None,
+        help=f"tokens of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_batch']})",
+    )
+    run.add_argument(
+        "--cpu-context",
+        type=positive_int,
+        default=None,
+        help=f"largest context of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_context']})",
+    )
     run.set_defaults(func=cmd_run)
 
     ptx = command("ptx", "compile every kernel variant and write its PTX (no GPU needed)")
     ptx.add_argument("--arch", default="sm_90a", choices=ARCHS, help="target architecture")
     ptx.add_argument("--out", default="ptx", help="folder for the .ptx files (created if missing)")
-    ptx.add_argument("--batch-size", type=positive_int, default=None, help="compile for this batch only (default: every batch)")
+    ptx.add_argument(
+        "--batch-size", type=positive_int, default=None, help="compile for this batch only (default: every batch)"
+    )
     ptx.set_defaults(func=cmd_ptx)
 
     serve = command("serve", "replay a trace of batch sizes as a serving loop and print p50/p99")
@@ -328,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
 
     graph = command("graph", "capture one size and print the graph's nodes and edges")
-    graph.add_argument("--batch-size", "--batch", dest="batch_size", type=positive_int, default=4, help="the size captured")
+    graph.add_argument(
+        "--batch-size", "--batch", dest="batch_size", type=positive_int, default=4, help="the size captured"
+    )
     graph.add_argument("--mode", default="fork", choices=MODES, help="the overlap mode")
     graph.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence")
     graph.set_defaults(func=cmd_graph)
@@ -346,8 +436,10 @@ def check_args(args) -> None:
 
             trace = read_trace(args.trace)
             if max(trace) > max(args.batch):
-                raise ValueError(f"--trace {args.trace}: needs batch {max(trace)} but the largest captured size "
-                                 f"(--batch) is {max(args.batch)}")
+                raise ValueError(
+                    f"--trace {args.trace}: needs batch {max(trace)} but the largest captured size "
+                    f"(--batch) is {max(args.batch)}"
+                )
     if args.command in ("serve", "tune"):
         check_policy(args, shape)
     if args.command == "run" and args.policy is not None:

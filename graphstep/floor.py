@@ -49,22 +49,35 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
     costs = [
         StageCost("query_norm", "main", m.q_lora_rank * bf16, 2 * b * m.q_lora_rank * bf16, 3 * b * m.q_lora_rank),
         StageCost(
-            "index_query", "main",
+            "index_query",
+            "main",
             m.index_heads * m.index_dim * m.q_lora_rank * bf16,
             b * (m.q_lora_rank + m.index_heads) * bf16 + index_q,
             2 * b * m.q_lora_rank * m.index_heads * m.index_dim,
         ),
-        StageCost("index_key", "main", 2 * m.index_dim * bf16, b * (m.index_dim * bf16 + m.index_token_bytes), 10 * b * m.index_dim),
         StageCost(
-            "index_score", "main", 0, b * local * m.index_token_bytes + index_q + scores,
+            "index_key",
+            "main",
+            2 * m.index_dim * bf16,
+            b * (m.index_dim * bf16 + m.index_token_bytes),
+            10 * b * m.index_dim,
+        ),
+        StageCost(
+            "index_score",
+            "main",
+            0,
+            b * local * m.index_token_bytes + index_q + scores,
             2 * b * local * m.index_heads * m.index_dim,
-            intermediate_bytes=scores, cache_bytes=b * local * m.index_token_bytes,
+            intermediate_bytes=scores,
+            cache_bytes=b * local * m.index_token_bytes,
         ),
         StageCost("top_k", "main", 0, scores + b * m.index_topk * 4, 0, intermediate_bytes=scores),
         StageCost(
-            "mla_query", "side",
+            "mla_query",
+            "side",
             shape.heads * m.qk_head_dim * m.q_lora_rank * bf16
-            + shape.heads * m.qk_nope_dim * m.kv_lora_rank * bf16 + (m.q_lora_rank + m.kv_lora_rank) * bf16,
+            + shape.heads * m.qk_nope_dim * m.kv_lora_rank * bf16
+            + (m.q_lora_rank + m.kv_lora_rank) * bf16,
             b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim) * bf16
             + b * shape.heads * q_row_bytes * topo.dcp  # own rows, published to every rank's mailbox
             + b * shape.mla_token_bytes,
@@ -75,8 +88,11 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
         costs.append(StageCost("query_wait", "side", 0, b * shape.gathered * q_row_bytes, 0))
     costs.append(
         StageCost(
-            "sparse_core", "main", 0,
-            b * local_topk * (shape.mla_token_bytes + 4) + b * shape.gathered * (q_row_bytes + m.kv_lora_rank * bf16 + 4),
+            "sparse_core",
+            "main",
+            0,
+            b * local_topk * (shape.mla_token_bytes + 4)
+            + b * shape.gathered * (q_row_bytes + m.kv_lora_rank * bf16 + 4),
             4 * b * shape.gathered * local_topk * m.query_row,
             cache_bytes=b * local_topk * shape.mla_token_bytes,
         )

@@ -22,6 +22,7 @@ CHUNK = 16
 
 # -- indexer cache -----------------------------------------------------------------
 
+
 def index_page_bytes(page_size: int, index_dim: int) -> int:
     return page_size * (index_dim + 4)
 
@@ -30,7 +31,7 @@ def index_cache_views(cache: torch.Tensor, page_size: int, index_dim: int) -> tu
     """(keys uint8 [pages, page, dim], scales fp32 [pages, page]) views of a uint8 page cache."""
     pages = cache.shape[0]
     keys = cache[:, : page_size * index_dim].view(pages, page_size, index_dim)
-    scales = cache[:, page_size * index_dim:].view(torch.float32).view(pages, page_size)
+    scales = cache[:, page_size * index_dim :].view(torch.float32).view(pages, page_size)
     return keys, scales
 
 
@@ -48,6 +49,7 @@ def fp8_to_float(values: torch.Tensor) -> torch.Tensor:
 
 
 # -- MLA cache -----------------------------------------------------------------------
+
 
 def pack_mla_fp8(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """[..., 576] float rows -> [..., 656] uint8: fp8 latent with a scale per 128, bf16 rope."""
@@ -68,8 +70,8 @@ def unpack_mla_fp8(packed: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """[..., 656] uint8 -> [..., 576] fp32 (dequantized latent, rope)."""
     blocks = kv_lora_rank // 128
     values = fp8_to_float(packed[..., :kv_lora_rank].contiguous()).unflatten(-1, (blocks, 128))
-    scales = packed[..., kv_lora_rank: kv_lora_rank + 4 * blocks].contiguous().view(torch.float32)
-    rope = packed[..., kv_lora_rank + 4 * blocks:].contiguous().view(torch.bfloat16).float()
+    scales = packed[..., kv_lora_rank : kv_lora_rank + 4 * blocks].contiguous().view(torch.float32)
+    rope = packed[..., kv_lora_rank + 4 * blocks :].contiguous().view(torch.bfloat16).float()
     return torch.cat([(values * scales.unsqueeze(-1)).flatten(-2), rope], dim=-1)
 
 
@@ -81,6 +83,7 @@ def mla_rows(cache: torch.Tensor, cache_format: str, kv_lora_rank: int) -> torch
 
 
 # -- query rows / mailbox --------------------------------------------------------------
+
 
 def q_dtype(q_format: str) -> torch.dtype:
     return torch.bfloat16 if q_format == "bf16" else FP8
@@ -127,6 +130,7 @@ def first_missing(mailbox: torch.Tensor, batch: int, gathered: int) -> tuple[int
 
 
 # -- RoPE --------------------------------------------------------------------------------
+
 
 def rope_table(max_positions: int, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 [max_positions, dim / 2], computed in float64 then rounded once."""

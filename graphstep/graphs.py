@@ -106,8 +106,14 @@ def describe(info: GraphInfo) -> str:
     from .report import table
 
     lines = [table(["node", "kind", "name"], [[n.index, n.kind, short(n.name)] for n in info.nodes])]
-    lines.append(table(["from", "to", "type", "port"], [
-        [e.src, e.dst, "programmatic" if e.type == PROGRAMMATIC else "default", e.from_port] for e in info.edges]))
-    lines.append(f"{len(info.nodes)} nodes ({len(info.kernels())} kernels), {len(info.edges)} edges, "
-                 f"{len(info.programmatic)} programmatic; roots {info.roots}, forks {info.forks}, joins {info.joins}")
+    lines.append(
+        table(
+            ["from", "to", "type", "port"],
+            [[e.src, e.dst, "programmatic" if e.type == PROGRAMMATIC else "default", e.from_port] for e in info.edges],
+        )
+    )
+    lines.append(
+        f"{len(info.nodes)} nodes ({len(info.kernels())} kernels), {len(info.edges)} edges, "
+        f"{len(info.programmatic)} programmatic; roots {info.roots}, forks {info.forks}, joins {info.joins}"
+    )
     return "\n\n".join(lines)

@@ -20,8 +20,12 @@ DEFAULT_BUDGET_NS = 200_000_000  # 200 ms: far beyond any healthy publish, far b
 def _cutlass_dtype(dtype: torch.dtype):
     import cutlass
 
-    table = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
-             torch.uint8: cutlass.Uint8}
+    table = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+        torch.uint8: cutlass.Uint8,
+    }
     try:
         return table[dtype]
     except KeyError:
@@ -49,8 +53,10 @@ class MailboxTimeout(RuntimeError):
     """A mailbox chunk never landed within QueryWait's budget."""
 
     def __init__(self, token: int, row: int, chunk: int):
-        super().__init__(f"DCP mailbox: token {token}, head row {row}, chunk {chunk} was never published "
-                         f"(QueryWait gave up after its budget; the step's outputs are invalid)")
+        super().__init__(
+            f"DCP mailbox: token {token}, head row {row}, chunk {chunk} was never published "
+            f"(QueryWait gave up after its budget; the step's outputs are invalid)"
+        )
         self.token, self.row, self.chunk = token, row, chunk
 
 
@@ -98,15 +104,27 @@ class Kernels:
         from .kernels import catalog, mla_query
 
         s, topo = self.shape, self.shape.topology
-        op = mla_query.MlaQuery(s.heads, topo.rank * s.heads, s.q_heads, s.gathered, s.model.packed_width, tiled,
-                                poll, topo.q_format == "fp8", topo.mla_cache == "fp8", self.pdl)
+        op = mla_query.MlaQuery(
+            s.heads,
+            topo.rank * s.heads,
+            s.q_heads,
+            s.gathered,
+            s.model.packed_width,
+            tiled,
+            poll,
+            topo.q_format == "fp8",
+            topo.mla_cache == "fp8",
+            self.pdl,
+        )
         return catalog.compile_op(op, mla_query.compile_args())
 
     def _query_wait_op(self):
         from .kernels import catalog, query_wait
 
         s = self.shape
-        return catalog.compile_op(query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args())
+        return catalog.compile_op(
+            query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args()
+        )
 
     def _index_key_op(self):
         from .kernels import catalog, index_key
@@ -156,8 +174,16 @@ class Kernels:
         from .kernels import catalog, sparse_core
 
         s, topo = self.shape, self.shape.topology
-        op = sparse_core.SparseCore(s.q_heads, s.gathered, s.model.index_topk, topo.q_format == "fp8",
-                                    topo.mla_cache == "fp8", s.model.softmax_scale, slots_per_cta, self.pdl)
+        op = sparse_core.SparseCore(
+            s.q_heads,
+            s.gathered,
+            s.model.index_topk,
+            topo.q_format == "fp8",
+            topo.mla_cache == "fp8",
+            s.model.softmax_scale,
+            slots_per_cta,
+            self.pdl,
+        )
         return catalog.compile_op(op, sparse_core.compile_args())
 
     def sparse_core_plan(self, batch: int) -> int:
@@ -174,8 +200,10 @@ class Kernels:
 
         s = self.shape
         n = max(partial_rows(b, s.q_heads, s.model.index_topk) for b in range(1, rows + 1))
-        return (torch.empty(n, s.q_heads, s.model.kv_lora_rank, device=device),
-                torch.empty(n, s.q_heads, 2, device=device))
+        return (
+            torch.empty(n, s.q_heads, s.model.kv_lora_rank, device=device),
+            torch.empty(n, s.q_heads, 2, device=device),
+        )
 
     def warm(self, polls=(False, True)) -> None:
         """Compile every variant this rank can launch (no launches)."""
@@ -195,11 +223,26 @@ class Kernels:
     def query_norm(self, qkv: torch.Tensor, qc: torch.Tensor, batch: int) -> None:
         from cutlass import Float32, Int32
 
-        self._query_norm_op(self.tiled(batch))(ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch),
-                                               Float32(self.eps), current_stream())
+        self._query_norm_op(self.tiled(batch))(
+            ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch), Float32(self.eps), current_stream()
+        )
 
-    def mla_query(self, qkv, context_lens, slots, qc, qc_private, workspace, q_rows, mla_cache, error: ErrorWord,
-                  batch: int, store_qc: bool, poll: bool, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
+    def mla_query(
+        self,
+        qkv,
+        context_lens,
+        slots,
+        qc,
+        qc_private,
+        workspace,
+        q_rows,
+        mla_cache,
+        error: ErrorWord,
+        batch: int,
+        store_qc: bool,
+        poll: bool,
+        budget_ns: int = DEFAULT_BUDGET_NS,
+    ) -> None:
         """MlaQuery normalizes q_a into `qc` (the indexer's q_c, store_qc) or `qc_private`
         (both bf16 [>= batch, 1536]) and reads it from there. q_rows: the uint8 query-row
         buffer / mailbox [>= batch, q_heads, 576 x q_bytes]; workspace: fp32
@@ -208,12 +251,30 @@ class Kernels:
 
         w = self.weights
         op = self._mla_query_op(self.tiled(batch), poll)
-        op(ptr(qkv), ptr(w.gamma_q), ptr(w.gamma_kv), ptr(w.w_qb), ptr(self.w_uk_t), ptr(w.rope_cos),
-           ptr(w.rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(qc if store_qc else qc_private), ptr(workspace),
-           ptr(q_rows),
-           ptr(mla_cache.view(torch.uint8)), ptr(error.word, 8), Int32(batch), Float32(self.eps), Int64(budget_ns), current_stream())
+        op(
+            ptr(qkv),
+            ptr(w.gamma_q),
+            ptr(w.gamma_kv),
+            ptr(w.w_qb),
+            ptr(self.w_uk_t),
+            ptr(w.rope_cos),
+            ptr(w.rope_sin),
+            ptr(context_lens, 4),
+            ptr(slots, 4),
+            ptr(qc if store_qc else qc_private),
+            ptr(workspace),
+            ptr(q_rows),
+            ptr(mla_cache.view(torch.uint8)),
+            ptr(error.word, 8),
+            Int32(batch),
+            Float32(self.eps),
+            Int64(budget_ns),
+            current_stream(),
+        )
 
-    def query_wait(self, q_rows: torch.Tensor, error: ErrorWord, batch: int, budget_ns: int = DEFAULT_BUDGET_NS) -> None:
+    def query_wait(
+        self, q_rows: torch.Tensor, error: ErrorWord, batch: int, budget_ns: int = DEFAULT_BUDGET_NS
+    ) -> None:
         from cutlass import Int32, Int64
 
         from .kernels.query_wait import grid_for
@@ -221,8 +282,6 @@ class Kernels:
         op = self._query_wait_op()
         chunks = batch * self.shape.gathered * self.shape.mailbox_row_chunks
         op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
-
-
 
     # -- the indexer --
 
@@ -232,9 +291,18 @@ class Kernels:
         from cutlass import Int32
 
         w = self.weights
-        self._index_key_op()(ptr(qkv), ptr(w.index_norm_weight), ptr(w.index_norm_bias), ptr(w.index_rope_cos),
-                             ptr(w.index_rope_sin), ptr(context_lens, 4), ptr(slots, 4), ptr(index_cache),
-                             Int32(batch), current_stream())
+        self._index_key_op()(
+            ptr(qkv),
+            ptr(w.index_norm_weight),
+            ptr(w.index_norm_bias),
+            ptr(w.index_rope_cos),
+            ptr(w.index_rope_sin),
+            ptr(context_lens, 4),
+            ptr(slots, 4),
+            ptr(index_cache),
+            Int32(batch),
+            current_stream(),
+        )
 
     def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int) -> None:
         """wq_b + RoPE + e4m3 quantization + head weights in one kernel: q_out uint8
@@ -247,25 +315,48 @@ class Kernels:
         w = self.weights
         for start, rows, tokens in launches(batch):
             self._index_query_op(tokens)(
-                ptr(qc[start:]), ptr(w.wq_b_index), ptr(qkv[start:]), ptr(w.index_rope_cos), ptr(w.index_rope_sin),
-                ptr(context_lens[start:], 4), ptr(q_out[start:]), ptr(w_out[start:]), Int32(rows), current_stream())
+                ptr(qc[start:]),
+                ptr(w.wq_b_index),
+                ptr(qkv[start:]),
+                ptr(w.index_rope_cos),
+                ptr(w.index_rope_sin),
+                ptr(context_lens[start:], 4),
+                ptr(q_out[start:]),
+                ptr(w_out[start:]),
+                Int32(rows),
+                current_stream(),
+            )
 
-    def dsa_index(self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int,
-                  pages_per_cta: int | None = None) -> None:
+    def dsa_index(
+        self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int, pages_per_cta: int | None = None
+    ) -> None:
         """scores fp32 [>= batch, pages_per_seq x 64]: every local position scored or -inf.
         pages_per_cta: the run of block-table pages each CTA streams (default: the host's
         choice for this batch and table width, `dsa_index.pages_per_cta`)."""
         from cutlass import Int32
 
-        from .kernels.dsa_index import MAX_RUN, pages_per_cta as choose
+        from .kernels.dsa_index import MAX_RUN
+        from .kernels.dsa_index import pages_per_cta as choose
 
         pages = block_tables.shape[1]
         run = choose(batch, pages) if pages_per_cta is None else pages_per_cta
         if not 1 <= run <= MAX_RUN:
-            raise ValueError(f"pages_per_cta must be in 1..{MAX_RUN} (longer runs reuse a ring stage, measured "
-                             f"wrong: kernels/dsa_index.py), got {run}")
-        self._dsa_index_op()(ptr(q), ptr(head_w), ptr(index_cache), ptr(block_tables, 4), ptr(context_lens, 4),
-                             ptr(scores, 4), Int32(batch), Int32(pages), Int32(run), current_stream())
+            raise ValueError(
+                f"pages_per_cta must be in 1..{MAX_RUN} (longer runs reuse a ring stage, measured "
+                f"wrong: kernels/dsa_index.py), got {run}"
+            )
+        self._dsa_index_op()(
+            ptr(q),
+            ptr(head_w),
+            ptr(index_cache),
+            ptr(block_tables, 4),
+            ptr(context_lens, 4),
+            ptr(scores, 4),
+            Int32(batch),
+            Int32(pages),
+            Int32(run),
+            current_stream(),
+        )
 
     def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int, split="auto") -> None:
         """The index_topk best of each row of DsaIndex's scores, in ascending position:
@@ -282,8 +373,16 @@ class Kernels:
             split = self.top_k_split(width, batch)
         elif split is not None and split.capacity < width:
             raise ValueError(f"TopK split {split.name} holds rows of up to {split.capacity} scores, not {width}")
-        self._top_k_op(split)(ptr(scores), ptr(block_tables, 4), ptr(context_lens, 4), ptr(out, 4),
-                              ptr(out_scores, 4), Int32(batch), Int32(block_tables.shape[1]), current_stream())
+        self._top_k_op(split)(
+            ptr(scores),
+            ptr(block_tables, 4),
+            ptr(context_lens, 4),
+            ptr(out, 4),
+            ptr(out_scores, 4),
+            Int32(batch),
+            Int32(block_tables.shape[1]),
+            current_stream(),
+        )
 
     def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
         """DCP: this rank's candidates (TopK's, [>= batch, topk]) and every rank's
@@ -291,12 +390,21 @@ class Kernels:
         topk]: this rank's share of the global top-k as local cache slots, -1 padded."""
         from cutlass import Int32
 
-        self._dcp_merge_op()(ptr(own_positions, 4), ptr(own_scores, 4), ptr(peer_positions, 4), ptr(peer_scores, 4),
-                             ptr(block_tables, 4), ptr(out, 4), Int32(batch), Int32(block_tables.shape[1]),
-                             current_stream())
+        self._dcp_merge_op()(
+            ptr(own_positions, 4),
+            ptr(own_scores, 4),
+            ptr(peer_positions, 4),
+            ptr(peer_scores, 4),
+            ptr(block_tables, 4),
+            ptr(out, 4),
+            Int32(batch),
+            Int32(block_tables.shape[1]),
+            current_stream(),
+        )
 
-    def sparse_core(self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int,
-                    slots_per_cta: int | None = None) -> None:
+    def sparse_core(
+        self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int, slots_per_cta: int | None = None
+    ) -> None:
         """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
         576 x q_bytes]), slots int32 [>= batch, topk] (-1: none; 16-byte aligned) -> out fp32 [>= batch,
         gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers.
@@ -308,7 +416,18 @@ class Kernels:
         k = self.shape.model.index_topk
         needed = batch * k // spc if spc < k else 0  # one split: no partials
         if partial_o.shape[0] < needed or partial_ml.shape[0] < needed:
-            raise ValueError(f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "
-                             f"{spc} slots per CTA needs {needed}")
-        self._sparse_core_op(spc)(ptr(q_rows), ptr(slots), ptr(mla_cache.view(torch.uint8)), ptr(partial_o),
-                                  ptr(partial_ml, 8), ptr(out), ptr(lse, 4), Int32(batch), current_stream())
+            raise ValueError(
+                f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "
+                f"{spc} slots per CTA needs {needed}"
+            )
+        self._sparse_core_op(spc)(
+            ptr(q_rows),
+            ptr(slots),
+            ptr(mla_cache.view(torch.uint8)),
+            ptr(partial_o),
+            ptr(partial_ml, 8),
+            ptr(out),
+            ptr(lse, 4),
+            Int32(batch),
+            current_stream(),
+        )

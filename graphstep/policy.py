@@ -47,7 +47,9 @@ def topology_key(dcp: bool = False, wide: bool = False, split: bool = False) -> 
     return topology
 
 
-def overlap_for(batch: int, policy: str | None = None, dcp: bool = False, wide: bool = False, split: bool = False) -> str:
+def overlap_for(
+    batch: int, policy: str | None = None, dcp: bool = False, wide: bool = False, split: bool = False
+) -> str:
     """The query overlap mode of `batch` rows.
 
     policy is a mode or a "rows:mode,..." table (default QUERY_OVERLAP of the topology;

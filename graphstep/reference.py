@@ -38,15 +38,18 @@ def query_norm(state: LayerState, inputs: StepInputs, acc=torch.float32) -> torc
 
 # -- indexer ---------------------------------------------------------------------------
 
+
 def index_key(state: LayerState, inputs: StepInputs, acc=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The new token's indexer key: LayerNorm(128, weight, bias), NeoX RoPE on the first
     index_rope_dim dims, per-token e4m3 quantization. Returns (uint8 [B, 128], fp32 scale [B])."""
     w, m = state.weights, state.shape.model
     k = _cols(inputs, state, "idx_k").to(acc)
-    k = torch.nn.functional.layer_norm(k, (m.index_dim,), w.index_norm_weight.to(acc), w.index_norm_bias.to(acc), m.index_norm_eps)
+    k = torch.nn.functional.layer_norm(
+        k, (m.index_dim,), w.index_norm_weight.to(acc), w.index_norm_bias.to(acc), m.index_norm_eps
+    )
     pos = inputs.positions
     rope = formats.rope_neox(k[:, : m.index_rope_dim], w.index_rope_cos[pos].to(acc), w.index_rope_sin[pos].to(acc))
-    return formats.quantize_fp8_rows(torch.cat([rope, k[:, m.index_rope_dim:]], dim=-1))
+    return formats.quantize_fp8_rows(torch.cat([rope, k[:, m.index_rope_dim :]], dim=-1))
 
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches, acc=torch.float32) -> None:
@@ -61,7 +64,9 @@ def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches,
     cache_scales[page, offset] = scales[here]
 
 
-def index_query(state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def index_query(
+    state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """wq_b: q_c -> indexer queries, NeoX RoPE on each head's first dims, per-head e4m3
     quantization; per-head weights with DeepSeek-V3.2's folding:
     w = weights_proj * heads^-0.5 * q_scale * dim^-0.5.
@@ -75,13 +80,15 @@ def index_query_from(state: LayerState, inputs: StepInputs, q: torch.Tensor, acc
     q = q.to(acc).view(-1, m.index_heads, m.index_dim)
     pos = inputs.positions
     cos, sin = w.index_rope_cos[pos].to(acc)[:, None], w.index_rope_sin[pos].to(acc)[:, None]
-    q = torch.cat([formats.rope_neox(q[..., : m.index_rope_dim], cos, sin), q[..., m.index_rope_dim:]], dim=-1)
+    q = torch.cat([formats.rope_neox(q[..., : m.index_rope_dim], cos, sin), q[..., m.index_rope_dim :]], dim=-1)
     q_fp8, q_scale = formats.quantize_fp8_rows(q)
-    head_w = _cols(inputs, state, "idx_w").to(acc) * m.index_heads ** -0.5 * q_scale.to(acc) * m.index_dim ** -0.5
+    head_w = _cols(inputs, state, "idx_w").to(acc) * m.index_heads**-0.5 * q_scale.to(acc) * m.index_dim**-0.5
     return q_fp8, head_w.float()
 
 
-def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_fp8, head_w, acc=torch.float32) -> torch.Tensor:
+def index_scores(
+    state: LayerState, caches: LayerCaches, inputs: StepInputs, q_fp8, head_w, acc=torch.float32
+) -> torch.Tensor:
     """DsaIndex: score[b, i] = k_scale[i] * sum_h w[b, h] * relu(q[b, h] . k[i]) over the
     local cached tokens i of sequence b (fp8 values exact in acc), -inf past its length.
     Returns fp32 [B, local max]."""
@@ -146,13 +153,17 @@ def dcp_merge(candidates: list[Candidates], k: int) -> torch.Tensor:
     positions = torch.cat([c.positions for c in candidates], dim=1).long()
     scores = torch.cat([c.scores for c in candidates], dim=1)
     # Order by position first so the stable score sort breaks ties by position.
-    by_pos = torch.sort(torch.where(positions >= 0, positions, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
+    by_pos = torch.sort(
+        torch.where(positions >= 0, positions, torch.iinfo(torch.int64).max), dim=1, stable=True
+    ).indices
     positions, scores = positions.gather(1, by_pos), scores.gather(1, by_pos)
     pick = topk_indices(scores, k)
     return torch.where(pick >= 0, positions.gather(1, pick.clamp_min(0).long()), -1).to(torch.int32)
 
 
-def local_slots(global_positions: torch.Tensor, block_tables: torch.Tensor, page_size: int, dcp: int, rank: int) -> torch.Tensor:
+def local_slots(
+    global_positions: torch.Tensor, block_tables: torch.Tensor, page_size: int, dcp: int, rank: int
+) -> torch.Tensor:
     """The selected positions that live on `rank`, as its cache slots, in selection
     order, compacted to the front and -1 padded. int32 [B, k]."""
     mine = (global_positions >= 0) & (global_positions % dcp == rank)
@@ -163,8 +174,14 @@ def local_slots(global_positions: torch.Tensor, block_tables: torch.Tensor, page
     return slots.gather(1, order)
 
 
-def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor,
-            peers: PeerInputs | None = None, acc=torch.float32):
+def indexer(
+    state: LayerState,
+    caches: LayerCaches,
+    inputs: StepInputs,
+    q_c: torch.Tensor,
+    peers: PeerInputs | None = None,
+    acc=torch.float32,
+):
     """The main-stream indexer path of this rank: key insert, wq_b, scoring, top-k and,
     under DCP, the merge with the peers' candidates and this rank's local slots.
     Returns (slots int32 [B, topk], scores fp32 [B, local max])."""
@@ -177,7 +194,8 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
     if peers is None:
         raise ValueError("a DCP step needs the peers' inputs (LayerState.peer_inputs)")
     candidates = [
-        local_candidates(scores, m.index_topk, topo.dcp, topo.rank) if rank == topo.rank
+        local_candidates(scores, m.index_topk, topo.dcp, topo.rank)
+        if rank == topo.rank
         else Candidates(peers.positions[:, rank], peers.scores[:, rank])
         for rank in range(topo.dcp)
     ]
@@ -187,16 +205,19 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
 
 # -- MLA query ----------------------------------------------------------------------------
 
+
 def mla_query(state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=torch.float32) -> torch.Tensor:
     """Q_B, W_UK absorption and interleaved RoPE -> query rows [B, heads, 576] in acc."""
     w, s = state.weights, state.shape
     m = s.model
     q = (q_c.to(acc) @ w.w_qb.to(acc).T).view(-1, s.heads, m.qk_head_dim)
     latent = torch.einsum("bhd,hdc->bhc", q[..., : m.qk_nope_dim], w.w_uk.to(acc))
-    return query_rows_from(state, inputs, latent, q[..., m.qk_nope_dim:], acc)
+    return query_rows_from(state, inputs, latent, q[..., m.qk_nope_dim :], acc)
 
 
-def query_rows_from(state: LayerState, inputs: StepInputs, latent: torch.Tensor, q_rope: torch.Tensor, acc=torch.float32):
+def query_rows_from(
+    state: LayerState, inputs: StepInputs, latent: torch.Tensor, q_rope: torch.Tensor, acc=torch.float32
+):
     """[latent | interleaved-RoPE(q_rope)] -> query rows [B, heads, 576] in acc."""
     w, pos = state.weights, inputs.positions
     rope = formats.rope_interleaved(q_rope.to(acc), w.rope_cos[pos].to(acc)[:, None], w.rope_sin[pos].to(acc)[:, None])
@@ -208,7 +229,9 @@ def kv_row(state: LayerState, inputs: StepInputs, acc=torch.float32) -> torch.Te
     w, m = state.weights, state.shape.model
     latent = rms_norm(_cols(inputs, state, "kv_a"), w.gamma_kv, m.rms_eps, acc)
     pos = inputs.positions
-    rope = formats.rope_interleaved(_cols(inputs, state, "k_pe").to(acc), w.rope_cos[pos].to(acc), w.rope_sin[pos].to(acc))
+    rope = formats.rope_interleaved(
+        _cols(inputs, state, "k_pe").to(acc), w.rope_cos[pos].to(acc), w.rope_sin[pos].to(acc)
+    )
     return torch.cat([latent, rope], dim=-1)
 
 
@@ -231,7 +254,7 @@ def publish(state: LayerState, caches: LayerCaches, rows: torch.Tensor, rank: in
     s = state.shape
     rank = s.topology.rank if rank is None else rank
     encoded = formats.encode_q_rows(rows, s.topology.q_format)
-    caches.mailbox[: rows.shape[0], rank * s.heads: (rank + 1) * s.heads] = encoded.view(rows.shape[0], s.heads, -1)
+    caches.mailbox[: rows.shape[0], rank * s.heads : (rank + 1) * s.heads] = encoded.view(rows.shape[0], s.heads, -1)
 
 
 def query_rows(state: LayerState, caches: LayerCaches, batch: int) -> torch.Tensor:
@@ -241,6 +264,7 @@ def query_rows(state: LayerState, caches: LayerCaches, batch: int) -> torch.Tens
 
 
 # -- sparse core ------------------------------------------------------------------------
+
 
 def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, slots: torch.Tensor, acc=torch.float32):
     """Sparse MLA decode over the selected slots of this rank.
@@ -263,6 +287,7 @@ def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, sl
 
 # -- the whole stage ----------------------------------------------------------------------
 
+
 @dataclass
 class StepOutputs:
     q_c: torch.Tensor  # bf16 [B, 1536]
@@ -272,8 +297,13 @@ class StepOutputs:
     lse: torch.Tensor  # fp32 [B, gathered]
 
 
-def reference_step(state: LayerState, inputs: StepInputs, caches: LayerCaches | None = None,
-                   peers: PeerInputs | None = None, acc=torch.float32) -> StepOutputs:
+def reference_step(
+    state: LayerState,
+    inputs: StepInputs,
+    caches: LayerCaches | None = None,
+    peers: PeerInputs | None = None,
+    acc=torch.float32,
+) -> StepOutputs:
     """One decode step of this rank, updating `caches` (default: the state's own).
 
     Under DCP, `peers` stands in for the other ranks: the query rows they publish into
@@ -287,7 +317,7 @@ def reference_step(state: LayerState, inputs: StepInputs, caches: LayerCaches | 
     if s.topology.dcp > 1:
         for rank in range(s.topology.dcp):
             if rank != s.topology.rank:
-                publish(state, caches, peers.rows[:, rank * s.heads: (rank + 1) * s.heads], rank)
+                publish(state, caches, peers.rows[:, rank * s.heads : (rank + 1) * s.heads], rank)
     publish(state, caches, own)
     q = query_rows(state, caches, batch)
     out, lse = sparse_attention(state, caches, q, slots, acc)

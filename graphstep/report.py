@@ -45,7 +45,9 @@ class Progress:
             width = 30
             filled = width * self.done // max(1, self.total)
             rate = self.done / max(1e-9, now - self._start)
-            self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.0f}/s")
+            self.stream.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.0f}/s"
+            )
             self.stream.flush()
 
     def __enter__(self):

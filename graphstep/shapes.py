@@ -66,7 +66,7 @@ class ModelShape:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        return self.qk_head_dim**-0.5
 
     @property
     def packed_columns(self) -> dict[str, tuple[int, int]]:
@@ -147,7 +147,9 @@ class Topology:
         if self.mla_cache not in MLA_CACHE_FORMATS:
             raise ValueError(f"Topology.mla_cache must be one of {MLA_CACHE_FORMATS}, got {self.mla_cache!r}")
         if self.wide and (self.tp != 1 or self.dcp != 1):
-            raise ValueError(f"Topology.wide is the split query of TP1: needs tp=1, dcp=1, got tp={self.tp}, dcp={self.dcp}")
+            raise ValueError(
+                f"Topology.wide is the split query of TP1: needs tp=1, dcp=1, got tp={self.tp}, dcp={self.dcp}"
+            )
         if self.split and self.dcp == 1:
             raise ValueError("Topology.split is the split query under DCP: needs dcp > 1, got dcp=1")
         if not 0 <= self.rank < self.dcp:

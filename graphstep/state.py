@@ -121,13 +121,17 @@ class LayerState:
         self.weights = LayerWeights(
             gamma_q=(1 + _normal(model.q_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
             gamma_kv=(1 + _normal(model.kv_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
-            w_qb=_normal((shape.heads * model.qk_head_dim, model.q_lora_rank), gen, dev, model.q_lora_rank ** -0.5),
-            w_uk=_normal((shape.heads, model.qk_nope_dim, model.kv_lora_rank), gen, dev, model.qk_nope_dim ** -0.5),
-            wq_b_index=_normal((model.index_heads * model.index_dim, model.q_lora_rank), gen, dev, model.q_lora_rank ** -0.5),
+            w_qb=_normal((shape.heads * model.qk_head_dim, model.q_lora_rank), gen, dev, model.q_lora_rank**-0.5),
+            w_uk=_normal((shape.heads, model.qk_nope_dim, model.kv_lora_rank), gen, dev, model.qk_nope_dim**-0.5),
+            wq_b_index=_normal(
+                (model.index_heads * model.index_dim, model.q_lora_rank), gen, dev, model.q_lora_rank**-0.5
+            ),
             index_norm_weight=(1 + _normal(model.index_dim, gen, dev, 0.1, torch.float32)).bfloat16(),
             index_norm_bias=_normal(model.index_dim, gen, dev, 0.1),
-            rope_cos=cos.to(dev), rope_sin=sin.to(dev),
-            index_rope_cos=icos.to(dev), index_rope_sin=isin.to(dev),
+            rope_cos=cos.to(dev),
+            rope_sin=sin.to(dev),
+            index_rope_cos=icos.to(dev),
+            index_rope_sin=isin.to(dev),
         )
 
         page = model.page_size

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import formats, reference as ref, torch_stages
+from . import formats, torch_stages
+from . import reference as ref
 from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
@@ -72,9 +73,18 @@ class Buffers:
 
 
 class DecodeStep:
-    def __init__(self, shape: RankShape, capture_sizes=DEFAULT_CAPTURE_SIZES, policy: str | None = None,
-                 backend: str = "cute", device="cuda", max_context: int = 32768, seed: int = 0, pdl: bool = True,
-                 budget_ns: int = DEFAULT_BUDGET_NS):
+    def __init__(
+        self,
+        shape: RankShape,
+        capture_sizes=DEFAULT_CAPTURE_SIZES,
+        policy: str | None = None,
+        backend: str = "cute",
+        device="cuda",
+        max_context: int = 32768,
+        seed: int = 0,
+        pdl: bool = True,
+        budget_ns: int = DEFAULT_BUDGET_NS,
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
         sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
@@ -82,8 +92,10 @@ class DecodeStep:
             raise ValueError("capture_sizes must name at least one batch size")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
-                             "on the CPU use DecodeStep(..., backend='torch', device='cpu') and step(..., eager=True)")
+            raise ValueError(
+                f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
+                "on the CPU use DecodeStep(..., backend='torch', device='cpu') and step(..., eager=True)"
+            )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if backend == "cute" and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
@@ -91,8 +103,9 @@ class DecodeStep:
         topo = shape.topology
         self.shape, self.backend, self.sizes, self.pdl, self.budget_ns = shape, backend, sizes, pdl, budget_ns
         self.policy = policy
-        self.modes = {size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
-                      for size in sizes}
+        self.modes = {
+            size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split) for size in sizes
+        }
         self.state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
         self.kernels = Kernels(shape, self.state.weights, pdl) if backend == "cute" else None
         self.error = ErrorWord.new(self.device)
@@ -105,13 +118,18 @@ class DecodeStep:
         s, dev = self.shape, self.device
         m, k = s.model, s.model.index_topk
         row_bytes = m.query_row * s.q_bytes
-        partial_o, partial_ml = (self.kernels.sparse_core_buffers(rows, dev) if self.kernels is not None
-                                 else (torch.empty(0, device=dev), torch.empty(0, device=dev)))
+        partial_o, partial_ml = (
+            self.kernels.sparse_core_buffers(rows, dev)
+            if self.kernels is not None
+            else (torch.empty(0, device=dev), torch.empty(0, device=dev))
+        )
         return Buffers(
             qkv=torch.zeros(rows, m.packed_width, dtype=torch.bfloat16, device=dev),
             context_lens=torch.ones(rows, dtype=torch.int32, device=dev),
             slot_mapping=torch.full((rows,), -1, dtype=torch.int32, device=dev),
-            block_tables=torch.full((rows, self.state.pages_per_seq), self.state.trash_page, dtype=torch.int32, device=dev),
+            block_tables=torch.full(
+                (rows, self.state.pages_per_seq), self.state.trash_page, dtype=torch.int32, device=dev
+            ),
             qc=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             qc_private=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
             workspace=torch.zeros(rows, s.heads, m.qk_head_dim, device=dev),
@@ -161,7 +179,7 @@ class DecodeStep:
         if dcp:  # the peers' publishes into this rank's mailbox (remote writes on real DCP)
             own = slice(s.topology.rank * s.heads, (s.topology.rank + 1) * s.heads)
             caches.mailbox[:size, : own.start] = b.peer_rows[:size, : own.start]
-            caches.mailbox[:size, own.stop: s.gathered] = b.peer_rows[:size, own.stop:]
+            caches.mailbox[:size, own.stop : s.gathered] = b.peer_rows[:size, own.stop :]
         if mode == "serial":
             self._index_key_insert(size)
             self._mla_query(inputs, size, store_qc=True, poll=dcp)
@@ -209,8 +227,9 @@ class DecodeStep:
     def _sparse_core(self, size: int) -> None:
         b, caches = self.buffers, self.caches
         if self.kernels is not None:
-            self.kernels.sparse_core(caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse,
-                                     size)
+            self.kernels.sparse_core(
+                caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse, size
+            )
         else:
             torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
 
@@ -223,9 +242,21 @@ class DecodeStep:
     def _mla_query(self, inputs: StepInputs, size: int, store_qc: bool, poll: bool) -> None:
         b = self.buffers
         if self.kernels is not None:
-            self.kernels.mla_query(b.qkv, b.context_lens, b.slot_mapping, b.qc, b.qc_private, b.workspace,
-                                   self.caches.mailbox, self.caches.mla_cache, self.error, size, store_qc, poll,
-                                   self.budget_ns)
+            self.kernels.mla_query(
+                b.qkv,
+                b.context_lens,
+                b.slot_mapping,
+                b.qc,
+                b.qc_private,
+                b.workspace,
+                self.caches.mailbox,
+                self.caches.mla_cache,
+                self.error,
+                size,
+                store_qc,
+                poll,
+                self.budget_ns,
+            )
         else:
             qc = b.qc if store_qc else b.qc_private
             qc[:size] = ref.query_norm(self.state, inputs)
@@ -248,7 +279,9 @@ class DecodeStep:
                 raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         if self.kernels is not None:
             self.kernels.warm()
-        plan = [(size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])]
+        plan = [
+            (size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])
+        ]
         warm = torch.cuda.Stream(self.device)
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):
@@ -269,15 +302,19 @@ class DecodeStep:
         finally:
             gc.enable()
         torch.cuda.synchronize(self.device)
-        self._captured_pointers = self.buffers.pointers() + (self.caches.mailbox.data_ptr(),
-                                                             self.caches.mla_cache.data_ptr(),
-                                                             self.caches.index_cache.data_ptr())
+        self._captured_pointers = self.buffers.pointers() + (
+            self.caches.mailbox.data_ptr(),
+            self.caches.mla_cache.data_ptr(),
+            self.caches.index_cache.data_ptr(),
+        )
 
     def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
         mode = mode or self.modes.get(size)
         if (size, mode) not in self.graphs:
-            raise RuntimeError(f"no graph captured for batch {size} in mode {mode!r}: "
-                               f"captured {sorted(self.graphs)} (call capture() first)")
+            raise RuntimeError(
+                f"no graph captured for batch {size} in mode {mode!r}: "
+                f"captured {sorted(self.graphs)} (call capture() first)"
+            )
         return self.graphs[(size, mode)]
 
     def replay(self, size: int, mode: str | None = None) -> None:
@@ -288,11 +325,16 @@ class DecodeStep:
     def _check_pointers(self) -> None:
         if self._captured_pointers is None:
             raise RuntimeError("step() before capture(): call capture() first, or step(..., eager=True)")
-        now = self.buffers.pointers() + (self.caches.mailbox.data_ptr(), self.caches.mla_cache.data_ptr(),
-                                         self.caches.index_cache.data_ptr())
+        now = self.buffers.pointers() + (
+            self.caches.mailbox.data_ptr(),
+            self.caches.mla_cache.data_ptr(),
+            self.caches.index_cache.data_ptr(),
+        )
         if now != self._captured_pointers:
-            raise RuntimeError("the step's buffers were replaced after capture: the graphs still point at the old "
-                               "ones; capture() again")
+            raise RuntimeError(
+                "the step's buffers were replaced after capture: the graphs still point at the old "
+                "ones; capture() again"
+            )
 
     # -- one serving step ----------------------------------------------------------------------
 
@@ -314,7 +356,9 @@ class DecodeStep:
         b.block_tables[:batch] = inputs.block_tables
         b.block_tables[batch:size] = self.state.trash_page
         if peers is not None:
-            b.peer_rows[:batch] = formats.encode_q_rows(peers.rows, self.shape.topology.q_format).view(batch, self.shape.gathered, -1)
+            b.peer_rows[:batch] = formats.encode_q_rows(peers.rows, self.shape.topology.q_format).view(
+                batch, self.shape.gathered, -1
+            )
             b.peer_rows[batch:size] = 0  # pad rows count as published
             b.peer_positions[:batch] = peers.positions
             b.peer_positions[batch:size] = -1
@@ -322,8 +366,9 @@ class DecodeStep:
             b.peer_scores[batch:size] = float("-inf")
         return size
 
-    def step(self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False,
-             check_values: bool = True) -> ref.StepOutputs:
+    def step(
+        self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False, check_values: bool = True
+    ) -> ref.StepOutputs:
         """Run one decode step; returns views of the outputs' real rows (valid until the next step).
 
         Shapes, dtypes and devices are always checked (no synchronization); check_values
@@ -365,11 +410,16 @@ class DecodeStep:
             if not isinstance(peers, PeerInputs):
                 raise TypeError(f"peers must be PeerInputs, got {type(peers).__name__}")
             k = m.index_topk
-            _check_tensors("peers", {
-                "rows": (peers.rows, torch.float32, (batch, s.gathered, m.query_row)),
-                "positions": (peers.positions, torch.int32, (batch, topo.dcp, k)),
-                "scores": (peers.scores, torch.float32, (batch, topo.dcp, k)),
-            }, self.device, contiguous=False)
+            _check_tensors(
+                "peers",
+                {
+                    "rows": (peers.rows, torch.float32, (batch, s.gathered, m.query_row)),
+                    "positions": (peers.positions, torch.int32, (batch, topo.dcp, k)),
+                    "scores": (peers.scores, torch.float32, (batch, topo.dcp, k)),
+                },
+                self.device,
+                contiguous=False,
+            )
         elif peers is not None:
             raise ValueError(f"peers are only for a DCP step; this step's topology is {topo.name} (dcp 1)")
         self.nonfinite_rows = []
@@ -403,14 +453,18 @@ class DecodeStep:
         flags = torch.stack(checks).tolist()  # the one sync
         if any(flags[0]):
             row = flags[0].index(True)
-            raise ValueError(f"inputs.context_lens[{row}] = {int(inputs.context_lens[row])}: "
-                             f"must be in [1, {st.max_context}] (the step's max_context)")
+            raise ValueError(
+                f"inputs.context_lens[{row}] = {int(inputs.context_lens[row])}: "
+                f"must be in [1, {st.max_context}] (the step's max_context)"
+            )
         if any(flags[1]):
             row = flags[1].index(True)
             col = int(page_bad[row].nonzero()[0, 0])
-            raise ValueError(f"inputs.block_tables[{row}, {col}] = {int(tables[row, col])}: a page of the used part "
-                             f"(the first {int(used[row])} of row {row}, context {int(lens[row])}) must be in "
-                             f"[0, {st.trash_page}) (page {st.trash_page} is the spare page of padded rows)")
+            raise ValueError(
+                f"inputs.block_tables[{row}, {col}] = {int(tables[row, col])}: a page of the used part "
+                f"(the first {int(used[row])} of row {row}, context {int(lens[row])}) must be in "
+                f"[0, {st.trash_page}) (page {st.trash_page} is the spare page of padded rows)"
+            )
         if any(flags[2]):
             row = flags[2].index(True)
             slot, p = int(inputs.slot_mapping[row]), int(pos[row])
@@ -419,8 +473,10 @@ class DecodeStep:
             else:
                 pool = st.trash_page * page
                 inside = f"outside the pool [0, {pool})" if not 0 <= slot < pool else "not the new token's slot"
-                where = (f"{inside}: position {p} is at page {int(held[row])} of block_tables[{row}], slot "
-                         f"{int(want[row])} (or -1 to write nothing)")
+                where = (
+                    f"{inside}: position {p} is at page {int(held[row])} of block_tables[{row}], slot "
+                    f"{int(want[row])} (or -1 to write nothing)"
+                )
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
         if peers is not None and any(flags[4]):
             row = flags[4].index(True)
@@ -435,15 +491,19 @@ class DecodeStep:
         topo = self.shape.topology
         positions = peers.positions.long()
         ranks = torch.arange(topo.dcp, device=positions.device)[None, :, None]
-        ok = (positions == -1) | ((positions >= 0) & (positions < lens[:, None, None]) & (positions % topo.dcp == ranks))
+        ok = (positions == -1) | (
+            (positions >= 0) & (positions < lens[:, None, None]) & (positions % topo.dcp == ranks)
+        )
         return (~ok & (ranks != topo.rank)).flatten(1)
 
     def _raise_peer(self, peers: PeerInputs, row: int, lens: torch.Tensor) -> None:
         topo, k = self.shape.topology, self.shape.model.index_topk
         rank, i = divmod(int(self._peer_bad(peers, lens)[row].nonzero()[0, 0]), k)
-        raise ValueError(f"peers.positions[{row}, {rank}, {i}] = {int(peers.positions[row, rank, i])}: rank {rank}'s "
-                         f"candidates must be -1 or positions p < {int(lens[row])} (the context length) with "
-                         f"p % {topo.dcp} == {rank}")
+        raise ValueError(
+            f"peers.positions[{row}, {rank}, {i}] = {int(peers.positions[row, rank, i])}: rank {rank}'s "
+            f"candidates must be -1 or positions p < {int(lens[row])} (the context length) with "
+            f"p % {topo.dcp} == {rank}"
+        )
 
 
 class NonFiniteInputs(UserWarning):
@@ -453,8 +513,9 @@ class NonFiniteInputs(UserWarning):
     warnings.simplefilter("error", NonFiniteInputs) turns it into an error."""
 
     def __init__(self, rows: list[int]):
-        super().__init__(f"inputs.qkv has NaN or inf in rows {rows}: their outputs are not meaningful; "
-                         "the other rows are unaffected")
+        super().__init__(
+            f"inputs.qkv has NaN or inf in rows {rows}: their outputs are not meaningful; the other rows are unaffected"
+        )
         self.rows = rows
 
 

@@ -24,7 +24,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def replay_us(step: DecodeStep, size: int, mode: str | None = None, replays: int = 100, warmup: int = 10) -> list[float]:
+def replay_us(
+    step: DecodeStep, size: int, mode: str | None = None, replays: int = 100, warmup: int = 10
+) -> list[float]:
     """Per-replay device times (us) of the graph of `size` in `mode`."""
     graph = step.graph(size, mode)
     for _ in range(warmup):
@@ -49,8 +51,11 @@ def run_gpu(args) -> int:
     from .cli import rank_shape
 
     shape = rank_shape(args)
-    print(f"graphstep run: {shape.model.name} {shape.topology.name}, context {args.context}, sizes {args.batch}, "
-          f"policy {args.policy or 'default'} ({torch.cuda.get_device_name()})", flush=True)
+    print(
+        f"graphstep run: {shape.model.name} {shape.topology.name}, context {args.context}, sizes {args.batch}, "
+        f"policy {args.policy or 'default'} ({torch.cuda.get_device_name()})",
+        flush=True,
+    )
     started = time.perf_counter()
     step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
     step.capture()
@@ -118,10 +123,20 @@ def serve(args) -> int:
             tokens += batch
             progress.update()
     total_s = sum(wall) / 1e6
-    print(table(["", "p50 us", "p99 us", "mean us"], [
-        ["step, device (copies + replay)", percentile(device, 50), percentile(device, 99), statistics.fmean(device)],
-        ["step, host wall (incl. sync)", percentile(wall, 50), percentile(wall, 99), statistics.fmean(wall)],
-    ]))
+    print(
+        table(
+            ["", "p50 us", "p99 us", "mean us"],
+            [
+                [
+                    "step, device (copies + replay)",
+                    percentile(device, 50),
+                    percentile(device, 99),
+                    statistics.fmean(device),
+                ],
+                ["step, host wall (incl. sync)", percentile(wall, 50), percentile(wall, 99), statistics.fmean(wall)],
+            ],
+        )
+    )
     print(f"{args.steps} steps, {tokens} tokens, {tokens / total_s:,.0f} tokens/s (one layer's query stage)")
     return 0
 
@@ -134,8 +149,10 @@ def alone_line(size: int, alone_us: float, default_us: float, sizes: list[int]) 
     the same graph in the step that captured every size (issue 10: under DCP 2 a B = 1
     graph once took 311 us beside 60 us when the step had also captured size 64)."""
     ratio = default_us / alone_us
-    line = (f"B = {size} graph, cute fork: {alone_us:.1f} us in a step that captured only [{size}], "
-            f"{default_us:.1f} us in the step that captured {list(sizes)} ({ratio:.2f}x)")
+    line = (
+        f"B = {size} graph, cute fork: {alone_us:.1f} us in a step that captured only [{size}], "
+        f"{default_us:.1f} us in the step that captured {list(sizes)} ({ratio:.2f}x)"
+    )
     if ratio > ALONE_SLOWER:
         line += " <- SLOWER once the larger sizes are captured: something sized by the largest batch (issue 10)"
     return line
@@ -173,26 +190,55 @@ def bench(args) -> int:
         bound = floor.step_floor(shape, size, args.context)
         record = dict(batch=size, context=args.context, floor_us=bound.us, indexer_floor_us=bound.indexer_us, **t)
         records.append(record)
-        rows.append([size, t["cute_fork"], t["cute_serial"], t["cute_fork_nopdl"], t["torch_fork"], bound.us,
-                     t["cute_fork"] / bound.us, t["torch_fork"] / t["cute_fork"], t["cute_serial"] / t["cute_fork"],
-                     t["cute_fork_nopdl"] / t["cute_fork"]])
+        rows.append(
+            [
+                size,
+                t["cute_fork"],
+                t["cute_serial"],
+                t["cute_fork_nopdl"],
+                t["torch_fork"],
+                bound.us,
+                t["cute_fork"] / bound.us,
+                t["torch_fork"] / t["cute_fork"],
+                t["cute_serial"] / t["cute_fork"],
+                t["cute_fork_nopdl"] / t["cute_fork"],
+            ]
+        )
         print(f"  batch {size} done", file=sys.stderr, flush=True)
     load_batch(alone, smallest, args.context, args.seed)
     alone_us = statistics.median(replay_us(alone, smallest, "fork", args.replays))
     default_us = next(r["cute_fork"] for r in records if r["batch"] == smallest)
-    headers = ["batch", "cute fork", "cute serial", "fork no-PDL", "torch", "floor", "fork/floor", "torch/fork",
-               "serial/fork", "no-PDL/fork"]
+    headers = [
+        "batch",
+        "cute fork",
+        "cute serial",
+        "fork no-PDL",
+        "torch",
+        "floor",
+        "fork/floor",
+        "torch/fork",
+        "serial/fork",
+        "no-PDL/fork",
+    ]
     text = table(headers, rows, markdown=True) + "\n\n" + alone_line(smallest, alone_us, default_us, sizes)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=shape.model.name,
-                topology=shape.topology.name, context=args.context)
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        shape=shape.model.name,
+        topology=shape.topology.name,
+        context=args.context,
+    )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))
     (out / "bench.md").write_text(f"{meta}\n\ntimes in us (median of {args.replays} graph replays)\n\n{text}\n")
     _plot(records, out / "bench.png", meta)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if (out / "bench.png").exists() else ""))
+    print(
+        f"wrote {out / 'bench.json'}, {out / 'bench.md'}"
+        + (f", {out / 'bench.png'}" if (out / "bench.png").exists() else "")
+    )
     return 0
 
 
@@ -229,8 +275,12 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
         return
     batches = [r["batch"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in [("cute_fork", "cute fork"), ("cute_serial", "cute serial"), ("torch_fork", "torch"),
-                       ("floor_us", "bytes floor")]:
+    for key, label in [
+        ("cute_fork", "cute fork"),
+        ("cute_serial", "cute serial"),
+        ("torch_fork", "torch"),
+        ("floor_us", "bytes floor"),
+    ]:
         ax.plot(batches, [r[key] for r in records], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import formats, reference as ref
+from . import formats
+from . import reference as ref
 from .state import LayerCaches, LayerState, StepInputs, local_lens
 
 
@@ -58,8 +59,13 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.isfinite(values), indices, -1).to(torch.int32)
 
 
-def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: torch.Tensor,
-            peer_candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def indexer(
+    state: LayerState,
+    caches: LayerCaches,
+    inputs: StepInputs,
+    q_c: torch.Tensor,
+    peer_candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The main-stream indexer path -> this rank's slots int32 [B, topk]. wq_b is a cuBLAS
     bf16 GEMM (fp32 accumulation, bf16 output), as a serving engine runs it. Under DCP,
     peer_candidates = (positions, scores) [B, dcp, topk] of every rank (this rank's ignored)."""
@@ -71,11 +77,14 @@ def indexer(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_c: tor
     if topo.dcp == 1:
         return ref.to_slots(local, inputs.block_tables, m.page_size)
     picked = scores.gather(1, local.clamp_min(0).long())
-    own = ref.Candidates(torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
-                         torch.where(local >= 0, picked, float("-inf")))
+    own = ref.Candidates(
+        torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
+        torch.where(local >= 0, picked, float("-inf")),
+    )
     positions, scores_of = peer_candidates
-    candidates = [own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank])
-                  for rank in range(topo.dcp)]
+    candidates = [
+        own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank]) for rank in range(topo.dcp)
+    ]
     merged = ref.dcp_merge(candidates, m.index_topk)
     return ref.local_slots(merged, inputs.block_tables, m.page_size, topo.dcp, topo.rank)
 
@@ -95,11 +104,12 @@ def mla_query(state: LayerState, inputs: StepInputs, caches: LayerCaches, q_c: t
     kv_insert(state, inputs, caches)
     q = F.linear(q_c, w.w_qb).view(-1, s.heads, s.model.qk_head_dim)
     latent = torch.bmm(q[..., : s.model.qk_nope_dim].transpose(0, 1), w.w_uk).transpose(0, 1)
-    ref.publish(state, caches, ref.query_rows_from(state, inputs, latent, q[..., s.model.qk_nope_dim:]))
+    ref.publish(state, caches, ref.query_rows_from(state, inputs, latent, q[..., s.model.qk_nope_dim :]))
 
 
-def sparse_core(state: LayerState, caches: LayerCaches, slots: torch.Tensor, batch: int, out: torch.Tensor,
-                lse: torch.Tensor) -> None:
-    o, l = ref.sparse_attention(state, caches, ref.query_rows(state, caches, batch), slots)
-    out.copy_(o)
-    lse.copy_(l)
+def sparse_core(
+    state: LayerState, caches: LayerCaches, slots: torch.Tensor, batch: int, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    attention, log_sum_exp = ref.sparse_attention(state, caches, ref.query_rows(state, caches, batch), slots)
+    out.copy_(attention)
+    lse.copy_(log_sum_exp)

@@ -32,7 +32,8 @@ def _config(op) -> tuple:
     """An op's compile-time configuration by value (ops it holds, like MlaQuery's QueryNorm,
     by their own configuration, not their identity)."""
     return (type(op).__name__,) + tuple(
-        (name, _config(value) if hasattr(value, "__dict__") else value) for name, value in sorted(vars(op).items()))
+        (name, _config(value) if hasattr(value, "__dict__") else value) for name, value in sorted(vars(op).items())
+    )
 
 
 def _key(op, arch) -> tuple:
@@ -56,8 +57,14 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
     return fn
 
 
-def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), batches=range(1, 65),
-             index_tokens=index_query.TOKENS) -> list[Variant]:
+def variants(
+    shape,
+    pdl: bool = True,
+    polls=(False, True),
+    norms=(False, True),
+    batches=range(1, 65),
+    index_tokens=index_query.TOKENS,
+) -> list[Variant]:
     """The kernel variants a step of `shape` (a graphstep RankShape) can launch for the
     given batch sizes (SparseCore's slots per CTA depend on the batch; norms,
     index_tokens: only these MlaQuery/QueryNorm and IndexQuery variants)."""
@@ -66,30 +73,64 @@ def variants(shape, pdl: bool = True, polls=(False, True), norms=(False, True), 
     out = []
     for tiled in norms:
         norm = "tiled" if tiled else "rows"
-        out.append(Variant(f"query_norm_{norm}", query_norm.QueryNorm(tiled, m.packed_width, pdl), query_norm.compile_args()))
+        out.append(
+            Variant(f"query_norm_{norm}", query_norm.QueryNorm(tiled, m.packed_width, pdl), query_norm.compile_args())
+        )
         for poll in polls if topo.dcp > 1 else (False,):
-            op = mla_query.MlaQuery(shape.heads, topo.rank * shape.heads, shape.q_heads, shape.gathered,
-                                    m.packed_width, tiled, poll, q_fp8, mla_fp8, pdl)
+            op = mla_query.MlaQuery(
+                shape.heads,
+                topo.rank * shape.heads,
+                shape.q_heads,
+                shape.gathered,
+                m.packed_width,
+                tiled,
+                poll,
+                q_fp8,
+                mla_fp8,
+                pdl,
+            )
             out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
-    out.append(Variant("index_key", index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
-                       index_key.compile_args()))
+    out.append(
+        Variant(
+            "index_key",
+            index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
+            index_key.compile_args(),
+        )
+    )
     for tokens in index_tokens:  # launch.Kernels.index_query picks by batch
-        out.append(Variant(f"index_query_{tokens}", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0],
-                                                                           tokens, pdl), index_query.compile_args()))
+        out.append(
+            Variant(
+                f"index_query_{tokens}",
+                index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl),
+                index_query.compile_args(),
+            )
+        )
     out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
     out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
     for split in top_k.SPLITS:  # every split top_k.split_for can choose
-        out.append(Variant(f"top_k_{split.name}", top_k.ClusterTopK(m.index_topk, topo.dcp, topo.rank, split, pdl),
-                           top_k.compile_args()))
+        out.append(
+            Variant(
+                f"top_k_{split.name}",
+                top_k.ClusterTopK(m.index_topk, topo.dcp, topo.rank, split, pdl),
+                top_k.compile_args(),
+            )
+        )
     for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
-        op = sparse_core.SparseCore(shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale,
-                                    slots, pdl)
+        op = sparse_core.SparseCore(
+            shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale, slots, pdl
+        )
         out.append(Variant(f"sparse_core_s{slots}", op, sparse_core.compile_args()))
     if topo.dcp > 1:
-        out.append(Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl),
-                           dcp_merge.compile_args()))
-        out.append(Variant("query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
-                           query_wait.compile_args()))
+        out.append(
+            Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl), dcp_merge.compile_args())
+        )
+        out.append(
+            Variant(
+                "query_wait",
+                query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
+                query_wait.compile_args(),
+            )
+        )
     return out
 
 

@@ -41,15 +41,33 @@ class DcpMerge(RadixSelect):
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
 
     @cute.jit
-    def __call__(self, own_positions: cute.Pointer, own_scores: cute.Pointer, peer_positions: cute.Pointer,
-                 peer_scores: cute.Pointer, block_tables: cute.Pointer, out: cute.Pointer, batch: Int32,
-                 pages_per_seq: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        own_positions: cute.Pointer,
+        own_scores: cute.Pointer,
+        peer_positions: cute.Pointer,
+        peer_scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        out: cute.Pointer,
+        batch: Int32,
+        pages_per_seq: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq).launch(
-            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
-    def kernel(self, own_positions: cute.Pointer, own_scores: cute.Pointer, peer_positions: cute.Pointer,
-               peer_scores: cute.Pointer, block_tables: cute.Pointer, out: cute.Pointer, pages_per_seq: Int32):
+    def kernel(
+        self,
+        own_positions: cute.Pointer,
+        own_scores: cute.Pointer,
+        peer_positions: cute.Pointer,
+        peer_scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        out: cute.Pointer,
+        pages_per_seq: Int32,
+    ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
         source = (token, own_scores, peer_scores, own_positions, peer_positions)

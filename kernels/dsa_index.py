@@ -54,7 +54,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32, Uint8
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
 from . import primitives as P
 
@@ -131,6 +131,7 @@ def accumulator(nt: int, r: int, e: int) -> int:
 
 # -- shared memory, mbarriers, bulk copies (32-bit shared addresses) ----------------------
 
+
 def _ldg_nc_i32(ptr) -> Int32:
     """Read-only global load (data no kernel of the step writes: lengths, block tables)."""
     return cute.arch.inline_ptx("ld.global.nc.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
@@ -151,8 +152,7 @@ def _mbar_init_fence():
 
 def _mbar_expect(addr, nbytes):
     """Arrive (the producer's one arrival) and expect `nbytes` of bulk copies."""
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
-                         read_only_args=[addr, nbytes])
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[addr, nbytes])
 
 
 def _mbar_arrive(addr):
@@ -165,7 +165,8 @@ def _mbar_wait(addr, parity):
         "{\n\t.reg .pred done;\n\tWAIT:\n\t"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
         "@!done bra WAIT;\n\t}",
-        read_only_args=[addr, parity])
+        read_only_args=[addr, parity],
+    )
 
 
 def _bulk_copy(dst, src, nbytes, bar):
@@ -173,7 +174,8 @@ def _bulk_copy(dst, src, nbytes, bar):
     its bytes on the mbarrier."""
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst, src, nbytes, bar])
+        read_only_args=[dst, src, nbytes, bar],
+    )
 
 
 def _fence_async_shared():
@@ -190,16 +192,19 @@ def _e4m3x4_to_f16x2x2(word) -> tuple:
     return cute.arch.inline_ptx(
         "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
         "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
-        write_only_types=[Uint32, Uint32], read_only_args=[word])
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[word],
+    )
 
 
 def _e4m3x2_to_f16x2(word, high: int) -> Uint32:
     """Bytes 0-1 (high = 0) or 2-3 (high = 1) of a word -> one fp16x2 word; exact."""
     half = "hi" if high else "lo"
     return cute.arch.inline_ptx(
-        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
-        f"cvt.rn.f16x2.e4m3x2 {{$w0}}, {half};\n\t}}",
-        write_only_types=[Uint32], read_only_args=[word])
+        f"{{\n\t.reg .b16 lo, hi;\n\tmov.b32 {{lo, hi}}, {{$r0}};\n\tcvt.rn.f16x2.e4m3x2 {{$w0}}, {half};\n\t}}",
+        write_only_types=[Uint32],
+        read_only_args=[word],
+    )
 
 
 def _wgmma_page(a, qbase) -> list:
@@ -209,15 +214,24 @@ def _wgmma_page(a, qbase) -> list:
     Issued, committed and waited for inside one asm block, so nothing touches the
     accumulators or A while the wgmmas are in flight. Returns the 32 accumulators."""
     d = ", ".join(f"{{$w{i}}}" for i in range(32))
-    lines = ["{", ".reg .b64 desc0, desc;", ".reg .pred first, more;",
-             "cvt.u64.u32 desc0, {$r32};", "shr.u64 desc0, desc0, 4;",
-             f"or.b64 desc0, desc0, {DESC_LAYOUT:#018x};",
-             "setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
+    lines = [
+        "{",
+        ".reg .b64 desc0, desc;",
+        ".reg .pred first, more;",
+        "cvt.u64.u32 desc0, {$r32};",
+        "shr.u64 desc0, desc0, 4;",
+        f"or.b64 desc0, desc0, {DESC_LAYOUT:#018x};",
+        "setp.ne.b32 first, 0, 0;",
+        "setp.eq.b32 more, 0, 0;",
+        "wgmma.fence.sync.aligned;",
+    ]
     for s in range(8):
         regs = ", ".join(f"{{$r{4 * s + i}}}" for i in range(4))
         lines.append(f"add.s64 desc, desc0, {s * STEP_BYTES >> 4};")
-        lines.append(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {{{d}}}, {{{regs}}}, desc, "
-                     f"{'first' if s == 0 else 'more'}, 1, 1, 0;")
+        lines.append(
+            f"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {{{d}}}, {{{regs}}}, desc, "
+            f"{'first' if s == 0 else 'more'}, 1, 1, 0;"
+        )
     lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     out = cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * 32, read_only_args=list(a) + [qbase])
     return list(out)
@@ -228,16 +242,35 @@ class DsaIndex:
         self.dcp, self.rank, self.pdl = dcp, rank, pdl
 
     @cute.jit
-    def __call__(self, q: cute.Pointer, head_w: cute.Pointer, cache: cute.Pointer, block_tables: cute.Pointer,
-                 context_lens: cute.Pointer, scores: cute.Pointer, batch: Int32, pages_per_seq: Int32,
-                 run: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        q: cute.Pointer,
+        head_w: cute.Pointer,
+        cache: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        scores: cute.Pointer,
+        batch: Int32,
+        pages_per_seq: Int32,
+        run: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run).launch(
-            grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
-    def kernel(self, q: cute.Pointer, head_w: cute.Pointer, cache: cute.Pointer, block_tables: cute.Pointer,
-               context_lens: cute.Pointer, scores: cute.Pointer, pages_per_seq: Int32, run: Int32):
+    def kernel(
+        self,
+        q: cute.Pointer,
+        head_w: cute.Pointer,
+        cache: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        scores: cute.Pointer,
+        pages_per_seq: Int32,
+        run: Int32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         chunk, token, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
@@ -275,8 +308,24 @@ class DsaIndex:
         if warp == CONSUMERS // 32:
             self.produce(cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane)
         else:
-            self.consume(q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0,
-                         tid, lane, warp)
+            self.consume(
+                q,
+                head_w,
+                scores,
+                token,
+                width,
+                first,
+                count,
+                live,
+                length,
+                ring0,
+                qbase,
+                full0,
+                empty0,
+                tid,
+                lane,
+                warp,
+            )
 
     @cute.jit
     def produce(self, cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane):
@@ -306,8 +355,9 @@ class DsaIndex:
                         _bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, scale_bytes, bar)
 
     @cute.jit
-    def consume(self, q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0,
-                tid, lane, warp):
+    def consume(
+        self, q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0, tid, lane, warp
+    ):
         g, t = lane // 4, lane % 4
         out = scores + token * width
         if live > 0:
@@ -372,7 +422,9 @@ class DsaIndex:
             words += list(P.load_u32x4(src + 16 * k))
         for cc in cutlass.range_constexpr(8):
             pairs = [query_source(cc, tt) for tt in range(4)]
-            P.st_shared_u32x4(qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs])
+            P.st_shared_u32x4(
+                qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs]
+            )
 
     @cute.jit
     def head_sums(self, acc, weights):
@@ -392,5 +444,14 @@ class DsaIndex:
 
 
 def compile_args():
-    return (P.gmem_ptr(Uint8), P.gmem_ptr(Float32), P.gmem_ptr(Uint8), P.gmem_ptr(Int32, align=4),
-            P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4), Int32(1), Int32(1), Int32(2))
+    return (
+        P.gmem_ptr(Uint8),
+        P.gmem_ptr(Float32),
+        P.gmem_ptr(Uint8),
+        P.gmem_ptr(Int32, align=4),
+        P.gmem_ptr(Int32, align=4),
+        P.gmem_ptr(Float32, align=4),
+        Int32(1),
+        Int32(1),
+        Int32(2),
+    )

@@ -28,21 +28,43 @@ class IndexKey:
         self.row_stride, self.key_column, self.eps, self.pdl = row_stride, key_column, eps, pdl
 
     @cute.jit
-    def __call__(self, qkv: cute.Pointer, weight: cute.Pointer, bias: cute.Pointer, cos: cute.Pointer,
-                 sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer,
-                 batch: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        qkv: cute.Pointer,
+        weight: cute.Pointer,
+        bias: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        slots: cute.Pointer,
+        cache: cute.Pointer,
+        batch: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
-            grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
-    def kernel(self, qkv: cute.Pointer, weight: cute.Pointer, bias: cute.Pointer, cos: cute.Pointer,
-               sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer,
-               batch: Int32):
+    def kernel(
+        self,
+        qkv: cute.Pointer,
+        weight: cute.Pointer,
+        bias: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        slots: cute.Pointer,
+        cache: cute.Pointer,
+        batch: Int32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tid % 32
         token = cta * WARPS + tid // 32
-        gamma = P.unpack_bf16x2(P.load_u32_nc(weight + 4 * lane)) + P.unpack_bf16x2(P.load_u32_nc(weight + 4 * lane + 2))
+        gamma = P.unpack_bf16x2(P.load_u32_nc(weight + 4 * lane)) + P.unpack_bf16x2(
+            P.load_u32_nc(weight + 4 * lane + 2)
+        )
         beta = P.unpack_bf16x2(P.load_u32_nc(bias + 4 * lane)) + P.unpack_bf16x2(P.load_u32_nc(bias + 4 * lane + 2))
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()

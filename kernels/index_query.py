@@ -47,6 +47,7 @@ def launches(batch: int) -> list[tuple[int, int, int]]:
 
 # -- cluster primitives -----------------------------------------------------------------
 
+
 def cluster_arrive_relaxed():
     cute.arch.inline_ptx("barrier.cluster.arrive.relaxed.aligned;")
 
@@ -61,8 +62,10 @@ def cluster_wait():
 
 def st_peer_f32(addr, rank, value):
     """Store to the same shared offset in CTA `rank` of the cluster."""
-    cute.arch.inline_ptx("{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\t"
-                         "st.shared::cluster.f32 [a], {$r2};\n\t}", read_only_args=[addr, rank, value])
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\tst.shared::cluster.f32 [a], {$r2};\n\t}",
+        read_only_args=[addr, rank, value],
+    )
 
 
 class IndexQuery:
@@ -74,17 +77,42 @@ class IndexQuery:
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
 
     @cute.jit
-    def __call__(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer,
-                 context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer, batch: Int32,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        qc: cute.Pointer,
+        wq_b: cute.Pointer,
+        qkv: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        q_out: cute.Pointer,
+        w_out: cute.Pointer,
+        batch: Int32,
+        stream: cuda.CUstream,
+    ):
         self.index_query(qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, batch).launch(
-            grid=[2 * HEADS, 1, 1], block=[J.THREADS, 1, 1], cluster=[2, 1, 1], stream=stream, use_pdl=self.pdl,
-            min_blocks_per_mp=2, preferred_smem_carveout=100)
+            grid=[2 * HEADS, 1, 1],
+            block=[J.THREADS, 1, 1],
+            cluster=[2, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+            min_blocks_per_mp=2,
+            preferred_smem_carveout=100,
+        )
 
     @cute.kernel
-    def index_query(self, qc: cute.Pointer, wq_b: cute.Pointer, qkv: cute.Pointer, cos: cute.Pointer,
-                    sin: cute.Pointer, context_lens: cute.Pointer, q_out: cute.Pointer, w_out: cute.Pointer,
-                    batch: Int32):
+    def index_query(
+        self,
+        qc: cute.Pointer,
+        wq_b: cute.Pointer,
+        qkv: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        q_out: cute.Pointer,
+        w_out: cute.Pointer,
+        batch: Int32,
+    ):
         tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -154,8 +182,10 @@ class IndexQuery:
             first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
             second = [partner[q] * sn[q] + v[q] * c[q] for q in range(4)]
             v = [P.select(rank == 0, P.select(j < 8, first[q], second[q]), v[q]) for q in range(4)]
-            amax = cute.arch.fmax(cute.arch.fmax(cute.math.abs(v[0]), cute.math.abs(v[1])),
-                                  cute.arch.fmax(cute.math.abs(v[2]), cute.math.abs(v[3])))
+            amax = cute.arch.fmax(
+                cute.arch.fmax(cute.math.abs(v[0]), cute.math.abs(v[1])),
+                cute.arch.fmax(cute.math.abs(v[2]), cute.math.abs(v[3])),
+            )
             for offset in (8, 4, 2, 1):  # the 16 threads of this token
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
             values.append(v)
@@ -179,9 +209,11 @@ class IndexQuery:
                 item = token * HEADS + head
                 P.store_u32(q_out + item * DIM + J.ROWS * rank + 4 * j, word)
                 if rank + j == 0:  # rank 0, thread 0 of the token
-                    raw = P.unpack_bf16x2(P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2))
+                    raw = P.unpack_bf16x2(
+                        P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2)
+                    )
                     proj = P.select(head % 2 == 0, raw[0], raw[1])
-                    P.store_f32(w_out + item, proj * Float32(HEADS ** -0.5) * scale * Float32(DIM ** -0.5))
+                    P.store_f32(w_out + item, proj * Float32(HEADS**-0.5) * scale * Float32(DIM**-0.5))
 
 
 def compile_args():

@@ -50,8 +50,19 @@ def tile_groups(ctas: int) -> int:
 
 
 class MlaQuery:
-    def __init__(self, heads: int, head_base: int, q_heads: int, gathered: int, row_stride: int, tiled: bool,
-                 poll: bool, q_fp8: bool, mla_fp8: bool, pdl: bool = True):
+    def __init__(
+        self,
+        heads: int,
+        head_base: int,
+        q_heads: int,
+        gathered: int,
+        row_stride: int,
+        tiled: bool,
+        poll: bool,
+        q_fp8: bool,
+        mla_fp8: bool,
+        pdl: bool = True,
+    ):
         self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl = q_fp8, mla_fp8, pdl
@@ -60,28 +71,62 @@ class MlaQuery:
         self.norm = QueryNorm(tiled, row_stride, pdl)
 
     @cute.jit
-    def __call__(self, qkv: cute.Pointer, gamma_q: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer,
-                 w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
-                 slots: cute.Pointer, qc: cute.Pointer, workspace: cute.Pointer, q_rows: cute.Pointer,
-                 mla_cache: cute.Pointer, error: cute.Pointer, batch: Int32, eps: Float32, budget_ns: Int64,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        qkv: cute.Pointer,
+        gamma_q: cute.Pointer,
+        gamma_kv: cute.Pointer,
+        w_qb: cute.Pointer,
+        w_uk_t: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        slots: cute.Pointer,
+        qc: cute.Pointer,
+        workspace: cute.Pointer,
+        q_rows: cute.Pointer,
+        mla_cache: cute.Pointer,
+        error: cute.Pointer,
+        batch: Int32,
+        eps: Float32,
+        budget_ns: Int64,
+        stream: cuda.CUstream,
+    ):
         tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.norm(qkv, gamma_q, qc, batch, eps, stream)
         project_ctas = self.heads * QB_TILES
         self.project(qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps).launch(
-            grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1], block=[THREADS, 1, 1],
-            stream=stream, use_pdl=self.pdl)
+            grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
+            block=[THREADS, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+        )
         absorb_ctas = self.heads * LATENT_SLICES
         self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
-            grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1], block=[THREADS, 1, 1],
-            stream=stream, use_pdl=self.pdl)
+            grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
+            block=[THREADS, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+        )
 
     # -- project ----------------------------------------------------------------------
 
     @cute.kernel
-    def project(self, qkv: cute.Pointer, gamma_kv: cute.Pointer, w_qb: cute.Pointer, cos: cute.Pointer,
-                sin: cute.Pointer, context_lens: cute.Pointer, slots: cute.Pointer, qc: cute.Pointer,
-                workspace: cute.Pointer, mla_cache: cute.Pointer, batch: Int32, eps: Float32):
+    def project(
+        self,
+        qkv: cute.Pointer,
+        gamma_kv: cute.Pointer,
+        w_qb: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        slots: cute.Pointer,
+        qc: cute.Pointer,
+        workspace: cute.Pointer,
+        mla_cache: cute.Pointer,
+        batch: Int32,
+        eps: Float32,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         mtile, group, _ = cute.arch.block_idx()
         ctas, groups, _ = cute.arch.grid_dim()
@@ -157,7 +202,8 @@ class MlaQuery:
             c, s = P.load_f32_nc(cos + pos * 32 + lane), P.load_f32_nc(sin + pos * 32 + lane)
             rope = P.pack_bf16x2(pe[0] * c - pe[1] * s, pe[0] * s + pe[1] * c)
             if cutlass.const_expr(self.mla_fp8):
-                # mla_cache is a byte pointer in both formats. [512 e4m3 | 4 fp32 scales, one per 128 | 64 bf16 rope] = 656 bytes
+                # mla_cache is a byte pointer in both formats.
+                # [512 e4m3 | 4 fp32 scales, one per 128 | 64 bf16 rope] = 656 bytes
                 dst = mla_cache + Int64(slot) * 656  # 64-bit: caches pass 2 GiB
                 for j in cutlass.range_constexpr(2):
                     amax = Float32(0)
@@ -174,14 +220,24 @@ class MlaQuery:
             else:
                 dst = mla_cache + Int64(slot) * 1152  # bf16 [576]; 64-bit offset
                 for j in cutlass.range_constexpr(2):
-                    P.store_u32x4(dst + (256 * j + 8 * lane) * 2, P.pack_words(latent[8 * j: 8 * j + 8], False))
+                    P.store_u32x4(dst + (256 * j + 8 * lane) * 2, P.pack_words(latent[8 * j : 8 * j + 8], False))
                 P.store_u32(dst + 1024 + 4 * lane, rope)
 
     # -- absorb -------------------------------------------------------------------------
 
     @cute.kernel
-    def absorb(self, w_uk_t: cute.Pointer, cos: cute.Pointer, sin: cute.Pointer, context_lens: cute.Pointer,
-               workspace: cute.Pointer, q_rows: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
+    def absorb(
+        self,
+        w_uk_t: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        workspace: cute.Pointer,
+        q_rows: cute.Pointer,
+        error: cute.Pointer,
+        batch: Int32,
+        budget_ns: Int64,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         x, group, _ = cute.arch.block_idx()
         ctas, groups, _ = cute.arch.grid_dim()
@@ -224,9 +280,19 @@ class MlaQuery:
             cute.arch.sync_threads()  # the next tile reuses `out`
 
         if cutlass.const_expr(self.poll and self.gathered > self.heads):
-            P.poll_mailbox(q_rows, error, (group * ctas + x) * THREADS + tid, groups * ctas * THREADS, batch,
-                           P.globaltimer() + budget_ns,
-                           self.gathered, self.q_heads, self.row_chunks, self.head_base, self.heads)
+            P.poll_mailbox(
+                q_rows,
+                error,
+                (group * ctas + x) * THREADS + tid,
+                groups * ctas * THREADS,
+                batch,
+                P.globaltimer() + budget_ns,
+                self.gathered,
+                self.q_heads,
+                self.row_chunks,
+                self.head_base,
+                self.heads,
+            )
 
     @cute.jit
     def publish(self, cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part):
@@ -244,7 +310,9 @@ class MlaQuery:
             first = chunk * per_chunk // 2  # first rope pair of this chunk
             cs = []
             for i in cutlass.range_constexpr(per_chunk // 8):
-                cs.append((P.load_f32x4_nc(cos + pos * 32 + first + 4 * i), P.load_f32x4_nc(sin + pos * 32 + first + 4 * i)))
+                cs.append(
+                    (P.load_f32x4_nc(cos + pos * 32 + first + 4 * i), P.load_f32x4_nc(sin + pos * 32 + first + 4 * i))
+                )
             rope = []
             for p in cutlass.range_constexpr(per_chunk // 2):
                 c, s = cs[p // 4][0][p % 4], cs[p // 4][1][p % 4]
@@ -257,5 +325,22 @@ def compile_args():
     bf16 = P.gmem_ptr(BFloat16)
     f32 = P.gmem_ptr(Float32)
     i32 = P.gmem_ptr(Int32, align=4)
-    return (bf16, bf16, bf16, bf16, bf16, f32, f32, i32, i32, bf16, f32, P.gmem_ptr(Uint8), P.gmem_ptr(Uint8),
-            P.gmem_ptr(Int32, align=8), Int32(1), Float32(1e-6), Int64(1))
+    return (
+        bf16,
+        bf16,
+        bf16,
+        bf16,
+        bf16,
+        f32,
+        f32,
+        i32,
+        i32,
+        bf16,
+        f32,
+        P.gmem_ptr(Uint8),
+        P.gmem_ptr(Uint8),
+        P.gmem_ptr(Int32, align=8),
+        Int32(1),
+        Float32(1e-6),
+        Int64(1),
+    )

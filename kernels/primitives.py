@@ -23,10 +23,14 @@ SENTINEL_WORD = 0xFFFFFFFF  # graphstep/formats.py: no published word can be thi
 
 # -- global memory ------------------------------------------------------------
 
+
 def _load_v4(ptr, qualifiers: str, dtype):
     kind = "b32" if dtype is Uint32 else "f32"
-    return cute.arch.inline_ptx(f"ld.{qualifiers}.v4.{kind} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, [{{$r0}}];",
-                                write_only_types=[dtype] * 4, read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        f"ld.{qualifiers}.v4.{kind} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, [{{$r0}}];",
+        write_only_types=[dtype] * 4,
+        read_only_args=[ptr],
+    )
 
 
 def load_u32x4(ptr) -> tuple:
@@ -62,8 +66,12 @@ def _load_if(ptr, live, count: int, dtype, zero: str):
     vector = f".v{count}" if count > 1 else ""
     clear = "".join(f"mov.{'f32' if zero.startswith('0f') else 'b32'} {{$w{i}}}, {zero};\n\t" for i in range(count))
     return cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t" + clear + f"@p ld.global{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
-        write_only_types=[dtype] * count, read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t"
+        + clear
+        + f"@p ld.global{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
+        write_only_types=[dtype] * count,
+        read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
+    )
 
 
 def load_u32x4_if(ptr, live) -> tuple:
@@ -93,8 +101,10 @@ def load_f32_if(ptr, live) -> Float32:
 
 def store_u32x4(ptr, words):
     """16-byte global store: one chunk lands whole, as the mailbox protocol needs."""
-    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                         read_only_args=[ptr, words[0], words[1], words[2], words[3]])
+    cute.arch.inline_ptx(
+        "st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[ptr, words[0], words[1], words[2], words[3]],
+    )
 
 
 def store_u32(ptr, word):
@@ -128,8 +138,9 @@ def load_f32(ptr) -> Float32:
 
 
 def load_f32x2(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.global.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32] * 2,
-                                read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        "ld.global.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32] * 2, read_only_args=[ptr]
+    )
 
 
 def load_f32_nc(ptr) -> Float32:
@@ -150,10 +161,14 @@ def load_i32(ptr) -> Int32:
 
 # -- packing ---------------------------------------------------------------------------------
 
+
 def unpack_bf16x2(word) -> tuple:
     """A word of two bf16 -> (low, high) as fp32 (exact)."""
-    return cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;\n\tand.b32 {$w1}, {$r0}, 0xffff0000;",
-                                write_only_types=[Float32, Float32], read_only_args=[word])
+    return cute.arch.inline_ptx(
+        "shl.b32 {$w0}, {$r0}, 16;\n\tand.b32 {$w1}, {$r0}, 0xffff0000;",
+        write_only_types=[Float32, Float32],
+        read_only_args=[word],
+    )
 
 
 def unpack_bf16x8(words) -> list:
@@ -171,13 +186,16 @@ def unpack_e4m3x4(word) -> tuple:
         "cvt.rn.f16x2.e4m3x2 h01, lo;\n\tcvt.rn.f16x2.e4m3x2 h23, hi;\n\tmov.b32 {f0, f1}, h01;\n\t"
         "mov.b32 {f2, f3}, h23;\n\tcvt.f32.f16 {$w0}, f0;\n\tcvt.f32.f16 {$w1}, f1;\n\tcvt.f32.f16 {$w2}, f2;\n\t"
         "cvt.f32.f16 {$w3}, f3;\n\t}",
-        write_only_types=[Float32] * 4, read_only_args=[word])
+        write_only_types=[Float32] * 4,
+        read_only_args=[word],
+    )
 
 
 def pack_bf16x2(low, high) -> Uint32:
     """Round two fp32 to nearest-even bf16: low in bits 0-15 (NaN -> 0x7FFF)."""
-    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
-                                read_only_args=[high, low])
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
+    )
 
 
 def pack_e4m3x4(v0, v1, v2, v3) -> Uint32:
@@ -185,7 +203,9 @@ def pack_e4m3x4(v0, v1, v2, v3) -> Uint32:
     return cute.arch.inline_ptx(
         "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.satfinite.e4m3x2.f32 lo, {$r1}, {$r0};\n\t"
         "cvt.rn.satfinite.e4m3x2.f32 hi, {$r3}, {$r2};\n\tmov.b32 {$w0}, {lo, hi};\n\t}",
-        write_only_types=[Uint32], read_only_args=[v0, v1, v2, v3])
+        write_only_types=[Uint32],
+        read_only_args=[v0, v1, v2, v3],
+    )
 
 
 def pack_words(values, fp8: bool) -> list:
@@ -201,6 +221,7 @@ def pack_words(values, fp8: bool) -> list:
 
 
 # -- exact-order arithmetic ------------------------------------------------------------------
+
 
 def select(cond, a, b) -> Float32:
     """a where cond else b, without a branch (lanes of one warp may disagree)."""
@@ -220,8 +241,9 @@ def mul_rn(a, b) -> Float32:
 
 
 def fma_rn(a, b, c) -> Float32:
-    return cute.arch.inline_ptx("fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Float32],
-                                read_only_args=[a, b, c])
+    return cute.arch.inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Float32], read_only_args=[a, b, c]
+    )
 
 
 def fma2(a, b, c) -> tuple:
@@ -283,8 +305,10 @@ def rope_neox_row(q, cos, sin, pos, lane) -> list:
 def quantize_e4m3_row(x) -> tuple:
     """Per-row e4m3 of a 128-wide row held 4 per lane: scale = max(amax, 1e-4) / 448
     (graphstep.formats.quantize_fp8_rows). Returns (this lane's 4 bytes as a word, scale)."""
-    amax = cute.arch.fmax(cute.arch.fmax(cute.math.abs(x[0]), cute.math.abs(x[1])),
-                          cute.arch.fmax(cute.math.abs(x[2]), cute.math.abs(x[3])))
+    amax = cute.arch.fmax(
+        cute.arch.fmax(cute.math.abs(x[0]), cute.math.abs(x[1])),
+        cute.arch.fmax(cute.math.abs(x[2]), cute.math.abs(x[3])),
+    )
     scale = cute.arch.fmax(warp_max(amax), Float32(1e-4)) / Float32(448.0)
     return pack_e4m3x4(x[0] / scale, x[1] / scale, x[2] / scale, x[3] / scale), scale
 
@@ -294,7 +318,9 @@ def query_norm_rsqrt(total, eps) -> Float32:
     return cute.arch.inline_ptx(
         "{\n\t.reg .f32 m, s;\n\tdiv.rn.f32 m, {$r0}, 0f44C00000;\n\tadd.rn.f32 m, m, {$r1};\n\t"
         "sqrt.rn.f32 s, m;\n\trcp.rn.f32 {$w0}, s;\n\t}",
-        write_only_types=[Float32], read_only_args=[total, eps])
+        write_only_types=[Float32],
+        read_only_args=[total, eps],
+    )
 
 
 def lane_norm_rr(values, eps, tiled: bool) -> Float32:
@@ -324,6 +350,7 @@ def lane_norm_rr(values, eps, tiled: bool) -> Float32:
 
 # -- mailbox ------------------------------------------------------------------------------
 
+
 def chunk_published(words) -> cutlass.Boolean:
     """A chunk has landed when none of its four words is the sentinel word."""
     landed = words[0] != Uint32(SENTINEL_WORD)
@@ -339,17 +366,29 @@ def globaltimer() -> Int64:
 
 def report_missing(error, linear_chunk):
     """error: int32 [2] = (flag, lowest missing chunk index): set the flag, keep the minimum."""
-    cute.arch.inline_ptx("red.global.min.s32 [{$r0}], {$r1};\n\tst.global.s32 [{$r2}], 1;",
-                         read_only_args=[error + 1, linear_chunk, error])
+    cute.arch.inline_ptx(
+        "red.global.min.s32 [{$r0}], {$r1};\n\tst.global.s32 [{$r2}], 1;",
+        read_only_args=[error + 1, linear_chunk, error],
+    )
 
 
 POLL_IN_FLIGHT = 8
 
 
 @cute.jit
-def poll_mailbox(mailbox: cute.Pointer, error: cute.Pointer, first: Int32, threads: Int32, batch: Int32,
-                 deadline: Int64, gathered: cutlass.Constexpr[int], q_heads: cutlass.Constexpr[int],
-                 row_chunks: cutlass.Constexpr[int], skip_lo: cutlass.Constexpr[int], skip_n: cutlass.Constexpr[int]):
+def poll_mailbox(
+    mailbox: cute.Pointer,
+    error: cute.Pointer,
+    first: Int32,
+    threads: Int32,
+    batch: Int32,
+    deadline: Int64,
+    gathered: cutlass.Constexpr[int],
+    q_heads: cutlass.Constexpr[int],
+    row_chunks: cutlass.Constexpr[int],
+    skip_lo: cutlass.Constexpr[int],
+    skip_n: cutlass.Constexpr[int],
+):
     """Spin until every chunk of head rows [0, gathered) but [skip_lo, skip_lo + skip_n) of
     `batch` tokens is published, this thread taking chunks first, first + threads, ...
     with 8 volatile loads in flight. A chunk still missing at `deadline` (globaltimer ns)
@@ -364,7 +403,9 @@ def poll_mailbox(mailbox: cute.Pointer, error: cute.Pointer, first: Int32, threa
         if skip_n:
             rows = [r + Int32(cutlass.select_(r >= skip_lo, skip_n, 0)) for r in rows]
         parts = [c % row_chunks for c in picks]
-        sources = [mailbox + ((tokens[i] * q_heads + rows[i]) * row_chunks + parts[i]) * 16 for i in range(POLL_IN_FLIGHT)]
+        sources = [
+            mailbox + ((tokens[i] * q_heads + rows[i]) * row_chunks + parts[i]) * 16 for i in range(POLL_IN_FLIGHT)
+        ]
         loads = [load_u32x4_volatile(source) for source in sources]
         for i in cutlass.range_constexpr(POLL_IN_FLIGHT):  # the loads above are in flight
             landed = chunk_published(loads[i])
@@ -376,6 +417,7 @@ def poll_mailbox(mailbox: cute.Pointer, error: cute.Pointer, first: Int32, threa
 
 # -- warp MMA -----------------------------------------------------------------------------
 
+
 def _mma(shape_and_types: str, a, b, c) -> list:
     """One warp MMA with fp32 accumulators: a 4 words, b 2 words, c 4 fp32 (accumulated).
     Fragment layouts are the PTX ISA's for .row.col (g = lane / 4, t = lane % 4)."""
@@ -383,7 +425,8 @@ def _mma(shape_and_types: str, a, b, c) -> list:
         f"mma.sync.aligned.{shape_and_types} {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4,
-        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
+        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]],
+    )
     return list(out)
 
 
@@ -401,14 +444,17 @@ def mma_e4m3_16832(a, b, c) -> list:
 # Shared-memory pointers (a smem tensor's `.iterator` plus a byte offset) lower to 32-bit
 # `.shared` addresses in PTX.
 
+
 def cp_async_16(dst, src, live=True):
     """Copy 16 bytes global -> shared without blocking (`cp.async.cg`, L2 only); where not
     `live` nothing is read and the 16 bytes are zero-filled (live=True: no predicate)."""
     if live is True:
         cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
         return
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
-                         read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))])
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+        read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))],
+    )
 
 
 def cp_async_commit():
@@ -421,13 +467,15 @@ def cp_async_wait(pending: int):
 
 
 def ld_shared_u32x4(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Uint32] * 4, read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Uint32] * 4, read_only_args=[ptr]
+    )
 
 
 def ld_shared_u32x2(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2,
-                                read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2, read_only_args=[ptr]
+    )
 
 
 def ld_shared_f32(ptr) -> Float32:
@@ -435,8 +483,9 @@ def ld_shared_f32(ptr) -> Float32:
 
 
 def ld_shared_f32x4(ptr) -> tuple:
-    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Float32] * 4, read_only_args=[ptr]
+    )
 
 
 def st_shared_f32(ptr, value):
@@ -444,8 +493,10 @@ def st_shared_f32(ptr, value):
 
 
 def st_shared_u32x4(ptr, words):
-    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                         read_only_args=[ptr, words[0], words[1], words[2], words[3]])
+    cute.arch.inline_ptx(
+        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[ptr, words[0], words[1], words[2], words[3]],
+    )
 
 
 def st_shared_u32(ptr, word):
@@ -455,15 +506,20 @@ def st_shared_u32(ptr, word):
 def ldmatrix_x4(ptr) -> tuple:
     """Four 8 x 8 b16 matrices: lanes 8i..8i+7 give the row addresses of matrix i; lane
     (g = lane / 4, t = lane % 4) receives row g, columns 2t, 2t + 1 of each."""
-    return cute.arch.inline_ptx("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Uint32] * 4, read_only_args=[ptr])
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4,
+        read_only_args=[ptr],
+    )
 
 
 def ldmatrix_x4_trans(ptr) -> tuple:
     """As ldmatrix_x4, transposed: lane (g, t) receives rows 2t, 2t + 1 of column g."""
     return cute.arch.inline_ptx(
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Uint32] * 4, read_only_args=[ptr])
+        write_only_types=[Uint32] * 4,
+        read_only_args=[ptr],
+    )
 
 
 def exp2_approx(x) -> Float32:
@@ -472,6 +528,7 @@ def exp2_approx(x) -> Float32:
 
 
 # -- host side ----------------------------------------------------------------------------
+
 
 def gmem_ptr(dtype, address: int = 0, align: int = 16):
     """A global pointer argument (address 0 for compilation only)."""

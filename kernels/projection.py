@@ -50,13 +50,17 @@ def ring_bytes(tokens: int, ring: int) -> int:
 
 # -- shared-memory primitives (32-bit shared addresses) -----------------------------------
 
+
 def prefetch_l2_line(ptr, live):
     """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
-    cute.arch.inline_ptx("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
-                         read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))])
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
+        read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
+    )
 
 
 # -- the stream -----------------------------------------------------------------------
+
 
 class Stream:
     """One CTA's view of the ring: per-thread copy and fragment offsets, fixed at start.

@@ -35,14 +35,23 @@ class QueryNorm:
         self.pdl = pdl
 
     @cute.jit
-    def __call__(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        qkv: cute.Pointer,
+        gamma: cute.Pointer,
+        qc: cute.Pointer,
+        batch: Int32,
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
         if cutlass.const_expr(self.tiled):
             self.tiled_kernel(qkv, gamma, qc, batch, eps).launch(
-                grid=[(batch + 7) // 8, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[(batch + 7) // 8, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            )
         else:
             self.row_kernel(qkv, gamma, qc, batch, eps).launch(
-                grid=[batch, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[batch, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            )
 
     @cute.kernel
     def row_kernel(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):

@@ -40,10 +40,18 @@ class QueryWait:
         return batch * self.token_chunks
 
     @cute.jit
-    def __call__(self, mailbox: cute.Pointer, error: cute.Pointer, batch: Int32, ctas: Int32, budget_ns: Int64,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        mailbox: cute.Pointer,
+        error: cute.Pointer,
+        batch: Int32,
+        ctas: Int32,
+        budget_ns: Int64,
+        stream: cuda.CUstream,
+    ):
         self.kernel(mailbox, error, batch, budget_ns).launch(
-            grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
     def kernel(self, mailbox: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
@@ -52,8 +60,19 @@ class QueryWait:
         ctas, _, _ = cute.arch.grid_dim()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        P.poll_mailbox(mailbox, error, cta * THREADS + tid, ctas * THREADS, batch, P.globaltimer() + budget_ns,
-                       self.gathered, self.q_heads, self.row_chunks, 0, 0)
+        P.poll_mailbox(
+            mailbox,
+            error,
+            cta * THREADS + tid,
+            ctas * THREADS,
+            batch,
+            P.globaltimer() + budget_ns,
+            self.gathered,
+            self.q_heads,
+            self.row_chunks,
+            0,
+            0,
+        )
 
 
 def compile_args():

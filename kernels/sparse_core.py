@@ -114,8 +114,17 @@ def partial_rows(batch: int, q_heads: int, k: int) -> int:
 
 
 class SparseCore:
-    def __init__(self, q_heads: int, gathered: int, k: int, q_fp8: bool, mla_fp8: bool, softmax_scale: float,
-                 slots_per_cta: int, pdl: bool = True):
+    def __init__(
+        self,
+        q_heads: int,
+        gathered: int,
+        k: int,
+        q_fp8: bool,
+        mla_fp8: bool,
+        softmax_scale: float,
+        slots_per_cta: int,
+        pdl: bool = True,
+    ):
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -132,20 +141,42 @@ class SparseCore:
         self.q_in_registers = self.heads == 16
 
     @cute.jit
-    def __call__(self, q_rows: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer, partial_o: cute.Pointer,
-                 partial_ml: cute.Pointer, out: cute.Pointer, lse: cute.Pointer, batch: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        q_rows: cute.Pointer,
+        slots: cute.Pointer,
+        cache: cute.Pointer,
+        partial_o: cute.Pointer,
+        partial_ml: cute.Pointer,
+        out: cute.Pointer,
+        lse: cute.Pointer,
+        batch: Int32,
+        stream: cuda.CUstream,
+    ):
         self.partial(q_rows, slots, cache, partial_o, partial_ml, out, lse).launch(
-            grid=[self.splits, self.q_heads // self.heads, batch], block=[self.threads, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=[self.splits, self.q_heads // self.heads, batch],
+            block=[self.threads, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+        )
         if cutlass.const_expr(self.splits > 1):
             self.combine(partial_o, partial_ml, out, lse).launch(
-                grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
+            )
 
     # -- partial --------------------------------------------------------------------------
 
     @cute.kernel
-    def partial(self, q_rows: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer, partial_o: cute.Pointer,
-                partial_ml: cute.Pointer, out: cute.Pointer, lse: cute.Pointer):
+    def partial(
+        self,
+        q_rows: cute.Pointer,
+        slots: cute.Pointer,
+        cache: cute.Pointer,
+        partial_o: cute.Pointer,
+        partial_ml: cute.Pointer,
+        out: cute.Pointer,
+        lse: cute.Pointer,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
@@ -155,8 +186,9 @@ class SparseCore:
         m, block = self.heads, self.block
         smem = cutlass.memory.SmemAllocator()
         stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(max(self.stages * stage_bytes, m * STRIDE)),
-                                    byte_alignment=128).iterator  # bf16 rows, or raw fp8 rows
+        ring = smem.allocate_tensor(
+            Uint8, cute.make_layout(max(self.stages * stage_bytes, m * STRIDE)), byte_alignment=128
+        ).iterator  # bf16 rows, or raw fp8 rows
         q_s = ring  # query rows held in registers only pass through the ring's first stage
         if cutlass.const_expr(not self.q_in_registers):
             q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
@@ -258,8 +290,9 @@ class SparseCore:
             for n in cutlass.range_constexpr(ntiles):
                 for q in cutlass.range_constexpr(4):
                     acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
-            acc_o = self.values_block(acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE
-                                      + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles)
+            acc_o = self.values_block(
+                acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+            )
             cute.arch.sync_threads()  # the block's buffers are free for the next copies
 
         # the row sums over the 4 lanes of a row, then over the column warps
@@ -294,8 +327,7 @@ class SparseCore:
     @cute.jit
     def lse_of(self, top, total) -> Float32:
         """Natural-log lse from the log2-unit max and the sum at that max (-inf: no slot)."""
-        return P.select(total > Float32(0), (top + cute.math.log2(total)) * Float32(math.log(2.0)),
-                        Float32(-math.inf))
+        return P.select(total > Float32(0), (top + cute.math.log2(total)) * Float32(math.log(2.0)), Float32(-math.inf))
 
     @cute.jit
     def values_block(self, acc_o, p_lane, v_lane, ntiles: int) -> list:
@@ -396,8 +428,9 @@ class SparseCore:
                 index = tid + i * self.threads
                 if index < chunks:
                     h, c = index // BF16_CHUNKS, index % BF16_CHUNKS
-                    P.cp_async_16(q_s + h * STRIDE + 16 * c, rows + h * self.q_bytes + 16 * c,
-                                  head0 + h < self.gathered)
+                    P.cp_async_16(
+                        q_s + h * STRIDE + 16 * c, rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered
+                    )
 
     # -- combine --------------------------------------------------------------------------
 
@@ -420,8 +453,12 @@ class SparseCore:
         outputs = []
         for u in cutlass.range_constexpr(mine):
             s = 4 * u + warp
-            outputs.append(P.load_f32x4_if(partial_o + (first + cutlass.min(s, self.splits - 1) * self.q_heads) * LATENT
-                                           + dims, s < self.splits))
+            outputs.append(
+                P.load_f32x4_if(
+                    partial_o + (first + cutlass.min(s, self.splits - 1) * self.q_heads) * LATENT + dims,
+                    s < self.splits,
+                )
+            )
         stats = []
         for s0 in cutlass.range_constexpr(0, self.splits, 128):
             live = s0 + tid < self.splits
@@ -481,5 +518,13 @@ class SparseCore:
 
 def compile_args():
     f32 = P.gmem_ptr(Float32)
-    return (P.gmem_ptr(Uint8), P.gmem_ptr(Int32), P.gmem_ptr(Uint8), f32, P.gmem_ptr(Float32, align=8), f32,
-            P.gmem_ptr(Float32, align=4), Int32(1))
+    return (
+        P.gmem_ptr(Uint8),
+        P.gmem_ptr(Int32),
+        P.gmem_ptr(Uint8),
+        f32,
+        P.gmem_ptr(Float32, align=8),
+        f32,
+        P.gmem_ptr(Float32, align=4),
+        Int32(1),
+    )

@@ -166,26 +166,45 @@ class TopK(RadixSelect):
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
 
     @cute.jit
-    def __call__(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
-                 out: cute.Pointer, out_scores: cute.Pointer, batch: Int32, pages_per_seq: Int32,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        out: cute.Pointer,
+        out_scores: cute.Pointer,
+        batch: Int32,
+        pages_per_seq: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
-            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
-    def kernel(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
-               out: cute.Pointer, out_scores: cute.Pointer, pages_per_seq: Int32):
+    def kernel(
+        self,
+        scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        out: cute.Pointer,
+        out_scores: cute.Pointer,
+        pages_per_seq: Int32,
+    ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
         width = pages_per_seq * PAGE
-        n = cutlass.min(cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0),
-                        width)
+        n = cutlass.min(
+            cutlass.max((P.load_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0), width
+        )
         row = scores + token * width
         last_vector = cutlass.max(n - 1, 0) // 4 * 4
 
         threshold, need = Uint32(0), Int32(ALL)  # n <= k: every position is kept
         if n > self.k:
-            threshold, need = self.find_threshold((row, n, last_vector), n, self.k, hist, scratch, chosen, tid, lane, warp)
+            threshold, need = self.find_threshold(
+                (row, n, last_vector), n, self.k, hist, scratch, chosen, tid, lane, warp
+            )
 
         # Ordered compaction: an element's place = (keys above T before it) + min(keys at T
         # before it, need); it is taken if above T, or at T with fewer than `need` before it.
@@ -216,8 +235,16 @@ class TopK(RadixSelect):
                     mine_above = (above[e] >> lane) & 1
                     mine_at = (at[e] >> lane) & 1
                     if mine_above == 1 or (mine_at == 1 and lane_at < need):
-                        self.write(out, out_scores, block_tables, token, pages_per_seq,
-                                   lane_above + cutlass.min(lane_at, need), element(start, warp, lane, e), words[e])
+                        self.write(
+                            out,
+                            out_scores,
+                            block_tables,
+                            token,
+                            pages_per_seq,
+                            lane_above + cutlass.min(lane_at, need),
+                            element(start, warp, lane, e),
+                            words[e],
+                        )
                     lane_above = lane_above + mine_above
                     lane_at = lane_at + mine_at
                 for j in cutlass.range_constexpr(4):  # the whole warp's load u precedes load u + 1
@@ -252,6 +279,7 @@ class TopK(RadixSelect):
 
 
 # -- a row split over a thread-block cluster ---------------------------------------------
+
 
 @dataclass(frozen=True)
 class Split:
@@ -310,21 +338,26 @@ SUMS = 5120  # offset of the cluster-summed histograms
 
 def dsmem_add(address, cta, value):
     """Atomically add `value` to the Int32 at shared address `address` in CTA `cta` of the cluster."""
-    cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-                         "red.shared::cluster.add.u32 [remote], {$r2};\n\t}",
-                         read_only_args=[address, cta, value])
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "red.shared::cluster.add.u32 [remote], {$r2};\n\t}",
+        read_only_args=[address, cta, value],
+    )
 
 
 def dsmem_store2(address, cta, a, b):
     """Store two Int32 at shared address `address` (8-byte aligned) in CTA `cta` of the cluster."""
-    cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-                         "st.shared::cluster.v2.b32 [remote], {{$r2}, {$r3}};\n\t}",
-                         read_only_args=[address, cta, a, b])
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "st.shared::cluster.v2.b32 [remote], {{$r2}, {$r3}};\n\t}",
+        read_only_args=[address, cta, a, b],
+    )
 
 
 def store_zero4(address):
-    cute.arch.inline_ptx("{\n\t.reg .b32 z;\n\tmov.b32 z, 0;\n\tst.shared.v4.b32 [{$r0}], {z, z, z, z};\n\t}",
-                         read_only_args=[address])
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 z;\n\tmov.b32 z, 0;\n\tst.shared.v4.b32 [{$r0}], {z, z, z, z};\n\t}", read_only_args=[address]
+    )
 
 
 def word_of(key) -> Uint32:
@@ -367,16 +400,35 @@ class ClusterTopK:
         self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
 
     @cute.jit
-    def __call__(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
-                 out: cute.Pointer, out_scores: cute.Pointer, batch: Int32, pages_per_seq: Int32,
-                 stream: cuda.CUstream):
+    def __call__(
+        self,
+        scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        out: cute.Pointer,
+        out_scores: cute.Pointer,
+        batch: Int32,
+        pages_per_seq: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
-            grid=[self.ctas, batch, 1], block=[self.threads, 1, 1], cluster=[self.ctas, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=[self.ctas, batch, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.ctas, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+        )
 
     @cute.kernel
-    def kernel(self, scores: cute.Pointer, block_tables: cute.Pointer, context_lens: cute.Pointer,
-               out: cute.Pointer, out_scores: cute.Pointer, pages_per_seq: Int32):
+    def kernel(
+        self,
+        scores: cute.Pointer,
+        block_tables: cute.Pointer,
+        context_lens: cute.Pointer,
+        out: cute.Pointer,
+        out_scores: cute.Pointer,
+        pages_per_seq: Int32,
+    ):
         threads, ctas, loads = self.threads, self.ctas, self.loads
         warps = threads // 32
         per_cta = threads * 4 * loads
@@ -419,8 +471,9 @@ class ClusterTopK:
 
         if n > self.k:
             threshold, need = self.find_threshold(keys, limit, zeroed, base_address, tid, lane, cta)
-            self.compact(keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid,
-                         lane, warp, cta)
+            self.compact(
+                keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
+            )
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
             for u in cutlass.range_constexpr(loads):
@@ -515,8 +568,9 @@ class ClusterTopK:
         return 32 * group + 31 - chosen, above, cute.arch.shuffle_sync(count, offset=chosen)
 
     @cute.jit
-    def compact(self, keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane,
-                warp, cta):
+    def compact(
+        self, keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
+    ):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
         the row) + min(kept keys == T before them, need)."""
         threads, ctas, loads = self.threads, self.ctas, self.loads
@@ -571,8 +625,16 @@ class ClusterTopK:
                 mine_at = (at[j] >> lane) & 1
                 if mine_above == 1 or (mine_at == 1 and lane_at < need):
                     offset = 4 * (threads * u + tid) + j
-                    self.write(out, out_scores, pages, token, lane_above + cutlass.min(lane_at, need), base + offset,
-                               offset, keys[4 * u + j])
+                    self.write(
+                        out,
+                        out_scores,
+                        pages,
+                        token,
+                        lane_above + cutlass.min(lane_at, need),
+                        base + offset,
+                        offset,
+                        keys[4 * u + j],
+                    )
                 lane_above = lane_above + mine_above
                 lane_at = lane_at + mine_at
             above_before = above_before + (total & 0xFFFF)

@@ -30,15 +30,18 @@ def check(step: DecodeStep, seed: int) -> str:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
-        step.kernels.dcp_merge(b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables,
-                               b.slots, 1)
+        step.kernels.dcp_merge(
+            b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables, b.slots, 1
+        )
     end.record()
     torch.cuda.synchronize()
     own, peer = _keys(b.own_scores[0].cpu()), _keys(b.peer_scores[0, 1].cpu())
     threshold, need, rounds = search(torch.cat([own, peer]), 2048)
-    return (f"seed {seed}: B=1 replay {us:6.1f} us, DcpMerge alone {start.elapsed_time(end) * 100:6.1f} us, "
-            f"search rounds {rounds}, need {'ALL' if need == 2**31 - 1 else need}, "
-            f"own candidates at the threshold {int((own == threshold).sum())}")
+    return (
+        f"seed {seed}: B=1 replay {us:6.1f} us, DcpMerge alone {start.elapsed_time(end) * 100:6.1f} us, "
+        f"search rounds {rounds}, need {'ALL' if need == 2**31 - 1 else need}, "
+        f"own candidates at the threshold {int((own == threshold).sum())}"
+    )
 
 
 for sizes in ([1], [1, 64]):

@@ -22,8 +22,12 @@ def main() -> None:
     parser.add_argument("--mode", default="fork")
     parser.add_argument("--context", type=int, default=32768)
     args = parser.parse_args()
-    step = DecodeStep(RankShape(preset(args.preset), Topology(tp=args.tp)), capture_sizes=[args.batch],
-                      policy=args.mode, max_context=args.context)
+    step = DecodeStep(
+        RankShape(preset(args.preset), Topology(tp=args.tp)),
+        capture_sizes=[args.batch],
+        policy=args.mode,
+        max_context=args.context,
+    )
     step.capture()
     load_batch(step, args.batch, args.context)
     for _ in range(20):  # steady state before the capture range

@@ -43,16 +43,19 @@ def test_gpu_commands_say_they_need_a_gpu(capsys):
             main(command)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["info", "--bandwidth", "0"], "--bandwidth: expected a positive number, got '0'"),
-    (["info", "--bandwidth", "-1"], "--bandwidth: expected a positive number"),
-    (["info", "--context", "0"], "--context: expected a positive integer"),
-    (["ptx", "--arch", "foo"], "invalid choice: 'foo'"),
-    (["ptx", "--batch-size", "0"], "--batch-size: expected a positive integer"),
-    (["graph", "--mode", "bogus"], "invalid choice: 'bogus'"),
-    (["serve", "--steps", "-3"], "--steps: expected a positive integer"),
-    (["run", "--cpu-batch", "x"], "--cpu-batch: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["info", "--bandwidth", "0"], "--bandwidth: expected a positive number, got '0'"),
+        (["info", "--bandwidth", "-1"], "--bandwidth: expected a positive number"),
+        (["info", "--context", "0"], "--context: expected a positive integer"),
+        (["ptx", "--arch", "foo"], "invalid choice: 'foo'"),
+        (["ptx", "--batch-size", "0"], "--batch-size: expected a positive integer"),
+        (["graph", "--mode", "bogus"], "invalid choice: 'bogus'"),
+        (["serve", "--steps", "-3"], "--steps: expected a positive integer"),
+        (["run", "--cpu-batch", "x"], "--cpu-batch: expected a positive integer"),
+    ],
+)
 def test_bad_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -98,7 +101,9 @@ def test_policy_and_trace_are_checked_before_the_gpu(tmp_path, capsys):
     assert "No such file" in _error(["serve", "--trace", str(tmp_path / "missing")], capsys)
     trace = tmp_path / "trace"
     trace.write_text("1 2 64")
-    assert "needs batch 64 but the largest captured size (--batch) is 32" in _error(["serve", "--trace", str(trace)], capsys)
+    assert "needs batch 64 but the largest captured size (--batch) is 32" in _error(
+        ["serve", "--trace", str(trace)], capsys
+    )
     assert "fork_poll" in _error(["graph", "--tp", "1", "--wide", "--mode", "fork_poll"], capsys)
 
 
@@ -109,8 +114,14 @@ def test_a_bad_watchdog_is_an_error_not_a_traceback(monkeypatch, capsys):
 
 
 def test_help_shows_defaults(capsys):
-    for verb, shown in (("info", "(default: 4.3)"), ("run", "(default: 1,4,16,64)"), ("ptx", "(default: sm_90a)"),
-                        ("serve", "(default: 1000)"), ("bench", "(default: bench-out)"), ("graph", "(default: fork)")):
+    for verb, shown in (
+        ("info", "(default: 4.3)"),
+        ("run", "(default: 1,4,16,64)"),
+        ("ptx", "(default: sm_90a)"),
+        ("serve", "(default: 1000)"),
+        ("bench", "(default: bench-out)"),
+        ("graph", "(default: fork)"),
+    ):
         with pytest.raises(SystemExit):
             main([verb, "--help"])
         out = " ".join(capsys.readouterr().out.split())

@@ -16,9 +16,9 @@ import re
 
 import pytest
 import torch
+from graphstep.kernels import catalog
 
 from conftest import SMALL, launch_on_cpu
-from graphstep.kernels import catalog
 from graphstep.launch import DEFAULT_BUDGET_NS, Kernels
 from graphstep.shapes import RankShape, Topology
 from graphstep.step import DecodeStep
@@ -28,6 +28,7 @@ ROUNDS = ((21, 11), (10, 11), (0, 10))  # kernels/top_k.py's radix digits
 
 
 # -- a replay of size 1 on a step that captured [1, 8] ------------------------------------
+
 
 class Recorder:
     calls: list = []
@@ -60,9 +61,11 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     step.run_stages(1, mode)
 
     names = [name for name, _ in recorded]
-    expect = {"fork": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery", "QueryWait"],
-              "fork_poll": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery"],
-              "serial": ["IndexKey", "MlaQuery", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge"]}[mode]
+    expect = {
+        "fork": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery", "QueryWait"],
+        "fork_poll": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge", "MlaQuery"],
+        "serial": ["IndexKey", "MlaQuery", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge"],
+    }[mode]
     assert names == expect + ["SparseCore"]
     for name, scalars in recorded:
         assert scalars[0] == 1, (name, scalars)  # the batch: the replayed size, never 8
@@ -75,10 +78,11 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     assert (mailbox[0] == 0xFF).all()
     assert (mailbox[1:] == 0x5A).all() and (b.q_out[1:] == 0x5A).all()
     own = slice(shape.topology.rank * shape.heads, (shape.topology.rank + 1) * shape.heads)
-    assert (b.q_out[0, : own.start] == 0x11).all() and (b.q_out[0, own.stop: shape.gathered] == 0x11).all()
+    assert (b.q_out[0, : own.start] == 0x11).all() and (b.q_out[0, own.stop : shape.gathered] == 0x11).all()
 
 
 # -- DcpMerge's tie count ---------------------------------------------------------------------
+
 
 def _keys(scores: torch.Tensor) -> torch.Tensor:
     """kernels/top_k.py's order_key, as int64."""
@@ -143,6 +147,7 @@ def test_dcp_merge_counts_ties_only_when_need_is_not_all(tmp_path):
 
 # -- on the GPU -------------------------------------------------------------------------------
 
+
 def _merge_us(kernels, tables, candidates, out, batch: int, launches: int = 20) -> float:
     own_positions, own_scores, peer_positions, peer_scores = candidates
     peers_p = torch.stack([own_positions, peer_positions], dim=1).contiguous()  # [B, dcp, k]; rank 0's unused
@@ -165,8 +170,13 @@ def test_dcp_merge_takes_a_whole_threshold_bin_without_counting_ties():
     from graphstep.shapes import preset
     from graphstep.state import LayerState
 
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=DCP, rank=0)), max_batch=4,
-                       max_context=32768, seed=5, device="cuda")
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=DCP, rank=0)),
+        max_batch=4,
+        max_context=32768,
+        seed=5,
+        device="cuda",
+    )
     kernels, tables = Kernels(state.shape, state.weights), state.caches.block_tables
     times = {}
     for tied in (False, True):

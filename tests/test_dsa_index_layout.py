@@ -8,9 +8,9 @@ every thread, assembles what the hardware would read, and checks D = keys @ quer
 exactly, and that the epilogue's accumulator index names the (key, head) it claims."""
 
 import torch
+from graphstep.kernels import dsa_index as D
 
 from graphstep import formats
-from graphstep.kernels import dsa_index as D
 
 KEYS, HEADS, DIM = D.PAGE, D.HEADS, D.DIM
 
@@ -31,8 +31,10 @@ def _a_registers(values):
             for t in range(4):
                 rows = [16 * w + g, 16 * w + g + 8]
                 # the thread's 32 bytes of each row, paired: pair q = bytes 2 q, 2 q + 1
-                halves = [[(values[row, D.key_byte(2 * q, t)], values[row, D.key_byte(2 * q + 1, t)])
-                           for q in range(16)] for row in rows]
+                halves = [
+                    [(values[row, D.key_byte(2 * q, t)], values[row, D.key_byte(2 * q + 1, t)]) for q in range(16)]
+                    for row in rows
+                ]
                 for s in range(8):
                     for r, pair in enumerate(D.a_fragment(halves, s)):
                         for j in range(2):
@@ -49,7 +51,7 @@ def _query_smem(values):
     smem = {}
     for tid in range(D.CONSUMERS):
         n, half = tid % HEADS, tid // HEADS
-        region = values[n, 64 * half: 64 * half + 64]
+        region = values[n, 64 * half : 64 * half + 64]
         for cc in range(8):
             base = D.query_offset(8 * half + cc, n)
             for tt in range(4):
@@ -101,8 +103,17 @@ def test_e4m3_widens_exactly_to_fp16():
 
 
 def test_host_runs_fill_the_gpu_and_bound_the_waves():
-    for batch, pages, run in [(1, 512, 2), (4, 512, 4), (16, 512, 4), (64, 512, 4), (1, 2048, 4), (4, 2048, 4),
-                              (16, 2048, 4), (64, 2048, 4), (1, 1, 2)]:
+    for batch, pages, run in [
+        (1, 512, 2),
+        (4, 512, 4),
+        (16, 512, 4),
+        (64, 512, 4),
+        (1, 2048, 4),
+        (4, 2048, 4),
+        (16, 2048, 4),
+        (64, 2048, 4),
+        (1, 1, 2),
+    ]:
         assert D.pages_per_cta(batch, pages) == run, (batch, pages)
         assert run in D.CTA_PAGES and run <= D.MAX_RUN == D.STAGES  # no ring stage reused (see CTA_PAGES)
     grid = D.grid_for(3, 2049, 32)

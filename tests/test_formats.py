@@ -1,6 +1,7 @@
 import torch
 
-from graphstep import formats, reference as ref
+from graphstep import formats
+from graphstep import reference as ref
 from graphstep.state import LayerState
 
 
@@ -24,7 +25,7 @@ def test_mailbox_landing_and_first_missing(small):
     ref.publish(state, caches, rows, rank=1)
     assert formats.first_missing(caches.mailbox, 3, 8) is None
     # a torn chunk: one word still the sentinel
-    caches.mailbox[2, 6, 17 * 16 + 4: 17 * 16 + 8] = formats.SENTINEL_BYTE
+    caches.mailbox[2, 6, 17 * 16 + 4 : 17 * 16 + 8] = formats.SENTINEL_BYTE
     assert formats.first_missing(caches.mailbox, 3, 8) == (2, 6, 17)
     # pad rows beyond `gathered` are never polled
     assert state.shape.q_heads == 16 and formats.first_missing(caches.mailbox, 3, 8) == (2, 6, 17)
@@ -45,4 +46,4 @@ def test_index_cache_views_share_storage():
     keys, scales = formats.index_cache_views(cache, 64, 128)
     scales[1, 3] = 2.5
     keys[1, 3, 0] = 7
-    assert cache[1, 3 * 128] == 7 and cache[1, 8192 + 12: 8192 + 16].view(torch.float32).item() == 2.5
+    assert cache[1, 3 * 128] == 7 and cache[1, 8192 + 12 : 8192 + 16].view(torch.float32).item() == 2.5

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from graphstep.kernels import dsa_index
+from graphstep.kernels import top_k as top_k_kernels
 
 from conftest import rel_err
-from graphstep import formats, reference as ref
-from graphstep.kernels import dsa_index, top_k as top_k_kernels
+from graphstep import formats
+from graphstep import reference as ref
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState, StepInputs, local_lens
@@ -16,8 +18,9 @@ LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 4096]
 
 def _state(topology, max_batch=len(LENGTHS)):
     seed = int(torch.randint(0, 2**31, ()))
-    return LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=max_batch, max_context=4096,
-                      seed=seed, device="cuda")
+    return LayerState(
+        RankShape(preset("deepseek-v3.2"), topology), max_batch=max_batch, max_context=4096, seed=seed, device="cuda"
+    )
 
 
 def test_index_key_writes_exactly_the_new_slots():
@@ -60,9 +63,18 @@ def _index_query(batch, tokens=None):
         kernels.index_query(q_c, inputs.qkv, inputs.context_lens, q_out, w_out, batch)
     else:
         w = state.weights
-        kernels._index_query_op(tokens)(ptr(q_c), ptr(w.wq_b_index), ptr(inputs.qkv), ptr(w.index_rope_cos),
-                                        ptr(w.index_rope_sin), ptr(inputs.context_lens, 4), ptr(q_out), ptr(w_out),
-                                        Int32(batch), current_stream())
+        kernels._index_query_op(tokens)(
+            ptr(q_c),
+            ptr(w.wq_b_index),
+            ptr(inputs.qkv),
+            ptr(w.index_rope_cos),
+            ptr(w.index_rope_sin),
+            ptr(inputs.context_lens, 4),
+            ptr(q_out),
+            ptr(w_out),
+            Int32(batch),
+            current_stream(),
+        )
     torch.cuda.synchronize()
     return q_out, w_out, ref.index_query(state, inputs, q_c)
 
@@ -103,8 +115,13 @@ def scoring(request):
     per sequence, the SCORE_LENGTHS tokens' query rows and weights, and the fp32 reference
     scores (about 1.5 GB of GPU memory with the MLA cache)."""
     dcp, rank = request.param
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
-                       max_batch=len(SCORE_LENGTHS), max_context=max(SCORE_LENGTHS), seed=11 + rank, device="cuda")
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
+        max_batch=len(SCORE_LENGTHS),
+        max_context=max(SCORE_LENGTHS),
+        seed=11 + rank,
+        device="cuda",
+    )
     inputs = state.inputs(len(SCORE_LENGTHS), context_lens=SCORE_LENGTHS)
     q_fp8, head_w = ref.index_query(state, inputs, ref.query_norm(state, inputs))
     expect = ref.index_scores(state, state.caches, inputs, q_fp8, head_w)
@@ -120,8 +137,16 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
     kernels = Kernels(state.shape, state.weights)
     width = state.pages_per_seq * 64
     scores = torch.full((len(SCORE_LENGTHS), width), float("nan"), device="cuda")  # poison
-    kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores,
-                      len(SCORE_LENGTHS), pages_per_cta=run)
+    kernels.dsa_index(
+        q_fp8,
+        head_w,
+        state.caches.index_cache,
+        inputs.block_tables,
+        inputs.context_lens,
+        scores,
+        len(SCORE_LENGTHS),
+        pages_per_cta=run,
+    )
     torch.cuda.synchronize()
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
     for b, n in enumerate(lens.tolist()):
@@ -149,10 +174,15 @@ def _score_mismatches(scores, expect, lens, run, tol=1e-5):
         pages = {}
         for p in where:
             pages.setdefault(p // 64, []).append(p % 64)
-        desc = [f"p{pg}(cta {pg // run}, stage {(pg % run) % 4}, rows {rows[:8]}{'...' if len(rows) > 8 else ''}"
-                f" x{len(rows)})" for pg, rows in list(pages.items())[:12]]
-        lines.append(f"token {b} len {n}: rel_err {err:.3g}, tail -inf {tail_ok}, finite {finite}, "
-                     f"{len(where)} wrong in {len(pages)} pages: {' '.join(desc)}")
+        desc = [
+            f"p{pg}(cta {pg // run}, stage {(pg % run) % 4}, rows {rows[:8]}{'...' if len(rows) > 8 else ''}"
+            f" x{len(rows)})"
+            for pg, rows in list(pages.items())[:12]
+        ]
+        lines.append(
+            f"token {b} len {n}: rel_err {err:.3g}, tail -inf {tail_ok}, finite {finite}, "
+            f"{len(where)} wrong in {len(pages)} pages: {' '.join(desc)}"
+        )
     return lines
 
 
@@ -161,8 +191,9 @@ def test_dsa_index_batch_of_64_at_32k_matches_the_reference():
     block tables of 8 sequences (each table used by 8 tokens, rows shuffled; scoring only
     reads the cache), so the state stays small. Reports every wrong token and position, and
     launches twice more on the same inputs: a race shows as scores that differ."""
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=8, max_context=32768, seed=5,
-                       device="cuda")
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=8, max_context=32768, seed=5, device="cuda"
+    )
     gen = torch.Generator(device="cuda").manual_seed(5)
     lens = torch.tensor([32768 - 37 * b for b in range(64)], dtype=torch.int32, device="cuda")
     tables = state.caches.block_tables.repeat(8, 1)[torch.randperm(64, generator=gen, device="cuda")].contiguous()
@@ -190,8 +221,10 @@ def test_dsa_index_batch_of_64_at_32k_matches_the_reference():
         if differ.any():
             rows = differ.any(1).nonzero().flatten().tolist()
             first = [(b, differ[b].nonzero().flatten()[:6].tolist()) for b in rows[:8]]
-            problems.append(f"launch {k} differs from launch 0 (a race): {int(differ.sum())} positions in "
-                            f"tokens {rows}; first positions {first}")
+            problems.append(
+                f"launch {k} differs from launch 0 (a race): {int(differ.sum())} positions in "
+                f"tokens {rows}; first positions {first}"
+            )
     for k, launch in enumerate(launches):
         if torch.isnan(launch).any():
             problems.append(f"launch {k}: NaN left at {int(torch.isnan(launch).sum())} positions")
@@ -212,8 +245,13 @@ def _masked(scores: torch.Tensor, dcp: int = 1, rank: int = 0) -> torch.Tensor:
 def _run_top_k(scores: torch.Tensor, dcp: int = 1, rank: int = 0):
     """TopK of `rank` over scores [8, local width] with a fresh state's shuffled block
     tables; outputs poisoned first. -> (tables, out, out_scores, kernels)."""
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
-                       max_batch=len(TOPK_LENGTHS), max_context=32768, seed=7 + rank, device="cuda")
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
+        max_batch=len(TOPK_LENGTHS),
+        max_context=32768,
+        seed=7 + rank,
+        device="cuda",
+    )
     tables = state.caches.block_tables
     assert scores.shape[1] == tables.shape[1] * 64
     out = torch.full((len(TOPK_LENGTHS), 2048), -7, dtype=torch.int32, device="cuda")
@@ -263,8 +301,9 @@ def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
     for rank, (tables, kernels) in enumerate(ranks):
         peer_positions[:, rank], peer_scores[:, rank] = -7, float("nan")  # read from `own`, not here
         slots = torch.full((8, 2048), -9, dtype=torch.int32, device="cuda")
-        kernels.dcp_merge(candidates[rank].positions, candidates[rank].scores, peer_positions, peer_scores, tables,
-                          slots, 8)
+        kernels.dcp_merge(
+            candidates[rank].positions, candidates[rank].scores, peer_positions, peer_scores, tables, slots, 8
+        )
         torch.cuda.synchronize()
         peer_positions[:, rank], peer_scores[:, rank] = candidates[rank].positions, candidates[rank].scores
         assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, rank)), rank
@@ -289,8 +328,24 @@ def _variant_lengths(split) -> list[int]:
     vector included), and up to the variant's whole width."""
     width = _variant_width(split)
     per_cta = split.per_cta if split is not None else 16384
-    lengths = {1, 63, 64, 65, 2047, 2048, 2049, 4097, per_cta - 1, per_cta, per_cta + 5, 3 * per_cta + 2,
-               32768, 131072, width - 3, width}
+    lengths = {
+        1,
+        63,
+        64,
+        65,
+        2047,
+        2048,
+        2049,
+        4097,
+        per_cta - 1,
+        per_cta,
+        per_cta + 5,
+        3 * per_cta + 2,
+        32768,
+        131072,
+        width - 3,
+        width,
+    }
     return sorted(n for n in lengths if 0 < n <= width)
 
 
@@ -312,8 +367,13 @@ def _variant_scores(kind: str, rows: int, width: int) -> torch.Tensor:
 def _run_variant(split, scores, tables, lens, dcp: int = 1, rank: int = 0):
     """TopK of `split` over scores [rows, width]; outputs poisoned first."""
     rows = scores.shape[0]
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)), max_batch=1,
-                       max_context=256, seed=1, device="cuda")
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=rank)),
+        max_batch=1,
+        max_context=256,
+        seed=1,
+        device="cuda",
+    )
     kernels = Kernels(state.shape, state.weights)
     out = torch.full((rows, 2048), -7, dtype=torch.int32, device="cuda")
     out_scores = torch.full((rows, 2048), float("nan"), device="cuda")

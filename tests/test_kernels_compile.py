@@ -7,9 +7,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from graphstep.kernels import catalog, index_query, sparse_core, top_k
 
 from graphstep.cli import main
-from graphstep.kernels import catalog, index_query, sparse_core, top_k
 from graphstep.shapes import RankShape, Topology, preset
 
 SHAPES = {
@@ -36,8 +36,14 @@ def _entries(text):
 
 def test_every_variant_compiled(ptx):
     names = {name for _, name in ptx}
-    assert {"query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled", "query_wait",
-            "mla_query_tiled_poll"} <= names
+    assert {
+        "query_norm_rows",
+        "query_norm_tiled",
+        "mla_query_rows",
+        "mla_query_tiled",
+        "query_wait",
+        "mla_query_tiled_poll",
+    } <= names
     assert {"index_key", "index_query_16", "index_query_32", "index_query_64", "dsa_index", "top_k"} <= names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
     assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
@@ -50,13 +56,19 @@ def test_every_variant_compiled(ptx):
 # Everything else a predecessor may still be writing.
 BEFORE_WAIT = {
     "query_norm": {"ld.global.nc.v4.b32"},  # gamma
-    "mla_query": {"ld.global.nc.v4.b32",  # gamma (its QueryNorm kernel)
-                  "cp.async.bulk.prefetch.L2.global"},  # Q_B / W_UK slices into L2 (no data reaches the SM)
+    "mla_query": {
+        "ld.global.nc.v4.b32",  # gamma (its QueryNorm kernel)
+        "cp.async.bulk.prefetch.L2.global",
+    },  # Q_B / W_UK slices into L2 (no data reaches the SM)
     "index_key": {"ld.global.nc.b32"},  # the LayerNorm weight and bias
-    "index_query": {"cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
-                    "prefetch.global.L2"},  # test_index_query_streams_once_in_one_fused_kernel)
-    "dsa_index": {"ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
-                  "cp.async.bulk.prefetch.L2.global"},  # the first pages into L2
+    "index_query": {
+        "cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
+        "prefetch.global.L2",
+    },  # test_index_query_streams_once_in_one_fused_kernel)
+    "dsa_index": {
+        "ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
+        "cp.async.bulk.prefetch.L2.global",
+    },  # the first pages into L2
 }
 _OPCODE = re.compile(r"^\s*\{?\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)", re.M)
 _READS = re.compile(r"(ld|ldu|ldmatrix|cp\.async|cp\.reduce|prefetch|prefetchu|atom|red|tex|tld4|suld|multimem)(\.|$)")
@@ -78,16 +90,33 @@ def global_reads(ptx_text: str) -> list[str]:
 
 
 def test_the_before_wait_scan_sees_every_load_form():
-    lines = ["ld.global.v2.u32 {%r1, %r2}, [%rd1];", "ld.volatile.global.b32 %r1, [%rd1];", "ld.global.u8 %rs1, [%rd1];",
-             "ld.global.s8 %rs1, [%rd1];", "ld.global.u16 %rs1, [%rd1];", "ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];",
-             "@%p1 ld.global.nc.s32 %r1, [%rd1];", "@!%p2 ld.global.L1::no_allocate.b32 %r1, [%rd1];",
-             "@p ld.global.v4.f32 {%r1, %r2, %r3, %r4}, [%rd1];", "{ ld.volatile.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1]; }", "ld.u32 %r1, [%rd1];",
-             "ld.relaxed.gpu.global.b32 %r1, [%rd1];", "ldu.global.u32 %r1, [%rd1];", "atom.global.add.u32 %r1, [%rd1], 1;",
-             "cp.async.ca.shared.global [%r1], [%rd1], 4;", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-             "[%r1], [%rd1], 256, [%r2];"]
-    allowed = ["ld.param.u64 %rd1, [p0];", "ld.shared.v4.b32 {%r1, %r2, %r3, %r4}, [%r5];", "cp.async.commit_group;",
-               "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];", "cp.async.wait_group 1;",
-               "mov.u32 %r1, %r2;", "st.shared.v4.b32 [%r1], {%r2, %r3, %r4, %r5};"]
+    lines = [
+        "ld.global.v2.u32 {%r1, %r2}, [%rd1];",
+        "ld.volatile.global.b32 %r1, [%rd1];",
+        "ld.global.u8 %rs1, [%rd1];",
+        "ld.global.s8 %rs1, [%rd1];",
+        "ld.global.u16 %rs1, [%rd1];",
+        "ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];",
+        "@%p1 ld.global.nc.s32 %r1, [%rd1];",
+        "@!%p2 ld.global.L1::no_allocate.b32 %r1, [%rd1];",
+        "@p ld.global.v4.f32 {%r1, %r2, %r3, %r4}, [%rd1];",
+        "{ ld.volatile.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1]; }",
+        "ld.u32 %r1, [%rd1];",
+        "ld.relaxed.gpu.global.b32 %r1, [%rd1];",
+        "ldu.global.u32 %r1, [%rd1];",
+        "atom.global.add.u32 %r1, [%rd1], 1;",
+        "cp.async.ca.shared.global [%r1], [%rd1], 4;",
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1], 256, [%r2];",
+    ]
+    allowed = [
+        "ld.param.u64 %rd1, [p0];",
+        "ld.shared.v4.b32 {%r1, %r2, %r3, %r4}, [%r5];",
+        "cp.async.commit_group;",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];",
+        "cp.async.wait_group 1;",
+        "mov.u32 %r1, %r2;",
+        "st.shared.v4.b32 [%r1], {%r2, %r3, %r4, %r5};",
+    ]
     text = "\n\t".join(["", *lines, *allowed])
     assert len(global_reads(text)) == len(lines)
     assert not global_reads("\n\t".join(["", *allowed]))
@@ -121,8 +150,16 @@ def test_wide_global_accesses_and_no_local_memory(ptx):
 def test_query_norm_uses_the_order_models_ieee_ops(ptx):
     for variant in ("query_norm_rows", "query_norm_tiled", "mla_query_rows", "mla_query_tiled"):
         text = ptx[("tp8", variant)]
-        for op in ("fma.rn.f32", "add.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "rcp.rn.f32",
-                   "shfl.sync.bfly.b32", "cvt.rn.bf16x2.f32"):
+        for op in (
+            "fma.rn.f32",
+            "add.rn.f32",
+            "mul.rn.f32",
+            "div.rn.f32",
+            "sqrt.rn.f32",
+            "rcp.rn.f32",
+            "shfl.sync.bfly.b32",
+            "cvt.rn.bf16x2.f32",
+        ):
             assert op in text, (variant, op)
     norm = ptx[("tp8", "query_norm_rows")] + ptx[("tp8", "query_norm_tiled")]
     assert "approx" not in norm
@@ -133,7 +170,7 @@ def test_query_norm_uses_the_order_models_ieee_ops(ptx):
 
 
 def test_mla_query_streams_weights_on_tensor_cores(ptx):
-    for (shape, name), text in ptx.items():
+    for (_shape, name), text in ptx.items():
         if name.startswith("mla_query"):
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 32, name
             assert text.count("cp.async.bulk.prefetch.L2.global") == 2, name
@@ -162,9 +199,16 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     splits = sorted(f"top_k_{split.name}.sm_90a.ptx" for split in top_k.SPLITS)
-    assert files == ["dsa_index.sm_90a.ptx", "index_key.sm_90a.ptx", "index_query_16.sm_90a.ptx", "mla_query_rows.sm_90a.ptx",
-                     "query_norm_rows.sm_90a.ptx", "sparse_core_s64.sm_90a.ptx",
-                     "top_k.sm_90a.ptx", *splits]
+    assert files == [
+        "dsa_index.sm_90a.ptx",
+        "index_key.sm_90a.ptx",
+        "index_query_16.sm_90a.ptx",
+        "mla_query_rows.sm_90a.ptx",
+        "query_norm_rows.sm_90a.ptx",
+        "sparse_core_s64.sm_90a.ptx",
+        "top_k.sm_90a.ptx",
+        *splits,
+    ]
     assert f"{7 + len(splits)} kernel variants" in capsys.readouterr().out
 
 
@@ -297,11 +341,15 @@ def _cubin_attributes(cubin: bytes) -> dict:
     names = sections[shstrndx][4]
     found = {}
     for name, _, _, _, offset, size, *_ in sections:
-        if not cubin[names + name:].startswith(b".nv.info"):
+        if not cubin[names + name :].startswith(b".nv.info"):
             continue
         i = 0
         while i + 4 <= size:
-            fmt, attribute, value = cubin[offset + i], cubin[offset + i + 1], struct.unpack_from("<H", cubin, offset + i + 2)[0]
+            fmt, attribute, value = (
+                cubin[offset + i],
+                cubin[offset + i + 1],
+                struct.unpack_from("<H", cubin, offset + i + 2)[0],
+            )
             if fmt == 4:  # a sized value
                 if attribute in (0x2F, 0x11):
                     found["regs" if attribute == 0x2F else "frame"] = struct.unpack_from("<I", cubin, offset + i + 8)[0]
@@ -323,8 +371,9 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
         folder = tmp_path / f"dcp{dcp}"
         folder.mkdir()
         op = top_k.ClusterTopK(2048, dcp, rank, split)
-        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](op, *top_k.compile_args(),
-                                                                                      make_fake_stream())
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](
+            op, *top_k.compile_args(), make_fake_stream()
+        )
         (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
         found = _cubin_attributes(cubin.read_bytes())
         assert found["frame"] == 0, (split.name, dcp, found)

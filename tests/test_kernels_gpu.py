@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from graphstep import formats, order, reference as ref
+from graphstep import formats, order
+from graphstep import reference as ref
 from graphstep.launch import ErrorWord, Kernels, MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset, tiled_from
 from graphstep.state import LayerState
@@ -63,8 +64,20 @@ def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
     norm_qc = _buffers(state, batch)["qc"]
     kernels.query_norm(inputs.qkv, norm_qc, batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
-                      caches.mla_cache, error, batch, store_qc=True, poll=False)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        caches.mla_cache,
+        error,
+        batch,
+        store_qc=True,
+        poll=False,
+    )
     torch.cuda.synchronize()
     assert torch.equal(buf["qc"], norm_qc), "MlaQuery's q_c must be bit-identical to QueryNorm's"
     assert (buf["qc_private"].view(torch.int16) == POISON).all(), "store_qc writes the indexer's q_c only"
@@ -89,9 +102,20 @@ def test_kv_insert_past_2_gib_of_cache():
     slots = inputs.slot_mapping.long()
     rows[slots] = torch.full((4, 576), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16)
     buf = _buffers(state, 4)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"],
-                      buf["workspace"], buf["q_rows"], state.caches.mla_cache, ErrorWord.new("cuda"), 4,
-                      store_qc=False, poll=False)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        state.caches.mla_cache,
+        ErrorWord.new("cuda"),
+        4,
+        store_qc=False,
+        poll=False,
+    )
     torch.cuda.synchronize()
     assert (rows[slots].view(torch.int16) != POISON).all()
     assert rel_err(rows[slots].float(), ref.kv_row(state, inputs)) < 1e-2
@@ -106,8 +130,20 @@ def test_kv_insert_writes_exactly_the_new_slots(tp8):
     caches.mla_cache.view(torch.int16).fill_(POISON)
     before = caches.mla_cache.clone()
     buf = _buffers(state, batch)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
-                      caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        caches.mla_cache,
+        ErrorWord.new("cuda"),
+        batch,
+        store_qc=False,
+        poll=False,
+    )
     torch.cuda.synchronize()
     assert (buf["qc"].view(torch.int16) == POISON).all(), "without store_qc the indexer's q_c is untouched"
     rows = caches.mla_cache.view(-1, 576)
@@ -126,8 +162,20 @@ def test_fp8_query_rows_and_cache(tp8):
     inputs = state.inputs(batch)
     caches = state.clone_caches()
     buf = _buffers(state, batch)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
-                      caches.mla_cache, ErrorWord.new("cuda"), batch, store_qc=False, poll=False)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        caches.mla_cache,
+        ErrorWord.new("cuda"),
+        batch,
+        store_qc=False,
+        poll=False,
+    )
     torch.cuda.synchronize()
     expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
     got = formats.decode_q_rows(buf["q_rows"], "fp8")[:, :16]
@@ -152,7 +200,7 @@ def _publish_peers(state, q_rows, batch, skip=None):
     q_rows[:batch, : state.shape.heads] = encoded
     if skip is not None:
         token, row, chunk = skip
-        q_rows[token, row, 16 * chunk: 16 * chunk + 16] = formats.SENTINEL_BYTE
+        q_rows[token, row, 16 * chunk : 16 * chunk + 16] = formats.SENTINEL_BYTE
 
 
 @pytest.mark.parametrize("poll_in_mla", [False, True])
@@ -163,8 +211,20 @@ def test_publish_then_wait_returns(dcp2, poll_in_mla):
     buf = _buffers(state, batch)
     _publish_peers(state, buf["q_rows"], batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
-                      state.clone_caches().mla_cache, error, batch, store_qc=False, poll=poll_in_mla)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        state.clone_caches().mla_cache,
+        error,
+        batch,
+        store_qc=False,
+        poll=poll_in_mla,
+    )
     if not poll_in_mla:
         kernels.query_wait(buf["q_rows"], error, batch)
     torch.cuda.synchronize()
@@ -184,8 +244,18 @@ def test_missing_publisher_is_reported_and_the_next_step_works(dcp2, poll_in_mla
     missing = (5, 11, 40)  # token 5, rank 0's head row 11, chunk 40
     _publish_peers(state, buf["q_rows"], batch, skip=missing)
     error = ErrorWord.new("cuda")
-    args = (inputs.qkv, inputs.context_lens, inputs.slot_mapping, buf["qc"], buf["qc_private"], buf["workspace"], buf["q_rows"],
-            state.clone_caches().mla_cache, error, batch)
+    args = (
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        state.clone_caches().mla_cache,
+        error,
+        batch,
+    )
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     kernels.mla_query(*args, store_qc=False, poll=poll_in_mla, budget_ns=20_000_000)

@@ -4,10 +4,10 @@ types), so a launcher that drifts from its kernel fails here, not first on a GPU
 
 import pytest
 import torch
+from graphstep.kernels import top_k
 
 from conftest import launch_on_cpu
 from graphstep import launch
-from graphstep.kernels import top_k
 from graphstep.launch import ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
@@ -47,8 +47,11 @@ def cpu_launches(monkeypatch):
     return Launch.calls
 
 
-@pytest.mark.parametrize("topology", [Topology(tp=8), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")],
-                         ids=["tp8", "dcp2-fp8"])
+@pytest.mark.parametrize(
+    "topology",
+    [Topology(tp=8), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")],
+    ids=["tp8", "dcp2-fp8"],
+)
 def test_every_launcher_matches_its_kernel(cpu_launches, topology):
     state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
     s, m, b = state.shape, state.shape.model, 4
@@ -64,19 +67,46 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
     partial_o, partial_ml = kernels.sparse_core_buffers(b, "cpu")
 
     kernels.query_norm(inputs.qkv, qc, b)
-    kernels.mla_query(inputs.qkv, inputs.context_lens, inputs.slot_mapping, qc, qc.clone(), f32(b, s.heads, 192),
-                      c.mailbox, c.mla_cache, error, b, store_qc=True, poll=topology.dcp > 1)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        qc,
+        qc.clone(),
+        f32(b, s.heads, 192),
+        c.mailbox,
+        c.mla_cache,
+        error,
+        b,
+        store_qc=True,
+        poll=topology.dcp > 1,
+    )
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
     kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, f32(b, m.index_heads), b)
     kernels.dsa_index(q8, f32(b, m.index_heads), c.index_cache, inputs.block_tables, inputs.context_lens, scores, b)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, i32(b, m.index_topk), f32(b, m.index_topk), b)
-    kernels.sparse_core(c.mailbox, i32(b, m.index_topk), c.mla_cache, partial_o, partial_ml,
-                        f32(b, s.gathered, m.kv_lora_rank), f32(b, s.gathered), b)
+    kernels.sparse_core(
+        c.mailbox,
+        i32(b, m.index_topk),
+        c.mla_cache,
+        partial_o,
+        partial_ml,
+        f32(b, s.gathered, m.kv_lora_rank),
+        f32(b, s.gathered),
+        b,
+    )
     launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "ClusterTopK", "SparseCore"]
     if topology.dcp > 1:
         kernels.query_wait(c.mailbox, error, b)
-        kernels.dcp_merge(i32(b, m.index_topk), f32(b, m.index_topk), i32(b, topology.dcp, m.index_topk),
-                          f32(b, topology.dcp, m.index_topk), inputs.block_tables, i32(b, m.index_topk), b)
+        kernels.dcp_merge(
+            i32(b, m.index_topk),
+            f32(b, m.index_topk),
+            i32(b, topology.dcp, m.index_topk),
+            f32(b, topology.dcp, m.index_topk),
+            inputs.block_tables,
+            i32(b, m.index_topk),
+            b,
+        )
         launched += ["QueryWait", "DcpMerge"]
     assert cpu_launches == launched
 
@@ -109,14 +139,21 @@ def _top_k_setup(topology, context: int, batch: int):
     state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
     m = state.shape.model
     tables = torch.zeros(batch, context // m.page_size, dtype=torch.int32)
-    args = (torch.zeros(batch, context), tables, torch.full((batch,), context, dtype=torch.int32),
-            torch.zeros(batch, m.index_topk, dtype=torch.int32), torch.zeros(batch, m.index_topk))
+    args = (
+        torch.zeros(batch, context),
+        tables,
+        torch.full((batch,), context, dtype=torch.int32),
+        torch.zeros(batch, m.index_topk, dtype=torch.int32),
+        torch.zeros(batch, m.index_topk),
+    )
     return Kernels(state.shape, state.weights), args
 
 
 @pytest.mark.parametrize("topology", [Topology(tp=8), Topology(tp=8, dcp=2, rank=1)], ids=["tp8", "dcp2"])
-@pytest.mark.parametrize("context, batch", [(64, 1), (4096, 4), (8192, 64), (32768, 1), (32768, 16), (32768, 64),
-                                            (131072, 4), (131072, 64), (262144, 2)])
+@pytest.mark.parametrize(
+    "context, batch",
+    [(64, 1), (4096, 4), (8192, 64), (32768, 1), (32768, 16), (32768, 64), (131072, 4), (131072, 64), (262144, 2)],
+)
 def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch):
     """The launcher picks split_for(width, batch): a ClusterTopK of that split (its
     compiled signature, its k / dcp / rank) or, for rows wider than every split, TopK."""
@@ -170,8 +207,15 @@ def test_dsa_index_refuses_runs_that_reuse_a_ring_stage(cpu_launches):
 
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=2, max_context=4096, seed=1)
     kernels, inputs = Kernels(state.shape, state.weights), state.inputs(2)
-    args = (torch.zeros(2, 64, 128, dtype=torch.uint8), torch.zeros(2, 64), state.caches.index_cache,
-            inputs.block_tables, inputs.context_lens, torch.zeros(2, state.pages_per_seq * 64), 2)
+    args = (
+        torch.zeros(2, 64, 128, dtype=torch.uint8),
+        torch.zeros(2, 64),
+        state.caches.index_cache,
+        inputs.block_tables,
+        inputs.context_lens,
+        torch.zeros(2, state.pages_per_seq * 64),
+        2,
+    )
     for run in (0, dsa_index.MAX_RUN + 1, 32):
         with pytest.raises(ValueError, match="pages_per_cta must be in"):
             kernels.dsa_index(*args, pages_per_cta=run)

@@ -48,7 +48,7 @@ def _scalar_rows(x, gamma):
                     v = xs[r, 8 * t + i]
                     acc = np.float32(v * v + acc)  # exact product, one rounding
             totals.append(acc)
-        partial = [_butterfly(totals[32 * w: 32 * w + 32])[0] for w in range(8)]
+        partial = [_butterfly(totals[32 * w : 32 * w + 32])[0] for w in range(8)]
         total = np.float32(0)
         for w in range(8):
             total = np.float32(total + partial[w])
@@ -95,7 +95,7 @@ def test_order_model_is_an_rmsnorm_within_bf16_rounding_but_not_the_plain_one():
     for variant in (order.query_norm_rows, order.query_norm_tiled):
         got = variant(x, gamma, EPS)
         # within one bf16 rounding of the exact value (relative 2^-8)
-        assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()
         assert not torch.equal(got, plain), "the order model must model something the plain norm does not"
     assert not torch.equal(order.query_norm_rows(x, gamma, EPS), order.query_norm_tiled(x, gamma, EPS))
 

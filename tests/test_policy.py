@@ -25,10 +25,19 @@ def test_batch_table_parses():
     assert batch_table("1:serial,8:fork") == {1: "serial", 8: "fork"}
 
 
-@pytest.mark.parametrize("bad, quoted", [
-    ("4:", "'4:'"), ("x:fork", "'x:fork'"), ("0:fork", "'0:fork'"), ("-1:fork", "'-1:fork'"),
-    ("1:serial,1:fork", "'1:fork'"), ("2:warp", "'2:warp'"), (":fork", "':fork'"), ("1:fork,", "''"),
-])
+@pytest.mark.parametrize(
+    "bad, quoted",
+    [
+        ("4:", "'4:'"),
+        ("x:fork", "'x:fork'"),
+        ("0:fork", "'0:fork'"),
+        ("-1:fork", "'-1:fork'"),
+        ("1:serial,1:fork", "'1:fork'"),
+        ("2:warp", "'2:warp'"),
+        (":fork", "':fork'"),
+        ("1:fork,", "''"),
+    ],
+)
 def test_malformed_tables_quote_the_entry(bad, quoted):
     with pytest.raises(ValueError) as error:
         batch_table(bad)

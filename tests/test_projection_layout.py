@@ -5,7 +5,6 @@ stage by stage, must give W . q_c^T for the CTA's 64 rows, tokens past the batch
 
 import numpy as np
 import pytest
-
 from graphstep.kernels import index_query, primitives
 from graphstep.kernels import projection as J
 
@@ -46,7 +45,7 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
             for lane in range(32):
                 for q in range(4):
                     e = addrs[8 * q + lane // 4] // 2 + 2 * (lane % 4)
-                    words[(i, lane, q)] = smem[e:e + 2]
+                    words[(i, lane, q)] = smem[e : e + 2]
     mmas = 0
     for i, call in enumerate(records[0]):
         if call[0] != "mma":
@@ -57,14 +56,15 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
             g, t = lane // 4, lane % 4
             (_, fa, fb) = records[lane][i]
             w = lambda frag: words[(frag[0], lane, frag[1])]  # noqa: E731
-            a[g, 2 * t:2 * t + 2], a[g + 8, 2 * t:2 * t + 2] = w(fa[0]), w(fa[1])
-            a[g, 2 * t + 8:2 * t + 10], a[g + 8, 2 * t + 8:2 * t + 10] = w(fa[2]), w(fa[3])
-            b[2 * t:2 * t + 2, g], b[2 * t + 8:2 * t + 10, g] = w(fb[0]), w(fb[1])
+            a[g, 2 * t : 2 * t + 2], a[g + 8, 2 * t : 2 * t + 2] = w(fa[0]), w(fa[1])
+            a[g, 2 * t + 8 : 2 * t + 10], a[g + 8, 2 * t + 8 : 2 * t + 10] = w(fa[2]), w(fa[3])
+            b[2 * t : 2 * t + 2, g], b[2 * t + 8 : 2 * t + 10, g] = w(fb[0]), w(fb[1])
         c = a @ b
         for lane in range(32):
             g, t = lane // 4, lane % 4
-            acc[(lane, nt)] = acc.get((lane, nt), 0) + np.array([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
-                                                                  c[g + 8, 2 * t + 1]])
+            acc[(lane, nt)] = acc.get((lane, nt), 0) + np.array(
+                [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+            )
 
 
 @pytest.mark.parametrize("tokens", [16, 32])
@@ -76,7 +76,7 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
 
     def cp_async(dst, src, live=True):
         assert dst % 16 == 0
-        smem[dst // 2:dst // 2 + 8] = src.array[src.offset:src.offset + 8] if live else 0
+        smem[dst // 2 : dst // 2 + 8] = src.array[src.offset : src.offset + 8] if live else 0
 
     monkeypatch.setattr(J.P, "cp_async_16", cp_async)
     monkeypatch.setattr(J.cutlass, "min", min)
@@ -87,7 +87,7 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
             s.issue_weights(Elements(weights), stage)
             s.issue_tokens(Elements(qc), batch, stage)
         for warp in range(J.WARPS):
-            _warp_compute(streams[32 * warp:32 * warp + 32], stage, smem, accs[warp], monkeypatch)
+            _warp_compute(streams[32 * warp : 32 * warp + 32], stage, smem, accs[warp], monkeypatch)
     tile = np.full(J.ring_bytes(tokens, ring) // 4, np.nan)
     for khalf in (1, 0):  # the kernel's reduction order
         for warp in (w for w in range(J.WARPS) if streams[32 * w].khalf == khalf):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from graphstep import formats, reference as ref
+from graphstep import formats
+from graphstep import reference as ref
 from graphstep.shapes import RankShape, Topology
 from graphstep.state import LayerState, local_lens
 
@@ -44,7 +45,9 @@ def test_rope_matches_complex_rotation():
     inter = torch.view_as_real(torch.view_as_complex(x.view(5, 32, 2)) * rot).flatten(1)
     assert rel_err(formats.rope_interleaved(x, cos[pos].double(), sin[pos].double()), inter) < 1e-6
     neox = torch.complex(x[:, :32], x[:, 32:]) * rot
-    assert rel_err(formats.rope_neox(x, cos[pos].double(), sin[pos].double()), torch.cat([neox.real, neox.imag], 1)) < 1e-6
+    assert (
+        rel_err(formats.rope_neox(x, cos[pos].double(), sin[pos].double()), torch.cat([neox.real, neox.imag], 1)) < 1e-6
+    )
 
 
 def test_mla_query_against_float64(state):
@@ -55,10 +58,12 @@ def test_mla_query_against_float64(state):
     for b in range(3):
         pos = int(inputs.positions[b])
         for h in range(4):
-            q = q_c[b].double() @ w.w_qb[h * 192:(h + 1) * 192].double().T
+            q = q_c[b].double() @ w.w_qb[h * 192 : (h + 1) * 192].double().T
             latent = q[:128] @ w.w_uk[h].double()
             angle = pos * 10000.0 ** (-torch.arange(0, 64, 2).double() / 64)
-            rope = torch.view_as_real(torch.view_as_complex(q[128:].view(32, 2).contiguous()) * torch.polar(torch.ones_like(angle), angle)).flatten()
+            rope = torch.view_as_real(
+                torch.view_as_complex(q[128:].view(32, 2).contiguous()) * torch.polar(torch.ones_like(angle), angle)
+            ).flatten()
             assert rel_err(got[b, h], torch.cat([latent, rope])) < 1e-5
 
 
@@ -95,7 +100,9 @@ def test_index_scores_against_explicit_loops(state):
         for t in (0, length - 1, length // 2):
             page = int(inputs.block_tables[b, t // 64])
             k = keys[page, t % 64].view(formats.FP8).double()
-            total = sum(float(head_w[b, h]) * max(0.0, float(q_fp8[b, h].view(formats.FP8).double() @ k)) for h in range(8))
+            total = sum(
+                float(head_w[b, h]) * max(0.0, float(q_fp8[b, h].view(formats.FP8).double() @ k)) for h in range(8)
+            )
             assert math.isclose(float(scores[b, t]), total * float(scales[page, t % 64]), rel_tol=1e-5, abs_tol=1e-6)
         assert torch.isinf(scores[b, length:]).all() and torch.isfinite(scores[b, :length]).all()
 
@@ -154,7 +161,7 @@ def test_sparse_attention_against_explicit_softmax(state):
     slots = torch.tensor([[0, 70, 5, -1], [-1, -1, -1, -1]], dtype=torch.int32)
     out, lse = ref.sparse_attention(state, state.caches, q, slots, acc=torch.float64)
     rows = state.caches.mla_cache.view(-1, 576).double()
-    scale = 192 ** -0.5
+    scale = 192**-0.5
     for h in range(3):
         logits = [float(q[0, h] @ rows[s]) * scale for s in (0, 70, 5)]
         m = max(logits)

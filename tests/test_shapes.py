@@ -26,12 +26,19 @@ def test_rank_sizes_under_tp_and_dcp():
     assert (dcp.heads, dcp.gathered, dcp.q_heads, dcp.q_bytes, dcp.mailbox_row_chunks) == (4, 8, 16, 1, 36)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(tp=0), "Topology.tp"), (dict(dcp=-1), "Topology.dcp"), (dict(tp=2, wide=True), "Topology.wide"),
-    (dict(split=True), "Topology.split"), (dict(dcp=2, rank=2), "Topology.rank"),
-    (dict(dcp=2, q_format=None), "Topology.q_format"), (dict(q_format="fp16"), "Topology.q_format"),
-    (dict(mla_cache="int8"), "Topology.mla_cache"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(tp=0), "Topology.tp"),
+        (dict(dcp=-1), "Topology.dcp"),
+        (dict(tp=2, wide=True), "Topology.wide"),
+        (dict(split=True), "Topology.split"),
+        (dict(dcp=2, rank=2), "Topology.rank"),
+        (dict(dcp=2, q_format=None), "Topology.q_format"),
+        (dict(q_format="fp16"), "Topology.q_format"),
+        (dict(mla_cache="int8"), "Topology.mla_cache"),
+    ],
+)
 def test_invalid_topologies_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Topology(**kwargs)

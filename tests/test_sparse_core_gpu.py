@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from graphstep import formats, reference as ref
+from graphstep import formats
+from graphstep import reference as ref
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
@@ -29,8 +30,13 @@ _STATES: dict = {}
 def _state(case):
     if case not in _STATES:
         model, topology, _ = CASES[case]
-        _STATES[case] = LayerState(RankShape(preset(model), topology), max_batch=64, max_context=4096,
-                                   seed=int(torch.randint(0, 2**31, ())), device="cuda")
+        _STATES[case] = LayerState(
+            RankShape(preset(model), topology),
+            max_batch=64,
+            max_context=4096,
+            seed=int(torch.randint(0, 2**31, ())),
+            device="cuda",
+        )
     return _STATES[case]
 
 
@@ -64,8 +70,10 @@ def _check(case, batch, slots_per_cta=None):
     partial_o, partial_ml = kernels.sparse_core_buffers(batch, "cuda")
     if slots_per_cta is not None:
         n = batch * k // slots_per_cta
-        partial_o, partial_ml = (torch.full((n, s.q_heads, m.kv_lora_rank), float("nan"), device="cuda"),
-                                 torch.full((n, s.q_heads, 2), float("nan"), device="cuda"))
+        partial_o, partial_ml = (
+            torch.full((n, s.q_heads, m.kv_lora_rank), float("nan"), device="cuda"),
+            torch.full((n, s.q_heads, 2), float("nan"), device="cuda"),
+        )
     kernels.sparse_core(mailbox, slots, state.caches.mla_cache, partial_o, partial_ml, out, lse, batch, slots_per_cta)
     torch.cuda.synchronize()
     q = formats.decode_q_rows(mailbox[:, : s.gathered], topology.q_format)
@@ -90,4 +98,3 @@ def test_sparse_core_plan_matches_the_reference(case, batch):
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
-

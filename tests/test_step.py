@@ -5,14 +5,16 @@ import pytest
 import torch
 
 from conftest import SMALL, rel_err
-from graphstep import formats, reference as ref
+from graphstep import formats
+from graphstep import reference as ref
 from graphstep.shapes import RankShape, Topology
 from graphstep.step import DecodeStep
 
 
 def _step(topology=Topology(tp=4), sizes=(1, 4, 8), **kw):
-    return DecodeStep(RankShape(SMALL, topology), capture_sizes=sizes, backend="torch", device="cpu",
-                      max_context=200, **kw)
+    return DecodeStep(
+        RankShape(SMALL, topology), capture_sizes=sizes, backend="torch", device="cpu", max_context=200, **kw
+    )
 
 
 def test_padding_picks_the_next_captured_size():
@@ -25,14 +27,17 @@ def test_padding_picks_the_next_captured_size():
         step.padded(0)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(backend="triton"), "backend 'triton'"),
-    (dict(capture_sizes=()), "at least one"),
-    (dict(capture_sizes=(0, 4)), "capture size must be a positive int"),
-    (dict(policy="1:fork_poll", topology=Topology(tp=1, wide=True)), "'fork_poll'"),
-    (dict(policy="2:bogus"), "'2:bogus'"),
-    (dict(backend="cute"), "sm_90"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(backend="triton"), "backend 'triton'"),
+        (dict(capture_sizes=()), "at least one"),
+        (dict(capture_sizes=(0, 4)), "capture size must be a positive int"),
+        (dict(policy="1:fork_poll", topology=Topology(tp=1, wide=True)), "'fork_poll'"),
+        (dict(policy="2:bogus"), "'2:bogus'"),
+        (dict(backend="cute"), "sm_90"),
+    ],
+)
 def test_construction_errors(kwargs, message):
     topology = kwargs.pop("topology", Topology(tp=4))
     args = dict(capture_sizes=(1, 4), backend="torch", device="cpu", max_context=100)
@@ -60,8 +65,9 @@ def test_bad_inputs_name_what_was_expected():
     good = step.state.inputs(2)
 
     def with_(**change):
-        fields = dict(qkv=good.qkv, context_lens=good.context_lens, slot_mapping=good.slot_mapping,
-                      block_tables=good.block_tables)
+        fields = dict(
+            qkv=good.qkv, context_lens=good.context_lens, slot_mapping=good.slot_mapping, block_tables=good.block_tables
+        )
         fields.update(change)
         return type(good)(**fields)
 
@@ -79,8 +85,9 @@ def test_bad_inputs_name_what_was_expected():
             step.step(inputs, eager=True)
     big = step.state  # a batch above the largest size
     with pytest.raises(ValueError, match="exceeds the largest captured size 8"):
-        DecodeStep(RankShape(SMALL, Topology(tp=4)), capture_sizes=(1, 8), backend="torch", device="cpu",
-                   max_context=200).step(_inputs_of(big, 9), eager=True)
+        DecodeStep(
+            RankShape(SMALL, Topology(tp=4)), capture_sizes=(1, 8), backend="torch", device="cpu", max_context=200
+        ).step(_inputs_of(big, 9), eager=True)
     with pytest.raises(TypeError, match="StepInputs"):
         step.step({"qkv": good.qkv}, eager=True)
 
@@ -111,7 +118,7 @@ def _rope(x, pos, theta, interleaved):
 def _within_bf16(got, expect):
     """Each element within one bf16 rounding (2^-8 relative) of the float64 value."""
     got, expect = got.double(), expect.double()
-    return bool(((got - expect).abs() <= expect.abs() * 2 ** -8 + 1e-6).all())
+    return bool(((got - expect).abs() <= expect.abs() * 2**-8 + 1e-6).all())
 
 
 def _independent_checks(step, inputs, got, before):
@@ -129,7 +136,7 @@ def _independent_checks(step, inputs, got, before):
     k = qkv[:, slice(*cols["idx_k"])]
     k = (k - k.mean(1, keepdim=True)) / (k.var(1, unbiased=False, keepdim=True) + m.index_norm_eps).sqrt()
     k = k * w.index_norm_weight.double() + w.index_norm_bias.double()
-    k = torch.cat([_rope(k[:, : m.index_rope_dim], pos, m.rope_theta, False), k[:, m.index_rope_dim:]], dim=1)
+    k = torch.cat([_rope(k[:, : m.index_rope_dim], pos, m.rope_theta, False), k[:, m.index_rope_dim :]], dim=1)
     mla = step.caches.mla_cache.view(-1, m.query_row)
     index = step.caches.index_cache
     page_keys = m.page_size * m.index_dim
@@ -140,14 +147,14 @@ def _independent_checks(step, inputs, got, before):
         written.add(slot)
         assert _within_bf16(mla[slot], row[b]), b
         page, offset = divmod(slot, m.page_size)
-        key = index[page, offset * m.index_dim: (offset + 1) * m.index_dim].view(torch.float8_e4m3fn).double()
-        scale = index[page, page_keys + 4 * offset: page_keys + 4 * offset + 4].view(torch.float32).double()
-        assert ((key * scale - k[b]).abs() <= k[b].abs() / 16 + scale * 2 ** -9).all(), b  # e4m3: 3 mantissa bits
+        key = index[page, offset * m.index_dim : (offset + 1) * m.index_dim].view(torch.float8_e4m3fn).double()
+        scale = index[page, page_keys + 4 * offset : page_keys + 4 * offset + 4].view(torch.float32).double()
+        assert ((key * scale - k[b]).abs() <= k[b].abs() / 16 + scale * 2**-9).all(), b  # e4m3: 3 mantissa bits
     assert written
     spare = step.state.trash_page
     others = torch.ones(mla.shape[0], dtype=torch.bool)
     others[sorted(written)] = False
-    others[spare * m.page_size:] = False  # the pad rows' writes
+    others[spare * m.page_size :] = False  # the pad rows' writes
     assert torch.equal(mla[others], before.mla_cache.view(-1, m.query_row)[others])
     keys_now = step.caches.index_cache[:spare, :page_keys].view(spare, m.page_size, m.index_dim)
     keys_before = before.index_cache[:spare, :page_keys].view(spare, m.page_size, m.index_dim)

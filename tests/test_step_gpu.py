@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from graphstep import formats, order, reference as ref
+from graphstep import formats, order
+from graphstep import reference as ref
 from graphstep.graphs import inspect
 from graphstep.launch import MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
@@ -21,8 +22,13 @@ def _seed():
 
 @pytest.fixture(scope="module")
 def tp8():
-    step = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), capture_sizes=SIZES, policy="fork",
-                      max_context=2048, seed=_seed())
+    step = DecodeStep(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
+        capture_sizes=SIZES,
+        policy="fork",
+        max_context=2048,
+        seed=_seed(),
+    )
     step.capture(modes=("serial",), keep_graph=True)
     return step
 
@@ -59,8 +65,9 @@ def test_step_matches_the_reference(tp8):
     got = tp8.step(inputs)
     torch.cuda.synchronize()
     q_a = inputs.qkv[:, :1536].contiguous()
-    assert torch.equal(got.q_c, order.query_norm(
-        torch.nn.functional.pad(q_a, (0, 0, 0, 1)), tp8.state.weights.gamma_q, 1e-6, 16)[:3])
+    assert torch.equal(
+        got.q_c, order.query_norm(torch.nn.functional.pad(q_a, (0, 0, 0, 1)), tp8.state.weights.gamma_q, 1e-6, 16)[:3]
+    )
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got.slots, expect.slots))
     assert overlap >= 0.95 * (expect.slots >= 0).sum()  # the same selection up to near-ties
@@ -89,8 +96,9 @@ def test_bad_inputs_raise(tp8):
     with pytest.raises(ValueError, match="must be on cuda"):
         tp8.step(type(inputs)(inputs.qkv.cpu(), inputs.context_lens, inputs.slot_mapping, inputs.block_tables))
     big = tp8.state.inputs(16, seed=1)
-    too_big = type(big)(*(torch.cat([t, t[:1]]) for t in (big.qkv, big.context_lens, big.slot_mapping,
-                                                           big.block_tables)))
+    too_big = type(big)(
+        *(torch.cat([t, t[:1]]) for t in (big.qkv, big.context_lens, big.slot_mapping, big.block_tables))
+    )
     with pytest.raises(ValueError, match="batch 17 exceeds the largest captured size 16"):
         tp8.step(too_big)
     with pytest.raises(RuntimeError, match="no graph captured for batch 4 in mode 'fork_poll'"):
@@ -147,8 +155,14 @@ def test_graph_edges_show_pdl_fork_and_join(tp8):
 
 @pytest.fixture(scope="module")
 def dcp2():
-    step = DecodeStep(RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2, rank=1)), capture_sizes=(2, 8),
-                      policy="fork", max_context=2048, seed=_seed(), budget_ns=20_000_000)
+    step = DecodeStep(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2, rank=1)),
+        capture_sizes=(2, 8),
+        policy="fork",
+        max_context=2048,
+        seed=_seed(),
+        budget_ns=20_000_000,
+    )
     step.capture(modes=("serial", "fork_poll"))
     return step
 
@@ -168,7 +182,7 @@ def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
     assert torch.equal(dcp2.buffers.q_out[:7, :16], expect)
     # a peer row that never lands: the step raises, names it, and the next step works
     dcp2.load(inputs, peers)
-    dcp2.buffers.peer_rows[2, 5, 16 * 9: 16 * 10] = formats.SENTINEL_BYTE
+    dcp2.buffers.peer_rows[2, 5, 16 * 9 : 16 * 10] = formats.SENTINEL_BYTE
     dcp2.replay(8, "fork")
     with pytest.raises(MailboxTimeout) as lost:
         torch.cuda.synchronize()

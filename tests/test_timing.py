@@ -36,15 +36,22 @@ def test_read_trace(tmp_path):
 
 def test_nsys_script_says_when_nsys_is_missing():
     env = dict(os.environ, PATH="/usr/bin:/bin", NSYS="")
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "nsys_capture.sh"), "/tmp/never"], capture_output=True,
-                            text=True, env=env, timeout=60)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "nsys_capture.sh"), "/tmp/never"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 2 and "nsys" in result.stderr and "not found" in result.stderr
 
 
 def test_bench_line_puts_the_alone_graph_beside_the_default_steps():
     fine = alone_line(1, 60.0, 61.2, [1, 4, 16, 64])
-    assert fine == ("B = 1 graph, cute fork: 60.0 us in a step that captured only [1], "
-                    "61.2 us in the step that captured [1, 4, 16, 64] (1.02x)")
+    assert fine == (
+        "B = 1 graph, cute fork: 60.0 us in a step that captured only [1], "
+        "61.2 us in the step that captured [1, 4, 16, 64] (1.02x)"
+    )
     slow = alone_line(1, 60.0, 311.0, [1, 4, 16, 64])  # issue 10's DCP 2 numbers
     assert "(5.18x)" in slow and "SLOWER" in slow and "issue 10" in slow
     assert "SLOWER" not in alone_line(4, 80.0, 90.0, [4, 64])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import SMALL
-from graphstep import reference as ref, torch_stages
+from graphstep import reference as ref
+from graphstep import torch_stages
 from graphstep.shapes import RankShape, Topology
 from graphstep.state import PeerInputs, StepInputs
 from graphstep.step import DecodeStep, NonFiniteInputs
@@ -18,12 +19,21 @@ DCP = Topology(tp=4, dcp=2, rank=1)
 
 
 def _step(topology=Topology(tp=4), sizes=(1, 4), policy=None, seed=0):
-    return DecodeStep(RankShape(SMALL, topology), capture_sizes=sizes, backend="torch", device="cpu",
-                      max_context=200, policy=policy, seed=seed)
+    return DecodeStep(
+        RankShape(SMALL, topology),
+        capture_sizes=sizes,
+        backend="torch",
+        device="cpu",
+        max_context=200,
+        policy=policy,
+        seed=seed,
+    )
 
 
 def _with(inputs, **change):
-    return dataclasses.replace(inputs, **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    return dataclasses.replace(
+        inputs, **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in change.items()}
+    )
 
 
 def _lens(values):
@@ -38,10 +48,13 @@ def test_slots_must_be_the_new_tokens_own_slot():
     other = int(tables[0, 0]) * page + 3  # inside sequence 0's page
     own_wrong_offset = int(tables[1, 0]) * page + 7  # the right page, the wrong position
     for slot, message in [
-        (10 ** 6, r"inputs.slot_mapping\[1\] = 1000000: outside the pool \[0, 1024\)"),
+        (10**6, r"inputs.slot_mapping\[1\] = 1000000: outside the pool \[0, 1024\)"),
         (-2, r"inputs.slot_mapping\[1\] = -2: outside the pool"),
-        (other, rf"inputs.slot_mapping\[1\] = {other}: not the new token's slot: position 4 is at page "
-                rf"{int(tables[1, 0])} of block_tables\[1\], slot {int(tables[1, 0]) * page + 4}"),
+        (
+            other,
+            rf"inputs.slot_mapping\[1\] = {other}: not the new token's slot: position 4 is at page "
+            rf"{int(tables[1, 0])} of block_tables\[1\], slot {int(tables[1, 0]) * page + 4}",
+        ),
         (own_wrong_offset, r"inputs.slot_mapping\[1\] = \d+: not the new token's slot"),
     ]:
         slots = good.slot_mapping.clone()
@@ -68,11 +81,14 @@ def test_used_pages_must_be_in_the_pool():
     step = _step()
     good = step.state.inputs(2, context_lens=[130, 5], seed=4)  # row 0 uses 3 pages, row 1 one
     spare = step.state.trash_page
-    for column, page in [(2, -1), (1, spare), (0, 10 ** 6)]:
+    for column, page in [(2, -1), (1, spare), (0, 10**6)]:
         tables = good.block_tables.clone()
         tables[0, column] = page
-        with pytest.raises(ValueError, match=rf"inputs.block_tables\[0, {column}\] = {page}: a page of the used part "
-                                             rf"\(the first 3 of row 0, context 130\) must be in \[0, {spare}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"inputs.block_tables\[0, {column}\] = {page}: a page of the used part "
+            rf"\(the first 3 of row 0, context 130\) must be in \[0, {spare}\)",
+        ):
             step.step(_with(good, block_tables=tables), eager=True)
     tables = good.block_tables.clone()
     tables[1, 1:] = -1  # past the used part: never read, not checked
@@ -85,8 +101,10 @@ def test_lengths_are_checked_first_and_name_the_row():
     with pytest.raises(ValueError, match=r"inputs.context_lens\[1\] = 201: must be in \[1, 200\]"):
         step.step(_with(good, context_lens=_lens([10, 201])), eager=True)
     with pytest.raises(ValueError, match=r"inputs.context_lens\[0\] = -5"):
-        step.step(_with(good, context_lens=_lens([-5, 20]), slot_mapping=torch.tensor([7, 10 ** 6], dtype=torch.int32)),
-                  eager=True)
+        step.step(
+            _with(good, context_lens=_lens([-5, 20]), slot_mapping=torch.tensor([7, 10**6], dtype=torch.int32)),
+            eager=True,
+        )
 
 
 def test_value_checks_read_the_device_once_and_not_at_all_without_check_values(monkeypatch):
@@ -96,7 +114,9 @@ def test_value_checks_read_the_device_once_and_not_at_all_without_check_values(m
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1]
+        )
     step.load(inputs, peers, check_values=True)
     assert reads == ["tolist"]
     reads.clear()
@@ -125,8 +145,11 @@ def test_peers_are_validated_like_inputs():
         (peers(rows=good.rows.double()), "peers.rows must be torch.float32"),
         (peers(positions=good.positions.long()), "peers.positions must be torch.int32"),
         (peers(scores=good.scores[..., :-1]), r"peers.scores must have shape \[2, 2, 64\]"),
-        (peers(positions=wrong_rank), r"peers.positions\[1, 0, 3\] = 7: rank 0's candidates must be -1 or positions "
-                                      r"p < 60 \(the context length\) with p % 2 == 0"),
+        (
+            peers(positions=wrong_rank),
+            r"peers.positions\[1, 0, 3\] = 7: rank 0's candidates must be -1 or positions "
+            r"p < 60 \(the context length\) with p % 2 == 0",
+        ),
         (peers(positions=too_far), r"peers.positions\[0, 0, 0\] = 50: .* p < 50"),
         (peers(positions=below), r"peers.positions\[0, 0, 1\] = -3"),
         ("rows", "peers must be PeerInputs"),
@@ -156,6 +179,7 @@ def test_a_cuda_step_on_a_machine_without_cuda_says_what_to_do():
 
 
 # -- NaN policy ------------------------------------------------------------------------------
+
 
 def _nan_row(inputs: StepInputs, row: int) -> StepInputs:
     qkv = inputs.qkv.clone()
@@ -191,7 +215,9 @@ def test_one_tokens_nan_never_changes_another_tokens_outputs(topology, mode):
         again, expect_again = dirty.step(inputs, peers, eager=True), clean.step(inputs, peers, eager=True)
     assert dirty.nonfinite_rows == []
     for row in (0, 2):
-        assert torch.equal(again.out[row], expect_again.out[row]) and torch.equal(again.slots[row], expect_again.slots[row])
+        assert torch.equal(again.out[row], expect_again.out[row]) and torch.equal(
+            again.slots[row], expect_again.slots[row]
+        )
 
 
 def test_non_finite_inputs_can_be_made_an_error():
