@@ -67,19 +67,16 @@ THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
 SMS = 132  # H100 / H200 SXM
-# The runs the host picks from. Runs longer than the ring (STAGES pages) reuse a stage and
-# were measured WRONG on the H200 at B = 64 (a few keys per token, different ones each
-# launch: a race on stage reuse, not yet found; bench/RESULTS.md): the launcher refuses them
-# until it is fixed, so every CTA streams at most one pass of the ring.
-CTA_PAGES = (2, 4)
-MAX_RUN = STAGES
+# The runs the host picks from (every one GPU-tested). A run longer than the ring reuses its
+# stages: each release is preceded by a proxy fence (see `consume`).
+CTA_PAGES = (2, 4, 8, 16, 32)
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
 
 
 def pages_per_cta(batch: int, pages_per_seq: int) -> int:
     """Pages per CTA for a launch: the smallest run in CTA_PAGES whose grid fits one wave of
-    WAVE_CTAS CTAs, else the longest run (at most the ring: see CTA_PAGES)."""
+    WAVE_CTAS CTAs, else the longest run."""
     for run in CTA_PAGES:
         if batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run
@@ -179,7 +176,8 @@ def _bulk_copy(dst, src, nbytes, bar):
 
 
 def _fence_async_shared():
-    """Generic-proxy shared-memory writes -> visible to wgmma (the async proxy)."""
+    """Order this thread's generic-proxy shared-memory accesses with the async proxy's: its
+    writes visible to wgmma, its reads done before a bulk copy overwrites the bytes."""
     cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
 
 
@@ -390,9 +388,15 @@ class DsaIndex:
                     for k in cutlass.range_constexpr(8):
                         f0, f1 = _e4m3x4_to_f16x2x2(frags[r][k])
                         halves[r] += [f0, f1]
-                # release the stage only after the widening has consumed the key words (they
-                # are then certainly in registers, not only requested; the arrive's .release
-                # orders the scale loads issued before them): hardening, not a proven cause
+                # Release the stage to the producer's next bulk copy. The fence is what makes the
+                # release safe: ptxas schedules the arrive right after the four LDS.128 of the
+                # key words, before the F2FP that consume them, and the arrive does not wait for
+                # the loads' data -- without it the copy into the reused stage overwrote key
+                # words still being read (wrong keys in pairs of rows = one quarter-warp's
+                # LDS.128, H200, bench/RESULTS.md). fence.proxy.async orders this thread's
+                # generic-proxy reads before the async-proxy (bulk copy) writes that follow the
+                # release; a bar.sync among the consumers did not (1 launch in 20 still wrong).
+                _fence_async_shared()
                 _mbar_arrive(empty0 + 8 * stage)
                 a = []
                 for s in cutlass.range_constexpr(8):

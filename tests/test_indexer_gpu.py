@@ -131,7 +131,7 @@ def scoring(request):
 
 # every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
 # launch), and runs that are not powers of two
-@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3])
+@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
 def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run):
     state, inputs, q_fp8, head_w, expect, lens = scoring
     kernels = Kernels(state.shape, state.weights)

@@ -235,6 +235,13 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
         # pages stream by the bulk copy engine into an mbarrier-completed ring
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in scorer
         assert "mbarrier.arrive.expect_tx.shared::cta.b64" in scorer and "mbarrier.try_wait.parity" in scorer
+        # every release of a ring stage comes after a proxy fence (without it the reused stage
+        # was overwritten while its key words were still being read: kernels/dsa_index.py)
+        lines = [line.strip() for line in scorer.splitlines() if line.strip() and not line.strip().startswith("//")]
+        releases = [i for i, line in enumerate(lines) if line.startswith("mbarrier.arrive.shared::cta.b64")]
+        assert releases, "the consumers release the stages"
+        for i in releases:
+            assert "fence.proxy.async.shared::cta;" in lines[max(0, i - 3) : i], lines[i - 3 : i + 1]
         assert "ld.global.v4.b32" in scorer  # the query rows
         # before the PDL wait: the length and a block-table entry (read-only loads), and an L2
         # prefetch of the first pages; every copy of cache bytes into the SM comes after it
