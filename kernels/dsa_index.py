@@ -126,7 +126,7 @@ def accumulator(nt: int, r: int, e: int) -> int:
     return 4 * nt + 2 * r + e
 
 
-# -- shared memory, mbarriers, bulk copies (32-bit shared addresses) ----------------------
+# -- loads, conversions and the wgmma of a page (32-bit shared addresses) ----------------
 
 
 def _ldg_nc_i32(ptr) -> Int32:
@@ -137,48 +137,6 @@ def _ldg_nc_i32(ptr) -> Int32:
 def _prefetch_l2(ptr, nbytes):
     """Bulk L2 prefetch of nbytes (a multiple of 16) at a 16-byte aligned address."""
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
-
-
-def _mbar_init(addr, count: int):
-    cute.arch.inline_ptx(f"mbarrier.init.shared::cta.b64 [{{$r0}}], {count};", read_only_args=[addr])
-
-
-def _mbar_init_fence():
-    cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
-
-
-def _mbar_expect(addr, nbytes):
-    """Arrive (the producer's one arrival) and expect `nbytes` of bulk copies."""
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[addr, nbytes])
-
-
-def _mbar_arrive(addr):
-    cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
-
-
-def _mbar_wait(addr, parity):
-    """Spin until the mbarrier's phase with this parity has completed."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
-        "@!done bra WAIT;\n\t}",
-        read_only_args=[addr, parity],
-    )
-
-
-def _bulk_copy(dst, src, nbytes, bar):
-    """Global -> shared bulk copy (a multiple of 16 bytes, 16-byte aligned), completing
-    its bytes on the mbarrier."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst, src, nbytes, bar],
-    )
-
-
-def _fence_async_shared():
-    """Order this thread's generic-proxy shared-memory accesses with the async proxy's: its
-    writes visible to wgmma, its reads done before a bulk copy overwrites the bytes."""
-    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
 
 
 def _consumer_sync():
@@ -281,9 +239,9 @@ class DsaIndex:
         empty0 = full0 + 8 * STAGES
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
-                _mbar_init(full0 + 8 * s, 1)
-                _mbar_init(empty0 + 8 * s, CONSUMERS)
-            _mbar_init_fence()
+                P.mbar_init(full0 + 8 * s, 1)
+                P.mbar_init(empty0 + 8 * s, CONSUMERS)
+            P.mbar_init_fence()
         # Before the PDL wait only what no kernel of the step writes: the length, the run's
         # first 32 block-table entries (one per lane), and an L2 prefetch of the run's first
         # STAGES pages (live bytes only; no data reaches the SM, and L2 is the point of
@@ -338,19 +296,19 @@ class DsaIndex:
                 page = cute.arch.shuffle_sync(mine, j)
                 stage, use = i % STAGES, i // STAGES
                 if use > 0:
-                    _mbar_wait(empty0 + 8 * stage, (use - 1) % 2)
+                    P.mbar_wait(empty0 + 8 * stage, (use - 1) % 2)
                 if lane == 0:
                     keys = cutlass.min(length - (first + i) * PAGE, PAGE)
                     dst, bar = ring0 + stage * PAGE_BYTES, full0 + 8 * stage
                     src = cache + Int64(page) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
                     if keys == PAGE:
-                        _mbar_expect(bar, Int32(PAGE_BYTES))
-                        _bulk_copy(dst, src, Int32(PAGE_BYTES), bar)
+                        P.mbar_expect(bar, Int32(PAGE_BYTES))
+                        P.bulk_copy_g2s(dst, src, Int32(PAGE_BYTES), bar)
                     else:  # the last page: its live keys and the 16-byte words of their scales
                         scale_bytes = (keys * 4 + 15) // 16 * 16
-                        _mbar_expect(bar, keys * DIM + scale_bytes)
-                        _bulk_copy(dst, src, keys * DIM, bar)
-                        _bulk_copy(dst + KEY_BYTES, src + KEY_BYTES, scale_bytes, bar)
+                        P.mbar_expect(bar, keys * DIM + scale_bytes)
+                        P.bulk_copy_g2s(dst, src, keys * DIM, bar)
+                        P.bulk_copy_g2s(dst + KEY_BYTES, src + KEY_BYTES, scale_bytes, bar)
 
     @cute.jit
     def consume(
@@ -362,12 +320,12 @@ class DsaIndex:
             self.stage_queries(q, token, qbase, tid)
             # this thread's heads: 8 j + 2 t and + 1
             weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
-            _fence_async_shared()
+            P.fence_proxy_async()
             _consumer_sync()
             odd = g % 2
             for i in range(live):
                 stage = i % STAGES
-                _mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
+                P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
                 base = ring0 + stage * PAGE_BYTES
                 rows = [warp * 16 + g, warp * 16 + g + 8]
                 frags = []
@@ -396,8 +354,8 @@ class DsaIndex:
                 # LDS.128, H200, bench/RESULTS.md). fence.proxy.async orders this thread's
                 # generic-proxy reads before the async-proxy (bulk copy) writes that follow the
                 # release; a bar.sync among the consumers did not (1 launch in 20 still wrong).
-                _fence_async_shared()
-                _mbar_arrive(empty0 + 8 * stage)
+                P.fence_proxy_async()
+                P.mbar_arrive(empty0 + 8 * stage)
                 a = []
                 for s in cutlass.range_constexpr(8):
                     a += a_fragment(halves, s)

@@ -533,3 +533,53 @@ def exp2_approx(x) -> Float32:
 def gmem_ptr(dtype, address: int = 0, align: int = 16):
     """A global pointer argument (address 0 for compilation only)."""
     return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=align)
+
+
+# -- mbarriers and bulk copies (32-bit shared addresses) ----------------------------------
+# A ring stage filled by bulk copies (the async proxy) and read with ld.shared / ldmatrix
+# (the generic proxy) must be handed back only after `fence_proxy_async` by every reader:
+# ptxas may issue an mbarrier arrive or bar.sync before the loads' data has returned
+# (measured on the H200: bench/RESULTS.md, the DsaIndex ring-reuse race).
+
+
+def mbar_init(addr, count: int):
+    cute.arch.inline_ptx(f"mbarrier.init.shared::cta.b64 [{{$r0}}], {count};", read_only_args=[addr])
+
+
+def mbar_init_fence():
+    """The mbarrier initializations visible to the async proxy (bulk copies)."""
+    cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
+
+
+def mbar_expect(addr, nbytes):
+    """Arrive once and expect `nbytes` more of bulk copies in the current phase."""
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[addr, nbytes])
+
+
+def mbar_arrive(addr):
+    cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
+
+
+def mbar_wait(addr, parity):
+    """Spin until the mbarrier's phase with this parity has completed."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
+        "@!done bra WAIT;\n\t}",
+        read_only_args=[addr, parity],
+    )
+
+
+def bulk_copy_g2s(dst, src, nbytes, bar):
+    """Global -> shared bulk copy (a multiple of 16 bytes, both ends 16-byte aligned), its
+    bytes completing on the mbarrier at `bar`."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst, src, nbytes, bar],
+    )
+
+
+def fence_proxy_async():
+    """Order this thread's generic-proxy shared-memory accesses with the async proxy's: its
+    writes visible to wgmma / bulk copies, its reads done before a bulk copy overwrites them."""
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
