@@ -49,7 +49,7 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float32, Int32, Int64, Uint8
 
 from . import primitives as P
 
@@ -199,12 +199,6 @@ class SparseCore:
         p_s = smem.allocate_tensor(Uint8, cute.make_layout(m * p_stride), byte_alignment=128).iterator
         ids_t = smem.allocate_tensor(Int32, cute.make_layout(self.slots_per_cta), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(cols * m), byte_alignment=16)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(self.stages), byte_alignment=8)
-        full0 = bars.iterator.toint()  # stage s's mbarrier at full0 + 8 s: warp 0's arrivals + the copies' bytes
-        if tid == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                P.mbar_init(full0 + 8 * s, 32)
-            P.mbar_init_fence()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -229,7 +223,6 @@ class SparseCore:
         if cutlass.const_expr(self.q_in_registers):
             for ks in cutlass.range_constexpr(K_STEPS):
                 q_frags.append(P.ldmatrix_x4(q_lane + 2 * 16 * ks))
-            P.fence_proxy_async()  # the reads done before bulk copies overwrite the first stage
             cute.arch.sync_threads()  # every warp holds its fragments: the ring may be overwritten
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
@@ -240,20 +233,19 @@ class SparseCore:
         row_max = [neg_inf, neg_inf]  # rows g, g + 8 (log2 units)
         row_sum = [Float32(0), Float32(0)]  # this thread's share
         blocks, stages = self.slots_per_cta // block, self.stages
-        if warp == 0:  # the ring's first stages-1 blocks in flight
-            for b in cutlass.range_constexpr(stages - 1):
-                if b < blocks:
-                    self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, full0 + 8 * b, lane)
+        for b in cutlass.range_constexpr(stages - 1):  # the ring's first stages-1 blocks in flight
+            self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, tid)
+            P.cp_async_commit()
         for b in range(blocks):
             ahead = b + stages - 1
-            if warp == 0 and ahead < blocks:  # into the stage block b - 1 used (freed by its closing barrier)
-                stage = ahead % stages
-                self.issue_block(cache, ids_t, ring + stage * stage_bytes, ahead * block, full0 + 8 * stage, lane)
-            P.mbar_wait(full0 + 8 * (b % stages), (b // stages) % 2)  # block b's rows have landed
+            if ahead < blocks:  # into the stage block b - 1 used (freed by its closing barrier)
+                self.issue_block(cache, ids_t, ring + ahead % stages * stage_bytes, ahead * block, tid)
+            P.cp_async_commit()
+            P.cp_async_wait(stages - 1)  # block b's copies (this thread's) have landed
+            cute.arch.sync_threads()
             kv = ring + b % stages * stage_bytes
             if cutlass.const_expr(self.mla_fp8):
                 self.dequantize_block(kv, kv_s, tid)
-                P.fence_proxy_async()  # the raw stage's reads done before it is refilled
                 cute.arch.sync_threads()
                 kv = kv_s
 
@@ -301,7 +293,6 @@ class SparseCore:
             acc_o = self.values_block(
                 acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
             )
-            P.fence_proxy_async()  # this thread's reads of the stage done before it is refilled
             cute.arch.sync_threads()  # the block's buffers are free for the next copies
 
         # the row sums over the 4 lanes of a row, then over the column warps
@@ -371,38 +362,23 @@ class SparseCore:
         return [[acc[j][0][q] + acc[j][1][q] for q in range(4)] for j in range(per)]
 
     @cute.jit
-    def issue_block(self, cache, ids_t, dst, first, full, lane):
-        """Warp 0: the cache rows of slots ids[first .. first + block) into dst (bf16 rows at
-        STRIDE, or raw fp8 rows at FP8_ROW), lane l taking rows l, l + 32: one bulk copy per
-        live row completing on the stage's mbarrier (lane 0 expects the block's bytes), a -1
-        slot's row zero-filled by its lane before it arrives. The fence orders the lane's
-        earlier zero stores into these rows before the copies (different proxies)."""
+    def issue_block(self, cache, ids_t, dst, first, tid):
+        """cp.async the cache rows of slots ids[first .. first + block) into dst (bf16 rows
+        at STRIDE, or raw fp8 rows at FP8_ROW); -1 slots are zero-filled. threads / block
+        threads share a row, each taking every (threads / block)-th 16-byte chunk, so a
+        thread reads one slot id per block and its chunk offsets are constants."""
+        chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         stride = STRIDE if not self.mla_fp8 else FP8_ROW
-        rows = (self.block + 31) // 32
-        slots = []
-        nbytes = Int32(0)
-        for j in cutlass.range_constexpr(rows):
-            r = lane + 32 * j
-            slot = Int32(-1)
-            if r < self.block:
-                slot = ids_t[first + r]
-            slots.append(slot)
-            if slot >= 0:
-                nbytes = nbytes + self.row_bytes
-            elif r < self.block:
-                for c in cutlass.range_constexpr(self.row_bytes // 16):
-                    P.st_shared_u32x4(dst + r * stride + 16 * c, [Uint32(0)] * 4)
-        P.fence_proxy_async()
-        for offset in P.BUTTERFLY:
-            nbytes = nbytes + cute.arch.shuffle_sync_bfly(nbytes, offset=offset)
-        if lane == 0:
-            P.mbar_expect(full, nbytes)
-        else:
-            P.mbar_arrive(full)
-        for j in cutlass.range_constexpr(rows):
-            if slots[j] >= 0:
-                src = cache + Int64(slots[j]) * self.row_bytes
-                P.bulk_copy_g2s(dst + (lane + 32 * j) * stride, src, Int32(self.row_bytes), full)
+        per_row = self.threads // self.block
+        r, c0 = tid // per_row, tid % per_row
+        slot = ids_t[first + r]
+        src = cache + Int64(cutlass.max(slot, 0)) * self.row_bytes + 16 * c0
+        row = dst + r * stride + 16 * c0
+        for j in cutlass.range_constexpr((chunks + per_row - 1) // per_row):
+            if cutlass.const_expr(per_row * (j + 1) <= chunks):
+                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, slot >= 0)
+            elif c0 + per_row * j < chunks:
+                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, slot >= 0)
 
     @cute.jit
     def dequantize_block(self, raw, kv, tid):
