@@ -211,12 +211,12 @@ class DsaIndex:
         run: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run).launch(
+        self.dsa_index(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run).launch(
             grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(
+    def dsa_index(
         self,
         q: cute.Pointer,
         head_w: cute.Pointer,

@@ -153,21 +153,21 @@ class SparseCore:
         batch: Int32,
         stream: cuda.CUstream,
     ):
-        self.partial(q_rows, slots, cache, partial_o, partial_ml, out, lse).launch(
+        self.sparse_core_partial(q_rows, slots, cache, partial_o, partial_ml, out, lse).launch(
             grid=[self.splits, self.q_heads // self.heads, batch],
             block=[self.threads, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
         )
         if cutlass.const_expr(self.splits > 1):
-            self.combine(partial_o, partial_ml, out, lse).launch(
+            self.sparse_core_combine(partial_o, partial_ml, out, lse).launch(
                 grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
             )
 
     # -- partial --------------------------------------------------------------------------
 
     @cute.kernel
-    def partial(
+    def sparse_core_partial(
         self,
         q_rows: cute.Pointer,
         slots: cute.Pointer,
@@ -435,7 +435,9 @@ class SparseCore:
     # -- combine --------------------------------------------------------------------------
 
     @cute.kernel
-    def combine(self, partial_o: cute.Pointer, partial_ml: cute.Pointer, out: cute.Pointer, lse: cute.Pointer):
+    def sparse_core_combine(
+        self, partial_o: cute.Pointer, partial_ml: cute.Pointer, out: cute.Pointer, lse: cute.Pointer
+    ):
         tid, _, _ = cute.arch.thread_idx()
         quarter, head, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
