@@ -170,7 +170,7 @@ class Kernels:
         op = dcp_merge.DcpMerge(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
         return catalog.compile_op(op, dcp_merge.compile_args())
 
-    def _sparse_core_op(self, slots_per_cta: int):
+    def _sparse_core_op(self, slots_per_cta: int, publish: bool = True):
         from .kernels import catalog, sparse_core
 
         s, topo = self.shape, self.shape.topology
@@ -183,6 +183,7 @@ class Kernels:
             s.model.softmax_scale,
             slots_per_cta,
             self.pdl,
+            publish,
         )
         return catalog.compile_op(op, sparse_core.compile_args())
 
@@ -399,13 +400,25 @@ class Kernels:
         )
 
     def sparse_core(
-        self, q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch: int, slots_per_cta: int | None = None
+        self,
+        q_rows,
+        slots,
+        mla_cache,
+        partial_o,
+        partial_ml,
+        out,
+        lse,
+        batch: int,
+        slots_per_cta: int | None = None,
+        q_out=None,
     ) -> None:
         """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
         576 x q_bytes]), slots int32 [>= batch, topk] (-1: none; 16-byte aligned) -> out fp32 [>= batch,
         gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers.
         slots_per_cta: the plan's choice unless given (benchmarks sweep it; the partials
-        must then hold batch x topk / slots_per_cta rows)."""
+        must then hold batch x topk / slots_per_cta rows). q_out (uint8 [>= batch, gathered,
+        576 x q_bytes]): the step's publish -- the rows read are copied there and re-armed
+        (0xFF) in q_rows once every reader is done; None leaves q_rows as it was."""
         from cutlass import Int32
 
         spc = slots_per_cta or self.sparse_core_plan(batch)
@@ -416,7 +429,16 @@ class Kernels:
                 f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "
                 f"{spc} slots per CTA needs {needed}"
             )
-        self._sparse_core_op(spc)(
+        if q_out is not None and (
+            q_out.dtype != torch.uint8
+            or q_out.shape[0] < batch
+            or tuple(q_out.shape[1:]) != (self.shape.gathered, q_rows.shape[-1])
+        ):
+            raise ValueError(
+                f"SparseCore q_out must be uint8 [>= {batch}, {self.shape.gathered}, {q_rows.shape[-1]}], "
+                f"got {q_out.dtype} {tuple(q_out.shape)}"
+            )
+        self._sparse_core_op(spc, q_out is not None)(
             ptr(q_rows),
             ptr(slots),
             ptr(mla_cache.view(torch.uint8)),
@@ -424,6 +446,7 @@ class Kernels:
             ptr(partial_ml, 8),
             ptr(out),
             ptr(lse, 4),
+            ptr(q_rows if q_out is None else q_out),  # (unread without q_out)
             Int32(batch),
             current_stream(),
         )

@@ -197,9 +197,7 @@ class DecodeStep:
                     self._query_wait(size)
             if side is not None:
                 main.wait_stream(side)
-        self._sparse_core(size)
-        b.q_out[:size] = caches.mailbox[:size, : s.gathered]
-        formats.arm(caches.mailbox[:size])  # the last reader re-arms for the next step
+        self._sparse_core(size)  # the mailbox's last reader: it copies the rows to q_out and re-arms them
 
     def _index_key_insert(self, size: int) -> None:
         """The new tokens' indexer keys. It needs only the inputs, so it opens the main
@@ -228,10 +226,12 @@ class DecodeStep:
         b, caches = self.buffers, self.caches
         if self.kernels is not None:
             self.kernels.sparse_core(
-                caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse, size
+                caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse, size, q_out=b.q_out
             )
         else:
             torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
+            b.q_out[:size] = caches.mailbox[:size, : self.shape.gathered]
+            formats.arm(caches.mailbox[:size, : self.shape.gathered])
 
     def _query_norm(self, inputs: StepInputs, size: int) -> None:
         if self.kernels is not None:

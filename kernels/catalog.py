@@ -116,8 +116,8 @@ def variants(
             )
         )
     for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
-        op = sparse_core.SparseCore(
-            shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale, slots, pdl
+        op = sparse_core.SparseCore(  # the step's launch: publishes the rows it read (q_out, re-arm)
+            shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale, slots, pdl, publish=True
         )
         out.append(Variant(f"sparse_core_s{slots}", op, sparse_core.compile_args()))
     if topo.dcp > 1:

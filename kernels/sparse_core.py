@@ -29,6 +29,11 @@ combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 t
          before the weights are computed),
          out = sum / total, lse = (max + log2(total)) x ln 2 (natural log).
 
+publish (the step's launch): the kernel that reads the query rows last also copies them to
+q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one split (each CTA
+its rows' only reader), else the combine (after every partial CTA) -- so no torch copy and
+fill follow the launch.
+
 `plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
 wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep).
 At TP 8 the kernel is bound by its 16-byte cache copies, not its math (A/B probes in
@@ -49,7 +54,7 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
 from . import primitives as P
 
@@ -60,6 +65,7 @@ BF16_CHUNKS, FP8_CHUNKS = 2 * ROW // 16, FP8_ROW // 16  # 16-byte chunks per cac
 K_STEPS = ROW // 16  # MMA k steps of a score
 SMEM_BYTES = 232448  # the H100/H200 per-CTA opt-in limit (227 KB)
 LOG2E = 1.4426950408889634
+SENTINEL_WORD = 0xFFFFFFFF  # an unpublished mailbox chunk (graphstep/formats.py)
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 
 
@@ -124,11 +130,15 @@ class SparseCore:
         softmax_scale: float,
         slots_per_cta: int,
         pdl: bool = True,
+        publish: bool = False,
     ):
+        """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
+        step's mailbox) once every reader is done: the step's last touch of the mailbox,
+        folded in here instead of a torch copy and fill after the launch."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
-        self.softmax_scale, self.slots_per_cta, self.pdl = softmax_scale, slots_per_cta, pdl
+        self.softmax_scale, self.slots_per_cta, self.pdl, self.publish = softmax_scale, slots_per_cta, pdl, publish
         self.heads = heads_per_cta(q_heads)
         self.cols = cols_for(self.heads)
         self.block = block_for(self.heads, slots_per_cta)
@@ -150,17 +160,18 @@ class SparseCore:
         partial_ml: cute.Pointer,
         out: cute.Pointer,
         lse: cute.Pointer,
+        q_out: cute.Pointer,
         batch: Int32,
         stream: cuda.CUstream,
     ):
-        self.sparse_core_partial(q_rows, slots, cache, partial_o, partial_ml, out, lse).launch(
+        self.sparse_core_partial(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out).launch(
             grid=[self.splits, self.q_heads // self.heads, batch],
             block=[self.threads, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
         )
         if cutlass.const_expr(self.splits > 1):
-            self.sparse_core_combine(partial_o, partial_ml, out, lse).launch(
+            self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
                 grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
             )
 
@@ -176,6 +187,7 @@ class SparseCore:
         partial_ml: cute.Pointer,
         out: cute.Pointer,
         lse: cute.Pointer,
+        q_out: cute.Pointer,
     ):
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
@@ -236,6 +248,8 @@ class SparseCore:
         for b in cutlass.range_constexpr(stages - 1):  # the ring's first stages-1 blocks in flight
             self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, tid)
             P.cp_async_commit()
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, self.threads)
         for b in range(blocks):
             ahead = b + stages - 1
             if ahead < blocks:  # into the stage block b - 1 used (freed by its closing barrier)
@@ -323,6 +337,36 @@ class SparseCore:
                     P.store_f32x2(partial_o + row + 8 * n, acc_o[n][2 * r], acc_o[n][2 * r + 1])
                 if col == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def publish_rows(self, q_rows, q_out, token, head0, rows: int, tid, threads: int):
+        """Query rows head0 .. head0 + rows - 1 (those below `gathered`) of a token: copied to
+        q_out [token, gathered, q_bytes] and re-armed (sentinel 0xFF bytes) in q_rows. Every
+        load is issued first; each thread re-arms only the chunks it read itself."""
+        chunks = self.q_bytes // 16
+        moves = []
+        for i in cutlass.range_constexpr((rows * chunks + threads - 1) // threads):
+            index = tid + i * threads
+            h, c = index // chunks, index % chunks
+            live = index < rows * chunks and head0 + h < self.gathered
+            src = q_rows + (token * self.q_heads + head0 + h) * self.q_bytes + 16 * c
+            dst = q_out + (token * self.gathered + head0 + h) * self.q_bytes + 16 * c
+            moves.append((P.load_u32x4_if(src, live), live, src, dst))
+        for words, live, src, dst in moves:
+            if live:
+                P.store_u32x4(dst, words)
+                P.store_u32x4(src, [Uint32(SENTINEL_WORD)] * 4)
+
+    @cute.jit
+    def publish_quarter(self, q_rows, q_out, token, head, quarter, tid):
+        """Quarter `quarter` of query row (token, head): copied to q_out and re-armed."""
+        chunks = self.q_bytes // 16 // 4  # 18 (bf16 rows) or 9 (e4m3)
+        if tid < chunks:
+            offset = quarter * chunks * 16 + 16 * tid
+            src = q_rows + (token * self.q_heads + head) * self.q_bytes + offset
+            words = P.load_u32x4(src)
+            P.store_u32x4(q_out + (token * self.gathered + head) * self.q_bytes + offset, words)
+            P.store_u32x4(src, [Uint32(SENTINEL_WORD)] * 4)
 
     @cute.jit
     def lse_of(self, top, total) -> Float32:
@@ -436,7 +480,13 @@ class SparseCore:
 
     @cute.kernel
     def sparse_core_combine(
-        self, partial_o: cute.Pointer, partial_ml: cute.Pointer, out: cute.Pointer, lse: cute.Pointer
+        self,
+        partial_o: cute.Pointer,
+        partial_ml: cute.Pointer,
+        out: cute.Pointer,
+        lse: cute.Pointer,
+        q_rows: cute.Pointer,
+        q_out: cute.Pointer,
     ):
         tid, _, _ = cute.arch.thread_idx()
         quarter, head, token = cute.arch.block_idx()
@@ -447,6 +497,8 @@ class SparseCore:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
+        if cutlass.const_expr(self.publish):  # every partial CTA (the rows' readers) has finished
+            self.publish_quarter(q_rows, q_out, token, head, quarter, tid)
         first = token * self.splits * self.q_heads + head  # split s at first + s x q_heads
         # every load first: warp w's partial outputs (splits w, w + 4, ...; lane l dims
         # 4l .. 4l + 3 of the quarter) and the splits' (max, sum) over the CTA's threads
@@ -528,5 +580,6 @@ def compile_args():
         P.gmem_ptr(Float32, align=8),
         f32,
         P.gmem_ptr(Float32, align=4),
+        P.gmem_ptr(Uint8),
         Int32(1),
     )

@@ -94,6 +94,7 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
         f32(b, s.gathered, m.kv_lora_rank),
         f32(b, s.gathered),
         b,
+        q_out=torch.zeros(b, s.gathered, c.mailbox.shape[-1], dtype=torch.uint8),
     )
     launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "ClusterTopK", "SparseCore"]
     if topology.dcp > 1:
@@ -221,3 +222,24 @@ def test_dsa_index_takes_any_positive_run(cpu_launches):
         kernels.dsa_index(*args, pages_per_cta=run)
     kernels.dsa_index(*args)
     assert cpu_launches == ["DsaIndex"] * 5
+
+
+def test_sparse_core_checks_its_publish_buffer(cpu_launches):
+    """q_out (the step's copy of the rows read) must be uint8 [>= batch, gathered, row bytes]."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=256, seed=1)
+    s, m, c = state.shape, state.shape.model, state.caches
+    kernels = Kernels(s, state.weights)
+    partial_o, partial_ml = kernels.sparse_core_buffers(4, "cpu")
+    row = c.mailbox.shape[-1]
+    args = (c.mailbox, torch.zeros(4, m.index_topk, dtype=torch.int32), c.mla_cache, partial_o, partial_ml)
+    outs = (torch.zeros(4, s.gathered, m.kv_lora_rank), torch.zeros(4, s.gathered), 4)
+    for bad in (
+        torch.zeros(3, s.gathered, row, dtype=torch.uint8),  # fewer rows than the batch
+        torch.zeros(4, s.q_heads + 16, row, dtype=torch.uint8),  # not `gathered` rows per token
+        torch.zeros(4, s.gathered, row // 2, dtype=torch.uint8),  # not the mailbox's row bytes
+        torch.zeros(4, s.gathered, row // 2, dtype=torch.bfloat16),  # not bytes
+    ):
+        with pytest.raises(ValueError, match="q_out must be uint8"):
+            kernels.sparse_core(*args, *outs, q_out=bad)
+    kernels.sparse_core(*args, *outs, q_out=torch.zeros(5, s.gathered, row, dtype=torch.uint8))
+    assert cpu_launches == ["SparseCore"]

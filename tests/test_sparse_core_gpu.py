@@ -98,3 +98,40 @@ def test_sparse_core_plan_matches_the_reference(case, batch):
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
+def test_publish_copies_the_rows_read_and_rearms_them(case, slots_per_cta):
+    """The step's launch (q_out given): the same out and lse bit for bit as a launch without
+    it, q_out = the gathered rows as they were, those rows re-armed in the mailbox, and
+    nothing else of the mailbox touched (pad rows, rows past the batch)."""
+    state, batch = _state(case), 6
+    s, m = state.shape, state.shape.model
+    kernels = Kernels(s, state.weights)
+    rows = torch.randn(batch + 2, s.gathered, m.query_row, device="cuda") * 0.3
+    mailbox = torch.randint(0, 255, (batch + 2, s.q_heads, m.query_row * s.q_bytes), dtype=torch.uint8, device="cuda")
+    mailbox[:, : s.gathered] = formats.encode_q_rows(rows, CASES[case][1].q_format).view(batch + 2, s.gathered, -1)
+    before = mailbox.clone()
+    total = state.caches.mla_cache.view(-1, state.caches.mla_cache.shape[-1]).shape[0]
+    slots = _slots(total, batch, m.index_topk)
+    spc = slots_per_cta or kernels.sparse_core_plan(batch)
+    n = batch * m.index_topk // spc
+    results = []
+    for q_out in (None, torch.full((batch + 1, s.gathered, mailbox.shape[-1]), 0x5A, dtype=torch.uint8, device="cuda")):
+        out = torch.full((batch, s.gathered, m.kv_lora_rank), float("nan"), device="cuda")
+        lse = torch.full((batch, s.gathered), float("nan"), device="cuda")
+        partial_o = torch.full((max(n, 1), s.q_heads, m.kv_lora_rank), float("nan"), device="cuda")
+        partial_ml = torch.full((max(n, 1), s.q_heads, 2), float("nan"), device="cuda")
+        box = before.clone()
+        kernels.sparse_core(box, slots, state.caches.mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out)
+        torch.cuda.synchronize()
+        results.append((out, lse, box, q_out))
+    (out0, lse0, box0, _), (out1, lse1, box1, q_out) = results
+    assert torch.equal(box0, before), "without q_out the rows are left as they were"
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    assert torch.equal(q_out[:batch], before[:batch, : s.gathered]), "q_out: the rows read"
+    assert (q_out[batch:] == 0x5A).all(), "q_out past the batch untouched"
+    assert (box1[:batch, : s.gathered] == formats.SENTINEL_BYTE).all(), "the rows read are re-armed"
+    assert torch.equal(box1[:batch, s.gathered :], before[:batch, s.gathered :]), "pad rows untouched"
+    assert torch.equal(box1[batch:], before[batch:]), "rows past the batch untouched"
