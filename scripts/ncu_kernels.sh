@@ -3,7 +3,7 @@
 # what bounds each (throughputs, hit rates, stalls). Kernel names carry their stage
 # (index_query, dsa_index, sparse_core_partial, ...), so a stage is easy to pick:
 #   bash scripts/ncu_kernels.sh 'index_query|dsa_index' 4 -- python3 bench/bench_indexer.py --context 32768 --batch 1
-# (REGEX, launches to profile per run, then the command). Report in $OUT (or ./out).
+# (REGEX, launches to profile after SKIP (default 2) warm-up ones, then the command). Report in $OUT (or ./out).
 set -uo pipefail
 [[ $# -ge 4 && "$3" == "--" ]] || { echo "usage: $0 REGEX COUNT -- COMMAND..."; exit 2; }
 regex=$1 count=$2
@@ -12,7 +12,7 @@ out="${OUT:-out}"
 mkdir -p "$out"
 ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
 [[ -x "$ncu_bin" ]] || { echo "ncu not found"; exit 2; }
-"$ncu_bin" --clock-control none --target-processes all --kernel-name "regex:$regex" --launch-count "$count" \
+"$ncu_bin" --clock-control none --target-processes all --kernel-name "regex:$regex" --launch-skip "${SKIP:-2}" --launch-count "$count" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
   -f -o "$out/kernels" "$@" >"$out/ncu_run.log" 2>&1 || { tail -20 "$out/ncu_run.log"; exit 1; }
