@@ -41,12 +41,12 @@ class IndexKey:
         batch: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
+        self.index_key(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
             grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(
+    def index_key(
         self,
         qkv: cute.Pointer,
         weight: cute.Pointer,

@@ -95,14 +95,16 @@ class MlaQuery:
         tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.norm(qkv, gamma_q, qc, batch, eps, stream)
         project_ctas = self.heads * QB_TILES
-        self.project(qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps).launch(
+        self.mla_query_project(
+            qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps
+        ).launch(
             grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
         )
         absorb_ctas = self.heads * LATENT_SLICES
-        self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
+        self.mla_query_absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
             grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
@@ -112,7 +114,7 @@ class MlaQuery:
     # -- project ----------------------------------------------------------------------
 
     @cute.kernel
-    def project(
+    def mla_query_project(
         self,
         qkv: cute.Pointer,
         gamma_kv: cute.Pointer,
@@ -226,7 +228,7 @@ class MlaQuery:
     # -- absorb -------------------------------------------------------------------------
 
     @cute.kernel
-    def absorb(
+    def mla_query_absorb(
         self,
         w_uk_t: cute.Pointer,
         cos: cute.Pointer,
