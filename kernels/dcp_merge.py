@@ -32,6 +32,8 @@ from . import primitives as P
 from .top_k import ALL, CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
 
 NEG_INF_BITS = 0xFF800000
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"page_size": (PAGE,)}
 
 
 class DcpMerge(RadixSelect):

@@ -20,6 +20,8 @@ from . import primitives as P
 DIM, PAGE = 128, 64
 PAGE_BYTES = PAGE * (DIM + 4)
 WARPS = 4
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"index_dim": (DIM,), "index_rope_dim": (64,), "page_size": (PAGE,)}
 
 
 class IndexKey:

@@ -44,6 +44,8 @@ QB_TILES = 12  # 192 Q_B rows per head / 16
 LATENT_SLICES = 8  # 512 latent / 64
 K = 1536
 TARGET_CTAS = 528  # ~4 per SM of an H100/H200: batch tiles split over more CTAs up to this
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"q_lora_rank": (K,), "kv_lora_rank": (512,), "qk_nope_dim": (128,), "qk_rope_dim": (64,)}
 
 
 def tile_groups(ctas: int) -> int:

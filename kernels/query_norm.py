@@ -19,6 +19,9 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import primitives as P
 
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"q_lora_rank": (P.NORM_COLUMNS,)}
+
 
 class QueryNorm:
     """Launches the variant chosen at construction over a runtime batch.

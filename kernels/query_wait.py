@@ -24,6 +24,8 @@ from . import primitives as P
 
 THREADS = 256
 IN_FLIGHT = P.POLL_IN_FLIGHT
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"kv_lora_rank": (512,), "qk_rope_dim": (64,)}  # 576-element rows: 36 x q_bytes chunks
 
 
 def grid_for(chunks: int) -> int:

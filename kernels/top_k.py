@@ -51,6 +51,8 @@ PAGE = 64
 ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit, high first
 HIST = 1 << 11
 ALL = 2**31 - 1
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"page_size": (PAGE,)}
 
 
 def order_key(word) -> Uint32:
