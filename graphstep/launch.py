@@ -142,7 +142,8 @@ class Kernels:
         return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls)
 
     def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True)) -> None:
-        """Compile every variant `variants` lists (no launches)."""
+        """Compile every variant `variants` lists (no launches); by default those of batches
+        1 .. 64 with every TopK split."""
         from .kernels import catalog
 
         for variant in self.variants(batches, width, polls):
