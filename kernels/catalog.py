@@ -165,6 +165,8 @@ def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll;
     index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA); the others none."""
+    if kernel not in _BUILDERS:
+        raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
     name, op = _BUILDERS[kernel](shape, pdl, **choice)
     return Variant(name, op, KERNELS[kernel].compile_args())
 
