@@ -320,8 +320,11 @@ def run_cpu(args) -> int:
 
 def cmd_ptx(args) -> int:
     from .kernels.catalog import write_ptx
+    from .shapes import tiled_from
 
-    paths = write_ptx(args.out, arch=args.arch, shape=rank_shape(args), batch=args.batch_size)
+    shape, batch = rank_shape(args), args.batch_size
+    tiled = None if batch is None else batch >= tiled_from(shape.heads)
+    paths = write_ptx(args.out, arch=args.arch, shape=shape, batch=batch, tiled=tiled)
     for path in paths:
         print(path)
     print(f"{len(paths)} kernel variants compiled for {args.arch} into {args.out}")

@@ -1,7 +1,8 @@
 """Host side of the CuTe DSL kernels: torch tensors in, launches on the current stream.
 
-`Kernels` binds the compiled kernels of one RankShape to a state's weights. Compile
-everything with `warm()` before any graph capture: a module load inside capture fails.
+`Kernels` binds the compiled kernels of one RankShape to a state's weights; every op comes
+from kernels/catalog.py. Compile every variant of the capture sizes with `warm(sizes, width)`
+before any graph capture: a module load inside capture fails.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class Kernels:
     """The compiled kernels of one rank, bound to its weights."""
 
     def __init__(self, shape: RankShape, weights: LayerWeights, pdl: bool = True):
+        """Raises ValueError for a shape some kernel is not written for (kernels/catalog.py check)."""
+        from .kernels import catalog
+
+        catalog.check(shape)
         self.shape, self.weights, self.pdl = shape, weights, pdl
         # The absorption reads W_UK with K (the nope dim) contiguous: a one-time transpose.
         self.w_uk_t = weights.w_uk.transpose(1, 2).contiguous()
@@ -94,98 +99,19 @@ class Kernels:
     def tiled(self, batch: int) -> bool:
         return batch >= tiled_from(self.shape.heads)
 
-    def _query_norm_op(self, tiled: bool):
-        from .kernels import catalog, query_norm
+    def compiled(self, kernel: str, **choice):
+        """The compiled variant of `kernel` for this rank and the launch-time `choice`
+        (kernels/catalog.py build)."""
+        from .kernels import catalog
 
-        op = query_norm.QueryNorm(tiled, self.shape.model.packed_width, self.pdl)
-        return catalog.compile_op(op, query_norm.compile_args())
-
-    def _mla_query_op(self, tiled: bool, poll: bool):
-        from .kernels import catalog, mla_query
-
-        s, topo = self.shape, self.shape.topology
-        op = mla_query.MlaQuery(
-            s.heads,
-            topo.rank * s.heads,
-            s.q_heads,
-            s.gathered,
-            s.model.packed_width,
-            tiled,
-            poll,
-            topo.q_format == "fp8",
-            topo.mla_cache == "fp8",
-            self.pdl,
-        )
-        return catalog.compile_op(op, mla_query.compile_args())
-
-    def _query_wait_op(self):
-        from .kernels import catalog, query_wait
-
-        s = self.shape
-        return catalog.compile_op(
-            query_wait.QueryWait(s.gathered, s.q_heads, s.q_bytes, self.pdl), query_wait.compile_args()
-        )
-
-    def _index_key_op(self):
-        from .kernels import catalog, index_key
-
-        m = self.shape.model
-        op = index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, self.pdl)
-        return catalog.compile_op(op, index_key.compile_args())
-
-    def _index_query_op(self, tokens: int):
-        from .kernels import catalog, index_query
-
-        m = self.shape.model
-        op = index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, self.pdl)
-        return catalog.compile_op(op, index_query.compile_args())
-
-    def _dsa_index_op(self):
-        from .kernels import catalog, dsa_index
-
-        topo = self.shape.topology
-        return catalog.compile_op(dsa_index.DsaIndex(topo.dcp, topo.rank, self.pdl), dsa_index.compile_args())
-
-    def _top_k_op(self, split):
-        """split: a top_k.Split (ClusterTopK) or None (TopK, one CTA per row)."""
-        from .kernels import catalog, top_k
-
-        k, topo = self.shape.model.index_topk, self.shape.topology
-        if split is None:
-            op = top_k.TopK(k, topo.dcp, topo.rank, self.pdl)
-        else:
-            op = top_k.ClusterTopK(k, topo.dcp, topo.rank, split, self.pdl)
-        return catalog.compile_op(op, top_k.compile_args())
+        variant = catalog.build(self.shape, kernel, self.pdl, **choice)
+        return catalog.compile_op(variant.op, variant.args)
 
     def top_k_split(self, width: int, batch: int):
         """The TopK variant the launcher uses for rows of `width` scores at this batch."""
         from .kernels.top_k import split_for
 
         return split_for(width, batch)
-
-    def _dcp_merge_op(self):
-        from .kernels import catalog, dcp_merge
-
-        topo = self.shape.topology
-        op = dcp_merge.DcpMerge(self.shape.model.index_topk, topo.dcp, topo.rank, self.pdl)
-        return catalog.compile_op(op, dcp_merge.compile_args())
-
-    def _sparse_core_op(self, slots_per_cta: int, publish: bool = True):
-        from .kernels import catalog, sparse_core
-
-        s, topo = self.shape, self.shape.topology
-        op = sparse_core.SparseCore(
-            s.q_heads,
-            s.gathered,
-            s.model.index_topk,
-            topo.q_format == "fp8",
-            topo.mla_cache == "fp8",
-            s.model.softmax_scale,
-            slots_per_cta,
-            self.pdl,
-            publish,
-        )
-        return catalog.compile_op(op, sparse_core.compile_args())
 
     def sparse_core_plan(self, batch: int) -> int:
         """The slots per SparseCore CTA a launch of `batch` tokens uses."""
@@ -206,25 +132,29 @@ class Kernels:
             torch.empty(n, s.q_heads, 2, device=device),
         )
 
-    def warm(self, polls=(False, True)) -> None:
-        """Compile every variant this rank can launch (no launches)."""
-        for tiled in (False, True):
-            self._query_norm_op(tiled)
-            for poll in polls if self.shape.topology.dcp > 1 else (False,):
-                self._mla_query_op(tiled, poll)
-        if self.shape.topology.dcp > 1:
-            self._query_wait_op()
-        from .kernels.index_query import TOKENS
+    def variants(self, batches, width: int | None = None, polls=(False, True)) -> list:
+        """The catalog's variants this rank launches for steps of these batch sizes over block
+        tables of `width` scores (None: every TopK split)."""
+        from .kernels import catalog
 
-        for tokens in TOKENS:  # chosen by batch, like the norm variants
-            self._index_query_op(tokens)
+        norms = sorted({self.tiled(b) for b in batches})
+        widths = None if width is None else (width,)
+        return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls)
+
+    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True)) -> None:
+        """Compile every variant `variants` lists (no launches); by default those of batches
+        1 .. 64 with every TopK split."""
+        from .kernels import catalog
+
+        for variant in self.variants(batches, width, polls):
+            catalog.compile_op(variant.op, variant.args)
 
     # -- launches on the current stream ------------------------------------------------
 
     def query_norm(self, qkv: torch.Tensor, qc: torch.Tensor, batch: int) -> None:
         from cutlass import Float32, Int32
 
-        self._query_norm_op(self.tiled(batch))(
+        self.compiled("query_norm", tiled=self.tiled(batch))(
             ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch), Float32(self.eps), current_stream()
         )
 
@@ -251,7 +181,7 @@ class Kernels:
         from cutlass import Float32, Int32, Int64
 
         w = self.weights
-        op = self._mla_query_op(self.tiled(batch), poll)
+        op = self.compiled("mla_query", tiled=self.tiled(batch), poll=poll)
         op(
             ptr(qkv),
             ptr(w.gamma_q),
@@ -280,7 +210,7 @@ class Kernels:
 
         from .kernels.query_wait import grid_for
 
-        op = self._query_wait_op()
+        op = self.compiled("query_wait")
         chunks = batch * self.shape.gathered * self.shape.mailbox_row_chunks
         op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
 
@@ -292,7 +222,7 @@ class Kernels:
         from cutlass import Int32
 
         w = self.weights
-        self._index_key_op()(
+        self.compiled("index_key")(
             ptr(qkv),
             ptr(w.index_norm_weight),
             ptr(w.index_norm_bias),
@@ -315,7 +245,7 @@ class Kernels:
 
         w = self.weights
         for start, rows, tokens in launches(batch):
-            self._index_query_op(tokens)(
+            self.compiled("index_query", tokens=tokens)(
                 ptr(qc[start:]),
                 ptr(w.wq_b_index),
                 ptr(qkv[start:]),
@@ -342,7 +272,7 @@ class Kernels:
         run = choose(batch, pages) if pages_per_cta is None else pages_per_cta
         if run < 1:
             raise ValueError(f"pages_per_cta must be >= 1, got {run}")
-        self._dsa_index_op()(
+        self.compiled("dsa_index")(
             ptr(q),
             ptr(head_w),
             ptr(index_cache),
@@ -370,7 +300,7 @@ class Kernels:
             split = self.top_k_split(width, batch)
         elif split is not None and split.capacity < width:
             raise ValueError(f"TopK split {split.name} holds rows of up to {split.capacity} scores, not {width}")
-        self._top_k_op(split)(
+        self.compiled("top_k", split=split)(
             ptr(scores),
             ptr(block_tables, 4),
             ptr(context_lens, 4),
@@ -387,7 +317,7 @@ class Kernels:
         topk]: this rank's share of the global top-k as local cache slots, -1 padded."""
         from cutlass import Int32
 
-        self._dcp_merge_op()(
+        self.compiled("dcp_merge")(
             ptr(own_positions, 4),
             ptr(own_scores, 4),
             ptr(peer_positions, 4),
@@ -438,7 +368,7 @@ class Kernels:
                 f"SparseCore q_out must be uint8 [>= {batch}, {self.shape.gathered}, {q_rows.shape[-1]}], "
                 f"got {q_out.dtype} {tuple(q_out.shape)}"
             )
-        self._sparse_core_op(spc, q_out is not None)(
+        self.compiled("sparse_core", slots=spc, publish=q_out is not None)(
             ptr(q_rows),
             ptr(slots),
             ptr(mla_cache.view(torch.uint8)),

@@ -278,7 +278,7 @@ class DecodeStep:
             if mode not in MODES:
                 raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         if self.kernels is not None:
-            self.kernels.warm()
+            self.kernels.warm(self.sizes, self.state.pages_per_seq * self.shape.model.page_size)
         plan = [
             (size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])
         ]

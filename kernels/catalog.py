@@ -1,8 +1,12 @@
-"""Every kernel variant of a shape, compiled once and kept alive, and its PTX on disk.
+"""The one registry of kernel variants: each built from a shape (`build`), compiled once
+and kept alive (`compile_op`), and its PTX on disk (`write_ptx`).
 
-Compiling needs no GPU (`cute.GPUArch("sm_90a")`), which is how the CPU tests and
-`graphstep ptx` check the generated code. A compiled function owns its CUDA module
-(its finalizer unloads it), so the cache keeps every one alive for the process.
+graphstep/launch.py builds every op it launches with `build` and warms the list `variants`
+gives for its capture sizes; `graphstep ptx` writes that same list, so the launchers and the
+PTX cannot drift apart. `check` holds a shape to the sizes each kernel module declares in
+its SUPPORTED. Compiling needs no GPU (`cute.GPUArch("sm_90a")`), which is how the CPU tests
+and `graphstep ptx` check the generated code. A compiled function owns its CUDA module (its
+finalizer unloads it), so the cache keeps every one alive for the process.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from cutlass.cute.runtime import make_fake_stream
 from . import dcp_merge, dsa_index, index_key, index_query, mla_query, query_norm, query_wait, sparse_core, top_k
 
 _CACHE: dict[tuple, object] = {}
+KERNELS = {
+    module.__name__.rsplit(".", 1)[-1]: module
+    for module in (query_norm, mla_query, query_wait, index_key, index_query, dsa_index, top_k, dcp_merge, sparse_core)
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,19 @@ class Variant:
     name: str  # says which kernel and which compile-time choices
     op: object
     args: tuple  # placeholder arguments for compilation
+
+
+def check(shape) -> None:
+    """Raise ValueError where `shape` (a graphstep RankShape) has a size some kernel does not
+    support (its module's SUPPORTED): the kernels hard-code them, other sizes would run with
+    wrong addresses."""
+    for name, module in KERNELS.items():
+        for field, supported in module.SUPPORTED.items():
+            value = getattr(shape.model, field)
+            if value not in supported:
+                raise ValueError(
+                    f"ModelShape.{field} = {value} is not supported by kernels/{name}.py (supported: {supported})"
+                )
 
 
 def _config(op) -> tuple:
@@ -57,97 +78,148 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
     return fn
 
 
-def variants(
-    shape,
-    pdl: bool = True,
-    polls=(False, True),
-    norms=(False, True),
-    batches=range(1, 65),
-    index_tokens=index_query.TOKENS,
-) -> list[Variant]:
-    """The kernel variants a step of `shape` (a graphstep RankShape) can launch for the
-    given batch sizes (SparseCore's slots per CTA depend on the batch; norms,
-    index_tokens: only these MlaQuery/QueryNorm and IndexQuery variants)."""
+def _rows_or_tiled(tiled: bool) -> str:
+    return "tiled" if tiled else "rows"
+
+
+def _query_norm(shape, pdl, tiled: bool):
+    return f"query_norm_{_rows_or_tiled(tiled)}", query_norm.QueryNorm(tiled, shape.model.packed_width, pdl)
+
+
+def _mla_query(shape, pdl, tiled: bool, poll: bool):
+    topo = shape.topology
+    op = mla_query.MlaQuery(
+        shape.heads,
+        topo.rank * shape.heads,
+        shape.q_heads,
+        shape.gathered,
+        shape.model.packed_width,
+        tiled,
+        poll,
+        topo.q_format == "fp8",
+        topo.mla_cache == "fp8",
+        pdl,
+    )
+    return f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}", op
+
+
+def _query_wait(shape, pdl):
+    return "query_wait", query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl)
+
+
+def _index_key(shape, pdl):
+    m = shape.model
+    return "index_key", index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl)
+
+
+def _index_query(shape, pdl, tokens: int):
+    m = shape.model
+    return f"index_query_{tokens}", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl)
+
+
+def _dsa_index(shape, pdl):
+    return "dsa_index", dsa_index.DsaIndex(shape.topology.dcp, shape.topology.rank, pdl)
+
+
+def _top_k(shape, pdl, split):
+    k, topo = shape.model.index_topk, shape.topology
+    if split is None:
+        return "top_k", top_k.TopK(k, topo.dcp, topo.rank, pdl)
+    return f"top_k_{split.name}", top_k.ClusterTopK(k, topo.dcp, topo.rank, split, pdl)
+
+
+def _dcp_merge(shape, pdl):
+    return "dcp_merge", dcp_merge.DcpMerge(shape.model.index_topk, shape.topology.dcp, shape.topology.rank, pdl)
+
+
+def _sparse_core(shape, pdl, slots: int, publish: bool = True):
+    """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
+    read-only variant is for callers outside the step (benchmarks, tests)."""
     m, topo = shape.model, shape.topology
-    q_fp8, mla_fp8 = topo.q_format == "fp8", topo.mla_cache == "fp8"
+    op = sparse_core.SparseCore(
+        shape.q_heads,
+        shape.gathered,
+        m.index_topk,
+        topo.q_format == "fp8",
+        topo.mla_cache == "fp8",
+        m.softmax_scale,
+        slots,
+        pdl,
+        publish,
+    )
+    return f"sparse_core_s{slots}{'' if publish else '_read'}", op
+
+
+_BUILDERS = {
+    "query_norm": _query_norm,
+    "mla_query": _mla_query,
+    "query_wait": _query_wait,
+    "index_key": _index_key,
+    "index_query": _index_query,
+    "dsa_index": _dsa_index,
+    "top_k": _top_k,
+    "dcp_merge": _dcp_merge,
+    "sparse_core": _sparse_core,
+}
+
+
+def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
+    """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
+    launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll;
+    index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
+    sparse_core: slots (per CTA), publish; the others none."""
+    if kernel not in _BUILDERS:
+        raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
+    name, op = _BUILDERS[kernel](shape, pdl, **choice)
+    return Variant(name, op, KERNELS[kernel].compile_args())
+
+
+def variants(
+    shape, pdl: bool = True, batches=range(1, 65), norms=(False, True), widths=None, polls=(False, True)
+) -> list[Variant]:
+    """The variants a step of `shape` can launch for these batch sizes. norms: the
+    QueryNorm / MlaQuery variants (tiled or not: the caller's choice for these batches);
+    widths: the block tables' widths in scores, for TopK's split (None: TopK and every
+    split); polls: MlaQuery's polling variants under DCP."""
+    check(shape)
+    dcp = shape.topology.dcp > 1
     out = []
     for tiled in norms:
-        norm = "tiled" if tiled else "rows"
-        out.append(
-            Variant(f"query_norm_{norm}", query_norm.QueryNorm(tiled, m.packed_width, pdl), query_norm.compile_args())
-        )
-        for poll in polls if topo.dcp > 1 else (False,):
-            op = mla_query.MlaQuery(
-                shape.heads,
-                topo.rank * shape.heads,
-                shape.q_heads,
-                shape.gathered,
-                m.packed_width,
-                tiled,
-                poll,
-                q_fp8,
-                mla_fp8,
-                pdl,
-            )
-            out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
-    out.append(
-        Variant(
-            "index_key",
-            index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
-            index_key.compile_args(),
-        )
-    )
-    for tokens in index_tokens:  # launch.Kernels.index_query picks by batch
-        out.append(
-            Variant(
-                f"index_query_{tokens}",
-                index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl),
-                index_query.compile_args(),
-            )
-        )
-    out.append(Variant("dsa_index", dsa_index.DsaIndex(topo.dcp, topo.rank, pdl), dsa_index.compile_args()))
-    out.append(Variant("top_k", top_k.TopK(m.index_topk, topo.dcp, topo.rank, pdl), top_k.compile_args()))
-    for split in top_k.SPLITS:  # every split top_k.split_for can choose
-        out.append(
-            Variant(
-                f"top_k_{split.name}",
-                top_k.ClusterTopK(m.index_topk, topo.dcp, topo.rank, split, pdl),
-                top_k.compile_args(),
-            )
-        )
-    for slots in sorted({sparse_core.plan(b, shape.q_heads, m.index_topk) for b in batches}):
-        op = sparse_core.SparseCore(  # the step's launch: publishes the rows it read (q_out, re-arm)
-            shape.q_heads, shape.gathered, m.index_topk, q_fp8, mla_fp8, m.softmax_scale, slots, pdl, publish=True
-        )
-        out.append(Variant(f"sparse_core_s{slots}", op, sparse_core.compile_args()))
-    if topo.dcp > 1:
-        out.append(
-            Variant("dcp_merge", dcp_merge.DcpMerge(m.index_topk, topo.dcp, topo.rank, pdl), dcp_merge.compile_args())
-        )
-        out.append(
-            Variant(
-                "query_wait",
-                query_wait.QueryWait(shape.gathered, shape.q_heads, shape.q_bytes, pdl),
-                query_wait.compile_args(),
-            )
-        )
+        out.append(build(shape, "query_norm", pdl, tiled=tiled))
+        for poll in polls if dcp else (False,):
+            out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll))
+    out.append(build(shape, "index_key", pdl))
+    for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
+        out.append(build(shape, "index_query", pdl, tokens=tokens))
+    out.append(build(shape, "dsa_index", pdl))
+    if widths is None:
+        splits = [None, *top_k.SPLITS]
+    else:
+        splits = dict.fromkeys(top_k.split_for(width, b) for width in widths for b in batches)
+    for split in splits:
+        out.append(build(shape, "top_k", pdl, split=split))
+    for slots in sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in batches}):
+        out.append(build(shape, "sparse_core", pdl, slots=slots))
+    if dcp:
+        out.append(build(shape, "dcp_merge", pdl))
+        out.append(build(shape, "query_wait", pdl))
     return out
 
 
-def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]:
-    """Compile every variant for `arch` and write `<variant>.ptx` files into out_dir.
-    batch: only the norm and IndexQuery variants that batch would use."""
-    from graphstep.shapes import tiled_from
-
-    norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
-    batches = range(1, 65) if batch is None else (batch,)
-    index_tokens = index_query.TOKENS if batch is None else sorted({t for _, _, t in index_query.launches(batch)})
-    # (the other indexer kernels do not depend on the batch; every TopK split is written,
-    # the choice depends on the context too)
+def write_ptx(out_dir, arch: str, shape, batch: int | None = None, tiled: bool | None = None) -> list[Path]:
+    """Compile every variant for `arch` and write `<variant>.<arch>.ptx` files into out_dir.
+    batch: only the variants that batch launches, `tiled` saying its QueryNorm / MlaQuery
+    variant (every TopK split is written: the choice depends on the context too)."""
+    if batch is None:
+        norms, batches = (False, True), range(1, 65)
+    elif tiled is None:
+        raise ValueError("write_ptx for one batch needs `tiled`, the QueryNorm / MlaQuery variant that batch uses")
+    else:
+        norms, batches = (tiled,), (batch,)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for variant in variants(shape, norms=norms, batches=batches, index_tokens=index_tokens):
+    for variant in variants(shape, norms=norms, batches=batches):
         with tempfile.TemporaryDirectory() as tmp:
             compile_op(variant.op, variant.args, arch, tmp)
             ptx = [p for p in Path(tmp).iterdir() if p.suffix == ".ptx"]

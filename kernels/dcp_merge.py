@@ -32,6 +32,8 @@ from . import primitives as P
 from .top_k import ALL, CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
 
 NEG_INF_BITS = 0xFF800000
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"page_size": (PAGE,)}
 
 
 class DcpMerge(RadixSelect):
@@ -53,12 +55,12 @@ class DcpMerge(RadixSelect):
         pages_per_seq: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq).launch(
+        self.dcp_merge(own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq).launch(
             grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(
+    def dcp_merge(
         self,
         own_positions: cute.Pointer,
         own_scores: cute.Pointer,

@@ -59,6 +59,8 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 
 HEADS, DIM, PAGE = 64, 128, 64
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "page_size": (PAGE,)}
 KEY_BYTES = PAGE * DIM  # 8192: the page's keys, then its 64 fp32 scales
 PAGE_BYTES = KEY_BYTES + 4 * PAGE  # 8448 (graphstep/formats.py)
 STAGES = 4  # pages in flight per CTA

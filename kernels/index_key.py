@@ -20,6 +20,8 @@ from . import primitives as P
 DIM, PAGE = 128, 64
 PAGE_BYTES = PAGE * (DIM + 4)
 WARPS = 4
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"index_dim": (DIM,), "index_rope_dim": (64,), "page_size": (PAGE,)}
 
 
 class IndexKey:
@@ -41,12 +43,12 @@ class IndexKey:
         batch: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
+        self.index_key(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
             grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(
+    def index_key(
         self,
         qkv: cute.Pointer,
         weight: cute.Pointer,

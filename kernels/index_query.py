@@ -31,6 +31,8 @@ from . import primitives as P
 from . import projection as J
 
 HEADS, DIM, ROPE = 64, 128, 64
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
 RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
 TOKENS = tuple(sorted(RING))
 

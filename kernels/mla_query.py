@@ -1,16 +1,19 @@
 """MlaQuery: the query side of MLA for one rank, as three PDL-chained kernels.
 
-norm     QueryNorm's own kernel (the variant of this batch) writing q_c where MlaQuery
+query_norm_rows / query_norm_tiled
+         QueryNorm's own kernel (the variant of this batch) writing q_c where MlaQuery
          reads it: the indexer's q_c buffer in serial mode (store_qc), a private one
          otherwise. Being the same kernel, its q_c is bit-identical to QueryNorm's.
-project  (grid: H x 12 m-tiles of 16 Q_B rows, x batch-tile groups; 128 threads)
+mla_query_project
+         (grid: H x 12 m-tiles of 16 Q_B rows, x batch-tile groups; 128 threads)
          holds its 16 rows of Q_B in registers, each warp a quarter of K, and for each
          batch tile of 16 rows runs Q_B on the tensor cores (mma.sync m16n8k16, weights
          as A so the batch is the narrow N side), reduces the four K quarters in a fixed
          order and writes raw q [B, H, 192] fp32 to a workspace. Its first CTAs also do
          the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE k_pe 64,
          bf16 or the fp8 656-byte row; slot -1 writes nothing).
-absorb   (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
+mla_query_absorb
+         (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
          W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
          [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
          query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
@@ -18,12 +21,11 @@ absorb   (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in re
          thread then polls a share of the peers' head rows (its own rank's rows are
          written by this very grid, whose CTAs need not all be resident).
 
-project and absorb bulk-prefetch their weight slices into L2 before griddepcontrol_wait,
-so the weight stream starts while the kernel before them drains.
-
-project's Q_B loop is the same core as kernels/projection.py (which IndexQuery uses); it
-stays written out here, as run and tested on the H200, until a GPU run validates MlaQuery
-on the shared core.
+Both hold their weight rows in registers and run the same 16 x 16 tensor-core tile
+(`held_rows`, `tile_mma`); they bulk-prefetch their weight slices into L2 before
+griddepcontrol_wait, so the weight stream starts while the kernel before them drains.
+(IndexQuery's wq_b, 25 MB read once, streams through shared memory instead:
+kernels/projection.py.)
 """
 
 from __future__ import annotations
@@ -42,11 +44,41 @@ QB_TILES = 12  # 192 Q_B rows per head / 16
 LATENT_SLICES = 8  # 512 latent / 64
 K = 1536
 TARGET_CTAS = 528  # ~4 per SM of an H100/H200: batch tiles split over more CTAs up to this
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"q_lora_rank": (K,), "kv_lora_rank": (512,), "qk_nope_dim": (128,), "qk_rope_dim": (64,)}
 
 
 def tile_groups(ctas: int) -> int:
     """How many CTA rows share the batch tiles when the grid has `ctas` CTAs per row."""
     return max(1, TARGET_CTAS // ctas)
+
+
+def held_rows(weights, stride: int, chunks: int, column, g) -> tuple[list, list]:
+    """A thread's share of 16 weight rows (K contiguous, `stride` elements apart), held in
+    registers across every batch tile: the 16-byte words at k = column(c), c < chunks, of
+    rows g and g + 8 (lo, hi)."""
+    lo, hi = [], []
+    for c in range(chunks):
+        k = column(c)
+        lo.append(P.load_u32x4_nc(weights + g * stride + k))
+        hi.append(P.load_u32x4_nc(weights + (g + 8) * stride + k))
+    return lo, hi
+
+
+def tile_mma(lo, hi, column, tile, g, batch, token_word) -> list:
+    """D[16 rows, 16 tokens of batch tile `tile`] in fp32 on the tensor cores (mma.sync
+    m16n8k16, the held rows as A so the batch is the narrow N side). token_word(row, k):
+    the 16-byte word (8 bf16) at k of token row `row`; tokens past the batch repeat the last
+    one (their columns are discarded). The weight and token words split the same way
+    (k 8t..8t+3, then 8t+4..8t+7) over two MMAs."""
+    acc = [[Float32(0)] * 4 for _ in range(2)]
+    for c in range(len(lo)):
+        k = column(c)
+        for nt in range(2):
+            b = token_word(cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1), k)
+            acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
+            acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
+    return acc
 
 
 class MlaQuery:
@@ -95,14 +127,16 @@ class MlaQuery:
         tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.norm(qkv, gamma_q, qc, batch, eps, stream)
         project_ctas = self.heads * QB_TILES
-        self.project(qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps).launch(
+        self.mla_query_project(
+            qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps
+        ).launch(
             grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
         )
         absorb_ctas = self.heads * LATENT_SLICES
-        self.absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
+        self.mla_query_absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
             grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
@@ -112,7 +146,7 @@ class MlaQuery:
     # -- project ----------------------------------------------------------------------
 
     @cute.kernel
-    def project(
+    def mla_query_project(
         self,
         qkv: cute.Pointer,
         gamma_kv: cute.Pointer,
@@ -142,28 +176,16 @@ class MlaQuery:
 
         # This warp's quarter of K of the CTA's 16 Q_B rows stays in registers for all of
         # its batch tiles: the weights are read once per CTA row whatever the batch.
-        chunks = K // 4 // 32
-        lo, hi = [], []
-        for c in cutlass.range_constexpr(chunks):
-            k = warp * (K // 4) + 32 * c + 8 * t
-            lo.append(P.load_u32x4_nc(weights + g * K + k))
-            hi.append(P.load_u32x4_nc(weights + (g + 8) * K + k))
+        column = lambda c: warp * (K // 4) + 32 * c + 8 * t
+        lo, hi = held_rows(weights, K, K // 4 // 32, column, g)
 
         if group == 0:  # the KV insert, one warp per new token, spread over the CTA row
             for row in range(mtile * 4 + warp, batch, ctas * 4):
                 self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
 
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
-            # Q_B: D[16 rows, 16 tokens] over this warp's quarter of K. The 16-byte weight
-            # and q_c words split the same way (k 8t..8t+3, then 8t+4..8t+7) over two MMAs.
-            # Tokens past the batch repeat the last one; their columns are discarded.
-            acc = [[Float32(0)] * 4 for _ in range(2)]
-            for c in cutlass.range_constexpr(chunks):
-                k = warp * (K // 4) + 32 * c + 8 * t
-                for nt in cutlass.range_constexpr(2):
-                    b = P.load_u32x4(qc + cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1) * K + k)
-                    acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
-                    acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
+            # Q_B over this warp's quarter of K, from q_c
+            acc = tile_mma(lo, hi, column, tile, g, batch, lambda row, k: P.load_u32x4(qc + row * K + k))
             for nt in cutlass.range_constexpr(2):
                 col = nt * 8 + 2 * t
                 for q in cutlass.range_constexpr(4):
@@ -226,7 +248,7 @@ class MlaQuery:
     # -- absorb -------------------------------------------------------------------------
 
     @cute.kernel
-    def absorb(
+    def mla_query_absorb(
         self,
         w_uk_t: cute.Pointer,
         cos: cute.Pointer,
@@ -252,23 +274,12 @@ class MlaQuery:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        weights = slice_base + warp * 16 * 128  # this warp's 16 latent rows, all 128 of K
-        lo, hi = [], []
-        for c in cutlass.range_constexpr(4):
-            k = 32 * c + 8 * t
-            lo.append(P.load_u32x4_nc(weights + g * 128 + k))
-            hi.append(P.load_u32x4_nc(weights + (g + 8) * 128 + k))
+        column = lambda c: 32 * c + 8 * t
+        lo, hi = held_rows(slice_base + warp * 16 * 128, 128, 4, column, g)  # this warp's 16 latent rows, all of K
         chunks = 64 * self.q_bytes // 16  # 16-byte chunks per token of this slice (and of the rope)
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
-            acc = [[Float32(0)] * 4 for _ in range(2)]
-            for c in cutlass.range_constexpr(4):
-                k = 32 * c + 8 * t
-                for nt in cutlass.range_constexpr(2):
-                    row = cutlass.min(tile * BATCH_TILE + nt * 8 + g, batch - 1)
-                    src = workspace + (row * self.heads + head) * 192 + k
-                    b = P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
-                    acc[nt] = P.mma_bf16_16816((lo[c][0], hi[c][0], lo[c][1], hi[c][1]), (b[0], b[1]), acc[nt])
-                    acc[nt] = P.mma_bf16_16816((lo[c][2], hi[c][2], lo[c][3], hi[c][3]), (b[2], b[3]), acc[nt])
+            # W_UK over q_nope, read from the workspace as bf16
+            acc = tile_mma(lo, hi, column, tile, g, batch, lambda row, k: self.nope_word(workspace, row, head, k))
             for nt in cutlass.range_constexpr(2):
                 for q in cutlass.range_constexpr(4):
                     out[(nt * 8 + 2 * t + q % 2) * 68 + warp * 16 + g + 8 * (q // 2)] = acc[nt][q]
@@ -293,6 +304,11 @@ class MlaQuery:
                 self.head_base,
                 self.heads,
             )
+
+    def nope_word(self, workspace, row, head, k):
+        """The raw q_nope of (token row, head) at k .. k + 7 as one 16-byte bf16 word."""
+        src = workspace + (row * self.heads + head) * 192 + k
+        return P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
 
     @cute.jit
     def publish(self, cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part):

@@ -1,8 +1,8 @@
 """QueryNorm: the q_a RMSNorm of the packed projection rows -> q_c [B, 1536] bf16.
 
 Two variants with different FP32 orders (graphstep/order.py models both):
-  kernel: one row per CTA of 256 threads; threads < 192 take 8 columns each.
-  tiled:  one row per warp, 8 rows per CTA; lane l takes columns 256 i + 8 l + j.
+  query_norm_rows:  one row per CTA of 256 threads; threads < 192 take 8 columns each.
+  query_norm_tiled: one row per warp, 8 rows per CTA; lane l takes columns 256 i + 8 l + j.
 `batch >= tiled_from(heads)` picks tiled, as MlaQuery does for the same batch, so the
 main stream's q_c is bit-identical to the one MlaQuery computes for itself.
 
@@ -18,6 +18,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from . import primitives as P
+
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"q_lora_rank": (P.NORM_COLUMNS,)}
 
 
 class QueryNorm:
@@ -45,16 +48,16 @@ class QueryNorm:
         stream: cuda.CUstream,
     ):
         if cutlass.const_expr(self.tiled):
-            self.tiled_kernel(qkv, gamma, qc, batch, eps).launch(
+            self.query_norm_tiled(qkv, gamma, qc, batch, eps).launch(
                 grid=[(batch + 7) // 8, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
             )
         else:
-            self.row_kernel(qkv, gamma, qc, batch, eps).launch(
+            self.query_norm_rows(qkv, gamma, qc, batch, eps).launch(
                 grid=[batch, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
             )
 
     @cute.kernel
-    def row_kernel(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
+    def query_norm_rows(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
         """One row per CTA: 8 columns per thread, a sequential FMA chain, warp partials in order."""
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
@@ -83,7 +86,7 @@ class QueryNorm:
             P.store_u32x4(qc + row * P.NORM_COLUMNS + tid * 8, P.pack_words(out, False))
 
     @cute.kernel
-    def tiled_kernel(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
+    def query_norm_tiled(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
         """One row per warp: 48 columns per lane in packed pairs."""
         tid, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()

@@ -24,6 +24,8 @@ from . import primitives as P
 
 THREADS = 256
 IN_FLIGHT = P.POLL_IN_FLIGHT
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"kv_lora_rank": (512,), "qk_rope_dim": (64,)}  # 576-element rows: 36 x q_bytes chunks
 
 
 def grid_for(chunks: int) -> int:
@@ -34,10 +36,6 @@ class QueryWait:
     def __init__(self, gathered: int, q_heads: int, q_bytes: int, pdl: bool = True):
         self.gathered, self.q_heads, self.pdl = gathered, q_heads, pdl
         self.row_chunks = 36 * q_bytes
-        self.token_chunks = gathered * self.row_chunks
-
-    def chunks(self, batch: int) -> int:
-        return batch * self.token_chunks
 
     @cute.jit
     def __call__(
@@ -49,12 +47,12 @@ class QueryWait:
         budget_ns: Int64,
         stream: cuda.CUstream,
     ):
-        self.kernel(mailbox, error, batch, budget_ns).launch(
+        self.query_wait(mailbox, error, batch, budget_ns).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(self, mailbox: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
+    def query_wait(self, mailbox: cute.Pointer, error: cute.Pointer, batch: Int32, budget_ns: Int64):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()

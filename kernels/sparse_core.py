@@ -59,6 +59,8 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 
 ROW, LATENT = 576, 512
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
 STRIDE = 2 * ROW + 16  # bytes per bf16 row in shared memory (+16: ldmatrix rows hit distinct banks)
 FP8_ROW = 656  # 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 BF16_CHUNKS, FP8_CHUNKS = 2 * ROW // 16, FP8_ROW // 16  # 16-byte chunks per cache row

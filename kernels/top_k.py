@@ -51,6 +51,8 @@ PAGE = 64
 ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit, high first
 HIST = 1 << 11
 ALL = 2**31 - 1
+# The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
+SUPPORTED = {"page_size": (PAGE,)}
 
 
 def order_key(word) -> Uint32:
@@ -177,12 +179,12 @@ class TopK(RadixSelect):
         pages_per_seq: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
+        self.top_k(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
             grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(
+    def top_k(
         self,
         scores: cute.Pointer,
         block_tables: cute.Pointer,
@@ -411,7 +413,7 @@ class ClusterTopK:
         pages_per_seq: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
+        self.top_k_cluster(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
             grid=[self.ctas, batch, 1],
             block=[self.threads, 1, 1],
             cluster=[self.ctas, 1, 1],
@@ -420,7 +422,7 @@ class ClusterTopK:
         )
 
     @cute.kernel
-    def kernel(
+    def top_k_cluster(
         self,
         scores: cute.Pointer,
         block_tables: cute.Pointer,

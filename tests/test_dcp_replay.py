@@ -13,6 +13,7 @@ the kernel's PTX skips the scan when need == ALL.
 """
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,7 +50,8 @@ def recorded(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["fork", "fork_poll", "serial"])
 def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(recorded, mode):
-    shape = RankShape(SMALL, Topology(tp=4, dcp=2, rank=1))
+    # the kernels' indexer geometry (Kernels rejects SMALL's 8 index heads)
+    shape = RankShape(replace(SMALL, index_heads=64), Topology(tp=4, dcp=2, rank=1))
     step = DecodeStep(shape, capture_sizes=(8, 1), backend="torch", device="cpu", max_context=200)
     step.kernels = Kernels(shape, step.state.weights)  # the cute launchers, recording instead of launching
     b, mailbox = step.buffers, step.caches.mailbox

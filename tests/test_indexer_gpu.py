@@ -63,7 +63,7 @@ def _index_query(batch, tokens=None):
         kernels.index_query(q_c, inputs.qkv, inputs.context_lens, q_out, w_out, batch)
     else:
         w = state.weights
-        kernels._index_query_op(tokens)(
+        kernels.compiled("index_query", tokens=tokens)(
             ptr(q_c),
             ptr(w.wq_b_index),
             ptr(inputs.qkv),

@@ -2,6 +2,7 @@
 the design needs: PDL in every kernel, 16-byte global accesses, no local memory, the
 exact-order FP32 ops the order model assumes, tensor-core MMAs in MlaQuery."""
 
+import ast
 import re
 import struct
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from graphstep.kernels import catalog, index_query, sparse_core, top_k
 
 from graphstep.cli import main
+from graphstep.graphs import short
 from graphstep.shapes import RankShape, Topology, preset
 
 SHAPES = {
@@ -49,6 +51,60 @@ def test_every_variant_compiled(ptx):
     assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
     # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, every TopK split
     assert len(ptx) == (8 + 6 + 2) + (12 + 6 + 2) + 2 * len(top_k.SPLITS)
+
+
+def _stages(variant: str, k: int) -> list[str]:
+    """The stage names a variant's kernels carry, in launch order."""
+    if variant.startswith("mla_query_"):
+        norm = "tiled" if "_tiled" in variant else "rows"
+        return [f"query_norm_{norm}", "mla_query_project", "mla_query_absorb"]
+    if variant.startswith("index_query_"):
+        return ["index_query"]
+    if variant.startswith("top_k_"):
+        return ["top_k_cluster"]
+    if variant.startswith("sparse_core_s"):
+        return ["sparse_core_partial"] + (["sparse_core_combine"] if int(variant.split("_s")[-1]) < k else [])
+    return [variant]  # query_norm_rows / _tiled, index_key, dsa_index, top_k, dcp_merge, query_wait
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "query_norm",
+        "mla_query",
+        "index_key",
+        "index_query",
+        "dsa_index",
+        "top_k",
+        "sparse_core",
+        "dcp_merge",
+        "query_wait",
+    ],
+)
+def test_every_kernel_is_named_after_its_stage(ptx, kernel):
+    """What the graph table, Nsight Systems and ncu show: the PTX entry (the CUDA function)
+    carries the @cute.kernel method's name."""
+    found = False
+    for (shape, variant), text in ptx.items():
+        if variant.startswith(kernel):
+            found = True
+            names = [short(name) for name in re.findall(r"\.entry (\w+)\(", text)]
+            assert names == [f"cute:{stage}" for stage in _stages(variant, 2048)], (shape, variant, names)
+    assert found
+
+
+def test_kernels_import_nothing_from_graphstep():
+    """Imports point down: graphstep uses the kernels, never the other way."""
+    folder = Path(catalog.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            assert not any(m == "graphstep" or m.startswith("graphstep.") for m in modules), (path.name, modules)
 
 
 # What a kernel may read from global memory before its griddepcontrol.wait: only what no
@@ -211,6 +267,11 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         *splits,
     ]
     assert f"{7 + len(splits)} kernel variants" in capsys.readouterr().out
+
+
+def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):
+    with pytest.raises(ValueError, match="needs `tiled`"):
+        catalog.write_ptx(tmp_path, "sm_90a", SHAPES["tp8"], batch=4)
 
 
 def test_compile_cache_is_keyed_by_configuration_not_identity():

@@ -2,9 +2,11 @@
 the arguments its kernel was compiled for (count, pointer dtype and alignment, scalar
 types), so a launcher that drifts from its kernel fails here, not first on a GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from graphstep.kernels import top_k
+from graphstep.kernels import catalog, top_k
 
 from conftest import launch_on_cpu
 from graphstep import launch
@@ -47,15 +49,13 @@ def cpu_launches(monkeypatch):
     return Launch.calls
 
 
-@pytest.mark.parametrize(
-    "topology",
-    [Topology(tp=8), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")],
-    ids=["tp8", "dcp2-fp8"],
-)
-def test_every_launcher_matches_its_kernel(cpu_launches, topology):
-    state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
-    s, m, b = state.shape, state.shape.model, 4
-    kernels = Kernels(s, state.weights)
+TOPOLOGIES = [Topology(tp=8), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")]
+
+
+def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool) -> list[str]:
+    """Every launcher once for `b` tokens with its own variant choices (QueryWait and
+    DcpMerge under DCP); returns the kernels it launched, in order."""
+    s, m, dcp = state.shape, state.shape.model, state.shape.topology.dcp
     inputs = state.inputs(b)
     c = state.caches
     f32 = lambda *shape: torch.zeros(*shape)  # noqa: E731
@@ -79,7 +79,7 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
         error,
         b,
         store_qc=True,
-        poll=topology.dcp > 1,
+        poll=poll,
     )
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
     kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, f32(b, m.index_heads), b)
@@ -97,19 +97,84 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
         q_out=torch.zeros(b, s.gathered, c.mailbox.shape[-1], dtype=torch.uint8),
     )
     launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "ClusterTopK", "SparseCore"]
-    if topology.dcp > 1:
+    if dcp > 1:
         kernels.query_wait(c.mailbox, error, b)
         kernels.dcp_merge(
             i32(b, m.index_topk),
             f32(b, m.index_topk),
-            i32(b, topology.dcp, m.index_topk),
-            f32(b, topology.dcp, m.index_topk),
+            i32(b, dcp, m.index_topk),
+            f32(b, dcp, m.index_topk),
             inputs.block_tables,
             i32(b, m.index_topk),
             b,
         )
         launched += ["QueryWait", "DcpMerge"]
+    return launched
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=["tp8", "dcp2-fp8"])
+def test_every_launcher_matches_its_kernel(cpu_launches, topology):
+    state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
+    launched = _launch_every_kernel(Kernels(state.shape, state.weights), state, 4, poll=topology.dcp > 1)
     assert cpu_launches == launched
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=["tp8", "dcp2-fp8"])
+def test_the_launchers_build_only_catalog_variants_and_warm_compiles_them(cpu_launches, topology):
+    """Every op a launcher builds for batches 1..64 is one of the variants `graphstep ptx`
+    writes (kernels/catalog.py variants), by configuration; and for a step's capture sizes,
+    Kernels.warm compiles exactly the variants its launches use."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=64, max_context=256, seed=1)
+    kernels = Kernels(state.shape, state.weights)
+    launched = {}
+    for b in range(1, 65):
+        Launch.ops.clear()
+        for poll in (False, True) if topology.dcp > 1 else (False,):
+            _launch_every_kernel(kernels, state, b, poll)
+        launched[b] = {catalog._config(op) for op in Launch.ops}
+    listed = [catalog._config(variant.op) for variant in catalog.variants(state.shape)]
+    assert len(set(listed)) == len(listed)
+    assert set().union(*launched.values()) <= set(listed)
+    sizes, width = (1, 4, 16, 48), state.pages_per_seq * state.shape.model.page_size
+    warmed = {catalog._config(variant.op) for variant in kernels.variants(sizes, width)}
+    assert warmed == set().union(*(launched[b] for b in sizes))
+
+
+@pytest.mark.parametrize(
+    "field, value, supported",
+    [
+        ("page_size", 32, 64),
+        ("index_heads", 32, 64),
+        ("index_dim", 64, 128),
+        ("index_rope_dim", 32, 64),
+        ("kv_lora_rank", 256, 512),
+        ("qk_rope_dim", 32, 64),
+        ("qk_nope_dim", 64, 128),
+    ],
+)
+def test_kernels_reject_a_shape_they_are_not_written_for(field, value, supported):
+    shape = RankShape(replace(preset("deepseek-v3.2"), **{field: value}), Topology(tp=8))
+    state = LayerState(shape, max_batch=1, max_context=128, seed=1)  # the torch backend takes it
+    with pytest.raises(ValueError, match=rf"ModelShape\.{field} = {value} is not supported by kernels/\w+\.py "):
+        Kernels(shape, state.weights)
+    with pytest.raises(ValueError, match=rf"\(supported: \({supported},\)\)"):
+        Kernels(shape, state.weights)
+    with pytest.raises(ValueError, match=rf"ModelShape\.{field} = {value}"):
+        catalog.variants(shape)  # and `graphstep ptx`
+
+
+def test_every_kernel_declares_the_sizes_it_supports():
+    from graphstep.shapes import ModelShape
+
+    assert set(catalog.KERNELS) == set(catalog._BUILDERS)
+    for name, module in catalog.KERNELS.items():
+        assert module.SUPPORTED, name
+        for field, supported in module.SUPPORTED.items():
+            assert field in ModelShape.__dataclass_fields__, (name, field)
+            assert isinstance(supported, tuple) and supported, (name, field)
+    for model in ("deepseek-v3.2", "kimi-k3.1"):
+        for topology in TOPOLOGIES:
+            catalog.check(RankShape(preset(model), topology))
 
 
 def test_launch_rejects_cpu_tensors():

@@ -7,7 +7,7 @@ import torch
 from conftest import rel_err
 from graphstep import formats, order
 from graphstep import reference as ref
-from graphstep.graphs import inspect
+from graphstep.graphs import inspect, short
 from graphstep.launch import MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.step import DecodeStep
@@ -126,12 +126,28 @@ def test_ten_thousand_replays_are_identical_and_allocate_nothing(tp8):
     assert torch.cuda.memory_allocated() == allocated
 
 
-def _kernel(info, *parts) -> int:
-    """The index of the one kernel node whose name holds every part (the CuTe DSL names a
-    kernel after its method and class, e.g. project_...MlaQuery...)."""
-    found = [n.index for n in info.kernels() if all(p in n.name for p in parts)]
-    assert len(found) == 1, (parts, [n.name for n in info.kernels()])
+def _stages(info) -> list[str]:
+    """The stage names of a graph's CuTe DSL kernels, as the graph table shows them."""
+    return [short(n.name).removeprefix("cute:") for n in info.kernels() if short(n.name).startswith("cute:")]
+
+
+def _kernel(info, stage: str) -> int:
+    """The index of the one kernel node of this stage."""
+    found = [n.index for n in info.kernels() if short(n.name) == f"cute:{stage}"]
+    assert len(found) == 1, (stage, _stages(info))
     return found[0]
+
+
+def test_graph_lists_every_kernel_by_its_stage(tp8):
+    """`graphstep graph --batch 4 --mode fork` at TP 8: every kernel named after its stage
+    (TopK: a cluster split at 2K context; SparseCore: 64 slots per CTA, so a combine)."""
+    indexer = ["index_key", "query_norm_rows", "index_query", "dsa_index", "top_k_cluster"]
+    mla = ["query_norm_rows", "mla_query_project", "mla_query_absorb"]
+    sparse = ["sparse_core_partial", "sparse_core_combine"]
+    fork = inspect(tp8.graph(4, "fork"))
+    assert sorted(_stages(fork)) == sorted(indexer + mla + sparse)
+    serial = inspect(tp8.graph(4, "serial"))  # MlaQuery's norm writes the indexer's q_c
+    assert sorted(_stages(serial)) == sorted([s for s in indexer if s != "query_norm_rows"] + mla + sparse)
 
 
 def test_graph_edges_show_pdl_fork_and_join(tp8):
@@ -139,13 +155,13 @@ def test_graph_edges_show_pdl_fork_and_join(tp8):
     serial = inspect(tp8.graph(4, "serial"))
     for info in (fork, serial):
         edges = {(e.src, e.dst): e for e in info.edges}
-        project, absorb = _kernel(info, "project", "MlaQuery"), _kernel(info, "absorb", "MlaQuery")
+        project, absorb = _kernel(info, "mla_query_project"), _kernel(info, "mla_query_absorb")
         assert edges[(project, absorb)].type == 1, "project -> absorb is a programmatic edge"
         assert any(e.dst == project and e.type == 1 for e in info.edges), "norm -> project is programmatic"
         # the indexer: (QueryNorm or MlaQuery) -> IndexQuery (one kernel) -> DsaIndex -> TopK, all PDL
-        chain = [_kernel(info, "index_query", "IndexQuery"), _kernel(info, "DsaIndex"), _kernel(info, "TopK")]
+        chain = [_kernel(info, "index_query"), _kernel(info, "dsa_index"), _kernel(info, "top_k_cluster")]
         assert any(e.dst == chain[0] and e.type == 1 for e in info.edges), "q_c's writer -> IndexQuery is PDL"
-        assert any(e.src == _kernel(info, "IndexKey") and e.type == 1 for e in info.edges), "IndexKey opens the chain"
+        assert any(e.src == _kernel(info, "index_key") and e.type == 1 for e in info.edges), "IndexKey opens the chain"
         for a, b in zip(chain, chain[1:]):
             assert edges[(a, b)].type == 1, (a, b)
     assert len(fork.programmatic) >= 7 and len(serial.programmatic) >= 7
