@@ -62,6 +62,34 @@ class StepInputs:
 
 
 @dataclass
+class StepOutputs:
+    """What one decode step of `batch` tokens returns (DecodeStep.step, reference_step).
+
+    Fields (B = batch, H = heads per rank, G = gathered head rows = dcp x H, k = index_topk):
+        q_c: (B, q_lora_rank = 1536), torch.bfloat16. The q_a RMSNorm, the input of the
+            indexer's wq_b and of MlaQuery's Q_B.
+        slots: (B, k), torch.int32. The cache slots (page x page_size + offset) this rank's
+            sparse core attended: the top-k of the indexer (under DCP this rank's share of
+            the global top-k, compacted to the front), -1 padded.
+        q_rows: (B, G, 576). The query rows the sparse core read, [absorbed latent 512 |
+            roped 64] per head, every rank's heads under DCP: DecodeStep returns them as
+            stored (torch.bfloat16, or torch.float8_e4m3fn with Topology(q_format="fp8")),
+            reference_step in torch.float32.
+        out: (B, G, kv_lora_rank = 512), torch.float32. The attention over the selected
+            slots per head row, in the latent space (before W_UV); 0 for a token with no slot.
+        lse: (B, G), torch.float32. The natural-log sum of exp of the scaled scores per head
+            row (the softmax denominator, to combine partial attentions); -inf with no slot.
+
+    DecodeStep's outputs are views of its static buffers: valid until its next step."""
+
+    q_c: torch.Tensor
+    slots: torch.Tensor
+    q_rows: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass
 class PeerInputs:
     """Under DCP on one GPU, what the other ranks would contribute to this rank's step:
     the query rows they publish into its mailbox and their local top-k candidates
@@ -70,6 +98,21 @@ class PeerInputs:
     rows: torch.Tensor  # fp32 [B, gathered, 576]
     positions: torch.Tensor  # int32 [B, dcp, topk], -1 padded
     scores: torch.Tensor  # fp32 [B, dcp, topk], descending, -inf padded
+
+
+def check_tensors(owner: str, expect: dict, device: torch.device, contiguous: bool = True) -> None:
+    """expect: {name: (tensor, dtype, shape)}; raise naming `owner.name` and what was expected."""
+    for name, (tensor, dtype, shape) in expect.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"{owner}.{name} must be {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{owner}.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+        if tensor.device != device:
+            raise ValueError(f"{owner}.{name} must be on {device}, got {tensor.device}")
+        if contiguous and not tensor.is_contiguous():
+            raise ValueError(f"{owner}.{name} must be contiguous")
 
 
 def local_lens(context_lens: torch.Tensor, dcp: int, rank: int) -> torch.Tensor:
