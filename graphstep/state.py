@@ -1,4 +1,4 @@
-"""Seeded weights, caches and step inputs in the real formats (DESIGN.md §2-3).
+"""Seeded weights, caches, step inputs and outputs in the real formats (docs/design.md §3).
 
 Everything is random (never zeros) and drawn on the target device from a seeded
 generator, so a state of many GB builds in seconds on a GPU and the same seed gives
