@@ -309,12 +309,8 @@ class DecodeStep:
         len_bad = (lens < 1) | (lens > st.max_context)
         safe = lens.clamp(1, st.max_context)
         # the new token's slot: -1, or the slot its block table holds at its local index
-        pos = safe - 1
-        local = torch.div(pos, topo.dcp, rounding_mode="floor")
-        mine = pos % topo.dcp == topo.rank
         tables = inputs.block_tables
-        held = tables.gather(1, torch.div(local, page, rounding_mode="floor")[:, None])[:, 0].long()
-        want = torch.where(mine, held * page + local % page, -1)
+        want = st.new_token_slots(safe, tables).long()
         slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
         # the used part of each block table: pages of [0, local length)
         used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
@@ -339,14 +335,14 @@ class DecodeStep:
             )
         if any(flags[2]):
             row = flags[2].index(True)
-            slot, p = int(inputs.slot_mapping[row]), int(pos[row])
-            if not bool(mine[row]):
+            slot, p = int(inputs.slot_mapping[row]), int(safe[row]) - 1
+            if p % topo.dcp != topo.rank:
                 where = f"position {p} lives on DCP rank {p % topo.dcp}, not rank {topo.rank}: its slot here must be -1"
             else:
                 pool = st.trash_page * page
                 inside = f"outside the pool [0, {pool})" if not 0 <= slot < pool else "not the new token's slot"
                 where = (
-                    f"{inside}: position {p} is at page {int(held[row])} of block_tables[{row}], slot "
+                    f"{inside}: position {p} is at page {int(want[row]) // page} of block_tables[{row}], slot "
                     f"{int(want[row])} (or -1 to write nothing)"
                 )
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
