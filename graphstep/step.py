@@ -15,8 +15,9 @@ the merge with the other ranks' candidates. run_stages issues this data path; a 
 in torch (the plain-torch baseline). The exchanges with the other DCP ranks go through a
 transport (graphstep.transport); on one GPU, SimulatedPeers plays them from PeerInputs.
 
-Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
-writes go to the state's spare page) and context length 1. A batch above the largest
+Padding: a batch pads up to the next captured size; pad rows have slot -1 (the cute
+kernels write nothing for them, the torch stages write to the state's spare page) and
+context length 1. A batch above the largest
 captured size is an error. The mailbox is re-armed by the transport inside the step,
 after the sparse core, the last reader of the query rows; a poll that gives up raises
 MailboxTimeout from step().
@@ -49,8 +50,9 @@ class DecodeStep:
         shape: RankShape. The model (ModelShape, e.g. preset("deepseek-v3.2")) and this
             rank's Topology (tp, dcp, rank, wide, split, q_format, mla_cache).
         capture_sizes: iterable of int. The batch sizes to capture a graph for; a step of B
-            tokens replays the smallest size >= B with the pad rows masked out. The largest
-            sizes the static buffers (default: vLLM's 1, 2, 4, 8, 16, ..., 64).
+            tokens replays the smallest size >= B, whose pad rows write no cache row that is
+            read and are not returned. The largest sizes the static buffers (default: vLLM's
+            1, 2, 4, 8, 16, ..., 64).
         policy: str or None. The overlap mode per size: a mode ("serial", "fork",
             "fork_poll") or a "rows:mode,..." table; None takes the topology's default table
             (graphstep.policy.QUERY_OVERLAP).
@@ -68,8 +70,8 @@ class DecodeStep:
             ranks played from step()'s `peers`), SingleRank without.
 
     Attributes: state (LayerState: weights, caches, the mailbox), buffers (the static
-    Buffers the graphs read and write), stages (the backend), peers (the transport), modes
-    ({size: mode}), graphs ({(size, mode): CUDAGraph}), error (the polls' ErrorWord).
+    Buffers the graphs read and write), stages (the backend), transport (the DCP exchanges),
+    modes ({size: mode}), graphs ({(size, mode): CUDAGraph}), error (the polls' ErrorWord).
     """
 
     def __init__(
@@ -110,8 +112,8 @@ class DecodeStep:
         self.error = ErrorWord.new(self.device)
         self.buffers = Buffers.allocate(self.state)
         self.stages: Stages = BACKENDS[backend](self.state, self.buffers, self.error, budget_ns, pdl)
-        transport = transport or (SimulatedPeers if topo.dcp > 1 else SingleRank)
-        self.peers: Transport = transport(shape, self.caches.mailbox)
+        make_transport = transport or (SimulatedPeers if topo.dcp > 1 else SingleRank)
+        self.transport: Transport = make_transport(shape, self.caches.mailbox)
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
         self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
@@ -136,7 +138,7 @@ class DecodeStep:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         stages, dcp = self.stages, self.shape.topology.dcp > 1
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self.peers.publish_query_rows(size)
+        self.transport.publish_query_rows(size)
         if mode == "serial":
             stages.index_key(size)
             stages.mla_query(size, store_qc=True, poll=dcp)
@@ -156,7 +158,7 @@ class DecodeStep:
                 main.wait_stream(side)
         stages.sparse_core(size)
         self.buffers.q_out[:size] = self.caches.mailbox[:size, : self.shape.gathered]
-        self.peers.arm(size)
+        self.transport.arm(size)
 
     def _indexer(self, size: int) -> None:
         """After the key insert and q_c, on the current stream: wq_b, scoring, top-k and,
@@ -166,7 +168,7 @@ class DecodeStep:
         stages.index_scores(size)
         stages.top_k(size)
         if self.shape.topology.dcp > 1:
-            positions, scores = self.peers.publish_candidates(b.own_positions, b.own_scores, size)
+            positions, scores = self.transport.publish_candidates(b.own_positions, b.own_scores, size)
             stages.dcp_merge(positions, scores, size)
 
     # -- capture and replay ------------------------------------------------------------------
@@ -254,7 +256,7 @@ class DecodeStep:
         b.slot_mapping[batch:size] = -1
         b.block_tables[:batch] = inputs.block_tables
         b.block_tables[batch:size] = self.state.trash_page
-        self.peers.load(peers, batch, size)
+        self.transport.load(peers, batch, size)
         return size
 
     def step(
@@ -294,7 +296,7 @@ class DecodeStep:
         if batch == 0:
             raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
         self.padded(batch)
-        self.peers.check(peers, batch)
+        self.transport.check(peers, batch)
         self.nonfinite_rows = []
         if check_values:
             self._check_values(inputs, peers)
@@ -317,7 +319,7 @@ class DecodeStep:
         columns = torch.arange(tables.shape[1], device=tables.device)[None]
         page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
         checks = [len_bad, page_bad.any(1), slot_bad, ~torch.isfinite(inputs.qkv).all(1)]
-        transport_checks = self.peers.value_checks(peers, safe)
+        transport_checks = self.transport.value_checks(peers, safe)
         flags = torch.stack(checks + [bad for bad, _ in transport_checks]).tolist()  # the one sync
         if any(flags[0]):
             row = flags[0].index(True)

@@ -26,7 +26,7 @@ shape = RankShape(preset("kimi-k3.1"), Topology(tp=8, dcp=2))
 def check(step: DecodeStep, seed: int) -> str:
     load_batch(step, 1, 32768, seed)
     us = statistics.median(replay_us(step, 1, "fork"))
-    b, peers = step.buffers, step.peers
+    b, peers = step.buffers, step.transport
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):

@@ -55,9 +55,9 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     # the cute launchers, recording instead of launching
     step.stages = CuteStages(step.state, step.buffers, step.error, DEFAULT_BUDGET_NS)
     b, mailbox = step.buffers, step.caches.mailbox
-    assert mailbox.shape[0] == step.peers.rows.shape[0] == 8
+    assert mailbox.shape[0] == step.transport.rows.shape[0] == 8
     mailbox[1:] = 0x5A
-    step.peers.rows.fill_(0x11)
+    step.transport.rows.fill_(0x11)
     b.q_out[1:] = 0x5A
     step.run_stages(1, mode)
 

@@ -25,9 +25,9 @@ def test_simulated_peers_stage_the_peers_and_pad_the_rest():
     step = _step()
     inputs = step.state.inputs(3, seed=1)
     peers = step.state.peer_inputs(inputs, seed=2)
-    step.peers.rows.fill_(0x33)  # left over from an earlier step
+    step.transport.rows.fill_(0x33)  # left over from an earlier step
     assert step.load(inputs, peers) == 4
-    staged = step.peers
+    staged = step.transport
     assert torch.equal(staged.rows[:3], formats.encode_q_rows(peers.rows, "bf16").view(3, 8, -1))
     assert (staged.rows[3] == 0).all(), "a pad row counts as published"
     assert torch.equal(staged.positions[:3], peers.positions) and torch.equal(staged.scores[:3], peers.scores)
@@ -36,7 +36,7 @@ def test_simulated_peers_stage_the_peers_and_pad_the_rest():
 
 def test_publish_writes_the_other_ranks_rows_of_the_steps_tokens_only():
     step = _step(sizes=(2, 4))
-    mailbox, peers = step.caches.mailbox, step.peers
+    mailbox, peers = step.caches.mailbox, step.transport
     peers.rows.copy_(torch.randint(0, 255, peers.rows.shape, dtype=torch.uint8))
     mailbox.fill_(0x5A)
     peers.publish_query_rows(2)
@@ -49,7 +49,7 @@ def test_publish_writes_the_other_ranks_rows_of_the_steps_tokens_only():
 
 
 def test_publish_candidates_hands_dcp_merge_the_staged_buffers_without_copying():
-    peers = _step().peers
+    peers = _step().transport
     own = torch.zeros(4, SMALL.index_topk, dtype=torch.int32)
     positions, scores = peers.publish_candidates(own, own.float(), 3)
     assert positions.shape == scores.shape == (3, 2, SMALL.index_topk)
@@ -58,14 +58,14 @@ def test_publish_candidates_hands_dcp_merge_the_staged_buffers_without_copying()
 
 def test_single_rank_exchanges_nothing_and_re_arms():
     step = _step(Topology(tp=4))
-    assert isinstance(step.peers, SingleRank)
+    assert isinstance(step.transport, SingleRank)
     step.caches.mailbox.fill_(0x5A)
-    step.peers.publish_query_rows(4)
+    step.transport.publish_query_rows(4)
     assert (step.caches.mailbox == 0x5A).all()
-    step.peers.arm(1)
+    step.transport.arm(1)
     assert (step.caches.mailbox[:1] == formats.SENTINEL_BYTE).all() and (step.caches.mailbox[1:] == 0x5A).all()
     with pytest.raises(RuntimeError, match="no candidates"):
-        step.peers.publish_candidates(step.buffers.slots, step.buffers.own_scores, 1)
+        step.transport.publish_candidates(step.buffers.slots, step.buffers.own_scores, 1)
 
 
 class Log(list):
@@ -99,7 +99,7 @@ def test_the_step_calls_the_stages_and_the_transport_in_data_path_order(topology
     step.load(inputs, step.state.peer_inputs(inputs, seed=5) if topology.dcp > 1 else None)
     log = Log()
     log.wrap(step.stages, STAGES)
-    log.wrap(step.peers, EXCHANGES)
+    log.wrap(step.transport, EXCHANGES)
     step.run_stages(4, mode)
     assert log == [*expect, "sparse_core", "arm"]
 
@@ -143,7 +143,7 @@ def test_a_transport_without_peer_inputs_plugs_into_the_step_unchanged():
     inputs = simulated.state.inputs(4, seed=6)
     peers = simulated.state.peer_inputs(inputs, seed=7)
     loopback = _step(policy="fork", seed=9, transport=lambda shape, mailbox: Loopback(shape, mailbox, peers))
-    assert isinstance(simulated.peers, SimulatedPeers) and isinstance(loopback.peers, Loopback)
+    assert isinstance(simulated.transport, SimulatedPeers) and isinstance(loopback.transport, Loopback)
     expect = simulated.step(inputs, peers, eager=True)
     got = loopback.step(inputs, eager=True)
     for name in ("q_c", "slots", "q_rows", "out", "lse"):
