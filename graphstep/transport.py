@@ -62,9 +62,10 @@ class Transport(ABC):
     def publish_query_rows(self, size: int) -> None:
         """The other ranks' query rows of this step land in this rank's mailbox (uint8
         [tokens, q_heads, 576 x q_bytes], rows [r x H, (r + 1) x H) of rank r != this rank),
-        in whole 16-byte chunks. Called first in the step, on the main stream, before the
-        side stream forks; the mailbox is armed at that point. Nothing may wait for it: the
-        step's readers (QueryWait, MlaQuery's poll) wait on the chunks themselves."""
+        in whole 16-byte chunks (this rank's own rows are its MlaQuery's). Called first in the
+        step, on the main stream, before the side stream forks; the mailbox is armed at that
+        point. The rows need not have landed when it returns: the step's readers (QueryWait,
+        MlaQuery's poll) wait on the chunks themselves."""
 
     @abstractmethod
     def publish_candidates(
