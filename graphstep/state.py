@@ -44,12 +44,24 @@ class LayerCaches:
 
 @dataclass
 class StepInputs:
-    """What a serving loop hands the query stage for one decode step of `batch` tokens."""
+    """What a serving loop hands the query stage for one decode step of `batch` tokens, one
+    new token per sequence. Contiguous tensors on the step's device.
 
-    qkv: torch.Tensor  # bf16 [B, P] packed projection rows
-    context_lens: torch.Tensor  # int32 [B] global tokens per sequence, the new one included
-    slot_mapping: torch.Tensor  # int32 [B] this rank's cache slot of the new token, -1 if not here
-    block_tables: torch.Tensor  # int32 [B, pages per sequence]
+    Fields (B = batch):
+        qkv: (B, packed width = 2304), torch.bfloat16. The packed projection row of each
+            new token: q_a 1536 | kv_a 512 | k_pe 64 | idx_k 128 | idx_w 64 columns.
+        context_lens: (B,), torch.int32. Tokens of each sequence over all ranks, the new one
+            included (its position, the RoPE position, is context_lens - 1).
+        slot_mapping: (B,), torch.int32. This rank's cache slot (page x page_size + offset)
+            of the new token, -1 when another DCP rank holds it (or to write nothing).
+        block_tables: (B, pages per sequence), torch.int32. Each sequence's pages of this
+            rank's caches: local index i is at page block_tables[b, i // page_size].
+    """
+
+    qkv: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
 
     @property
     def batch(self) -> int:

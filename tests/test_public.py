@@ -61,3 +61,9 @@ def test_step_outputs_documents_every_field():
     fields = [f.name for f in dataclasses.fields(graphstep.StepOutputs)]
     assert fields == ["q_c", "slots", "q_rows", "out", "lse"]
     assert _documented(graphstep.StepOutputs, fields) == []
+
+
+def test_step_inputs_documents_every_field():
+    fields = [f.name for f in dataclasses.fields(graphstep.StepInputs)]
+    assert fields == ["qkv", "context_lens", "slot_mapping", "block_tables"]
+    assert _documented(graphstep.StepInputs, fields) == []
