@@ -116,7 +116,7 @@ class StepFloor:
 
     @property
     def indexer_bytes(self) -> int:
-        """wq_b weights + the indexer cache read once: DESIGN.md §8's floor."""
+        """The indexer's bytes floor: the wq_b weights and the indexer cache, each read once."""
         by = {c.name: c for c in self.costs}
         return by["index_query"].weight_bytes + by["index_score"].cache_bytes
 

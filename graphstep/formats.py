@@ -1,4 +1,4 @@
-"""Byte formats shared by the reference and the kernels (DESIGN.md §2-3).
+"""Byte formats shared by the reference and the kernels (docs/design.md §3).
 
 Indexer cache page (64 tokens): [64 x 128 fp8 e4m3 keys | 64 x fp32 scales] = 64 x 132 B.
 MLA cache token: bf16 [576], or fp8 656 B = [512 fp8 | 4 fp32 scales per 128 | 64 bf16 rope].

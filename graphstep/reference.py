@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats
-from .state import LayerCaches, LayerState, PeerInputs, StepInputs, local_lens
+from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, local_lens
 
 
 def _cols(inputs: StepInputs, state: LayerState, name: str) -> torch.Tensor:
@@ -54,14 +54,20 @@ def index_key(state: LayerState, inputs: StepInputs, acc=torch.float32) -> tuple
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches, acc=torch.float32) -> None:
     """Write the new tokens' indexer keys at their slots (slot -1: nothing)."""
-    m = state.shape.model
     keys, scales = index_key(state, inputs, acc)
-    cache_keys, cache_scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
     here = inputs.slot_mapping >= 0
-    slots = inputs.slot_mapping[here].long()
+    store_index_keys(state, caches, inputs.slot_mapping[here].long(), keys[here], scales[here])
+
+
+def store_index_keys(
+    state: LayerState, caches: LayerCaches, slots: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """Indexer keys (uint8 [n, 128]) and their scales (fp32 [n]) at cache slots (int64 [n], all >= 0)."""
+    m = state.shape.model
+    cache_keys, cache_scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
     page, offset = torch.div(slots, m.page_size, rounding_mode="floor"), slots % m.page_size
-    cache_keys[page, offset] = keys[here]
-    cache_scales[page, offset] = scales[here]
+    cache_keys[page, offset] = keys
+    cache_scales[page, offset] = scales
 
 
 def index_query(
@@ -139,7 +145,13 @@ class Candidates:
 
 
 def local_candidates(scores: torch.Tensor, k: int, dcp: int, rank: int) -> Candidates:
-    local = topk_indices(scores, k)
+    """This rank's top-k of its local scores as candidates for the DCP merge."""
+    return candidates_at(scores, topk_indices(scores, k), dcp, rank)
+
+
+def candidates_at(scores: torch.Tensor, local: torch.Tensor, dcp: int, rank: int) -> Candidates:
+    """The chosen local indices (int32 [B, k], -1 padded) of `rank` and their scores as
+    candidates in global positions (local index i is position i x dcp + rank)."""
     picked = scores.gather(1, local.clamp_min(0).long())
     return Candidates(
         torch.where(local >= 0, local * dcp + rank, -1).to(torch.int32),
@@ -174,6 +186,19 @@ def local_slots(
     return slots.gather(1, order)
 
 
+def merge_ranks(
+    state: LayerState, own: Candidates, positions: torch.Tensor, scores: torch.Tensor, block_tables: torch.Tensor
+) -> torch.Tensor:
+    """DcpMerge: this rank's candidates and every rank's (positions int32, scores fp32
+    [B, dcp, topk]; this rank's row is ignored) -> this rank's share of the global top-k
+    as its cache slots (local_slots). int32 [B, topk]."""
+    m, topo = state.shape.model, state.shape.topology
+    candidates = [
+        own if rank == topo.rank else Candidates(positions[:, rank], scores[:, rank]) for rank in range(topo.dcp)
+    ]
+    return local_slots(dcp_merge(candidates, m.index_topk), block_tables, m.page_size, topo.dcp, topo.rank)
+
+
 def indexer(
     state: LayerState,
     caches: LayerCaches,
@@ -193,14 +218,8 @@ def indexer(
         return to_slots(topk_indices(scores, m.index_topk), inputs.block_tables, m.page_size), scores
     if peers is None:
         raise ValueError("a DCP step needs the peers' inputs (LayerState.peer_inputs)")
-    candidates = [
-        local_candidates(scores, m.index_topk, topo.dcp, topo.rank)
-        if rank == topo.rank
-        else Candidates(peers.positions[:, rank], peers.scores[:, rank])
-        for rank in range(topo.dcp)
-    ]
-    merged = dcp_merge(candidates, m.index_topk)
-    return local_slots(merged, inputs.block_tables, m.page_size, topo.dcp, topo.rank), scores
+    own = local_candidates(scores, m.index_topk, topo.dcp, topo.rank)
+    return merge_ranks(state, own, peers.positions, peers.scores, inputs.block_tables), scores
 
 
 # -- MLA query ----------------------------------------------------------------------------
@@ -237,15 +256,19 @@ def kv_row(state: LayerState, inputs: StepInputs, acc=torch.float32) -> torch.Te
 
 def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches, acc=torch.float32) -> None:
     """Store the new rows at slot_mapping in the cache's format (slot -1: nothing)."""
-    m, topo = state.shape.model, state.shape.topology
     rows = kv_row(state, inputs, acc)
     here = inputs.slot_mapping >= 0
-    slots = inputs.slot_mapping[here].long()
+    store_kv_rows(state, caches, inputs.slot_mapping[here].long(), rows[here])
+
+
+def store_kv_rows(state: LayerState, caches: LayerCaches, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """MLA cache rows ([n, 576], any float dtype) at cache slots (int64 [n], all >= 0), in the cache's format."""
+    m, topo = state.shape.model, state.shape.topology
     flat = caches.mla_cache.view(-1, caches.mla_cache.shape[-1])
     if topo.mla_cache == "bf16":
-        flat[slots] = rows[here].to(torch.bfloat16)
+        flat[slots] = rows.to(torch.bfloat16)
     else:
-        flat[slots] = formats.pack_mla_fp8(rows[here].float(), m.kv_lora_rank)
+        flat[slots] = formats.pack_mla_fp8(rows.float(), m.kv_lora_rank)
 
 
 def publish(state: LayerState, caches: LayerCaches, rows: torch.Tensor, rank: int | None = None) -> None:
@@ -286,15 +309,6 @@ def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, sl
 
 
 # -- the whole stage ----------------------------------------------------------------------
-
-
-@dataclass
-class StepOutputs:
-    q_c: torch.Tensor  # bf16 [B, 1536]
-    slots: torch.Tensor  # int32 [B, topk]
-    q_rows: torch.Tensor  # [B, gathered, 576] as stored: fp32 here, DecodeStep's bf16 / e4m3 view
-    out: torch.Tensor  # fp32 [B, gathered, 512]
-    lse: torch.Tensor  # fp32 [B, gathered]
 
 
 def reference_step(

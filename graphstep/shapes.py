@@ -1,7 +1,7 @@
 """Model shapes, the parallel topology and the per-rank sizes derived from them.
 
 Every size the harness, the reference and the kernels use comes from here, so a
-preset or topology change moves all of them together (DESIGN.md §2).
+preset or topology change moves all of them together.
 """
 
 from __future__ import annotations

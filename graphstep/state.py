@@ -1,4 +1,4 @@
-"""Seeded weights, caches and step inputs in the real formats (DESIGN.md §2-3).
+"""Seeded weights, caches, step inputs and outputs in the real formats (docs/design.md §3).
 
 Everything is random (never zeros) and drawn on the target device from a seeded
 generator, so a state of many GB builds in seconds on a GPU and the same seed gives
@@ -44,12 +44,24 @@ class LayerCaches:
 
 @dataclass
 class StepInputs:
-    """What a serving loop hands the query stage for one decode step of `batch` tokens."""
+    """What a serving loop hands the query stage for one decode step of `batch` tokens, one
+    new token per sequence. Contiguous tensors on the step's device.
 
-    qkv: torch.Tensor  # bf16 [B, P] packed projection rows
-    context_lens: torch.Tensor  # int32 [B] global tokens per sequence, the new one included
-    slot_mapping: torch.Tensor  # int32 [B] this rank's cache slot of the new token, -1 if not here
-    block_tables: torch.Tensor  # int32 [B, pages per sequence]
+    Fields (B = batch):
+        qkv: (B, packed width = 2304), torch.bfloat16. The packed projection row of each
+            new token: q_a 1536 | kv_a 512 | k_pe 64 | idx_k 128 | idx_w 64 columns.
+        context_lens: (B,), torch.int32. Tokens of each sequence over all ranks, the new one
+            included (its position, the RoPE position, is context_lens - 1).
+        slot_mapping: (B,), torch.int32. This rank's cache slot (page x page_size + offset)
+            of the new token, -1 when another DCP rank holds it (or to write nothing).
+        block_tables: (B, pages per sequence), torch.int32. Each sequence's pages of this
+            rank's caches: local index i is at page block_tables[b, i // page_size].
+    """
+
+    qkv: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
 
     @property
     def batch(self) -> int:
@@ -62,6 +74,34 @@ class StepInputs:
 
 
 @dataclass
+class StepOutputs:
+    """What one decode step of `batch` tokens returns (DecodeStep.step, reference_step).
+
+    Fields (B = batch, H = heads per rank, G = gathered head rows = dcp x H, k = index_topk):
+        q_c: (B, q_lora_rank = 1536), torch.bfloat16. The q_a RMSNorm, the input of the
+            indexer's wq_b and of MlaQuery's Q_B.
+        slots: (B, k), torch.int32. The cache slots (page x page_size + offset) this rank's
+            sparse core attended: the top-k of the indexer (under DCP this rank's share of
+            the global top-k, compacted to the front), -1 padded.
+        q_rows: (B, G, 576). The query rows the sparse core read, [absorbed latent 512 |
+            roped 64] per head, every rank's heads under DCP: DecodeStep returns them as
+            stored (torch.bfloat16, or torch.float8_e4m3fn with Topology(q_format="fp8")),
+            reference_step in torch.float32.
+        out: (B, G, kv_lora_rank = 512), torch.float32. The attention over the selected
+            slots per head row, in the latent space (before W_UV); 0 for a token with no slot.
+        lse: (B, G), torch.float32. The natural-log sum of exp of the scaled scores per head
+            row (the softmax denominator, to combine partial attentions); -inf with no slot.
+
+    DecodeStep's outputs are views of its static buffers: valid until its next step."""
+
+    q_c: torch.Tensor
+    slots: torch.Tensor
+    q_rows: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass
 class PeerInputs:
     """Under DCP on one GPU, what the other ranks would contribute to this rank's step:
     the query rows they publish into its mailbox and their local top-k candidates
@@ -70,6 +110,21 @@ class PeerInputs:
     rows: torch.Tensor  # fp32 [B, gathered, 576]
     positions: torch.Tensor  # int32 [B, dcp, topk], -1 padded
     scores: torch.Tensor  # fp32 [B, dcp, topk], descending, -inf padded
+
+
+def check_tensors(owner: str, expect: dict, device: torch.device, contiguous: bool = True) -> None:
+    """expect: {name: (tensor, dtype, shape)}; raise naming `owner.name` and what was expected."""
+    for name, (tensor, dtype, shape) in expect.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"{owner}.{name} must be {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{owner}.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+        if tensor.device != device:
+            raise ValueError(f"{owner}.{name} must be on {device}, got {tensor.device}")
+        if contiguous and not tensor.is_contiguous():
+            raise ValueError(f"{owner}.{name} must be contiguous")
 
 
 def local_lens(context_lens: torch.Tensor, dcp: int, rank: int) -> torch.Tensor:

@@ -9,16 +9,17 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
   fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
              side:          MlaQuery -> QueryWait (DCP) ------/
   fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
-Backends: "cute" runs every stage as CuTe DSL kernels chained with PDL: QueryNorm,
-MlaQuery, QueryWait, the indexer's key insert (IndexKey), wq_b (IndexQuery), scoring
-(DsaIndex), top-k (TopK), DCP merge (DcpMerge) and the sparse core (SparseCore). "torch"
-runs every stage in torch (graphstep.torch_stages; the plain-torch baseline). "torch" runs every
-stage in torch (the plain-torch baseline).
+The indexer is IndexKey (first, whatever the mode), wq_b, scoring, top-k and, under DCP,
+the merge with the other ranks' candidates. run_stages issues this data path; a backend
+(graphstep.stages) runs each stage: "cute" as CuTe DSL kernels chained with PDL, "torch"
+in torch (the plain-torch baseline). The exchanges with the other DCP ranks go through a
+transport (graphstep.transport); on one GPU, SimulatedPeers plays them from PeerInputs.
 
-Padding: a batch pads up to the next captured size; pad rows have slot -1 (their cache
-writes go to the state's spare page) and context length 1. A batch above the largest
-captured size is an error. The mailbox (DCP) is re-armed by the step itself, after the
-sparse core, the last reader of the query rows; a poll that gives up raises
+Padding: a batch pads up to the next captured size; pad rows have slot -1 (the cute
+kernels write nothing for them, the torch stages write to the state's spare page) and
+context length 1. A batch above the largest
+captured size is an error. The mailbox is re-armed by the transport inside the step,
+after the sparse core, the last reader of the query rows; a poll that gives up raises
 MailboxTimeout from step().
 """
 
@@ -27,52 +28,52 @@ from __future__ import annotations
 import gc
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
-from . import formats, torch_stages
-from . import reference as ref
-from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
+from . import formats
+from .launch import DEFAULT_BUDGET_NS, ErrorWord
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
-from .state import LayerCaches, LayerState, PeerInputs, StepInputs, local_lens
+from .stages import Buffers, CuteStages, Stages, TorchStages
+from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, check_tensors, local_lens
+from .transport import SimulatedPeers, SingleRank, Transport
 
-BACKENDS = ("cute", "torch")
+BACKENDS: dict[str, type[Stages]] = {"cute": CuteStages, "torch": TorchStages}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)  # vLLM's: 1, 2, 4, then steps of 8
 
 
-@dataclass
-class Buffers:
-    """Static buffers sized for the largest captured batch; graphs slice them."""
-
-    qkv: torch.Tensor
-    context_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    qc: torch.Tensor  # the indexer's q_c
-    qc_private: torch.Tensor  # MlaQuery's own q_c when it runs off the main stream
-    workspace: torch.Tensor  # MlaQuery's raw q [B, heads, 192] fp32
-    index_q: torch.Tensor  # the indexer's e4m3 queries [B, 64, 128] (uint8)
-    index_w: torch.Tensor  # its folded head weights [B, 64] fp32
-    scores: torch.Tensor  # DsaIndex's scores [B, local positions a block table holds] fp32
-    own_positions: torch.Tensor  # DCP: this rank's top-k candidates, global positions [B, topk]
-    own_scores: torch.Tensor  # and their scores
-    slots: torch.Tensor  # the indexer's selection [B, topk]
-    partial_o: torch.Tensor  # SparseCore's split partials (cute backend; empty for torch)
-    partial_ml: torch.Tensor
-    q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
-    out: torch.Tensor  # sparse core [B, gathered, 512] fp32
-    lse: torch.Tensor  # [B, gathered] fp32
-    peer_rows: torch.Tensor  # DCP: what the peers publish, encoded like the mailbox
-    peer_positions: torch.Tensor
-    peer_scores: torch.Tensor
-
-    def pointers(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in vars(self).values())
-
-
 class DecodeStep:
+    """The decode step of one DSA layer on one rank, captured as one CUDA graph per batch size.
+
+    Arguments:
+        shape: RankShape. The model (ModelShape, e.g. preset("deepseek-v3.2")) and this
+            rank's Topology (tp, dcp, rank, wide, split, q_format, mla_cache).
+        capture_sizes: iterable of int. The batch sizes to capture a graph for; a step of B
+            tokens replays the smallest size >= B, whose pad rows write no cache row that is
+            read and are not returned. The largest sizes the static buffers (default: vLLM's
+            1, 2, 4, 8, 16, ..., 64).
+        policy: str or None. The overlap mode per size: a mode ("serial", "fork",
+            "fork_poll") or a "rows:mode,..." table; None takes the topology's default table
+            (graphstep.policy.QUERY_OVERLAP).
+        backend: "cute" (CuTe DSL kernels chained with PDL; needs an sm_90 GPU) or "torch"
+            (graph-capturable torch, the baseline; also runs on the CPU with eager=True).
+        device: the torch device of the state, the buffers and the graphs.
+        max_context: int. The longest context (tokens, the new one included) of a step; sizes
+            the block tables and the caches (max_batch x max_context tokens, sharded by DCP).
+        seed: int. Seed of the random weights and caches (LayerState).
+        pdl: bool. Chain the cute kernels with Programmatic Dependent Launch.
+        budget_ns: int. How long a poll of the DCP mailbox waits for a chunk before it gives
+            up (step() then raises MailboxTimeout).
+        transport: callable (shape, mailbox) -> Transport, or None. This rank's end of the
+            DCP exchanges (graphstep.transport); None: SimulatedPeers under DCP (the other
+            ranks played from step()'s `peers`), SingleRank without.
+
+    Attributes: state (LayerState: weights, caches, the mailbox), buffers (the static
+    Buffers the graphs read and write), stages (the backend), transport (the DCP exchanges),
+    modes ({size: mode}), graphs ({(size, mode): CUDAGraph}), error (the polls' ErrorWord).
+    """
+
     def __init__(
         self,
         shape: RankShape,
@@ -84,9 +85,10 @@ class DecodeStep:
         seed: int = 0,
         pdl: bool = True,
         budget_ns: int = DEFAULT_BUDGET_NS,
+        transport=None,
     ):
         if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
+            raise ValueError(f"backend {backend!r}: expected one of {tuple(BACKENDS)}")
         sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
         if not sizes:
             raise ValueError("capture_sizes must name at least one batch size")
@@ -107,49 +109,14 @@ class DecodeStep:
             size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split) for size in sizes
         }
         self.state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
-        self.kernels = Kernels(shape, self.state.weights, pdl) if backend == "cute" else None
         self.error = ErrorWord.new(self.device)
-        self.buffers = self._buffers(sizes[-1])
+        self.buffers = Buffers.allocate(self.state)
+        self.stages: Stages = BACKENDS[backend](self.state, self.buffers, self.error, budget_ns, pdl)
+        make_transport = transport or (SimulatedPeers if topo.dcp > 1 else SingleRank)
+        self.transport: Transport = make_transport(shape, self.caches.mailbox)
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
         self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
-
-    def _buffers(self, rows: int) -> Buffers:
-        s, dev = self.shape, self.device
-        m, k = s.model, s.model.index_topk
-        row_bytes = m.query_row * s.q_bytes
-        partial_o, partial_ml = (
-            self.kernels.sparse_core_buffers(rows, dev)
-            if self.kernels is not None
-            else (torch.empty(0, device=dev), torch.empty(0, device=dev))
-        )
-        return Buffers(
-            qkv=torch.zeros(rows, m.packed_width, dtype=torch.bfloat16, device=dev),
-            context_lens=torch.ones(rows, dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((rows,), -1, dtype=torch.int32, device=dev),
-            block_tables=torch.full(
-                (rows, self.state.pages_per_seq), self.state.trash_page, dtype=torch.int32, device=dev
-            ),
-            qc=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
-            qc_private=torch.zeros(rows, m.q_lora_rank, dtype=torch.bfloat16, device=dev),
-            workspace=torch.zeros(rows, s.heads, m.qk_head_dim, device=dev),
-            index_q=torch.zeros(rows, m.index_heads, m.index_dim, dtype=torch.uint8, device=dev),
-            index_w=torch.zeros(rows, m.index_heads, device=dev),
-            scores=torch.zeros(rows, self.state.pages_per_seq * m.page_size, device=dev),
-            own_positions=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
-            own_scores=torch.full((rows, k), float("-inf"), device=dev),
-            slots=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
-            partial_o=partial_o,
-            partial_ml=partial_ml,
-            q_out=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
-            out=torch.zeros(rows, s.gathered, m.kv_lora_rank, device=dev),
-            lse=torch.zeros(rows, s.gathered, device=dev),
-            peer_rows=torch.zeros(rows, s.gathered, row_bytes, dtype=torch.uint8, device=dev),
-            peer_positions=torch.full((rows, s.topology.dcp, k), -1, dtype=torch.int32, device=dev),
-            peer_scores=torch.full((rows, s.topology.dcp, k), float("-inf"), device=dev),
-        )
-
-    # -- the stages of one captured size ----------------------------------------------------
 
     @property
     def caches(self) -> LayerCaches:
@@ -163,109 +130,45 @@ class DecodeStep:
                 return size
         raise ValueError(f"batch {batch} exceeds the largest captured size {self.sizes[-1]} (captured: {self.sizes})")
 
-    def _views(self, size: int) -> StepInputs:
-        b = self.buffers
-        return StepInputs(b.qkv[:size], b.context_lens[:size], b.slot_mapping[:size], b.block_tables[:size])
+    # -- the data path of one captured size ----------------------------------------------------
 
     def run_stages(self, size: int, mode: str) -> None:
-        """Launch one step of `size` rows in `mode` on the current stream (what a graph holds)."""
+        """Issue one step of `size` rows in `mode` on the current stream (what a graph holds)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        s, b, caches = self.shape, self.buffers, self.caches
-        dcp = s.topology.dcp > 1
-        inputs = self._views(size)
-        candidates = (b.peer_positions[:size], b.peer_scores[:size]) if dcp else None
+        stages, dcp = self.stages, self.shape.topology.dcp > 1
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if dcp:  # the peers' publishes into this rank's mailbox (remote writes on real DCP)
-            own = slice(s.topology.rank * s.heads, (s.topology.rank + 1) * s.heads)
-            caches.mailbox[:size, : own.start] = b.peer_rows[:size, : own.start]
-            caches.mailbox[:size, own.stop : s.gathered] = b.peer_rows[:size, own.stop :]
+        self.transport.publish_query_rows(size)
         if mode == "serial":
-            self._index_key_insert(size)
-            self._mla_query(inputs, size, store_qc=True, poll=dcp)
-            self._indexer(inputs, size, candidates)
+            stages.index_key(size)
+            stages.mla_query(size, store_qc=True, poll=dcp)
+            self._indexer(size)
         else:
             side = side_stream(self.device.index) if main is not None else None
             if side is not None:
                 side.wait_stream(main)
-            self._index_key_insert(size)
-            self._query_norm(inputs, size)
-            self._indexer(inputs, size, candidates)
+            stages.index_key(size)
+            stages.query_norm(size)
+            self._indexer(size)
             with torch.cuda.stream(side) if side is not None else nullcontext():
-                self._mla_query(inputs, size, store_qc=False, poll=dcp and mode == "fork_poll")
+                stages.mla_query(size, store_qc=False, poll=dcp and mode == "fork_poll")
                 if dcp and mode == "fork":
-                    self._query_wait(size)
+                    stages.query_wait(size)
             if side is not None:
                 main.wait_stream(side)
-        self._sparse_core(size)  # the mailbox's last reader: it copies the rows to q_out and re-arms them
+        stages.sparse_core(size)  # the query rows' last reader: it also copies them to q_out and re-arms them
+        self.transport.arm(size)
 
-    def _index_key_insert(self, size: int) -> None:
-        """The new tokens' indexer keys. It needs only the inputs, so it opens the main
-        stream's PDL chain: IndexKey -> QueryNorm -> IndexQuery -> DsaIndex -> TopK (the
-        torch backend inserts its keys inside torch_stages.indexer)."""
-        if self.kernels is not None:
-            b = self.buffers
-            self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.caches.index_cache, size)
-
-    def _indexer(self, inputs: StepInputs, size: int, candidates) -> None:
-        """wq_b, scoring and top-k of the main stream -> buffers.slots."""
-        b, caches, topo = self.buffers, self.caches, self.shape.topology
-        if self.kernels is None:  # torch does its own key insert
-            b.slots[:size] = torch_stages.indexer(self.state, caches, inputs, b.qc[:size], candidates)
-            return
-        k = self.kernels
-        k.index_query(b.qc, b.qkv, b.context_lens, b.index_q, b.index_w, size)
-        k.dsa_index(b.index_q, b.index_w, caches.index_cache, b.block_tables, b.context_lens, b.scores, size)
-        if topo.dcp == 1:
-            k.top_k(b.scores, b.block_tables, b.context_lens, b.slots, b.own_scores, size)
-        else:
-            k.top_k(b.scores, b.block_tables, b.context_lens, b.own_positions, b.own_scores, size)
-            k.dcp_merge(b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables, b.slots, size)
-
-    def _sparse_core(self, size: int) -> None:
-        b, caches = self.buffers, self.caches
-        if self.kernels is not None:
-            self.kernels.sparse_core(
-                caches.mailbox, b.slots, caches.mla_cache, b.partial_o, b.partial_ml, b.out, b.lse, size, q_out=b.q_out
-            )
-        else:
-            torch_stages.sparse_core(self.state, caches, b.slots[:size], size, b.out[:size], b.lse[:size])
-            b.q_out[:size] = caches.mailbox[:size, : self.shape.gathered]
-            formats.arm(caches.mailbox[:size, : self.shape.gathered])
-
-    def _query_norm(self, inputs: StepInputs, size: int) -> None:
-        if self.kernels is not None:
-            self.kernels.query_norm(self.buffers.qkv, self.buffers.qc, size)
-        else:
-            self.buffers.qc[:size] = ref.query_norm(self.state, inputs)
-
-    def _mla_query(self, inputs: StepInputs, size: int, store_qc: bool, poll: bool) -> None:
-        b = self.buffers
-        if self.kernels is not None:
-            self.kernels.mla_query(
-                b.qkv,
-                b.context_lens,
-                b.slot_mapping,
-                b.qc,
-                b.qc_private,
-                b.workspace,
-                self.caches.mailbox,
-                self.caches.mla_cache,
-                self.error,
-                size,
-                store_qc,
-                poll,
-                self.budget_ns,
-            )
-        else:
-            qc = b.qc if store_qc else b.qc_private
-            qc[:size] = ref.query_norm(self.state, inputs)
-            torch_stages.mla_query(self.state, inputs, self.caches, qc[:size])
-
-    def _query_wait(self, size: int) -> None:
-        if self.kernels is not None:
-            self.kernels.query_wait(self.caches.mailbox, self.error, size, self.budget_ns)
-        # torch has no way to poll: its peers' rows are in place before MlaQuery runs.
+    def _indexer(self, size: int) -> None:
+        """After the key insert and q_c, on the current stream: wq_b, scoring, top-k and,
+        under DCP, the merge with the other ranks' candidates -> buffers.slots."""
+        stages, b = self.stages, self.buffers
+        stages.index_query(size)
+        stages.index_scores(size)
+        stages.top_k(size)
+        if self.shape.topology.dcp > 1:
+            positions, scores = self.transport.publish_candidates(b.own_positions, b.own_scores, size)
+            stages.dcp_merge(positions, scores, size)
 
     # -- capture and replay ------------------------------------------------------------------
 
@@ -277,8 +180,7 @@ class DecodeStep:
         for mode in modes or ():
             if mode not in MODES:
                 raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        if self.kernels is not None:
-            self.kernels.warm(self.sizes, self.state.pages_per_seq * self.shape.model.page_size)
+        self.stages.warm(self.sizes)
         plan = [
             (size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])
         ]
@@ -302,11 +204,7 @@ class DecodeStep:
         finally:
             gc.enable()
         torch.cuda.synchronize(self.device)
-        self._captured_pointers = self.buffers.pointers() + (
-            self.caches.mailbox.data_ptr(),
-            self.caches.mla_cache.data_ptr(),
-            self.caches.index_cache.data_ptr(),
-        )
+        self._captured_pointers = self._pointers()
 
     def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
         mode = mode or self.modes.get(size)
@@ -325,16 +223,16 @@ class DecodeStep:
     def _check_pointers(self) -> None:
         if self._captured_pointers is None:
             raise RuntimeError("step() before capture(): call capture() first, or step(..., eager=True)")
-        now = self.buffers.pointers() + (
-            self.caches.mailbox.data_ptr(),
-            self.caches.mla_cache.data_ptr(),
-            self.caches.index_cache.data_ptr(),
-        )
-        if now != self._captured_pointers:
+        if self._pointers() != self._captured_pointers:
             raise RuntimeError(
                 "the step's buffers were replaced after capture: the graphs still point at the old "
                 "ones; capture() again"
             )
+
+    def _pointers(self) -> tuple[int, ...]:
+        """Where the graphs read and write: the static buffers and the caches."""
+        c = self.caches
+        return self.buffers.pointers() + (c.mailbox.data_ptr(), c.mla_cache.data_ptr(), c.index_cache.data_ptr())
 
     # -- one serving step ----------------------------------------------------------------------
 
@@ -342,8 +240,10 @@ class DecodeStep:
         """Validate `inputs` and copy them into the static buffers, padded. Returns the size.
         check_values: also check the values (one device-to-host sync): context lengths in
         [1, max_context], each block table's used pages in the pool, each slot -1 or the new
-        token's slot through its own block table, the peers' candidate positions; NaN/inf
-        rows of qkv are reported (NonFiniteInputs warning, self.nonfinite_rows), not refused."""
+        token's slot through its own block table, and the transport's checks of `peers`
+        (SimulatedPeers: the candidate positions); NaN/inf rows of qkv are reported
+        (NonFiniteInputs warning, self.nonfinite_rows), not refused. peers: what the
+        transport takes for the other ranks (SimulatedPeers: PeerInputs; otherwise None)."""
         batch = self._validate(inputs, peers, check_values)
         size = self.padded(batch)
         b = self.buffers
@@ -355,20 +255,12 @@ class DecodeStep:
         b.slot_mapping[batch:size] = -1
         b.block_tables[:batch] = inputs.block_tables
         b.block_tables[batch:size] = self.state.trash_page
-        if peers is not None:
-            b.peer_rows[:batch] = formats.encode_q_rows(peers.rows, self.shape.topology.q_format).view(
-                batch, self.shape.gathered, -1
-            )
-            b.peer_rows[batch:size] = 0  # pad rows count as published
-            b.peer_positions[:batch] = peers.positions
-            b.peer_positions[batch:size] = -1
-            b.peer_scores[:batch] = peers.scores
-            b.peer_scores[batch:size] = float("-inf")
+        self.transport.load(peers, batch, size)
         return size
 
     def step(
         self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False, check_values: bool = True
-    ) -> ref.StepOutputs:
+    ) -> StepOutputs:
         """Run one decode step; returns views of the outputs' real rows (valid until the next step).
 
         Shapes, dtypes and devices are always checked (no synchronization); check_values
@@ -386,10 +278,10 @@ class DecodeStep:
             self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
         batch, b = inputs.batch, self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
-        return ref.StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
+        return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
 
     def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
-        s, m = self.shape, self.shape.model
+        m = self.shape.model
         if not isinstance(inputs, StepInputs):
             raise TypeError(f"step() takes StepInputs, got {type(inputs).__name__}")
         batch = inputs.qkv.shape[0] if inputs.qkv.dim() == 2 else 0
@@ -399,29 +291,11 @@ class DecodeStep:
             "slot_mapping": (inputs.slot_mapping, torch.int32, (batch,)),
             "block_tables": (inputs.block_tables, torch.int32, (batch, self.state.pages_per_seq)),
         }
-        _check_tensors("inputs", expect, self.device)
+        check_tensors("inputs", expect, self.device)
         if batch == 0:
             raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
         self.padded(batch)
-        topo = s.topology
-        if topo.dcp > 1:
-            if peers is None:
-                raise ValueError("a DCP step needs peers=PeerInputs (what the other ranks contribute)")
-            if not isinstance(peers, PeerInputs):
-                raise TypeError(f"peers must be PeerInputs, got {type(peers).__name__}")
-            k = m.index_topk
-            _check_tensors(
-                "peers",
-                {
-                    "rows": (peers.rows, torch.float32, (batch, s.gathered, m.query_row)),
-                    "positions": (peers.positions, torch.int32, (batch, topo.dcp, k)),
-                    "scores": (peers.scores, torch.float32, (batch, topo.dcp, k)),
-                },
-                self.device,
-                contiguous=False,
-            )
-        elif peers is not None:
-            raise ValueError(f"peers are only for a DCP step; this step's topology is {topo.name} (dcp 1)")
+        self.transport.check(peers, batch)
         self.nonfinite_rows = []
         if check_values:
             self._check_values(inputs, peers)
@@ -436,21 +310,16 @@ class DecodeStep:
         len_bad = (lens < 1) | (lens > st.max_context)
         safe = lens.clamp(1, st.max_context)
         # the new token's slot: -1, or the slot its block table holds at its local index
-        pos = safe - 1
-        local = torch.div(pos, topo.dcp, rounding_mode="floor")
-        mine = pos % topo.dcp == topo.rank
         tables = inputs.block_tables
-        held = tables.gather(1, torch.div(local, page, rounding_mode="floor")[:, None])[:, 0].long()
-        want = torch.where(mine, held * page + local % page, -1)
+        want = st.new_token_slots(safe, tables).long()
         slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
         # the used part of each block table: pages of [0, local length)
         used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
         columns = torch.arange(tables.shape[1], device=tables.device)[None]
         page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
         checks = [len_bad, page_bad.any(1), slot_bad, ~torch.isfinite(inputs.qkv).all(1)]
-        if peers is not None:
-            checks.append(self._peer_bad(peers, safe).any(1))
-        flags = torch.stack(checks).tolist()  # the one sync
+        transport_checks = self.transport.value_checks(peers, safe)
+        flags = torch.stack(checks + [bad for bad, _ in transport_checks]).tolist()  # the one sync
         if any(flags[0]):
             row = flags[0].index(True)
             raise ValueError(
@@ -467,43 +336,23 @@ class DecodeStep:
             )
         if any(flags[2]):
             row = flags[2].index(True)
-            slot, p = int(inputs.slot_mapping[row]), int(pos[row])
-            if not bool(mine[row]):
+            slot, p = int(inputs.slot_mapping[row]), int(safe[row]) - 1
+            if p % topo.dcp != topo.rank:
                 where = f"position {p} lives on DCP rank {p % topo.dcp}, not rank {topo.rank}: its slot here must be -1"
             else:
                 pool = st.trash_page * page
                 inside = f"outside the pool [0, {pool})" if not 0 <= slot < pool else "not the new token's slot"
                 where = (
-                    f"{inside}: position {p} is at page {int(held[row])} of block_tables[{row}], slot "
+                    f"{inside}: position {p} is at page {int(want[row]) // page} of block_tables[{row}], slot "
                     f"{int(want[row])} (or -1 to write nothing)"
                 )
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
-        if peers is not None and any(flags[4]):
-            row = flags[4].index(True)
-            self._raise_peer(peers, row, safe)
+        for (_, fail), bad in zip(transport_checks, flags[4:]):
+            if any(bad):
+                fail(bad.index(True))
         self.nonfinite_rows = [row for row, bad in enumerate(flags[3]) if bad]
         if self.nonfinite_rows:
             warnings.warn(NonFiniteInputs(self.nonfinite_rows), stacklevel=4)
-
-    def _peer_bad(self, peers: PeerInputs, lens: torch.Tensor) -> torch.Tensor:
-        """[B, dcp x topk] True where another rank's candidate position is neither -1 nor a
-        position of its own rank below the token's context length (this rank's are ignored)."""
-        topo = self.shape.topology
-        positions = peers.positions.long()
-        ranks = torch.arange(topo.dcp, device=positions.device)[None, :, None]
-        ok = (positions == -1) | (
-            (positions >= 0) & (positions < lens[:, None, None]) & (positions % topo.dcp == ranks)
-        )
-        return (~ok & (ranks != topo.rank)).flatten(1)
-
-    def _raise_peer(self, peers: PeerInputs, row: int, lens: torch.Tensor) -> None:
-        topo, k = self.shape.topology, self.shape.model.index_topk
-        rank, i = divmod(int(self._peer_bad(peers, lens)[row].nonzero()[0, 0]), k)
-        raise ValueError(
-            f"peers.positions[{row}, {rank}, {i}] = {int(peers.positions[row, rank, i])}: rank {rank}'s "
-            f"candidates must be -1 or positions p < {int(lens[row])} (the context length) with "
-            f"p % {topo.dcp} == {rank}"
-        )
 
 
 class NonFiniteInputs(UserWarning):
@@ -517,17 +366,3 @@ class NonFiniteInputs(UserWarning):
             f"inputs.qkv has NaN or inf in rows {rows}: their outputs are not meaningful; the other rows are unaffected"
         )
         self.rows = rows
-
-
-def _check_tensors(owner: str, expect: dict, device: torch.device, contiguous: bool = True) -> None:
-    for name, (tensor, dtype, shape) in expect.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{owner}.{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != dtype:
-            raise ValueError(f"{owner}.{name} must be {dtype}, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{owner}.{name} must have shape {list(shape)}, got {list(tensor.shape)}")
-        if tensor.device != device:
-            raise ValueError(f"{owner}.{name} must be on {device}, got {tensor.device}")
-        if contiguous and not tensor.is_contiguous():
-            raise ValueError(f"{owner}.{name} must be contiguous")

@@ -2,8 +2,8 @@
 shapes: fixed shapes per captured batch, no host synchronization, and the padded rows'
 writes (slot -1) sent to the state's spare page instead of being masked out.
 
-They are the torch backend of DecodeStep (the plain-torch baseline: cuBLAS bf16 GEMMs, an
-fp32 bmm over the dequantized FP8 indexer cache, torch.topk).
+graphstep.stages.TorchStages runs them as DecodeStep's torch backend (the plain-torch
+baseline: cuBLAS bf16 GEMMs, an fp32 bmm over the dequantized FP8 indexer cache, torch.topk).
 """
 
 from __future__ import annotations
@@ -23,19 +23,16 @@ def _write_slots(state: LayerState, slots: torch.Tensor) -> torch.Tensor:
 
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
-    m = state.shape.model
     keys, scales = ref.index_key(state, inputs)
-    slots = _write_slots(state, inputs.slot_mapping)
-    page, offset = torch.div(slots, m.page_size, rounding_mode="floor"), slots % m.page_size
-    cache_keys, cache_scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
-    cache_keys[page, offset] = keys
-    cache_scales[page, offset] = scales
+    ref.store_index_keys(state, caches, _write_slots(state, inputs.slot_mapping), keys, scales)
 
 
-def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_fp8, head_w) -> torch.Tensor:
+def index_scores(
+    state: LayerState, caches: LayerCaches, inputs: StepInputs, q_fp8, head_w, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """DsaIndex over every local position a block table can hold: an fp32 bmm over the
     dequantized cache (torch's bf16 bmm would round the dot products to bf16), -inf past
-    each length."""
+    each length. fp32 [B, pages per sequence x page size], into `out` if given."""
     m, topo = state.shape.model, state.shape.topology
     width = state.pages_per_seq * m.page_size
     keys, scales = formats.index_cache_views(caches.index_cache, m.page_size, m.index_dim)
@@ -44,9 +41,10 @@ def index_scores(state: LayerState, caches: LayerCaches, inputs: StepInputs, q_f
     k_scale = scales[tables].flatten(1)  # [B, width]
     q = q_fp8.view(formats.FP8).float()  # [B, heads, dim]
     dots = torch.relu(torch.bmm(q, k.transpose(1, 2)))  # [B, heads, width]
-    score = torch.bmm(head_w.unsqueeze(1), dots).squeeze(1) * k_scale
+    score = torch.mul(torch.bmm(head_w.unsqueeze(1), dots).squeeze(1), k_scale, out=out)
     lens = local_lens(inputs.context_lens, topo.dcp, topo.rank)
-    return torch.where(torch.arange(width, device=score.device)[None] < lens[:, None], score, float("-inf"))
+    past = torch.arange(width, device=score.device)[None] >= lens[:, None]
+    return score.masked_fill_(past, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,42 +57,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.isfinite(values), indices, -1).to(torch.int32)
 
 
-def indexer(
-    state: LayerState,
-    caches: LayerCaches,
-    inputs: StepInputs,
-    q_c: torch.Tensor,
-    peer_candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The main-stream indexer path -> this rank's slots int32 [B, topk]. wq_b is a cuBLAS
-    bf16 GEMM (fp32 accumulation, bf16 output), as a serving engine runs it. Under DCP,
-    peer_candidates = (positions, scores) [B, dcp, topk] of every rank (this rank's ignored)."""
-    m, topo = state.shape.model, state.shape.topology
-    index_key_insert(state, inputs, caches)
-    q_fp8, head_w = ref.index_query_from(state, inputs, F.linear(q_c, state.weights.wq_b_index))
-    scores = index_scores(state, caches, inputs, q_fp8, head_w)
-    local = topk_indices(scores, m.index_topk)
-    if topo.dcp == 1:
-        return ref.to_slots(local, inputs.block_tables, m.page_size)
-    picked = scores.gather(1, local.clamp_min(0).long())
-    own = ref.Candidates(
-        torch.where(local >= 0, local * topo.dcp + topo.rank, -1).to(torch.int32),
-        torch.where(local >= 0, picked, float("-inf")),
-    )
-    positions, scores_of = peer_candidates
-    candidates = [
-        own if rank == topo.rank else ref.Candidates(positions[:, rank], scores_of[:, rank]) for rank in range(topo.dcp)
-    ]
-    merged = ref.dcp_merge(candidates, m.index_topk)
-    return ref.local_slots(merged, inputs.block_tables, m.page_size, topo.dcp, topo.rank)
-
-
 def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
-    m, topo = state.shape.model, state.shape.topology
-    rows = ref.kv_row(state, inputs)
-    flat = caches.mla_cache.view(-1, caches.mla_cache.shape[-1])
-    stored = rows.to(torch.bfloat16) if topo.mla_cache == "bf16" else formats.pack_mla_fp8(rows.float(), m.kv_lora_rank)
-    flat.index_copy_(0, _write_slots(state, inputs.slot_mapping), stored)
+    ref.store_kv_rows(state, caches, _write_slots(state, inputs.slot_mapping), ref.kv_row(state, inputs))
 
 
 def mla_query(state: LayerState, inputs: StepInputs, caches: LayerCaches, q_c: torch.Tensor) -> None:

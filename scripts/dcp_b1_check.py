@@ -26,16 +26,14 @@ shape = RankShape(preset("kimi-k3.1"), Topology(tp=8, dcp=2))
 def check(step: DecodeStep, seed: int) -> str:
     load_batch(step, 1, 32768, seed)
     us = statistics.median(replay_us(step, 1, "fork"))
-    b = step.buffers
+    b, peers = step.buffers, step.transport
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
-        step.kernels.dcp_merge(
-            b.own_positions, b.own_scores, b.peer_positions, b.peer_scores, b.block_tables, b.slots, 1
-        )
+        step.stages.dcp_merge(peers.positions, peers.scores, 1)
     end.record()
     torch.cuda.synchronize()
-    own, peer = _keys(b.own_scores[0].cpu()), _keys(b.peer_scores[0, 1].cpu())
+    own, peer = _keys(b.own_scores[0].cpu()), _keys(peers.scores[0, 1].cpu())
     threshold, need, rounds = search(torch.cat([own, peer]), 2048)
     return (
         f"seed {seed}: B=1 replay {us:6.1f} us, DcpMerge alone {start.elapsed_time(end) * 100:6.1f} us, "

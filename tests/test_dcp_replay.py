@@ -22,6 +22,7 @@ from graphstep.kernels import catalog
 from conftest import SMALL, launch_on_cpu
 from graphstep.launch import DEFAULT_BUDGET_NS, Kernels
 from graphstep.shapes import RankShape, Topology
+from graphstep.stages import CuteStages
 from graphstep.step import DecodeStep
 
 K, DCP, ALL = 2048, 2, 2**31 - 1
@@ -53,12 +54,12 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     # the kernels' indexer geometry (Kernels rejects SMALL's 8 index heads)
     shape = RankShape(replace(SMALL, index_heads=64), Topology(tp=4, dcp=2, rank=1))
     step = DecodeStep(shape, capture_sizes=(8, 1), backend="torch", device="cpu", max_context=200)
-    step.kernels = Kernels(shape, step.state.weights)  # the cute launchers, recording instead of launching
+    # the cute launchers, recording instead of launching
+    step.stages = CuteStages(step.state, step.buffers, step.error, DEFAULT_BUDGET_NS)
     b, mailbox = step.buffers, step.caches.mailbox
-    b.partial_o, b.partial_ml = step.kernels.sparse_core_buffers(8, "cpu")  # (the torch backend has none)
-    assert mailbox.shape[0] == b.peer_rows.shape[0] == 8
+    assert mailbox.shape[0] == step.transport.rows.shape[0] == 8
     mailbox[1:] = 0x5A
-    b.peer_rows.fill_(0x11)
+    step.transport.rows.fill_(0x11)
     b.q_out[1:] = 0x5A
     step.run_stages(1, mode)
 

@@ -198,7 +198,7 @@ def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
     assert torch.equal(dcp2.buffers.q_out[:7, :16], expect)
     # a peer row that never lands: the step raises, names it, and the next step works
     dcp2.load(inputs, peers)
-    dcp2.buffers.peer_rows[2, 5, 16 * 9 : 16 * 10] = formats.SENTINEL_BYTE
+    dcp2.transport.rows[2, 5, 16 * 9 : 16 * 10] = formats.SENTINEL_BYTE
     dcp2.replay(8, "fork")
     with pytest.raises(MailboxTimeout) as lost:
         torch.cuda.synchronize()

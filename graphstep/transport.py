@@ -1,0 +1,205 @@
+"""How one rank's step meets the other ranks of its DCP group: the transport.
+
+Under decode context parallelism (DCP) the ranks exchange two things per step:
+
+- query rows: every rank attends every rank's heads over its own cache shard, so rank r's
+  MlaQuery rows must land in every rank's mailbox at head rows [r x H, (r + 1) x H) of each
+  token (H = heads per rank). The mailbox is armed (all 0xFF) before a step; QueryWait, or
+  MlaQuery polling, waits until no 32-bit word of a chunk is the sentinel.
+- top-k candidates: each rank's TopK picks its best index_topk local positions (as global
+  positions and their scores); DcpMerge merges every rank's into the global top-k and
+  keeps this rank's share as cache slots.
+
+A `Transport` is this rank's end of both exchanges. `DecodeStep` calls it at fixed points
+of its data path (see each method), with the same calls in eager runs and graph captures,
+so whatever a transport launches is captured into the step's graphs. `SimulatedPeers`
+plays the other ranks on this rank's GPU from inputs loaded before the step; `SingleRank`
+is the transport of a step without DCP. A multi-rank transport (remote stores into the
+peers' mailboxes and candidate buffers) is one more subclass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from . import formats
+from .shapes import RankShape
+from .state import PeerInputs, check_tensors
+
+ValueCheck = tuple[torch.Tensor, Callable[[int], None]]  # (flags [batch] bool, raise for a flagged row)
+
+
+class Transport(ABC):
+    """This rank's end of the DCP exchanges. The host-side methods run in DecodeStep.load()
+    and step(); the others are called while the step's stages are issued (eager or under
+    graph capture) on the stream named in each docstring, and must not synchronize."""
+
+    # -- host side: what step() was given for the other ranks --------------------------------
+
+    @abstractmethod
+    def check(self, peers: PeerInputs | None, batch: int) -> None:
+        """Check the `peers` argument of step() / load() for a batch of `batch` tokens:
+        types, shapes, dtypes and devices (no device read). Raise TypeError / ValueError."""
+
+    @abstractmethod
+    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
+        """Checks of `peers`' values for step(check_values=True): per check, bool flags
+        [batch] computed on the device (True: the row is bad) and a function that raises the
+        error of a flagged row. The step reads every flag with its own in one device-to-host
+        copy. context_lens: int64 [batch], the inputs' lengths clamped to [1, max_context]."""
+
+    @abstractmethod
+    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
+        """Stage what the other ranks contribute to the next step of `batch` real tokens,
+        padded to the captured `size` (host side, after check(); copies on the current stream)."""
+
+    # -- in the step ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def publish_query_rows(self, size: int) -> None:
+        """The other ranks' query rows of this step land in this rank's mailbox (uint8
+        [tokens, q_heads, 576 x q_bytes], rows [r x H, (r + 1) x H) of rank r != this rank),
+        in whole 16-byte chunks (this rank's own rows are its MlaQuery's). Called first in the
+        step, on the main stream, before the side stream forks; the mailbox is armed at that
+        point. The rows need not have landed when it returns: the step's readers (QueryWait,
+        MlaQuery's poll) wait on the chunks themselves."""
+
+    @abstractmethod
+    def publish_candidates(
+        self, positions: torch.Tensor, scores: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand this rank's TopK candidates (global positions int32, scores fp32 [>= size,
+        topk], ascending position, -1 / -inf padded) to the other ranks and return every
+        rank's as DcpMerge reads them: positions int32 and scores fp32 [size, dcp, topk]
+        (this rank's row is not read). Called under DCP only, on the main stream, after TopK
+        and before DcpMerge; the tensors returned must stay where they are across replays."""
+
+    @abstractmethod
+    def arm(self, size: int) -> None:
+        """Re-arm what this transport's exchanges need for the next step, besides the query
+        rows: those the sparse core re-arms itself, as their last reader (in its kernel: no
+        copy or fill launch ends the step). Called last in the step, on the main stream."""
+
+
+class SingleRank(Transport):
+    """A step without DCP: nothing to exchange. Its query rows still pass through the
+    mailbox buffer (re-armed by the sparse core), so the step's launches are the same with
+    or without DCP."""
+
+    def __init__(self, shape: RankShape, mailbox: torch.Tensor):
+        self.shape, self.mailbox = shape, mailbox
+
+    def check(self, peers: PeerInputs | None, batch: int) -> None:
+        if peers is not None:
+            name = self.shape.topology.name
+            raise ValueError(f"peers are only for a DCP step; this step's topology is {name} (dcp 1)")
+
+    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
+        return []
+
+    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
+        pass  # no other ranks
+
+    def publish_query_rows(self, size: int) -> None:
+        pass  # every row is this rank's own, written by its MlaQuery
+
+    def publish_candidates(
+        self, positions: torch.Tensor, scores: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("a step without DCP exchanges no candidates: its TopK writes the slots")
+
+    def arm(self, size: int) -> None:
+        pass  # nothing besides the query rows
+
+
+class SimulatedPeers(Transport):
+    """The other DCP ranks played on this rank's GPU: what they contribute to a step is
+    given to step() as PeerInputs (their query rows in fp32, their candidates), staged by
+    load() into buffers of the largest captured size, and put in place inside the step.
+
+    rows: uint8 [max_batch, gathered, 576 x q_bytes], the peers' query rows encoded like
+    the mailbox (this rank's rows unused); positions int32 / scores fp32 [max_batch, dcp,
+    topk], every rank's candidates (this rank's row unused). Pad rows of a padded batch
+    count as published (zeros) and offer no candidate (-1 / -inf)."""
+
+    def __init__(self, shape: RankShape, mailbox: torch.Tensor):
+        self.shape, self.mailbox = shape, mailbox
+        rows, dev, topo, k = mailbox.shape[0], mailbox.device, shape.topology, shape.model.index_topk
+        self.rows = torch.zeros(rows, shape.gathered, mailbox.shape[-1], dtype=torch.uint8, device=dev)
+        self.positions = torch.full((rows, topo.dcp, k), -1, dtype=torch.int32, device=dev)
+        self.scores = torch.full((rows, topo.dcp, k), float("-inf"), device=dev)
+
+    @property
+    def own(self) -> slice:
+        """This rank's head rows of each token in the mailbox."""
+        rank, heads = self.shape.topology.rank, self.shape.heads
+        return slice(rank * heads, (rank + 1) * heads)
+
+    def check(self, peers: PeerInputs | None, batch: int) -> None:
+        if peers is None:
+            raise ValueError("a DCP step needs peers=PeerInputs (what the other ranks contribute)")
+        if not isinstance(peers, PeerInputs):
+            raise TypeError(f"peers must be PeerInputs, got {type(peers).__name__}")
+        s, dcp, k = self.shape, self.shape.topology.dcp, self.shape.model.index_topk
+        check_tensors(
+            "peers",
+            {
+                "rows": (peers.rows, torch.float32, (batch, s.gathered, s.model.query_row)),
+                "positions": (peers.positions, torch.int32, (batch, dcp, k)),
+                "scores": (peers.scores, torch.float32, (batch, dcp, k)),
+            },
+            self.mailbox.device,
+            contiguous=False,
+        )
+
+    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
+        bad = self._bad_positions(peers, context_lens)
+        return [(bad.any(1), lambda row: self._raise_bad_position(peers, bad, row, context_lens))]
+
+    def _bad_positions(self, peers: PeerInputs, lens: torch.Tensor) -> torch.Tensor:
+        """[B, dcp x topk] True where another rank's candidate position is neither -1 nor a
+        position of its own rank below the token's context length (this rank's are ignored)."""
+        topo = self.shape.topology
+        positions = peers.positions.long()
+        ranks = torch.arange(topo.dcp, device=positions.device)[None, :, None]
+        ok = (positions == -1) | (
+            (positions >= 0) & (positions < lens[:, None, None]) & (positions % topo.dcp == ranks)
+        )
+        return (~ok & (ranks != topo.rank)).flatten(1)
+
+    def _raise_bad_position(self, peers: PeerInputs, bad: torch.Tensor, row: int, lens: torch.Tensor) -> None:
+        dcp, k = self.shape.topology.dcp, self.shape.model.index_topk
+        rank, i = divmod(int(bad[row].nonzero()[0, 0]), k)
+        raise ValueError(
+            f"peers.positions[{row}, {rank}, {i}] = {int(peers.positions[row, rank, i])}: rank {rank}'s "
+            f"candidates must be -1 or positions p < {int(lens[row])} (the context length) with "
+            f"p % {dcp} == {rank}"
+        )
+
+    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
+        encoded = formats.encode_q_rows(peers.rows, self.shape.topology.q_format)
+        self.rows[:batch] = encoded.view(batch, self.shape.gathered, -1)
+        self.rows[batch:size] = 0  # pad rows count as published
+        self.positions[:batch] = peers.positions
+        self.positions[batch:size] = -1
+        self.scores[:batch] = peers.scores
+        self.scores[batch:size] = float("-inf")
+
+    def publish_query_rows(self, size: int) -> None:
+        """Two copies from the staged rows (remote stores by the peers' MlaQuery on real DCP)."""
+        own, gathered = self.own, self.shape.gathered
+        self.mailbox[:size, : own.start] = self.rows[:size, : own.start]
+        self.mailbox[:size, own.stop : gathered] = self.rows[:size, own.stop :]
+
+    def publish_candidates(
+        self, positions: torch.Tensor, scores: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launches nothing: the peers' candidates were staged by load(), and DcpMerge reads
+        this rank's own from `positions` / `scores` directly."""
+        return self.positions[:size], self.scores[:size]
+
+    def arm(self, size: int) -> None:
+        pass  # the candidates are staged inputs: nothing to re-arm besides the query rows
