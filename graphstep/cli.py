@@ -201,7 +201,7 @@ def cmd_run(args) -> int:
         _check_device_memory(args, rank_shape(args), max(args.batch))
         from .timing import run_gpu
 
-        return run_gpu(args)
+        return run_gpu(args, rank_shape(args))
     given = _given(args, RUN_GPU_DEFAULTS)
     if given:
         why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
@@ -248,33 +248,57 @@ def cmd_serve(args) -> int:
     _needs_gpu("serve", args)
     from .timing import serve
 
-    return serve(args)
+    return serve(args, rank_shape(args))
 
 
 def cmd_bench(args) -> int:
     _needs_gpu("bench", args)
     from .timing import bench
 
-    return bench(args)
+    return bench(args, rank_shape(args))
 
 
 def cmd_tune(args) -> int:
     _needs_gpu("tune", args)
     from .timing import tune
 
-    return tune(args)
+    return tune(args, rank_shape(args))
 
 
 def cmd_graph(args) -> int:
     _needs_gpu("graph", args)
-    from .graphs import describe, inspect
+    from .graphs import inspect
     from .step import DecodeStep
 
     step = DecodeStep(rank_shape(args), capture_sizes=[args.batch_size], policy=args.mode, max_context=args.context)
     step.capture(keep_graph=True)
     print(f"batch {args.batch_size}, mode {step.modes[args.batch_size]}, backend {step.backend}")
-    print(describe(inspect(step.graph(args.batch_size))))
+    print(describe_graph(inspect(step.graph(args.batch_size))))
     return 0
+
+
+def describe_graph(info) -> str:
+    """A graphs.GraphInfo as tables: its nodes, its edges, then roots, forks and joins."""
+    from .graphs import PROGRAMMATIC
+    from .kernel_trace import kernel_label, stage_of
+
+    lines = [
+        table(
+            ["node", "kind", "stage", "name"],
+            [[n.index, n.kind, stage_of(n.name) if n.name else "", kernel_label(n.name)] for n in info.nodes],
+        )
+    ]
+    lines.append(
+        table(
+            ["from", "to", "type", "port"],
+            [[e.src, e.dst, "programmatic" if e.type == PROGRAMMATIC else "default", e.from_port] for e in info.edges],
+        )
+    )
+    lines.append(
+        f"{len(info.nodes)} nodes ({len(info.kernels())} kernels), {len(info.edges)} edges, "
+        f"{len(info.programmatic)} programmatic; roots {info.roots}, forks {info.forks}, joins {info.joins}"
+    )
+    return "\n\n".join(lines)
 
 
 def run_cpu(args) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from . import floor
 from .report import Progress, table
+from .shapes import RankShape
 from .step import DecodeStep
 
 
@@ -46,11 +47,8 @@ def load_batch(step: DecodeStep, batch: int, context: int, seed: int = 0) -> Non
     step.load(inputs, peers)
 
 
-def run_gpu(args) -> int:
+def run_gpu(args, shape: RankShape) -> int:
     """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
     print(
         f"graphstep run: {shape.model.name} {shape.topology.name}, context {args.context}, sizes {args.batch}, "
         f"policy {args.policy or 'default'} ({torch.cuda.get_device_name()})",
@@ -92,11 +90,8 @@ def read_trace(path: str) -> list[int]:
     return trace
 
 
-def serve(args) -> int:
+def serve(args, shape: RankShape) -> int:
     """Replay a trace of batch sizes as a serving loop would: load inputs, replay, sync."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
     trace = read_trace(args.trace) if args.trace else default_trace(max(args.batch), args.steps, args.seed)
     if max(trace) > max(args.batch):
         raise ValueError(f"the trace needs batch {max(trace)} but the largest captured size is {max(args.batch)}")
@@ -158,12 +153,9 @@ def alone_line(size: int, alone_us: float, default_us: float, sizes: list[int]) 
     return line
 
 
-def bench(args) -> int:
+def bench(args, shape: RankShape) -> int:
     """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor;
     then the smallest batch's graph of a step that captured only that size beside the default's."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
     sizes = args.batch
     common = dict(capture_sizes=sizes, max_context=args.context, seed=args.seed)
     steps = {
@@ -242,12 +234,10 @@ def bench(args) -> int:
     return 0
 
 
-def tune(args) -> int:
+def tune(args, shape: RankShape) -> int:
     """Time every allowed mode per captured size and print the policy table to use."""
-    from .cli import rank_shape
     from .policy import MODES, WIDE_MODES
 
-    shape = rank_shape(args)
     topo = shape.topology
     modes = WIDE_MODES if topo.wide else MODES if topo.dcp > 1 else ("serial", "fork")  # fork_poll == fork without DCP
     step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context, seed=args.seed)
