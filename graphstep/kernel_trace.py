@@ -4,9 +4,10 @@
 Every kernel a graph replay runs shares the correlation id of its cudaGraphLaunch, so the
 trace's GPU events (`cat` "kernel", "gpu_memcpy", "gpu_memset") group into replays by
 `args.correlation`; launches outside the graph (torch's replay prologue, say) are counted
-and left out. Within a replay, a kernel's gap is its start minus the latest end of the
-kernels that started before it: positive is idle device time (launch latency PDL did not
-hide), negative an overlap (a PDL prologue, or the side stream).
+and left out. A kernel's gap is its start minus the end of the event before it on its own
+stream: positive is launch latency the PDL chain did not hide (or a wait at a join),
+negative an overlap (a PDL prologue running under its predecessor's tail). A replay's idle
+time is the time no event of it runs on any stream.
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ class GpuEvent:
     start: float  # us
     duration: float  # us
     launch: int | None  # the correlation id of the launch (one per graph replay)
+    stream: int | None
 
 
 @dataclass
 class KernelRow:
     """One kernel name's events over the replays (times in us)."""
 
-    stage: str
+    stage: str  # the step stage; "torch" for torch's kernels, "memcpy" or "memset" for those events
     kernel: str
     kind: str
     calls: int  # events over all replays
@@ -75,7 +77,7 @@ class KernelRow:
     mean_us: float
     total_us: float
     share: float  # total_us / the replays' summed span (rows overlap on two streams: shares may add past 1)
-    gap_us: float  # mean gap before each call (negative: it overlapped the kernels before it)
+    gap_us: float  # mean gap after the event before it on its stream (nan: always first on its stream)
     offset_us: float  # mean start after the replay's first event (rows are ordered by it)
 
 
@@ -85,8 +87,8 @@ class TraceSummary:
     replays: int
     events_per_replay: int
     span_us: float  # mean first start -> last end of a replay
-    busy_us: float  # mean summed event durations of a replay
-    idle_us: float  # mean summed positive gaps of a replay
+    busy_us: float  # mean summed event durations of a replay (streams overlap: may exceed the span)
+    idle_us: float  # mean time of a replay with no event running
     other_events: int  # GPU events outside the replays (other launches)
 
     def as_dict(self) -> dict:
@@ -97,7 +99,7 @@ class TraceSummary:
             busy_us=self.busy_us,
             idle_us=self.idle_us,
             other_events=self.other_events,
-            rows=[vars(row) for row in self.rows],
+            rows=[{k: None if v != v else v for k, v in vars(row).items()} for row in self.rows],  # nan -> null
         )
 
 
@@ -110,7 +112,8 @@ def gpu_events(trace: dict) -> list[GpuEvent]:
         kind = GPU_EVENTS.get(str(event.get("cat", "")).lower())
         if kind is None or event.get("ph", "X") != "X":
             continue
-        correlation = (event.get("args") or {}).get("correlation")
+        args = event.get("args") or {}
+        correlation, stream = args.get("correlation"), args.get("stream", event.get("tid"))
         events.append(
             GpuEvent(
                 str(event["name"]),
@@ -118,6 +121,7 @@ def gpu_events(trace: dict) -> list[GpuEvent]:
                 float(event["ts"]),
                 float(event["dur"]),
                 None if correlation is None else int(correlation),
+                None if stream is None else int(stream),
             )
         )
     return sorted(events, key=lambda e: e.start)
@@ -148,13 +152,15 @@ def summarize(trace: dict) -> TraceSummary:
     spans, busy, idle = [], [], []
     for replay in replays:
         first, latest_end, idle_sum = replay[0].start, replay[0].start, 0.0
-        for i, event in enumerate(replay):
-            gap = event.start - latest_end if i else 0.0
-            idle_sum += max(gap, 0.0)
+        stream_end: dict[int | None, float] = {}
+        for event in replay:
+            idle_sum += max(event.start - latest_end, 0.0)
             latest_end = max(latest_end, event.start + event.duration)
             record = by_name[event.name]
             record["duration"].append(event.duration)
-            record["gap"].append(gap)
+            if event.stream in stream_end:
+                record["gap"].append(event.start - stream_end[event.stream])
+            stream_end[event.stream] = event.start + event.duration
             record["offset"].append(event.start - first)
             record["kind"] = event.kind
         spans.append(latest_end - first)
@@ -163,7 +169,7 @@ def summarize(trace: dict) -> TraceSummary:
     total_span = sum(spans)
     rows = [
         KernelRow(
-            stage=stage_of(name),
+            stage=stage_of(name) if record["kind"] == "kernel" else record["kind"],
             kernel=kernel_label(name),
             kind=record["kind"],
             calls=len(record["duration"]),
@@ -171,7 +177,7 @@ def summarize(trace: dict) -> TraceSummary:
             mean_us=statistics.fmean(record["duration"]),
             total_us=sum(record["duration"]),
             share=sum(record["duration"]) / total_span if total_span > 0 else float("nan"),
-            gap_us=statistics.fmean(record["gap"]),
+            gap_us=statistics.fmean(record["gap"]) if record["gap"] else float("nan"),
             offset_us=statistics.fmean(record["offset"]),
         )
         for name, record in by_name.items()
@@ -193,7 +199,7 @@ def describe(summary: TraceSummary) -> str:
     rows = [
         [
             r.stage,
-            r.kernel if r.kind == "kernel" else f"[{r.kind}] {r.kernel}",
+            r.kernel,
             r.calls,
             r.mean_us,
             r.total_us,

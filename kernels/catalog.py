@@ -134,9 +134,10 @@ def variants(
     return out
 
 
-def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]:
+def write_ptx(out_dir, arch: str, shape, batch: int | None = None, written_one=None) -> list[Path]:
     """Compile every variant for `arch` and write `<variant>.ptx` files into out_dir.
-    batch: only the norm and IndexQuery variants that batch would use."""
+    batch: only the norm and IndexQuery variants that batch would use. written_one(path),
+    if given, is called as each file is written."""
     from graphstep.shapes import tiled_from
 
     norms = (False, True) if batch is None else (batch >= tiled_from(shape.heads),)
@@ -156,4 +157,6 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None) -> list[Path]
             target = out / f"{variant.name}.{arch}.ptx"
             target.write_text(ptx[0].read_text())
             written.append(target)
+            if written_one is not None:
+                written_one(target)
     return written

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from graphstep.timing import alone_line, default_trace, percentile, read_trace
+from graphstep.timing import alone_line, default_trace, percentile, read_trace, serve_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +55,11 @@ def test_bench_line_puts_the_alone_graph_beside_the_default_steps():
     slow = alone_line(1, 60.0, 311.0, [1, 4, 16, 64])  # issue 10's DCP 2 numbers
     assert "(5.18x)" in slow and "SLOWER" in slow and "issue 10" in slow
     assert "SLOWER" not in alone_line(4, 80.0, 90.0, [4, 64])
+
+
+def test_serve_summary():
+    summary = serve_summary([10.0, 20.0, 30.0], [100.0, 200.0, 300.0], tokens=12)
+    assert summary["steps"] == 3 and summary["tokens"] == 12
+    assert summary["tokens_per_s"] == pytest.approx(12 / 600e-6)
+    assert summary["device_us"] == {"p50": 20.0, "p99": 30.0, "mean": 20.0}
+    assert summary["host_us"]["mean"] == pytest.approx(200.0)
