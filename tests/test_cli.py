@@ -190,3 +190,26 @@ def test_ptx_prints_each_file_as_it_is_written(tmp_path, monkeypatch, capsys):
     assert main(["ptx", "--out", str(tmp_path)]) == 0
     assert printed == [f"{tmp_path / 'a.ptx'}\n", f"{tmp_path / 'b.ptx'}\n"]
     assert "2 kernel variants" in capsys.readouterr().out
+
+
+def test_graph_table_names_each_kernel_by_its_stage():
+    from graphstep.cli import describe_graph
+    from graphstep.graphs import PROGRAMMATIC, Edge, GraphInfo, Node
+
+    project = "kernel_cutlass_project_graphstepkernelsmla_queryMlaQuery_object_at__ptrbf16gmemalign16_1"
+    info = GraphInfo(
+        [
+            Node(0, "kernel", project),
+            Node(1, "kernel", "_ZN2at6native29vectorized_elementwise_kernel"),
+            Node(2, "memcpy", ""),
+        ],
+        [Edge(0, 1, PROGRAMMATIC, 0), Edge(1, 2, 0, 0)],
+    )
+    text = describe_graph(info)
+    rows = [line.split() for line in text.splitlines()[2:5]]
+    assert rows == [
+        ["0", "kernel", "MlaQuery", "MlaQuery.project"],
+        ["1", "kernel", "torch", rows[1][3]],
+        ["2", "memcpy"],
+    ]
+    assert "3 nodes (2 kernels), 2 edges, 1 programmatic" in text
