@@ -11,8 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
-known=$("$python" scripts/sanitize_case.py --list) || { echo "sanitize: scripts/sanitize_case.py --list failed" >&2; exit 2; }
-cases="$known"
+cases=""
 tools="memcheck racecheck synccheck initcheck"
 jobs=4
 case_args=()
@@ -28,6 +27,10 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+[[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize: --jobs $jobs: expected a positive integer" >&2; exit 2; }
+known=$("$python" scripts/sanitize_case.py --list) \
+  || { echo "sanitize: '$python scripts/sanitize_case.py --list' failed (set PYTHON to one with torch)" >&2; exit 2; }
+cases="${cases:-$known}"
 for case_name in $cases; do
   [[ " $known " == *" $case_name "* ]] || { echo "sanitize: unknown case $case_name (cases: $known)" >&2; exit 2; }
 done
