@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import math
 import os
 import sys
@@ -135,45 +136,100 @@ def batches(text: str) -> list[int]:
     return values
 
 
-def cmd_info(args) -> int:
-    shape = rank_shape(args)
+def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tbs: float) -> dict:
+    """What `graphstep info` reports: the per-rank sizes and, per batch, each stage's bytes,
+    FLOPs and floor, the step floor and the indexer floor."""
     m, t = shape.model, shape.topology
-    print(f"{m.name} ({t.name}); assumed: {', '.join(m.assumed) or 'nothing'}")
+    sizes = dict(
+        heads=shape.heads,
+        gathered=shape.gathered,
+        q_heads=shape.q_heads,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_dim=m.qk_nope_dim,
+        qk_rope_dim=m.qk_rope_dim,
+        query_row=m.query_row,
+        q_bytes=shape.q_bytes,
+        mailbox_row_chunks=shape.mailbox_row_chunks,
+        packed_width=m.packed_width,
+        index_heads=m.index_heads,
+        index_dim=m.index_dim,
+        index_topk=m.index_topk,
+        index_token_bytes=m.index_token_bytes,
+        mla_token_bytes=shape.mla_token_bytes,
+    )
+    floors = []
+    for batch in batches:
+        step = floor.step_floor(shape, batch, context, bandwidth_tbs * 1e12)
+        stages = [
+            dict(
+                name=c.name,
+                stream=c.stream,
+                weight_bytes=c.weight_bytes,
+                io_bytes=c.io_bytes,
+                flops=c.flops,
+                floor_us=c.floor_us(step.bandwidth),
+            )
+            for c in step.costs
+        ]
+        floors.append(
+            dict(
+                batch=batch,
+                context=context,
+                bandwidth_tbs=bandwidth_tbs,
+                stages=stages,
+                step_bytes=step.bytes,
+                step_floor_us=step.us,
+                indexer_bytes=step.indexer_bytes,
+                indexer_floor_us=step.indexer_us,
+            )
+        )
+    return dict(model=m.name, topology=t.name, assumed=list(m.assumed), sizes=sizes, floors=floors)
+
+
+def cmd_info(args) -> int:
+    record = info_record(rank_shape(args), args.batch, args.context, args.bandwidth)
+    if args.json:
+        print(json.dumps(record, indent=1))
+        return 0
+    s = record["sizes"]
+    print(f"{record['model']} ({record['topology']}); assumed: {', '.join(record['assumed']) or 'nothing'}")
     print(
         table(
             ["size", "value"],
             [
-                ["heads per rank / gathered / q_heads", f"{shape.heads} / {shape.gathered} / {shape.q_heads}"],
+                ["heads per rank / gathered / q_heads", f"{s['heads']} / {s['gathered']} / {s['q_heads']}"],
                 [
                     "q_lora / kv_lora / nope / rope",
-                    f"{m.q_lora_rank} / {m.kv_lora_rank} / {m.qk_nope_dim} / {m.qk_rope_dim}",
+                    f"{s['q_lora_rank']} / {s['kv_lora_rank']} / {s['qk_nope_dim']} / {s['qk_rope_dim']}",
                 ],
                 [
                     "query row / q_bytes / mailbox chunks per row",
-                    f"{m.query_row} / {shape.q_bytes} / {shape.mailbox_row_chunks}",
+                    f"{s['query_row']} / {s['q_bytes']} / {s['mailbox_row_chunks']}",
                 ],
-                ["packed row P", m.packed_width],
-                ["indexer heads x dim, top-k", f"{m.index_heads} x {m.index_dim}, {m.index_topk}"],
-                ["indexer / MLA cache bytes per token", f"{m.index_token_bytes} / {shape.mla_token_bytes}"],
+                ["packed row P", s["packed_width"]],
+                ["indexer heads x dim, top-k", f"{s['index_heads']} x {s['index_dim']}, {s['index_topk']}"],
+                ["indexer / MLA cache bytes per token", f"{s['index_token_bytes']} / {s['mla_token_bytes']}"],
             ],
         )
     )
-    for batch in args.batch:
-        step = floor.step_floor(shape, batch, args.context, args.bandwidth * 1e12)
-        print(f"\nbatch {batch}, context {args.context}, {args.bandwidth} TB/s")
+    for f in record["floors"]:
+        print(f"\nbatch {f['batch']}, context {f['context']}, {f['bandwidth_tbs']} TB/s")
         rows = [
             [
-                c.name,
-                c.stream,
-                round(mb(c.weight_bytes), 2),
-                round(mb(c.io_bytes), 2),
-                round(c.flops / 1e9, 3),
-                c.floor_us(step.bandwidth),
+                c["name"],
+                c["stream"],
+                round(mb(c["weight_bytes"]), 2),
+                round(mb(c["io_bytes"]), 2),
+                round(c["flops"] / 1e9, 3),
+                c["floor_us"],
             ]
-            for c in step.costs
+            for c in f["stages"]
         ]
-        rows.append(["step (each tensor once)", "", "", round(mb(step.bytes), 2), "", step.us])
-        rows.append(["indexer floor (wq_b + cache)", "main", "", round(mb(step.indexer_bytes), 2), "", step.indexer_us])
+        rows.append(["step (each tensor once)", "", "", round(mb(f["step_bytes"]), 2), "", f["step_floor_us"]])
+        rows.append(
+            ["indexer floor (wq_b + cache)", "main", "", round(mb(f["indexer_bytes"]), 2), "", f["indexer_floor_us"]]
+        )
         print(table(["stage", "stream", "weights MB", "io MB", "GFLOP", "floor us"], rows))
     return 0
 
@@ -201,7 +257,7 @@ def cmd_run(args) -> int:
         _check_device_memory(args, rank_shape(args), max(args.batch))
         from .timing import run_gpu
 
-        return run_gpu(args)
+        return run_gpu(args, rank_shape(args))
     given = _given(args, RUN_GPU_DEFAULTS)
     if given:
         why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
@@ -248,33 +304,64 @@ def cmd_serve(args) -> int:
     _needs_gpu("serve", args)
     from .timing import serve
 
-    return serve(args)
+    return serve(args, rank_shape(args))
 
 
 def cmd_bench(args) -> int:
     _needs_gpu("bench", args)
     from .timing import bench
 
-    return bench(args)
+    return bench(args, rank_shape(args))
 
 
 def cmd_tune(args) -> int:
     _needs_gpu("tune", args)
     from .timing import tune
 
-    return tune(args)
+    return tune(args, rank_shape(args))
+
+
+def cmd_trace(args) -> int:
+    _needs_gpu("trace", args)
+    from .timing import trace
+
+    return trace(args, rank_shape(args))
 
 
 def cmd_graph(args) -> int:
     _needs_gpu("graph", args)
-    from .graphs import describe, inspect
+    from .graphs import inspect
     from .step import DecodeStep
 
     step = DecodeStep(rank_shape(args), capture_sizes=[args.batch_size], policy=args.mode, max_context=args.context)
     step.capture(keep_graph=True)
     print(f"batch {args.batch_size}, mode {step.modes[args.batch_size]}, backend {step.backend}")
-    print(describe(inspect(step.graph(args.batch_size))))
+    print(describe_graph(inspect(step.graph(args.batch_size))))
     return 0
+
+
+def describe_graph(info) -> str:
+    """A graphs.GraphInfo as tables: its nodes, its edges, then roots, forks and joins."""
+    from .graphs import PROGRAMMATIC
+    from .kernel_trace import kernel_label, stage_of
+
+    lines = [
+        table(
+            ["node", "kind", "stage", "name"],
+            [[n.index, n.kind, stage_of(n.name) if n.name else "", kernel_label(n.name)] for n in info.nodes],
+        )
+    ]
+    lines.append(
+        table(
+            ["from", "to", "type", "port"],
+            [[e.src, e.dst, "programmatic" if e.type == PROGRAMMATIC else "default", e.from_port] for e in info.edges],
+        )
+    )
+    lines.append(
+        f"{len(info.nodes)} nodes ({len(info.kernels())} kernels), {len(info.edges)} edges, "
+        f"{len(info.programmatic)} programmatic; roots {info.roots}, forks {info.forks}, joins {info.joins}"
+    )
+    return "\n\n".join(lines)
 
 
 def run_cpu(args) -> int:
@@ -293,21 +380,33 @@ def run_cpu(args) -> int:
     out = reference_step(state, inputs, peers=peers)
     elapsed = time.perf_counter() - started
     picked = (out.slots >= 0).sum(dim=1).tolist()
+    tokens = [
+        dict(
+            token=b,
+            context=int(inputs.context_lens[b]),
+            slots_picked=picked[b],
+            q_c_rms=float(out.q_c[b].float().square().mean().sqrt()),
+            out_rms=float(out.out[b].square().mean().sqrt()),
+            lse_mean=float(out.lse[b].mean()),
+        )
+        for b in range(batch)
+    ]
+    if args.json:
+        record = dict(
+            model=shape.model.name,
+            topology=shape.topology.name,
+            device="cpu",
+            graphs=False,
+            torch=torch.__version__,
+            seconds=elapsed,
+            tokens=tokens,
+        )
+        print(json.dumps(record, indent=1))
+        return 0
     print(f"graphstep run: {shape.model.name} {shape.topology.name}, reference step on the CPU")
     print(
         table(
-            ["token", "context", "slots picked", "q_c rms", "out rms", "lse mean"],
-            [
-                [
-                    b,
-                    int(inputs.context_lens[b]),
-                    picked[b],
-                    float(out.q_c[b].float().square().mean().sqrt()),
-                    float(out.out[b].square().mean().sqrt()),
-                    float(out.lse[b].mean()),
-                ]
-                for b in range(batch)
-            ],
+            ["token", "context", "slots picked", "q_c rms", "out rms", "lse mean"], [list(t.values()) for t in tokens]
         )
     )
     print(f"{batch} tokens in {elapsed:.2f} s on the CPU (torch {torch.__version__}).")
@@ -324,9 +423,14 @@ def cmd_ptx(args) -> int:
 
     shape, batch = rank_shape(args), args.batch_size
     tiled = None if batch is None else batch >= tiled_from(shape.heads)
-    paths = write_ptx(args.out, arch=args.arch, shape=shape, batch=batch, tiled=tiled)
-    for path in paths:
-        print(path)
+    paths = write_ptx(
+        args.out,
+        arch=args.arch,
+        shape=shape,
+        batch=batch,
+        tiled=tiled,
+        written_one=lambda path: print(path, flush=True),
+    )
     print(f"{len(paths)} kernel variants compiled for {args.arch} into {args.out}")
     return 0
 
@@ -346,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--bandwidth", type=positive_float, default=floor.H200_COPY_BW / 1e12, help="TB/s the floors are computed at"
     )
+    info.add_argument("--json", action="store_true", help="print the sizes and floors as JSON")
     info.set_defaults(func=cmd_info)
 
     run = command("run", "build, capture and replay the step (reference on the CPU without an sm_90 GPU)")
@@ -384,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"largest context of the CPU reference run (default: {RUN_CPU_DEFAULTS['cpu_context']})",
     )
+    run.add_argument("--json", action="store_true", help="print the results as JSON (the narrative goes to stderr)")
     run.set_defaults(func=cmd_run)
 
     ptx = command("ptx", "compile every kernel variant and write its PTX (no GPU needed)")
@@ -401,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--steps", type=positive_int, default=1000, help="steps to replay")
     serve.add_argument("--trace", default=None, help="a file of batch sizes (default: a synthetic drifting trace)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and trace")
+    serve.add_argument("--json", action="store_true", help="print the latencies as JSON")
     serve.set_defaults(func=cmd_serve)
 
     bench = command("bench", "cute fork / serial / no-PDL vs the torch backend and the floor, per batch")
@@ -417,6 +524,18 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--replays", type=positive_int, default=50, help="timed replays per size and mode")
     tune.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     tune.set_defaults(func=cmd_tune)
+
+    trace = command("trace", "replay one size under torch.profiler: a Chrome trace and per-kernel times and gaps")
+    trace.add_argument(
+        "--batch-size", "--batch", dest="batch_size", type=positive_int, default=4, help="the size captured"
+    )
+    trace.add_argument("--mode", default=None, choices=MODES, help="the overlap mode (default: the policy's)")
+    trace.add_argument("--context", type=positive_int, default=8192, help="tokens per sequence")
+    trace.add_argument("--replays", type=positive_int, default=20, help="replays recorded")
+    trace.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    trace.add_argument("--out", default="graphstep-trace.json", help="the Chrome/Perfetto trace written")
+    trace.add_argument("--json", action="store_true", help="print the table as JSON")
+    trace.set_defaults(func=cmd_trace)
 
     graph = command("graph", "capture one size and print the graph's nodes and edges")
     graph.add_argument(
@@ -447,7 +566,11 @@ def check_args(args) -> None:
         check_policy(args, shape)
     if args.command == "run" and args.policy is not None:
         check_policy(argparse.Namespace(batch=args.batch or RUN_GPU_DEFAULTS["batch"], policy=args.policy), shape)
-    if args.command == "graph":
+    if args.command == "trace":
+        writable_dir(str(Path(args.out).resolve().parent), "--out")
+        if Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out}: is a folder; name the trace file")
+    if args.command in ("graph", "trace"):
         from .policy import overlap_for
 
         topo = shape.topology

@@ -78,6 +78,14 @@ def _kernel_name(node) -> str:
         return f"<unnamed: {error}>"
 
 
+def short(name: str, width: int = 48) -> str:
+    """A readable kernel name: CuTe DSL's mangled names start with kernel_cutlass_<method>_,
+    the method named after the kernel's stage (cute:<stage>)."""
+    if name.startswith("kernel_cutlass_"):
+        name = "cute:" + name.removeprefix("kernel_cutlass_").split("_graphstep")[0]
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
 def inspect(graph) -> GraphInfo:
     """Nodes and edges of a torch.cuda.CUDAGraph captured with keep_graph=True."""
     handle = cu.CUgraph(graph.raw_cuda_graph())
@@ -93,27 +101,3 @@ def inspect(graph) -> GraphInfo:
     src, dst, data, _ = _ok(cu.cuGraphGetEdges(handle, n_edges))
     edges = [Edge(index[int(a)], index[int(b)], int(d.type), int(d.from_port)) for a, b, d in zip(src, dst, data)]
     return GraphInfo(nodes, edges)
-
-
-def short(name: str, width: int = 48) -> str:
-    """A readable kernel name: CuTe DSL's mangled names start with kernel_cutlass_<method>_."""
-    if name.startswith("kernel_cutlass_"):
-        name = "cute:" + name.removeprefix("kernel_cutlass_").split("_graphstep")[0]
-    return name if len(name) <= width else name[: width - 3] + "..."
-
-
-def describe(info: GraphInfo) -> str:
-    from .report import table
-
-    lines = [table(["node", "kind", "name"], [[n.index, n.kind, short(n.name)] for n in info.nodes])]
-    lines.append(
-        table(
-            ["from", "to", "type", "port"],
-            [[e.src, e.dst, "programmatic" if e.type == PROGRAMMATIC else "default", e.from_port] for e in info.edges],
-        )
-    )
-    lines.append(
-        f"{len(info.nodes)} nodes ({len(info.kernels())} kernels), {len(info.edges)} edges, "
-        f"{len(info.programmatic)} programmatic; roots {info.roots}, forks {info.forks}, joins {info.joins}"
-    )
-    return "\n\n".join(lines)

@@ -16,6 +16,7 @@ import torch
 
 from . import floor
 from .report import Progress, table
+from .shapes import RankShape
 from .step import DecodeStep
 
 
@@ -46,28 +47,44 @@ def load_batch(step: DecodeStep, batch: int, context: int, seed: int = 0) -> Non
     step.load(inputs, peers)
 
 
-def run_gpu(args) -> int:
-    """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
+def run_gpu(args, shape: RankShape) -> int:
+    """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies (args.json: as JSON,
+    the narrative on stderr)."""
+    narrative = sys.stderr if args.json else sys.stdout
+    device = torch.cuda.get_device_name()
     print(
         f"graphstep run: {shape.model.name} {shape.topology.name}, context {args.context}, sizes {args.batch}, "
-        f"policy {args.policy or 'default'} ({torch.cuda.get_device_name()})",
+        f"policy {args.policy or 'default'} ({device})",
+        file=narrative,
         flush=True,
     )
     started = time.perf_counter()
     step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
     step.capture()
-    print(f"built and captured {len(step.graphs)} graphs in {time.perf_counter() - started:.1f} s", flush=True)
-    rows = []
+    print(f"built and captured {len(step.graphs)} graphs in {time.perf_counter() - started:.1f} s", file=narrative)
+    records = []
     for size in step.sizes:
         load_batch(step, size, args.context, args.seed)
         times = replay_us(step, size, replays=args.replays)
         bound = floor.step_floor(shape, size, args.context)
         p50 = statistics.median(times)
-        rows.append([size, step.modes[size], p50, percentile(times, 99), bound.us, p50 / bound.us])
-    print(table(["batch", "mode", "p50 us", "p99 us", "floor us", "p50/floor"], rows))
+        records.append(
+            dict(
+                batch=size,
+                mode=step.modes[size],
+                p50_us=p50,
+                p99_us=percentile(times, 99),
+                floor_us=bound.us,
+                p50_over_floor=p50 / bound.us,
+            )
+        )
+    if args.json:
+        meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
+        print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
+    else:
+        print(
+            table(["batch", "mode", "p50 us", "p99 us", "floor us", "p50/floor"], [list(r.values()) for r in records])
+        )
     return 0
 
 
@@ -92,11 +109,8 @@ def read_trace(path: str) -> list[int]:
     return trace
 
 
-def serve(args) -> int:
+def serve(args, shape: RankShape) -> int:
     """Replay a trace of batch sizes as a serving loop would: load inputs, replay, sync."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
     trace = read_trace(args.trace) if args.trace else default_trace(max(args.batch), args.steps, args.seed)
     if max(trace) > max(args.batch):
         raise ValueError(f"the trace needs batch {max(trace)} but the largest captured size is {max(args.batch)}")
@@ -107,7 +121,7 @@ def serve(args) -> int:
     for b in pool:  # warm every size once
         step.step(pool[b], peers.get(b))
     torch.cuda.synchronize()
-    wall, device = [], []
+    wall_us, device_us = [], []
     tokens = 0
     with Progress(args.steps, "serve") as progress:
         for i in range(args.steps):
@@ -118,27 +132,43 @@ def serve(args) -> int:
             step.step(pool[batch], peers.get(batch))
             end.record()
             end.synchronize()
-            wall.append((time.perf_counter() - t0) * 1e6)
-            device.append(start.elapsed_time(end) * 1e3)
+            wall_us.append((time.perf_counter() - t0) * 1e6)
+            device_us.append(start.elapsed_time(end) * 1e3)
             tokens += batch
             progress.update()
-    total_s = sum(wall) / 1e6
+    summary = serve_summary(device_us, wall_us, tokens)
+    if args.json:
+        meta = dict(model=shape.model.name, topology=shape.topology.name, device=torch.cuda.get_device_name())
+        print(json.dumps(dict(meta, context=args.context, **summary), indent=1))
+        return 0
     print(
         table(
             ["", "p50 us", "p99 us", "mean us"],
             [
-                [
-                    "step, device (copies + replay)",
-                    percentile(device, 50),
-                    percentile(device, 99),
-                    statistics.fmean(device),
-                ],
-                ["step, host wall (incl. sync)", percentile(wall, 50), percentile(wall, 99), statistics.fmean(wall)],
+                ["step, device (copies + replay)"] + [summary["device_us"][k] for k in ("p50", "p99", "mean")],
+                ["step, host wall (incl. sync)"] + [summary["host_us"][k] for k in ("p50", "p99", "mean")],
             ],
         )
     )
-    print(f"{args.steps} steps, {tokens} tokens, {tokens / total_s:,.0f} tokens/s (one layer's query stage)")
+    print(
+        f"{summary['steps']} steps, {tokens} tokens, {summary['tokens_per_s']:,.0f} tokens/s (one layer's query stage)"
+    )
     return 0
+
+
+def serve_summary(device_us: list[float], wall_us: list[float], tokens: int) -> dict:
+    """p50, p99 and mean of the per-step device and host times, and the tokens per second of the wall time."""
+
+    def stats(values: list[float]) -> dict:
+        return dict(p50=percentile(values, 50), p99=percentile(values, 99), mean=statistics.fmean(values))
+
+    return dict(
+        steps=len(wall_us),
+        tokens=tokens,
+        tokens_per_s=tokens / (sum(wall_us) / 1e6),
+        device_us=stats(device_us),
+        host_us=stats(wall_us),
+    )
 
 
 ALONE_SLOWER = 1.25  # flag the smallest size's graph when the full step replays it this much slower
@@ -158,12 +188,9 @@ def alone_line(size: int, alone_us: float, default_us: float, sizes: list[int]) 
     return line
 
 
-def bench(args) -> int:
+def bench(args, shape: RankShape) -> int:
     """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor;
     then the smallest batch's graph of a step that captured only that size beside the default's."""
-    from .cli import rank_shape
-
-    shape = rank_shape(args)
     sizes = args.batch
     common = dict(capture_sizes=sizes, max_context=args.context, seed=args.seed)
     steps = {
@@ -242,12 +269,10 @@ def bench(args) -> int:
     return 0
 
 
-def tune(args) -> int:
+def tune(args, shape: RankShape) -> int:
     """Time every allowed mode per captured size and print the policy table to use."""
-    from .cli import rank_shape
     from .policy import MODES, WIDE_MODES
 
-    shape = rank_shape(args)
     topo = shape.topology
     modes = WIDE_MODES if topo.wide else MODES if topo.dcp > 1 else ("serial", "fork")  # fork_poll == fork without DCP
     step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context, seed=args.seed)
@@ -264,6 +289,30 @@ def tune(args) -> int:
     return 0
 
 
+def trace(args, shape: RankShape) -> int:
+    """`graphstep trace`: steady-state replays of one size under torch.profiler, the Chrome
+    trace written to args.out and the per-kernel table printed."""
+    from .kernel_trace import describe, record, summarize
+
+    step = DecodeStep(
+        shape, capture_sizes=[args.batch_size], policy=args.mode, max_context=args.context, seed=args.seed
+    )
+    step.capture()
+    load_batch(step, args.batch_size, args.context, args.seed)
+    mode = step.modes[args.batch_size]
+    summary = summarize(record(step.graph(args.batch_size), args.replays, Path(args.out)))
+    if args.json:
+        print(json.dumps(dict(batch=args.batch_size, mode=mode, context=args.context, **summary.as_dict()), indent=1))
+        return 0
+    print(
+        f"graphstep trace: {shape.model.name} {shape.topology.name}, batch {args.batch_size}, mode {mode}, "
+        f"context {args.context} ({torch.cuda.get_device_name()})"
+    )
+    print(describe(summary))
+    print(f"wrote {args.out} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def _plot(records: list[dict], path: Path, meta: dict) -> None:
     try:
         import matplotlib
@@ -271,7 +320,7 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+        print("matplotlib is not installed: no bench.png (pip install -e '.[plot]')", file=sys.stderr)
         return
     batches = [r["batch"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -206,10 +206,13 @@ def variants(
     return out
 
 
-def write_ptx(out_dir, arch: str, shape, batch: int | None = None, tiled: bool | None = None) -> list[Path]:
+def write_ptx(
+    out_dir, arch: str, shape, batch: int | None = None, tiled: bool | None = None, written_one=None
+) -> list[Path]:
     """Compile every variant for `arch` and write `<variant>.<arch>.ptx` files into out_dir.
     batch: only the variants that batch launches, `tiled` saying its QueryNorm / MlaQuery
-    variant (every TopK split is written: the choice depends on the context too)."""
+    variant (every TopK split is written: the choice depends on the context too).
+    written_one(path), if given, is called as each file is written."""
     if batch is None:
         norms, batches = (False, True), range(1, 65)
     elif tiled is None:
@@ -228,4 +231,6 @@ def write_ptx(out_dir, arch: str, shape, batch: int | None = None, tiled: bool |
             target = out / f"{variant.name}.{arch}.ptx"
             target.write_text(ptx[0].read_text())
             written.append(target)
+            if written_one is not None:
+                written_one(target)
     return written

@@ -18,10 +18,10 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys kernels indexer sparse topk pybench)
-  only=" $* "
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys nsys_eager trace
+  only=" $* "            # kernels indexer sparse topk pybench sanitize sanitize_all)
 else
-  only=" gpu_tests graph run bench serve nsys kernels "
+  only=" gpu_tests graph run bench serve nsys trace kernels "
 fi
 want() { [[ "$only" == *" $1 "* ]]; }
 want gpu_tests && step gpu_tests 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider
@@ -29,10 +29,15 @@ want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
 want bench && step bench 150 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
 want serve && step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
-want nsys && step nsys 30 bash scripts/nsys_capture.sh /tmp/steps -- --batch 4 --steps 3 --context 8192
+want nsys && TAIL=40 step nsys 100 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 4096
+want nsys_eager && TAIL=40 step nsys_eager 100 bash scripts/nsys_capture.sh "$out/eager" -- --batch 4 --steps 0 \
+  --eager-steps 2 --context 4096
+want trace && TAIL=24 step trace 90 graphstep trace --batch 4 --context 8192 --replays 20 --out "$out/trace.json"
 want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
 want indexer && TAIL=20 step indexer 240 python3 bench/bench_indexer.py --json "$out/indexer.json" --watchdog 235
 want sparse && TAIL=16 step sparse 240 python3 bench/bench_sparse_core.py --sweep --json "$out/sparse.json" --watchdog 235
 want topk && TAIL=20 step topk 240 python3 bench/bench_indexer.py --top-k-sweep --json "$out/topk.json" --watchdog 235
 want pybench && TAIL=30 step pybench 150 python3 -m pytest bench/test_step_bench.py -q -m gpu -p no:cacheprovider \
   --benchmark-only --benchmark-columns=median,iqr,rounds --benchmark-json "$out/pybench.json"
+want sanitize && SANITIZE_LOGS="$out/sanitize" TAIL=12 step sanitize 330 bash scripts/sanitize.sh --quick
+want sanitize_all && SANITIZE_LOGS="$out/sanitize" TAIL=12 step sanitize_all 590 bash scripts/sanitize.sh

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,81 @@ def test_a_closed_pipe_is_not_a_traceback():
         pytest.skip("graphstep is not installed as a console script here")
     result = subprocess.run(f"'{exe}' info | head -2", shell=True, capture_output=True, text=True, timeout=120)
     assert result.stdout.count("\n") == 2 and result.stderr == ""
+
+
+def test_info_json(capsys):
+    assert main(["info", "--batch", "1,16", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["topology"] == "tp8" and record["sizes"]["heads"] == 16
+    assert [f["batch"] for f in record["floors"]] == [1, 16]
+    assert record["floors"][1]["indexer_floor_us"] == pytest.approx(21.9, abs=0.05)
+    assert "index_query" in [stage["name"] for stage in record["floors"][0]["stages"]]
+
+
+def test_cpu_run_json(capsys):
+    assert main(["run", "--cpu", "--cpu-batch", "2", "--cpu-context", "300", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["device"] == "cpu" and record["graphs"] is False
+    assert [t["token"] for t in record["tokens"]] == [0, 1] and all(t["context"] <= 300 for t in record["tokens"])
+
+
+def test_json_flags_are_offered(capsys):
+    for verb in ("info", "run", "serve", "trace"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        assert "--json" in capsys.readouterr().out, verb
+
+
+def test_trace_checks_its_flags_then_needs_a_gpu(tmp_path, capsys):
+    import torch
+
+    assert "is a folder" in _error(["trace", "--out", str(tmp_path)], capsys)
+    assert "fork_poll" in _error(["trace", "--tp", "1", "--wide", "--mode", "fork_poll"], capsys)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="graphstep trace: needs an sm_90 GPU"):
+        main(["trace", "--out", str(tmp_path / "t.json")])
+
+
+def test_ptx_prints_each_file_as_it_is_written(tmp_path, monkeypatch, capsys):
+    from graphstep.kernels import catalog
+
+    printed = []
+
+    def write_ptx(out_dir, arch, shape, batch=None, tiled=None, written_one=None):
+        paths = []
+        for name in ("a.ptx", "b.ptx"):
+            path = tmp_path / name
+            path.write_text("ptx")
+            written_one(path)
+            printed.append(capsys.readouterr().out)  # what the command had printed by then
+            paths.append(path)
+        return paths
+
+    monkeypatch.setattr(catalog, "write_ptx", write_ptx)
+    assert main(["ptx", "--out", str(tmp_path)]) == 0
+    assert printed == [f"{tmp_path / 'a.ptx'}\n", f"{tmp_path / 'b.ptx'}\n"]
+    assert "2 kernel variants" in capsys.readouterr().out
+
+
+def test_graph_table_names_each_kernel_by_its_stage():
+    from graphstep.cli import describe_graph
+    from graphstep.graphs import PROGRAMMATIC, Edge, GraphInfo, Node
+
+    project = "kernel_cutlass_project_graphstepkernelsmla_queryMlaQuery_object_at__ptrbf16gmemalign16_1"
+    info = GraphInfo(
+        [
+            Node(0, "kernel", project),
+            Node(1, "kernel", "_ZN2at6native29vectorized_elementwise_kernel"),
+            Node(2, "memcpy", ""),
+        ],
+        [Edge(0, 1, PROGRAMMATIC, 0), Edge(1, 2, 0, 0)],
+    )
+    text = describe_graph(info)
+    rows = [line.split() for line in text.splitlines()[2:5]]
+    assert rows == [
+        ["0", "kernel", "MlaQuery", "MlaQuery.project"],
+        ["1", "kernel", "torch", rows[1][3]],
+        ["2", "memcpy"],
+    ]
+    assert "3 nodes (2 kernels), 2 edges, 1 programmatic" in text

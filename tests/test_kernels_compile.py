@@ -266,7 +266,8 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         "top_k.sm_90a.ptx",
         *splits,
     ]
-    assert f"{7 + len(splits)} kernel variants" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{7 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
 
 
 def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):

@@ -1,5 +1,5 @@
-"""The CPU-side parts of the timing commands: traces and percentiles, and the nsys
-script's message when Nsight Systems is missing."""
+"""The CPU-side parts of the timing commands: traces, percentiles and the serve summary, and
+the nsys script's lookup, flags and messages (with a stand-in nsys)."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from graphstep.timing import alone_line, default_trace, percentile, read_trace
+from graphstep.timing import alone_line, default_trace, percentile, read_trace, serve_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,16 +34,65 @@ def test_read_trace(tmp_path):
             read_trace(str(bad))
 
 
-def test_nsys_script_says_when_nsys_is_missing():
-    env = dict(os.environ, PATH="/usr/bin:/bin", NSYS="")
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "nsys_capture.sh"), "/tmp/never"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
+NSYS_SCRIPT = ROOT / "scripts" / "nsys_capture.sh"
+
+
+def _nsys_script(args, tmp_path, path="/usr/bin:/bin", **env):
+    env = {**os.environ, "PATH": path, "NSYS": "", "NSIGHT_COMPUTE_ROOT": str(tmp_path / "no-nsight"), **env}
+    return subprocess.run(["bash", str(NSYS_SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def _fake_nsys(path: Path) -> Path:
+    """An nsys that logs its arguments; `profile -o R` writes R.nsys-rep, `stats` prints a table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> "{path}.log"\n'
+        'if [[ "$1" == profile ]]; then while [[ "$1" != -o ]]; do shift; done; touch "$2.nsys-rep"; fi\n'
+        'if [[ "$1" == stats ]]; then echo " Time (%)  Total Time (ns)  Instances  Name"; fi\n'
     )
-    assert result.returncode == 2 and "nsys" in result.stderr and "not found" in result.stderr
+    path.chmod(0o755)
+    return path
+
+
+def test_nsys_script_says_when_nsys_is_missing(tmp_path):
+    result = _nsys_script(["/tmp/never"], tmp_path)
+    assert result.returncode == 2 and "not found" in result.stderr and "NSYS=/path/to/nsys" in result.stderr
+    result = _nsys_script(["/tmp/never"], tmp_path, NSYS=str(tmp_path / "missing"))
+    assert result.returncode == 2 and "is not an executable file" in result.stderr
+
+
+def test_nsys_script_finds_nsys_in_nsys_then_path_then_nsight_compute(tmp_path):
+    root = tmp_path / "nsight-compute"
+    older = _fake_nsys(root / "2025.1.0" / "host" / "target-linux-x64" / "nsys")
+    newer = _fake_nsys(root / "2025.3.1" / "host" / "target-linux-x64" / "nsys")
+    on_path = _fake_nsys(tmp_path / "bin" / "nsys")
+    found = _nsys_script(["--which"], tmp_path, NSIGHT_COMPUTE_ROOT=str(root))
+    assert found.returncode == 0 and found.stdout.strip() == str(newer) != str(older)
+    path = f"{on_path.parent}:/usr/bin:/bin"
+    assert _nsys_script(["--which"], tmp_path, path, NSIGHT_COMPUTE_ROOT=str(root)).stdout.strip() == str(on_path)
+    chosen = _nsys_script(["--which"], tmp_path, path, NSYS=str(older)).stdout.strip()
+    assert chosen == str(older)
+
+
+def test_nsys_script_flags_and_summaries(tmp_path):
+    nsys = _fake_nsys(tmp_path / "nsys")
+    report = tmp_path / "steps"
+    result = _nsys_script([str(report), "--", "--batch", "2"], tmp_path, NSYS=str(nsys))
+    assert result.returncode == 0, result.stderr
+    version, profile, *stats = Path(f"{nsys}.log").read_text().splitlines()
+    for flag in (
+        "--trace=cuda,nvtx",
+        "--sample=none",
+        "--cpuctxsw=none",
+        "--backtrace=none",
+        "--cuda-graph-trace=node",
+        "--capture-range=cudaProfilerApi",
+        "scripts/nsys_steps.py --batch 2",
+    ):
+        assert flag in profile
+    assert version == "--version" and [line.split()[2] for line in stats] == ["cuda_gpu_kern_sum", "nvtx_sum"]
+    assert "report written to" in result.stdout and "Time (%)" in result.stdout
 
 
 def test_bench_line_puts_the_alone_graph_beside_the_default_steps():
@@ -55,3 +104,11 @@ def test_bench_line_puts_the_alone_graph_beside_the_default_steps():
     slow = alone_line(1, 60.0, 311.0, [1, 4, 16, 64])  # issue 10's DCP 2 numbers
     assert "(5.18x)" in slow and "SLOWER" in slow and "issue 10" in slow
     assert "SLOWER" not in alone_line(4, 80.0, 90.0, [4, 64])
+
+
+def test_serve_summary():
+    summary = serve_summary([10.0, 20.0, 30.0], [100.0, 200.0, 300.0], tokens=12)
+    assert summary["steps"] == 3 and summary["tokens"] == 12
+    assert summary["tokens_per_s"] == pytest.approx(12 / 600e-6)
+    assert summary["device_us"] == {"p50": 20.0, "p99": 30.0, "mean": 20.0}
+    assert summary["host_us"]["mean"] == pytest.approx(200.0)

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck, synccheck and initcheck over one eager step and one
+# captured replay of every mode of each case (scripts/sanitize_case.py: TP 8, TP 1 wide, DCP 2,
+# the fp8 formats), then a table (case x tool -> errors). Exit 0 only if every run finished
+# and reported 0 errors.
+#   scripts/sanitize.sh [--quick] [--cases tp8,dcp2] [--tools memcheck,racecheck] [--jobs N] [-- case args]
+# --quick: the tp8 case only. --jobs: runs at once (default 4: the tools of a case side by side
+# on the one GPU). Logs: $SANITIZE_LOGS (default /tmp/sanitize), one per run. Each run is
+# stopped after SANITIZE_TIMEOUT seconds (default 240). compute-sanitizer is
+# $COMPUTE_SANITIZER, else the one on the PATH, else /usr/local/cuda/bin/compute-sanitizer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+cases=""
+tools="memcheck racecheck synccheck initcheck"
+jobs=4
+case_args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --quick) cases="tp8" ;;
+    --cases) cases="${2//,/ }"; shift ;;
+    --tools) tools="${2//,/ }"; shift ;;
+    --jobs) jobs="$2"; shift ;;
+    --) shift; case_args=("$@"); break ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "sanitize: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize: --jobs $jobs: expected a positive integer" >&2; exit 2; }
+known=$("$python" scripts/sanitize_case.py --list) \
+  || { echo "sanitize: '$python scripts/sanitize_case.py --list' failed (set PYTHON to one with torch)" >&2; exit 2; }
+cases="${cases:-$known}"
+for case_name in $cases; do
+  [[ " $known " == *" $case_name "* ]] || { echo "sanitize: unknown case $case_name (cases: $known)" >&2; exit 2; }
+done
+sanitizer="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}"
+for candidate in "$sanitizer" /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
+  [[ -n "$candidate" && -x "$candidate" ]] && { sanitizer="$candidate"; break; }
+done
+if [[ -z "$sanitizer" || ! -x "$sanitizer" ]]; then
+  echo "sanitize: compute-sanitizer was not found (COMPUTE_SANITIZER, the PATH, /usr/local/cuda*/bin)" >&2
+  exit 2
+fi
+logs="${SANITIZE_LOGS:-/tmp/sanitize}"
+mkdir -p "$logs"
+echo "sanitize: $sanitizer; cases: $cases; tools: $tools; $jobs at once; logs in $logs"
+
+flags() {  # the tool's flags: memcheck skips API errors (the CUDA binding's symbol probes are not kernel errors)
+  case "$1" in
+    memcheck) echo "--tool memcheck --report-api-errors no" ;;
+    *) echo "--tool $1" ;;
+  esac
+}
+
+run() {  # run CASE TOOL: one sanitizer run, its log and exit status in $logs
+  local log="$logs/$1.$2.log" started=$SECONDS
+  # shellcheck disable=SC2046
+  timeout -k 10 "${SANITIZE_TIMEOUT:-240}" "$sanitizer" $(flags "$2") --error-exitcode 97 \
+    "$python" scripts/sanitize_case.py "$1" ${case_args[@]+"${case_args[@]}"} >"$log" 2>&1
+  local rc=$?
+  echo "$rc" >"$logs/$1.$2.rc"
+  local summary
+  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
+  echo "sanitize: $1 $2: ${summary:-no summary line} (rc $rc, $((SECONDS - started)) s)"
+}
+
+started=$SECONDS
+for case_name in $cases; do
+  for tool in $tools; do
+    rm -f "$logs/$case_name.$tool.rc"
+    while [[ $(jobs -rp | wc -l) -ge $jobs ]]; do wait -n; done
+    run "$case_name" "$tool" &
+  done
+done
+wait
+
+errors_of() {  # errors_of LOG: the error count of its summary line, empty if none
+  local line
+  line=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$1" | tail -1)
+  [[ -n "$line" ]] && { sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' <<<"$line"; return; }
+  line=$(grep -E "RACECHECK SUMMARY: .*\(([0-9]+) error" "$1" | tail -1)
+  [[ -n "$line" ]] && sed -E 's/.*\(([0-9]+) error.*/\1/' <<<"$line"
+}
+
+failed=0
+printf '\n%-10s' "case"
+for tool in $tools; do printf ' %-12s' "$tool"; done
+printf '\n'
+for case_name in $cases; do
+  printf '%-10s' "$case_name"
+  for tool in $tools; do
+    log="$logs/$case_name.$tool.log"
+    rc=$(cat "$logs/$case_name.$tool.rc" 2>/dev/null || echo "?")
+    errors=$(errors_of "$log")
+    if [[ "$rc" == 124 || "$rc" == 137 ]]; then
+      cell="timeout"; failed=1
+    elif [[ -z "$errors" ]]; then
+      cell="no-summary"; failed=1
+    elif [[ "$errors" != 0 ]]; then
+      cell="$errors"; failed=1
+    elif [[ "$rc" != 0 ]]; then
+      cell="0,rc=$rc"; failed=1  # clean, but the case itself failed (see its log)
+    else
+      cell="0"
+    fi
+    printf ' %-12s' "$cell"
+  done
+  printf '\n'
+done
+echo "sanitize: $((SECONDS - started)) s; cells: errors reported, 'timeout', 'no-summary' (the tool printed none)," \
+  "'0,rc=N' (no errors but the case failed); logs in $logs"
+if [[ $failed -ne 0 ]]; then
+  echo "sanitize: FAILED (see the logs of the cells above that are not 0)" >&2
+  exit 1
+fi
+echo "sanitize: every run clean"
