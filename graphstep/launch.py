@@ -130,14 +130,28 @@ class Kernels:
         from .kernels import catalog, index_key
 
         m = self.shape.model
-        op = index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, self.pdl)
+        op = index_key.IndexKey(
+            m.packed_width,
+            m.packed_columns["idx_k"][0],
+            m.index_norm_eps,
+            self.pdl,
+            m.index_rotation,
+            m.fp8_scale_format == "ue8m0",
+        )
         return catalog.compile_op(op, index_key.compile_args())
 
     def _index_query_op(self, tokens: int):
         from .kernels import catalog, index_query
 
         m = self.shape.model
-        op = index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, self.pdl)
+        op = index_query.IndexQuery(
+            m.packed_width,
+            m.packed_columns["idx_w"][0],
+            tokens,
+            self.pdl,
+            m.index_rotation,
+            m.fp8_scale_format == "ue8m0",
+        )
         return catalog.compile_op(op, index_query.compile_args())
 
     def _dsa_index_op(self):

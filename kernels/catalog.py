@@ -70,6 +70,7 @@ def variants(
     index_tokens: only these MlaQuery/QueryNorm and IndexQuery variants)."""
     m, topo = shape.model, shape.topology
     q_fp8, mla_fp8 = topo.q_format == "fp8", topo.mla_cache == "fp8"
+    ue8m0 = m.fp8_scale_format == "ue8m0"
     out = []
     for tiled in norms:
         norm = "tiled" if tiled else "rows"
@@ -93,7 +94,9 @@ def variants(
     out.append(
         Variant(
             "index_key",
-            index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl),
+            index_key.IndexKey(
+                m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl, m.index_rotation, ue8m0
+            ),
             index_key.compile_args(),
         )
     )
@@ -101,7 +104,9 @@ def variants(
         out.append(
             Variant(
                 f"index_query_{tokens}",
-                index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl),
+                index_query.IndexQuery(
+                    m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl, m.index_rotation, ue8m0
+                ),
                 index_query.compile_args(),
             )
         )
