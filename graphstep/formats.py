@@ -69,11 +69,12 @@ def fp8_to_float(values: torch.Tensor) -> torch.Tensor:
 # -- MLA cache -----------------------------------------------------------------------
 
 
-def pack_mla_fp8(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """[..., 576] float rows -> [..., 656] uint8: fp8 latent with a scale per 128, bf16 rope."""
+def pack_mla_fp8(rows: torch.Tensor, kv_lora_rank: int, scale_format: str = "fp32") -> torch.Tensor:
+    """[..., 576] float rows -> [..., 656] uint8: fp8 latent with a scale per 128 (in
+    scale_format, as quantize_fp8_rows), bf16 rope."""
     latent, rope = rows[..., :kv_lora_rank].float(), rows[..., kv_lora_rank:]
     blocks = latent.unflatten(-1, (kv_lora_rank // 128, 128))
-    values, scales = quantize_fp8_rows(blocks)
+    values, scales = quantize_fp8_rows(blocks, scale_format=scale_format)
     return torch.cat(
         [
             values.flatten(-2),

@@ -115,6 +115,7 @@ class Kernels:
             topo.q_format == "fp8",
             topo.mla_cache == "fp8",
             self.pdl,
+            s.model.fp8_scale_format == "ue8m0",
         )
         return catalog.compile_op(op, mla_query.compile_args())
 

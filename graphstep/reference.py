@@ -7,7 +7,8 @@ bit-exact, is checked against the order model in `order.py` instead.
 
 As DeepSeek-V3.2-Exp's inference/model.py (each can be turned off in ModelShape): YaRN
 RoPE tables and softmax scale, the Hadamard rotation of the indexer q and k after RoPE and
-before their FP8 quantization, and power-of-two (ue8m0) FP8 scales in the indexer. Unlike
+before their FP8 quantization, and power-of-two (ue8m0) FP8 scales (the indexer's q and k,
+the fp8 MLA cache). Unlike
 model.py, nothing is rounded to bf16 between the indexer's RoPE, rotation and quantization.
 """
 
@@ -271,7 +272,7 @@ def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches, acc=to
     if topo.mla_cache == "bf16":
         flat[slots] = rows[here].to(torch.bfloat16)
     else:
-        flat[slots] = formats.pack_mla_fp8(rows[here].float(), m.kv_lora_rank)
+        flat[slots] = formats.pack_mla_fp8(rows[here].float(), m.kv_lora_rank, m.fp8_scale_format)
 
 
 def publish(state: LayerState, caches: LayerCaches, rows: torch.Tensor, rank: int | None = None) -> None:

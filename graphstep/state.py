@@ -157,7 +157,7 @@ class LayerState:
         if topo.mla_cache == "bf16":
             mla_cache = rows
         else:
-            mla_cache = formats.pack_mla_fp8(rows.float(), model.kv_lora_rank)
+            mla_cache = formats.pack_mla_fp8(rows.float(), model.kv_lora_rank, model.fp8_scale_format)
         mailbox = torch.empty(max_batch, shape.q_heads, model.query_row * shape.q_bytes, dtype=torch.uint8, device=dev)
         self.caches = LayerCaches(index_cache, mla_cache, block_tables, formats.arm(mailbox))
         self._gen = gen

@@ -93,7 +93,10 @@ def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> Non
     m, topo = state.shape.model, state.shape.topology
     rows = ref.kv_row(state, inputs)
     flat = caches.mla_cache.view(-1, caches.mla_cache.shape[-1])
-    stored = rows.to(torch.bfloat16) if topo.mla_cache == "bf16" else formats.pack_mla_fp8(rows.float(), m.kv_lora_rank)
+    if topo.mla_cache == "bf16":
+        stored = rows.to(torch.bfloat16)
+    else:
+        stored = formats.pack_mla_fp8(rows.float(), m.kv_lora_rank, m.fp8_scale_format)
     flat.index_copy_(0, _write_slots(state, inputs.slot_mapping), stored)
 
 

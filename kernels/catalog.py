@@ -89,6 +89,7 @@ def variants(
                 q_fp8,
                 mla_fp8,
                 pdl,
+                ue8m0,
             )
             out.append(Variant(f"mla_query_{norm}{'_poll' if poll else ''}", op, mla_query.compile_args()))
     out.append(

@@ -1,5 +1,5 @@
-"""IndexQuery: the indexer's wq_b, NeoX RoPE, per-(token, head) e4m3 and the folded head
-weights in one kernel, reading the 25 MB of wq_b once in one wave.
+"""IndexQuery: the indexer's wq_b, NeoX RoPE, the Hadamard rotation (`hadamard`), per-(token,
+head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
          64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,

@@ -2,8 +2,8 @@
 the L2 bulk prefetch, bf16 / e4m3 packing and unpacking, exact-order FP32 arithmetic, the
 warp butterfly and the CTA prefix sum, the q_a norm's rsqrt, the indexer's NeoX RoPE,
 Hadamard rotation and per-row e4m3 of a 128-wide row in a warp, bounded mailbox polling
-and the warp MMA. Each kernel class launches
-itself with `use_pdl=self.pdl` (PDL on unless a benchmark turns it off).
+and the warp MMA. Each kernel class launches itself with `use_pdl=self.pdl` (PDL on
+unless a benchmark turns it off).
 
 FP32 arithmetic that a torch model must reproduce bit-for-bit goes through explicit
 `.rn` PTX instructions (`add_rn`, `mul_rn`, `fma_rn`): ptxas never contracts or

@@ -2,6 +2,7 @@ import math
 import struct
 from dataclasses import replace
 
+import pytest
 import torch
 
 from conftest import hadamard_matrix, rel_err
@@ -37,14 +38,17 @@ def test_mailbox_landing_and_first_missing(small):
     assert state.shape.q_heads == 16 and formats.first_missing(caches.mailbox, 3, 8) == (2, 6, 17)
 
 
-def test_mla_fp8_round_trip():
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_mla_fp8_round_trip(scale_format):
     rows = torch.randn(10, 576) * 3
-    packed = formats.pack_mla_fp8(rows, 512)
+    packed = formats.pack_mla_fp8(rows, 512, scale_format)
     assert packed.shape == (10, 656) and packed.dtype == torch.uint8
     back = formats.unpack_mla_fp8(packed, 512)
     assert torch.equal(back[:, 512:], rows[:, 512:].bfloat16().float())
     err = (back[:, :512] - rows[:, :512]).norm() / rows[:, :512].norm()
     assert 0 < err < 0.05
+    scales = packed[:, 512:528].contiguous().view(torch.float32)
+    assert torch.equal(scales, formats.quantize_fp8_rows(rows[:, :512].view(10, 4, 128), scale_format=scale_format)[1])
 
 
 def test_index_cache_views_share_storage():

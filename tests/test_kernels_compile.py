@@ -186,6 +186,8 @@ def test_fp8_variants_convert_with_saturation(ptx):
     text = ptx[("kimi-dcp2-fp8", "mla_query_rows")]
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
     assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx[("tp8", "mla_query_rows")]
+    # the fp8 MLA cache's scales in ue8m0: rounded up to a power of two on the bits
+    assert "2139095040" in text and "2139095040" not in ptx[("tp8", "mla_query_rows")]
 
 
 def test_polling_is_volatile_and_bounded(ptx):
