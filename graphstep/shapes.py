@@ -14,7 +14,7 @@ MLA_CACHE_FORMATS = ("bf16", "fp8")
 # The FP8 scales (the indexer's q and k per 128, the fp8 MLA cache's latent per 128):
 # "fp32" = max(amax, 1e-4) / 448; "ue8m0" = that rounded up to a power of two
 # (DeepSeek-V3.2-Exp inference/kernel.py act_quant with scale_fmt set, which model.py uses
-# for the indexer's q and k and, in its later release, to simulate the FP8 MLA cache).
+# for the indexer's q and k and, since its 2025-11 update, to simulate the FP8 MLA cache).
 FP8_SCALE_FORMATS = ("fp32", "ue8m0")
 
 
