@@ -8,6 +8,7 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 "run" column); --runs also times every listed run and prints them in a second table, to
 tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...]   # every TopK variant
+    python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
 rotates over enough weight copies and scoring over enough cache copies that each launch
@@ -16,7 +17,9 @@ fit, as in a step), with the variant the launcher picks for that width and batch
 (`Kernels.top_k_split`, named in the `split` column). Bandwidth = bytes the stage must
 move / time, against 4.3 TB/s. `--top-k-sweep` times only TopK, every variant that holds
 the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the data for
-`kernels/top_k.py`'s `split_for` table.
+`kernels/top_k.py`'s `split_for` table. `--rotation` times IndexQuery (wq_b from HBM) and
+IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
+the rotation, and with neither: the cost of the rotation in the two kernels.
 """
 
 from __future__ import annotations
@@ -160,11 +163,10 @@ def bench_top_k_variants(shape: RankShape, context: int, batches: list[int], lau
         inputs = state.inputs(batch, context_lens=context)
         tables, lens = inputs.block_tables, inputs.context_lens
         qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-        ws = torch.empty(batch, m.index_heads * m.index_dim, device="cuda")
         q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
         hw = torch.empty(batch, m.index_heads, device="cuda")
         scores = torch.empty(batch, width, device="cuda")
-        kernels.index_query(qc, inputs.qkv, lens, ws, q8, hw, batch)
+        kernels.index_query(qc, inputs.qkv, lens, q8, hw, batch)
         kernels.dsa_index(q8, hw, state.caches.index_cache, tables, lens, scores, batch)
         slots = torch.empty(batch, m.index_topk, dtype=torch.int32, device="cuda")
         unused = torch.empty(batch, m.index_topk, device="cuda")
@@ -230,13 +232,79 @@ def main_top_k_sweep(args, shape: RankShape) -> int:
     return 0
 
 
+ROTATION_MODELS = {
+    "rotated": preset("deepseek-v3.2"),
+    "unrotated": dataclasses.replace(preset("deepseek-v3.2"), index_rotation=False),
+    "plain": dataclasses.replace(preset("deepseek-v3.2"), index_rotation=False, fp8_scale_format="fp32"),
+}
+
+
+def bench_rotation(batches: list[int], launches: int = 8) -> list[dict]:
+    """IndexQuery and IndexKey of each ROTATION_MODELS variant at each batch (positions
+    below 4096: neither kernel's work depends on the context)."""
+    rows = {batch: dict(batch=batch) for batch in batches}
+    for name, model in ROTATION_MODELS.items():
+        shape = RankShape(model, Topology(tp=8))
+        m = shape.model
+        state = LayerState(shape, max_batch=max(batches), max_context=4096, seed=3, device="cuda")
+        w = state.weights
+        weight_sets = [w] + [
+            dataclasses.replace(w, wq_b_index=w.wq_b_index.clone()) for _ in range(copies_for(25e6) - 1)
+        ]
+        kernel_sets = [Kernels(shape, ws) for ws in weight_sets]
+        for batch in batches:
+            inputs = state.inputs(batch, context_lens=4096)
+            qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
+            q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
+            hw = torch.empty(batch, m.index_heads, device="cuda")
+
+            def query():
+                for i in range(launches):
+                    kernel_sets[i % len(kernel_sets)].index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
+
+            def key():
+                for _ in range(launches):
+                    kernel_sets[0].index_key(
+                        inputs.qkv, inputs.context_lens, inputs.slot_mapping, state.caches.index_cache, batch
+                    )
+
+            for kernel, body in (("index_query", query), ("index_key", key)):
+                print(f"  B={batch} {kernel} {name} ...", file=sys.stderr, flush=True)
+                rows[batch][f"{kernel}_{name}"] = graph_time_us(body, launches, replays=10)
+    return list(rows.values())
+
+
+def main_rotation(args) -> int:
+    rows = bench_rotation([int(b) for b in args.batch.split(",")])
+    kernels = ("index_query", "index_key")
+    report(
+        rows,
+        ["B"] + [f"{k} {name}" for k in kernels for name in ROTATION_MODELS] + [f"{k} rotation +" for k in kernels],
+        [
+            [r["batch"]]
+            + [r[f"{k}_{name}"] for k in kernels for name in ROTATION_MODELS]
+            + [round(r[f"{k}_rotated"] - r[f"{k}_unrotated"], 2) for k in kernels]
+            for r in rows
+        ],
+        "us per launch (median of graph replays of 8 launches); rotated: DeepSeek-V3.2 (Hadamard "
+        "rotation, ue8m0 scales), unrotated: ue8m0 only, plain: neither; rotation +: rotated - unrotated",
+        args.json,
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--context", default="4096,32768,131072")
     parser.add_argument("--runs", default="", help="also time DsaIndex at these pages-per-CTA runs")
     parser.add_argument("--top-k-sweep", action="store_true", help="time every TopK variant only")
+    parser.add_argument(
+        "--rotation", action="store_true", help="time IndexQuery and IndexKey with and without the Hadamard rotation"
+    )
     args = parse_args(parser)
+    if args.rotation:
+        return main_rotation(args)
     runs = tuple(int(r) for r in args.runs.split(",") if r)
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
     if args.top_k_sweep:

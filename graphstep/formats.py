@@ -7,7 +7,13 @@ Mailbox: per token q_heads rows of 576 elements (bf16 or fp8), read as 16-byte c
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .shapes import RopeScaling
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -35,11 +41,23 @@ def index_cache_views(cache: torch.Tensor, page_size: int, index_dim: int) -> tu
     return keys, scales
 
 
-def quantize_fp8_rows(x: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> the power of two at or above amax x fp32(1 / 448): DeepSeek-V3.2-Exp
+    inference/kernel.py act_quant with scale_fmt set (fast_round_scale: 2^ceil(log2)), exact
+    on the bits: adding 2^23 - 1 carries into the exponent unless the mantissa is zero."""
+    scaled = amax.float() * torch.tensor(1 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    return ((scaled.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor, eps: float = 1e-4, scale_format: str = "fp32"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantization (DeepSeek's act_quant with a 128 block = the row):
-    scale = max(amax, eps) / 448, values = x / scale. Returns (uint8 values, fp32 scales)."""
+    scale = max(amax, eps) / 448 ("fp32") or rounded up to a power of two ("ue8m0"),
+    values = x / scale. Returns (uint8 values, fp32 scales)."""
     x = x.float()
-    scale = x.abs().amax(dim=-1).clamp_min(eps) / FP8_MAX
+    amax = x.abs().amax(dim=-1).clamp_min(eps)
+    scale = ue8m0_scale(amax) if scale_format == "ue8m0" else amax / FP8_MAX
     values = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values.view(torch.uint8), scale
 
@@ -51,11 +69,12 @@ def fp8_to_float(values: torch.Tensor) -> torch.Tensor:
 # -- MLA cache -----------------------------------------------------------------------
 
 
-def pack_mla_fp8(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """[..., 576] float rows -> [..., 656] uint8: fp8 latent with a scale per 128, bf16 rope."""
+def pack_mla_fp8(rows: torch.Tensor, kv_lora_rank: int, scale_format: str = "fp32") -> torch.Tensor:
+    """[..., 576] float rows -> [..., 656] uint8: fp8 latent with a scale per 128 (in
+    scale_format, as quantize_fp8_rows), bf16 rope."""
     latent, rope = rows[..., :kv_lora_rank].float(), rows[..., kv_lora_rank:]
     blocks = latent.unflatten(-1, (kv_lora_rank // 128, 128))
-    values, scales = quantize_fp8_rows(blocks)
+    values, scales = quantize_fp8_rows(blocks, scale_format=scale_format)
     return torch.cat(
         [
             values.flatten(-2),
@@ -132,9 +151,31 @@ def first_missing(mailbox: torch.Tensor, batch: int, gathered: int) -> tuple[int
 # -- RoPE --------------------------------------------------------------------------------
 
 
-def rope_table(max_positions: int, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin fp32 [max_positions, dim / 2], computed in float64 then rounded once."""
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, yarn: RopeScaling) -> torch.Tensor:
+    """YaRN's blend of the plain frequencies and the frequencies / factor (DeepSeek-V3.2-Exp
+    inference/model.py precompute_freqs_cis): pairs below the correction range keep their
+    frequency, pairs above it are divided by the factor, a linear ramp in between. The range
+    is where a pair turns beta_fast and beta_slow times over the original positions."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # as model.py: a one-step ramp instead of a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_table(
+    max_positions: int, dim: int, theta: float, yarn: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [max_positions, dim / 2], computed in float64 then rounded once (model.py
+    works in fp32 throughout). yarn: the scaling in effect (ModelShape.yarn), None: plain."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if yarn is not None:
+        inv_freq = yarn_inv_freq(inv_freq, dim, theta, yarn)
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cos(angles).float(), torch.sin(angles).float()
 

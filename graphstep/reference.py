@@ -5,8 +5,11 @@ only where a kernel stores: q_c and the query rows to their format, the caches t
 theirs. Kernels are checked against these functions; QueryNorm, which must be
 bit-exact, is checked against the order model in `order.py` instead.
 
-Not modelled (documented simplifications): DeepSeek-V3.2's Hadamard rotation of the
-indexer q and k before FP8 quantization, and YaRN's RoPE frequency scaling.
+As DeepSeek-V3.2-Exp's inference/model.py (each can be turned off in ModelShape): YaRN
+RoPE tables and softmax scale, the Hadamard rotation of the indexer q and k after RoPE and
+before their FP8 quantization, and power-of-two (ue8m0) FP8 scales (the indexer's q and k,
+the fp8 MLA cache). Unlike
+model.py, nothing is rounded to bf16 between the indexer's RoPE, rotation and quantization.
 """
 
 from __future__ import annotations
@@ -39,9 +42,33 @@ def query_norm(state: LayerState, inputs: StepInputs, acc=torch.float32) -> torc
 # -- indexer ---------------------------------------------------------------------------
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a power of two) times the Sylvester Hadamard matrix scaled by n^-0.5
+    (fast_hadamard_transform's order: row i, column j is (-1)^popcount(i & j)), as a fast
+    Walsh-Hadamard transform: butterflies (a + b, a - b) over pairs h apart, h = 1, 2, 4, ...,
+    the order the kernels add in, then the scale."""
+    n = x.shape[-1]
+    h = 1
+    while h < n:
+        pairs = x.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).flatten(-3)
+        h *= 2
+    return x * n**-0.5
+
+
+def _rotate_and_quantize(x: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's q and k after RoPE: model.py's rotate_activation (when index_rotation),
+    then act_quant in the model's scale format."""
+    if model.index_rotation:
+        x = hadamard(x)
+    return formats.quantize_fp8_rows(x, scale_format=model.fp8_scale_format)
+
+
 def index_key(state: LayerState, inputs: StepInputs, acc=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The new token's indexer key: LayerNorm(128, weight, bias), NeoX RoPE on the first
-    index_rope_dim dims, per-token e4m3 quantization. Returns (uint8 [B, 128], fp32 scale [B])."""
+    index_rope_dim dims, the Hadamard rotation, per-token e4m3 quantization.
+    Returns (uint8 [B, 128], fp32 scale [B])."""
     w, m = state.weights, state.shape.model
     k = _cols(inputs, state, "idx_k").to(acc)
     k = torch.nn.functional.layer_norm(
@@ -49,7 +76,7 @@ def index_key(state: LayerState, inputs: StepInputs, acc=torch.float32) -> tuple
     )
     pos = inputs.positions
     rope = formats.rope_neox(k[:, : m.index_rope_dim], w.index_rope_cos[pos].to(acc), w.index_rope_sin[pos].to(acc))
-    return formats.quantize_fp8_rows(torch.cat([rope, k[:, m.index_rope_dim :]], dim=-1))
+    return _rotate_and_quantize(torch.cat([rope, k[:, m.index_rope_dim :]], dim=-1), m)
 
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches, acc=torch.float32) -> None:
@@ -73,8 +100,8 @@ def store_index_keys(
 def index_query(
     state: LayerState, inputs: StepInputs, q_c: torch.Tensor, acc=torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """wq_b: q_c -> indexer queries, NeoX RoPE on each head's first dims, per-head e4m3
-    quantization; per-head weights with DeepSeek-V3.2's folding:
+    """wq_b: q_c -> indexer queries, NeoX RoPE on each head's first dims, the Hadamard
+    rotation of each head, per-head e4m3 quantization; per-head weights with DeepSeek-V3.2's folding:
     w = weights_proj * heads^-0.5 * q_scale * dim^-0.5.
     Returns (uint8 [B, heads, dim], fp32 [B, heads])."""
     return index_query_from(state, inputs, q_c.to(acc) @ state.weights.wq_b_index.to(acc).T, acc)
@@ -87,7 +114,7 @@ def index_query_from(state: LayerState, inputs: StepInputs, q: torch.Tensor, acc
     pos = inputs.positions
     cos, sin = w.index_rope_cos[pos].to(acc)[:, None], w.index_rope_sin[pos].to(acc)[:, None]
     q = torch.cat([formats.rope_neox(q[..., : m.index_rope_dim], cos, sin), q[..., m.index_rope_dim :]], dim=-1)
-    q_fp8, q_scale = formats.quantize_fp8_rows(q)
+    q_fp8, q_scale = _rotate_and_quantize(q, m)
     head_w = _cols(inputs, state, "idx_w").to(acc) * m.index_heads**-0.5 * q_scale.to(acc) * m.index_dim**-0.5
     return q_fp8, head_w.float()
 
@@ -268,7 +295,7 @@ def store_kv_rows(state: LayerState, caches: LayerCaches, slots: torch.Tensor, r
     if topo.mla_cache == "bf16":
         flat[slots] = rows.to(torch.bfloat16)
     else:
-        flat[slots] = formats.pack_mla_fp8(rows.float(), m.kv_lora_rank)
+        flat[slots] = formats.pack_mla_fp8(rows.float(), m.kv_lora_rank, m.fp8_scale_format)
 
 
 def publish(state: LayerState, caches: LayerCaches, rows: torch.Tensor, rank: int | None = None) -> None:

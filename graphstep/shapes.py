@@ -6,16 +6,56 @@ preset or topology change moves all of them together.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 Q_FORMATS = ("bf16", "fp8")
 MLA_CACHE_FORMATS = ("bf16", "fp8")
+# The FP8 scales (the indexer's q and k per 128, the fp8 MLA cache's latent per 128):
+# "fp32" = max(amax, 1e-4) / 448; "ue8m0" = that rounded up to a power of two
+# (DeepSeek-V3.2-Exp inference/kernel.py act_quant with scale_fmt set, which model.py uses
+# for the indexer's q and k and, since its 2025-11 update, to simulate the FP8 MLA cache).
+FP8_SCALE_FORMATS = ("fp32", "ue8m0")
 
 
 def _positive(owner: str, **values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN RoPE scaling (DeepSeek-V3.2-Exp inference/model.py ModelArgs "yarn" fields; the
+    Hugging Face config's rope_scaling names them type, factor, original_max_position_embeddings,
+    beta_fast, beta_slow, mscale, mscale_all_dim)."""
+
+    type: str = "yarn"
+    factor: float = 40.0
+    original_positions: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.type != "yarn":
+            raise ValueError(f"RopeScaling.type must be 'yarn', got {self.type!r}")
+        _positive("RopeScaling", original_positions=self.original_positions)
+        if not self.factor > 1:
+            raise ValueError(f"RopeScaling.factor must be > 1 (YaRN stretches the context), got {self.factor}")
+        if not self.beta_fast >= self.beta_slow > 0:
+            raise ValueError(f"RopeScaling needs beta_fast >= beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+        if self.mscale != self.mscale_all_dim:
+            # model.py scales the softmax by m(mscale)^2 and leaves cos/sin alone; Hugging Face
+            # scales it by m(mscale_all_dim)^2 and cos/sin by m(mscale) / m(mscale_all_dim). The
+            # two agree only when the two are equal (DeepSeek: 1.0 and 1.0).
+            raise ValueError(f"RopeScaling.mscale must equal mscale_all_dim, got {self.mscale}, {self.mscale_all_dim}")
+
+    @property
+    def attention_factor(self) -> float:
+        """m = 0.1 x mscale x ln(factor) + 1; the MLA softmax scale is multiplied by m^2."""
+        return 0.1 * self.mscale * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +78,15 @@ class ModelShape:
     rms_eps: float = 1e-6
     index_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The context the model is built for: model.py applies YaRN only when it exceeds the
+    # scaling's original positions (config_671B_v3.2.json: 163840).
+    max_seq_len: int = 163840
+    # Faithful to the public model by default; each can be turned off to compare with
+    # engines that skip it: rope_scaling=None (plain RoPE and softmax scale),
+    # index_rotation=False (no Hadamard rotation of the indexer q and k), fp8_scale_format="fp32".
+    rope_scaling: RopeScaling | None = RopeScaling()
+    index_rotation: bool = True
+    fp8_scale_format: str = "ue8m0"
     # Fields whose values are assumed rather than taken from a public config.
     assumed: tuple[str, ...] = field(default=(), compare=False)
 
@@ -53,6 +102,19 @@ class ModelShape:
             raise ValueError("ModelShape.index_rope_dim must be <= index_dim")
         if self.kv_lora_rank % 128:
             raise ValueError(f"ModelShape.kv_lora_rank must be a multiple of 128, got {self.kv_lora_rank}")
+        if self.fp8_scale_format not in FP8_SCALE_FORMATS:
+            raise ValueError(
+                f"ModelShape.fp8_scale_format must be one of {FP8_SCALE_FORMATS}, got {self.fp8_scale_format!r}"
+            )
+        if self.index_rotation and self.index_dim & (self.index_dim - 1):
+            raise ValueError(f"ModelShape.index_rotation needs a power-of-two index_dim, got {self.index_dim}")
+
+    @property
+    def yarn(self) -> RopeScaling | None:
+        """The RoPE scaling in effect: model.py (precompute_freqs_cis and MLA.__init__) applies
+        YaRN's frequencies and softmax factor only if max_seq_len > original_seq_len."""
+        scaling = self.rope_scaling
+        return scaling if scaling is not None and self.max_seq_len > scaling.original_positions else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -66,7 +128,11 @@ class ModelShape:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim**-0.5
+        """qk_head_dim^-0.5, times m^2 under YaRN (model.py MLA.__init__)."""
+        scale = self.qk_head_dim**-0.5
+        if self.yarn is not None:
+            scale *= self.yarn.attention_factor**2
+        return scale
 
     @property
     def packed_columns(self) -> dict[str, tuple[int, int]]:
@@ -103,13 +169,28 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
+    # config_671B_v3.2.json, the rest model.py's ModelArgs defaults (YaRN: factor 40, 4096
+    # original positions, beta_fast 32, beta_slow 1, mscale 1; scale_fmt "ue8m0").
     "deepseek-v3.2": ModelShape(name="deepseek-v3.2"),
-    # Kimi K2 family sizes; no public K3.1 config exists, so the DSA-specific fields
-    # (heads, indexer) are assumptions.
+    # Kimi K2 family sizes and RoPE (Kimi-K2-Instruct-0905 / K2-Thinking config.json:
+    # rope_theta 50000, 262144 positions, YaRN factor 64 with beta_fast = beta_slow = 1); no
+    # public K3.1 config exists, so the DSA-specific fields (heads, the indexer, its rotation
+    # and FP8 scale format, taken as DeepSeek-V3.2's) are assumptions.
     "kimi-k3.1": ModelShape(
         name="kimi-k3.1",
         heads=64,
-        assumed=("heads", "index_heads", "index_dim", "index_topk", "index_rope_dim"),
+        rope_theta=50000.0,
+        max_seq_len=262144,
+        rope_scaling=RopeScaling(factor=64.0, beta_fast=1.0, beta_slow=1.0),
+        assumed=(
+            "heads",
+            "index_heads",
+            "index_dim",
+            "index_topk",
+            "index_rope_dim",
+            "index_rotation",
+            "fp8_scale_format",
+        ),
     ),
 }
 

@@ -171,8 +171,8 @@ class LayerState:
         gen.manual_seed(seed)
         dev = self.device
 
-        cos, sin = formats.rope_table(max_context, model.qk_rope_dim, model.rope_theta)
-        icos, isin = formats.rope_table(max_context, model.index_rope_dim, model.rope_theta)
+        cos, sin = formats.rope_table(max_context, model.qk_rope_dim, model.rope_theta, model.yarn)
+        icos, isin = formats.rope_table(max_context, model.index_rope_dim, model.rope_theta, model.yarn)
         self.weights = LayerWeights(
             gamma_q=(1 + _normal(model.q_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
             gamma_kv=(1 + _normal(model.kv_lora_rank, gen, dev, 0.1, torch.float32)).bfloat16(),
@@ -200,7 +200,9 @@ class LayerState:
         order = torch.randperm(owned, generator=gen, device=dev).to(torch.int32)
         block_tables = order.view(max_batch, self.pages_per_seq)
 
-        keys, scales = formats.quantize_fp8_rows(_normal((pages, page, model.index_dim), gen, dev))
+        keys, scales = formats.quantize_fp8_rows(
+            _normal((pages, page, model.index_dim), gen, dev), scale_format=model.fp8_scale_format
+        )
         index_cache = torch.empty(pages, formats.index_page_bytes(page, model.index_dim), dtype=torch.uint8, device=dev)
         cache_keys, cache_scales = formats.index_cache_views(index_cache, page, model.index_dim)
         cache_keys.copy_(keys)
@@ -210,7 +212,7 @@ class LayerState:
         if topo.mla_cache == "bf16":
             mla_cache = rows
         else:
-            mla_cache = formats.pack_mla_fp8(rows.float(), model.kv_lora_rank)
+            mla_cache = formats.pack_mla_fp8(rows.float(), model.kv_lora_rank, model.fp8_scale_format)
         mailbox = torch.empty(max_batch, shape.q_heads, model.query_row * shape.q_bytes, dtype=torch.uint8, device=dev)
         self.caches = LayerCaches(index_cache, mla_cache, block_tables, formats.arm(mailbox))
         self._gen = gen

@@ -99,6 +99,7 @@ def _mla_query(shape, pdl, tiled: bool, poll: bool):
         topo.q_format == "fp8",
         topo.mla_cache == "fp8",
         pdl,
+        shape.model.fp8_scale_format == "ue8m0",
     )
     return f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}", op
 
@@ -109,12 +110,28 @@ def _query_wait(shape, pdl):
 
 def _index_key(shape, pdl):
     m = shape.model
-    return "index_key", index_key.IndexKey(m.packed_width, m.packed_columns["idx_k"][0], m.index_norm_eps, pdl)
+    op = index_key.IndexKey(
+        m.packed_width,
+        m.packed_columns["idx_k"][0],
+        m.index_norm_eps,
+        pdl,
+        m.index_rotation,
+        m.fp8_scale_format == "ue8m0",
+    )
+    return "index_key", op
 
 
 def _index_query(shape, pdl, tokens: int):
     m = shape.model
-    return f"index_query_{tokens}", index_query.IndexQuery(m.packed_width, m.packed_columns["idx_w"][0], tokens, pdl)
+    op = index_query.IndexQuery(
+        m.packed_width,
+        m.packed_columns["idx_w"][0],
+        tokens,
+        pdl,
+        m.index_rotation,
+        m.fp8_scale_format == "ue8m0",
+    )
+    return f"index_query_{tokens}", op
 
 
 def _dsa_index(shape, pdl):

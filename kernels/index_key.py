@@ -1,10 +1,11 @@
 """IndexKey: the new tokens' indexer keys into the paged FP8 indexer cache.
 
 One warp per token (lane l holds dims 4l..4l+3 of the 128): LayerNorm(128) with weight
-and bias in FP32, NeoX RoPE on the first 64 dims at position len - 1, per-token e4m3
-(scale = max(amax, 1e-4) / 448), written at the token's slot: the 128 key bytes at
-page x 8448 + offset x 128 and the fp32 scale at page x 8448 + 8192 + offset x 4
-(graphstep/formats.py). Slot -1 (a pad row) writes nothing. It needs only the step's
+and bias in FP32, NeoX RoPE on the first 64 dims at position len - 1, with `hadamard` the
+rotation of the 128 (a fast Walsh-Hadamard transform, 20 lane shuffles), per-token e4m3
+(scale = max(amax, 1e-4) / 448, with `ue8m0` rounded up to a power of two), written at
+the token's slot: the 128 key bytes at page x 8448 + offset x 128 and the fp32 scale at
+page x 8448 + 8192 + offset x 4 (graphstep/formats.py). Slot -1 (a pad row) writes nothing. It needs only the step's
 inputs, so it opens the main stream's PDL chain (IndexKey -> QueryNorm -> IndexQuery ->
 DsaIndex -> TopK) and DsaIndex sees the new keys.
 """
@@ -12,6 +13,7 @@ DsaIndex -> TopK) and DsaIndex sees the new keys.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
@@ -25,9 +27,19 @@ SUPPORTED = {"index_dim": (DIM,), "index_rope_dim": (64,), "page_size": (PAGE,)}
 
 
 class IndexKey:
-    def __init__(self, row_stride: int, key_column: int, eps: float, pdl: bool = True):
-        """row_stride: elements per packed qkv row; key_column: where idx_k starts in it."""
+    def __init__(
+        self,
+        row_stride: int,
+        key_column: int,
+        eps: float,
+        pdl: bool = True,
+        hadamard: bool = False,
+        ue8m0: bool = False,
+    ):
+        """row_stride: elements per packed qkv row; key_column: where idx_k starts in it;
+        hadamard: rotate the key before quantizing it; ue8m0: power-of-two scales."""
         self.row_stride, self.key_column, self.eps, self.pdl = row_stride, key_column, eps, pdl
+        self.hadamard, self.ue8m0 = hadamard, ue8m0
 
     @cute.jit
     def __call__(
@@ -81,7 +93,9 @@ class IndexKey:
                 rstd = cute.math.rsqrt(var + Float32(self.eps))
                 y = [d[j] * rstd * gamma[j] + beta[j] for j in range(4)]
                 k = P.rope_neox_row(y, cos, sin, P.load_i32(context_lens + token) - 1, lane)
-                word, scale = P.quantize_e4m3_row(k)
+                if cutlass.const_expr(self.hadamard):
+                    k = P.hadamard_row(k, lane)
+                word, scale = P.quantize_e4m3_row(k, self.ue8m0)
                 page = cache + Int64(slot // PAGE) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
                 P.store_u32(page + (slot % PAGE) * DIM + 4 * lane, word)
                 if lane == 0:

@@ -1,5 +1,5 @@
-"""IndexQuery: the indexer's wq_b, NeoX RoPE, per-(token, head) e4m3 and the folded head
-weights in one kernel, reading the 25 MB of wq_b once in one wave.
+"""IndexQuery: the indexer's wq_b, NeoX RoPE, the Hadamard rotation (`hadamard`), per-(token,
+head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
          64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
@@ -12,8 +12,15 @@ finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 th
          token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
          |max| over the 16 threads, the two CTAs swap their halves' maxima through
          distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
-         448, values / scale as saturated e4m3, and rank 0 writes the head weight
-         w = weights_proj * heads^-0.5 * scale * dim^-0.5 (DeepSeek-V3.2's folding).
+         448 (with `ue8m0` rounded up to a power of two), values / scale as saturated
+         e4m3, and rank 0 writes the head weight w = weights_proj * heads^-0.5 * scale *
+         dim^-0.5 (DeepSeek-V3.2's folding).
+rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
+         transform's stages over the CTA's 64 dims in the thread and across the token's
+         16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
+         cluster: each CTA puts its half into the peer's tile (read by then: two cluster
+         barriers instead of the start's and the maxima's), and both compute all 128
+         outputs' |max| alike, so the maxima need no swap.
 
 A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
 holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
@@ -70,15 +77,33 @@ def st_peer_f32(addr, rank, value):
     )
 
 
+def st_peer_f32x4(addr, rank, values):
+    """16-byte store to the same shared offset in CTA `rank` of the cluster."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\t"
+        "st.shared::cluster.v4.f32 [a], {{$r2}, {$r3}, {$r4}, {$r5}};\n\t}",
+        read_only_args=[addr, rank, *values],
+    )
+
+
 class IndexQuery:
     def __init__(
-        self, row_stride: int, weights_column: int, tokens: int = 16, pdl: bool = True, slab_prefetch: bool = False
+        self,
+        row_stride: int,
+        weights_column: int,
+        tokens: int = 16,
+        pdl: bool = True,
+        hadamard: bool = False,
+        ue8m0: bool = False,
+        slab_prefetch: bool = False,
     ):
         """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
-        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens."""
+        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens;
+        hadamard: rotate each head before quantizing it; ue8m0: power-of-two scales."""
         if tokens not in RING:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
+        self.hadamard, self.ue8m0 = hadamard, ue8m0
         # slab_prefetch: the CTA's whole 192 KB weight slab (contiguous) requested into L2 by
         # bulk prefetches at the start, instead of AHEAD stages of per-line prefetches
         self.slab_prefetch = slab_prefetch
@@ -127,9 +152,11 @@ class IndexQuery:
         head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         smem = cutlass.memory.SmemAllocator()
         slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
-        peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
+        if cutlass.const_expr(not self.hadamard):
+            peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
         s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
-        cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
+        if cutlass.const_expr(not self.hadamard):
+            cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
         # Weights never change within a step: every slot is filled before the wait, and the
         # next AHEAD stages are requested into L2.
@@ -193,28 +220,56 @@ class IndexQuery:
             first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
             second = [partner[q] * sn[q] + v[q] * c[q] for q in range(4)]
             v = [P.select(rank == 0, P.select(j < 8, first[q], second[q]), v[q]) for q in range(4)]
-            amax = cute.arch.fmax(
-                cute.arch.fmax(cute.math.abs(v[0]), cute.math.abs(v[1])),
-                cute.arch.fmax(cute.math.abs(v[2]), cute.math.abs(v[3])),
-            )
-            for offset in (8, 4, 2, 1):  # the 16 threads of this token
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+            if cutlass.const_expr(self.hadamard):
+                v = P.hadamard_lanes(v, j, (1, 2, 4, 8))  # dims 64 rank .. 64 rank + 63
+            else:
+                amax = cute.arch.fmax(
+                    cute.arch.fmax(cute.math.abs(v[0]), cute.math.abs(v[1])),
+                    cute.arch.fmax(cute.math.abs(v[2]), cute.math.abs(v[3])),
+                )
+                for offset in (8, 4, 2, 1):  # the 16 threads of this token
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+                amaxes.append(amax)
             values.append(v)
-            amaxes.append(amax)
 
-        peer_base = peer_amax.iterator.toint()
-        cluster_wait()  # the peer CTA is running: its shared memory may be written
-        if j == 0:
+        if cutlass.const_expr(self.hadamard):
+            cluster_arrive()  # this CTA's tile is read: the peer may overwrite it
+            cluster_wait()
             for p in cutlass.range_constexpr(tokens // 16):
-                st_peer_f32(peer_base + 4 * (first_token + 16 * p), 1 - rank, amaxes[p])
-        cluster_arrive()
-        cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
+                st_peer_f32x4(out + (first_token + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, values[p])
+            cluster_arrive()
+            cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
+            sign = P.select(rank == 0, Float32(1.0), Float32(-1.0))
+            for p in cutlass.range_constexpr(tokens // 16):
+                own = values[p]
+                peer = P.ld_shared_f32x4(out + (first_token + 16 * p) * J.OUT_PITCH + 16 * j)
+                # the last stage: a + b on rank 0, a - b on rank 1 (a: rank 0's dim), and the
+                # other rank's output for the head's |max|
+                mine = [P.mul_rn(P.fma_rn(own[q], sign, peer[q]), Float32(P.HADAMARD_SCALE)) for q in range(4)]
+                other = [P.mul_rn(P.fma_rn(peer[q], -sign, own[q]), Float32(P.HADAMARD_SCALE)) for q in range(4)]
+                amax = cute.arch.fmax(cute.math.abs(mine[0]), cute.math.abs(other[0]))
+                for q in cutlass.range_constexpr(1, 4):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.abs(mine[q]), cute.math.abs(other[q])))
+                for offset in (8, 4, 2, 1):  # the 16 threads of this token
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+                values[p] = mine
+                amaxes.append(amax)
+        else:
+            peer_base = peer_amax.iterator.toint()
+            cluster_wait()  # the peer CTA is running: its shared memory may be written
+            if j == 0:
+                for p in cutlass.range_constexpr(tokens // 16):
+                    st_peer_f32(peer_base + 4 * (first_token + 16 * p), 1 - rank, amaxes[p])
+            cluster_arrive()
+            cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 
         for p in cutlass.range_constexpr(tokens // 16):
             token = first_token + 16 * p
             v = values[p]
-            amax = cute.arch.fmax(amaxes[p], P.ld_shared_f32(peer_base + 4 * token))
-            scale = cute.arch.fmax(amax, Float32(1e-4)) / Float32(448.0)
+            amax = amaxes[p]
+            if cutlass.const_expr(not self.hadamard):
+                amax = cute.arch.fmax(amax, P.ld_shared_f32(peer_base + 4 * token))
+            scale = P.e4m3_scale(amax, self.ue8m0)
             word = P.pack_e4m3x4(v[0] / scale, v[1] / scale, v[2] / scale, v[3] / scale)
             if token < ntok:
                 item = token * HEADS + head

@@ -94,10 +94,12 @@ class MlaQuery:
         q_fp8: bool,
         mla_fp8: bool,
         pdl: bool = True,
+        ue8m0: bool = False,
     ):
+        """ue8m0: the fp8 MLA cache's scales rounded up to powers of two."""
         self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
-        self.q_fp8, self.mla_fp8, self.pdl = q_fp8, mla_fp8, pdl
+        self.q_fp8, self.mla_fp8, self.pdl, self.ue8m0 = q_fp8, mla_fp8, pdl, ue8m0
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
         self.norm = QueryNorm(tiled, row_stride, pdl)
@@ -233,7 +235,7 @@ class MlaQuery:
                         amax = cute.arch.fmax(amax, cute.math.abs(latent[8 * j + e]))
                     for offset in cutlass.range_constexpr(4):  # the 16 lanes of one 128 block
                         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=8 >> offset))
-                    scale = cute.arch.fmax(amax, Float32(1e-4)) / Float32(448.0)
+                    scale = P.e4m3_scale(amax, self.ue8m0)
                     quads = P.pack_words([latent[8 * j + e] / scale for e in range(8)], True)
                     P.store_u32x2(dst + 256 * j + 8 * lane, quads[0], quads[1])
                     if lane % 16 == 0:

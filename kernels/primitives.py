@@ -1,8 +1,9 @@
 """Device primitives shared by every kernel: 16-byte and predicated global accesses and
 the L2 bulk prefetch, bf16 / e4m3 packing and unpacking, exact-order FP32 arithmetic, the
-warp butterfly and the CTA prefix sum, the q_a norm's rsqrt, the indexer's NeoX RoPE and
-per-row e4m3 of a 128-wide row in a warp, bounded mailbox polling and the warp MMA. Each kernel class launches
-itself with `use_pdl=self.pdl` (PDL on unless a benchmark turns it off).
+warp butterfly and the CTA prefix sum, the q_a norm's rsqrt, the indexer's NeoX RoPE,
+Hadamard rotation and per-row e4m3 of a 128-wide row in a warp, bounded mailbox polling
+and the warp MMA. Each kernel class launches itself with `use_pdl=self.pdl` (PDL on
+unless a benchmark turns it off).
 
 FP32 arithmetic that a torch model must reproduce bit-for-bit goes through explicit
 `.rn` PTX instructions (`add_rn`, `mul_rn`, `fma_rn`): ptxas never contracts or
@@ -236,6 +237,10 @@ def add_rn(a, b) -> Float32:
     return cute.arch.inline_ptx("add.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
 
+def sub_rn(a, b) -> Float32:
+    return cute.arch.inline_ptx("sub.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
+
+
 def mul_rn(a, b) -> Float32:
     return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
@@ -302,14 +307,68 @@ def rope_neox_row(q, cos, sin, pos, lane) -> list:
     return [select(lane < 8, first[j], select(lane < 16, second[j], q[j])) for j in range(4)]
 
 
-def quantize_e4m3_row(x) -> tuple:
-    """Per-row e4m3 of a 128-wide row held 4 per lane: scale = max(amax, 1e-4) / 448
-    (graphstep.formats.quantize_fp8_rows). Returns (this lane's 4 bytes as a word, scale)."""
+HADAMARD_SCALE = 128**-0.5
+
+
+def hadamard_in_lane(x: list) -> list:
+    """Stages h = 1 and 2 of the transform over four consecutive dims: pairs (0, 1), (2, 3),
+    then (0, 2), (1, 3), each (a + b, a - b) exactly rounded."""
+    x = [add_rn(x[0], x[1]), sub_rn(x[0], x[1]), add_rn(x[2], x[3]), sub_rn(x[2], x[3])]
+    return [add_rn(x[0], x[2]), add_rn(x[1], x[3]), sub_rn(x[0], x[2]), sub_rn(x[1], x[3])]
+
+
+def hadamard_across(partner: list, own: list, upper) -> list:
+    """A stage whose pairs span two threads: own holds a (b where `upper`), partner the other
+    -> a + b (a - b where `upper`) as fma(own, +-1, partner): one exact rounding, the same in
+    both threads."""
+    sign = select(upper, Float32(-1.0), Float32(1.0))
+    return [fma_rn(own[j], sign, partner[j]) for j in range(len(own))]
+
+
+def hadamard_lanes(x: list, lane, offsets) -> list:
+    """Unscaled fast Walsh-Hadamard stages over the dims held 4 per lane (lane l: 4l..4l+3):
+    h = 1, 2 in the lane, then h = 4 x offset with lane l ^ offset for each shuffle offset,
+    in the order and roundings of graphstep.reference.hadamard."""
+    x = hadamard_in_lane(x)
+    for offset in offsets:
+        partner = [cute.arch.shuffle_sync_bfly(x[j], offset=offset) for j in range(4)]
+        x = hadamard_across(partner, x, (lane & offset) != 0)
+    return x
+
+
+def hadamard_row(x, lane) -> list:
+    """The indexer's rotation of a 128-wide row held 4 per lane by a warp: the transform
+    (20 shuffles) scaled by 128^-0.5 (DeepSeek-V3.2's rotate_activation)."""
+    return [mul_rn(v, Float32(HADAMARD_SCALE)) for v in hadamard_lanes(x, lane, (1, 2, 4, 8, 16))]
+
+
+def ue8m0_scale(amax) -> Float32:
+    """The power of two at or above amax x fp32(1 / 448): DeepSeek's act_quant with scale_fmt
+    "ue8m0" (graphstep.formats.ue8m0_scale): adding 2^23 - 1 to the bits carries into the
+    exponent unless the mantissa is zero."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 b;\n\tmul.rn.f32 b, {$r0}, 0f3B124925;\n\tadd.u32 b, b, 8388607;\n\t"
+        "and.b32 {$w0}, b, 2139095040;\n\t}",
+        write_only_types=[Float32],
+        read_only_args=[amax],
+    )
+
+
+def e4m3_scale(amax, ue8m0: bool) -> Float32:
+    """max(amax, 1e-4) / 448, or its ue8m0 power of two."""
+    amax = cute.arch.fmax(amax, Float32(1e-4))
+    return ue8m0_scale(amax) if ue8m0 else amax / Float32(448.0)
+
+
+def quantize_e4m3_row(x, ue8m0: bool = False) -> tuple:
+    """Per-row e4m3 of a 128-wide row held 4 per lane: scale = max(amax, 1e-4) / 448, or that
+    rounded up to a power of two (graphstep.formats.quantize_fp8_rows). Returns (this
+    lane's 4 bytes as a word, scale)."""
     amax = cute.arch.fmax(
         cute.arch.fmax(cute.math.abs(x[0]), cute.math.abs(x[1])),
         cute.arch.fmax(cute.math.abs(x[2]), cute.math.abs(x[3])),
     )
-    scale = cute.arch.fmax(warp_max(amax), Float32(1e-4)) / Float32(448.0)
+    scale = e4m3_scale(warp_max(amax), ue8m0)
     return pack_e4m3x4(x[0] / scale, x[1] / scale, x[2] / scale, x[3] / scale), scale
 
 

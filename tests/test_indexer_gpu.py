@@ -1,5 +1,7 @@
 """The indexer kernels (IndexQuery, DsaIndex, TopK) on an sm_90 GPU against the reference."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from graphstep.kernels import dsa_index
@@ -14,17 +16,35 @@ from graphstep.state import LayerState, StepInputs, local_lens
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 4096]
+# DeepSeek-V3.2 as published (YaRN, the indexer's Hadamard rotation, ue8m0 scales), the
+# rotation with fp32 scales, and everything off (the engines that skip them)
+MODELS = {
+    "deepseek-v3.2": preset("deepseek-v3.2"),
+    "rotation-fp32-scales": replace(preset("deepseek-v3.2"), fp8_scale_format="fp32"),
+    "plain": replace(preset("deepseek-v3.2"), rope_scaling=None, index_rotation=False, fp8_scale_format="fp32"),
+}
 
 
-def _state(topology, max_batch=len(LENGTHS)):
+def _state(topology, max_batch=len(LENGTHS), model="deepseek-v3.2"):
     seed = int(torch.randint(0, 2**31, ()))
     return LayerState(
-        RankShape(preset("deepseek-v3.2"), topology), max_batch=max_batch, max_context=4096, seed=seed, device="cuda"
+        RankShape(MODELS[model], topology), max_batch=max_batch, max_context=4096, seed=seed, device="cuda"
     )
 
 
-def test_index_key_writes_exactly_the_new_slots():
-    state = _state(Topology(tp=8), max_batch=24)
+def _e4m3_steps(got: torch.Tensor, expect: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 values apart two uint8 e4m3 codes are (codes ascend with |value|)."""
+
+    def ordinal(codes):
+        magnitude = (codes & 0x7F).int()
+        return torch.where(codes >= 0x80, -magnitude, magnitude)
+
+    return (ordinal(got) - ordinal(expect)).abs()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_index_key_writes_exactly_the_new_slots(model):
+    state = _state(Topology(tp=8), max_batch=24, model=model)
     kernels = Kernels(state.shape, state.weights)
     inputs = state.inputs(24)
     inputs.slot_mapping[5] = -1  # a pad row writes nothing
@@ -42,18 +62,21 @@ def test_index_key_writes_exactly_the_new_slots():
     expect_k, expect_s = ref.index_key(state, inputs)
     # fp32 LayerNorm sums in another order may flip an e4m3 rounding here and there
     assert (keys[slots] == expect_k[here]).float().mean() > 0.97
+    assert (_e4m3_steps(keys[slots], expect_k[here]) <= 1).all(), "within one e4m3 rounding"
     assert rel_err(formats.fp8_to_float(keys[slots]), formats.fp8_to_float(expect_k[here])) < 0.02
     assert rel_err(scales[slots], expect_s[here]) < 1e-3
+    if state.shape.model.fp8_scale_format == "ue8m0":
+        assert (torch.frexp(scales[slots]).mantissa == 0.5).all(), "powers of two"
 
 
-def _index_query(batch, tokens=None):
+def _index_query(batch, tokens=None, model="deepseek-v3.2"):
     """IndexQuery of `batch` tokens into poisoned outputs with 3 spare rows (through the
     launcher, or the variant holding `tokens` rows launched directly) -> (q, w, expected)."""
     from cutlass import Int32
 
     from graphstep.launch import current_stream, ptr
 
-    state = _state(Topology(tp=8), max_batch=batch)
+    state = _state(Topology(tp=8), max_batch=batch, model=model)
     kernels = Kernels(state.shape, state.weights)
     inputs = state.inputs(batch)
     q_c = ref.query_norm(state, inputs)
@@ -87,6 +110,7 @@ def _check_index_query(q_out, w_out, expect, batch):
     assert torch.isfinite(got).all() and torch.isfinite(w_out).all(), "every element written"
     # fp32 GEMMs in another order may flip an e4m3 rounding here and there
     assert (q_out == expect_q).float().mean() > 0.97
+    assert (_e4m3_steps(q_out, expect_q) <= 1).all(), "within one e4m3 rounding"
     assert rel_err(got, formats.fp8_to_float(expect_q)) < 0.02
     assert rel_err(w_out, expect_w) < 1e-3
 
@@ -103,6 +127,14 @@ def test_index_query_matches_the_reference(batch):
 def test_every_index_query_variant_matches_the_reference(tokens, batch):
     """Each variant directly, also far below its capacity (zero-filled token rows)."""
     q_out, w_out, expect = _index_query(batch, tokens)
+    _check_index_query(q_out, w_out, expect, batch)
+
+
+@pytest.mark.parametrize("model", ["rotation-fp32-scales", "plain"])
+@pytest.mark.parametrize("batch", [1, 17, 64])
+def test_index_query_without_the_public_models_options_matches_the_reference(batch, model):
+    """The rotation with fp32 scales, and neither (one launch per variant size)."""
+    q_out, w_out, expect = _index_query(batch, model=model)
     _check_index_query(q_out, w_out, expect, batch)
 
 

@@ -243,6 +243,8 @@ def test_fp8_variants_convert_with_saturation(ptx):
     text = ptx[("kimi-dcp2-fp8", "mla_query_rows")]
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
     assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx[("tp8", "mla_query_rows")]
+    # the fp8 MLA cache's scales in ue8m0: rounded up to a power of two on the bits
+    assert "2139095040" in text and "2139095040" not in ptx[("tp8", "mla_query_rows")]
 
 
 def test_polling_is_volatile_and_bounded(ptx):
@@ -335,10 +337,85 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
-    # the head's two CTAs swap their amax through distributed shared memory
-    assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.f32" in entry
+    # the head's two CTAs swap their halves (rotated: DeepSeek-V3.2) through distributed shared memory
+    assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.v4.f32" in entry
     assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
     assert "cvt.rn.satfinite.e4m3x2.f32" in entry and ".minnctapersm 2" in entry
+
+
+def _variant_ptx(op, args, folder) -> str:
+    catalog.compile_op(op, args, "sm_90a", str(folder))
+    (path,) = [p for p in folder.iterdir() if p.suffix == ".ptx"]
+    return path.read_text()
+
+
+def _counts(text: str) -> dict:
+    ops = ("shfl.sync.bfly.b32", "add.rn.f32", "sub.rn.f32", "fma.rn.f32", "mul.rn.f32", "div.rn.f32")
+    return {op: text.count(op) for op in ops}
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_index_key_rotation_is_a_warp_butterfly(tmp_path, ue8m0):
+    """IndexKey with the rotation: per key, stages h = 1, 2 in the lane (4 add.rn, 4 sub.rn)
+    and h = 4 .. 64 across lanes (5 x 4 shuffles, each pair one exact fma by +-1), then the
+    128^-0.5 scale; ue8m0: the scale rounded up on its bits, no division by 448."""
+    from graphstep.kernels import index_key
+
+    def variant(hadamard):
+        op = index_key.IndexKey(2304, 2112, 1e-6, True, hadamard, ue8m0)
+        folder = tmp_path / f"h{hadamard}"
+        folder.mkdir()
+        return _variant_ptx(op, index_key.compile_args(), folder)
+
+    plain, rotated = variant(False), variant(True)
+    assert catalog._key(index_key.IndexKey(2304, 2112, 1e-6, True, True, ue8m0), None) != catalog._key(
+        index_key.IndexKey(2304, 2112, 1e-6, True, False, ue8m0), None
+    )
+    before, after = _counts(plain), _counts(rotated)
+    extra = {op: after[op] - before[op] for op in after}
+    assert extra == {
+        "shfl.sync.bfly.b32": 20,
+        "add.rn.f32": 4,
+        "sub.rn.f32": 4,
+        "fma.rn.f32": 20,
+        "mul.rn.f32": 4,
+        "div.rn.f32": 0,
+    }
+    for text in (plain, rotated):
+        assert ("and.b32" in text and "2139095040" in text) == ue8m0  # the exponent mask
+        assert ("0f43E00000" in text) != ue8m0  # / 448
+        assert ".local" not in text
+
+
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
+def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
+    """IndexQuery with the rotation: per token group of 16 threads, 16 shuffles for the stages
+    h = 4 .. 32 inside the CTA's 64 dims, the last stage (i, i + 64) through one 16-byte store
+    into the peer CTA's shared memory per thread and token, two cluster barriers as without
+    it (the start's relaxed one moves after the tile is read), and no amax swap."""
+
+    def variant(hadamard, ue8m0):
+        op = index_query.IndexQuery(2304, 2240, tokens, True, hadamard, ue8m0)
+        folder = tmp_path / f"h{hadamard}u{ue8m0}"
+        folder.mkdir()
+        (entry,) = _entries(_variant_ptx(op, index_query.compile_args(), folder))
+        return entry
+
+    plain, rotated = variant(False, False), variant(True, True)
+    groups = tokens // 16
+    before, after = _counts(plain), _counts(rotated)
+    assert after["shfl.sync.bfly.b32"] - before["shfl.sync.bfly.b32"] == 16 * groups
+    # 16 across the threads, 8 for the last stage (this rank's output and the other's for |max|)
+    assert after["fma.rn.f32"] - before["fma.rn.f32"] == 24 * groups
+    assert after["mul.rn.f32"] - before["mul.rn.f32"] == 9 * groups  # 8 x 128^-0.5, 1 ue8m0 scale
+    assert plain.count("st.shared::cluster.f32") == groups and "st.shared::cluster.v4" not in plain
+    assert rotated.count("st.shared::cluster.v4.f32") == groups and "st.shared::cluster.f32" not in rotated
+    assert "barrier.cluster.arrive.relaxed" in plain and "barrier.cluster.arrive.relaxed" not in rotated
+    for entry in (plain, rotated):
+        assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
+        assert ".local" not in entry
+    wait = rotated.index("griddepcontrol.wait;")
+    assert "barrier.cluster" not in rotated[:wait]
 
 
 def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):

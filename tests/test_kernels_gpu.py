@@ -180,8 +180,11 @@ def test_fp8_query_rows_and_cache(tp8):
     expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
     got = formats.decode_q_rows(buf["q_rows"], "fp8")[:, :16]
     assert rel_err(got, expect.clamp(-448, 448)) < 0.05  # e4m3: 3 mantissa bits
-    rows = formats.unpack_mla_fp8(caches.mla_cache.view(-1, 656)[inputs.slot_mapping.long()], 512)
+    written = caches.mla_cache.view(-1, 656)[inputs.slot_mapping.long()]
+    rows = formats.unpack_mla_fp8(written, 512)
     assert rel_err(rows, ref.kv_row(state, inputs)) < 0.05
+    scales = written[:, 512:528].contiguous().view(torch.float32)
+    assert (torch.frexp(scales).mantissa == 0.5).all(), "DeepSeek-V3.2's ue8m0 scales: powers of two"
 
 
 @pytest.fixture(scope="module")

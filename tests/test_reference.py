@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import hadamard_matrix, rel_err, yarn_inv_freq
 from graphstep import formats
 from graphstep import reference as ref
 from graphstep.shapes import RankShape, Topology
@@ -60,7 +60,7 @@ def test_mla_query_against_float64(state):
         for h in range(4):
             q = q_c[b].double() @ w.w_qb[h * 192 : (h + 1) * 192].double().T
             latent = q[:128] @ w.w_uk[h].double()
-            angle = pos * 10000.0 ** (-torch.arange(0, 64, 2).double() / 64)
+            angle = pos * yarn_inv_freq(state.shape.model, 64)
             rope = torch.view_as_real(
                 torch.view_as_complex(q[128:].view(32, 2).contiguous()) * torch.polar(torch.ones_like(angle), angle)
             ).flatten()
@@ -115,12 +115,18 @@ def test_index_key_is_inserted_and_quantized(state):
     k64 = inputs.qkv[:, 2112:2240].double()
     w = state.weights
     k64 = torch.nn.functional.layer_norm(k64, (128,), w.index_norm_weight.double(), w.index_norm_bias.double(), 1e-6)
+    angle = inputs.positions.double()[:, None] * yarn_inv_freq(state.shape.model, 64)[None]
+    first, second = k64[:, :32], k64[:, 32:64]
+    rope = torch.cat([first * angle.cos() - second * angle.sin(), first * angle.sin() + second * angle.cos()], 1)
+    rotated = torch.cat([rope, k64[:, 64:]], 1) @ hadamard_matrix(128).T
     for b in range(2):
         slot = int(inputs.slot_mapping[b])
-        got = keys[slot // 64, slot % 64].view(formats.FP8).double() * float(scales[slot // 64, slot % 64])
-        # fp8 e4m3 keeps 3 mantissa bits; the non-rope half is compared directly
-        assert rel_err(got[64:], k64[b, 64:]) < 0.07
-        assert math.isclose(float(scales[slot // 64, slot % 64]), float(got.abs().max()) / 448, rel_tol=0.07)
+        scale = float(scales[slot // 64, slot % 64])
+        got = keys[slot // 64, slot % 64].view(formats.FP8).double() * scale
+        assert rel_err(got, rotated[b]) < 0.07  # fp8 e4m3 keeps 3 mantissa bits
+        # ue8m0: the power of two at or above amax / 448
+        mantissa, exponent = math.frexp(float(rotated[b].abs().max()) / 448)
+        assert scale == 2.0 ** (exponent - (mantissa == 0.5)), (scale, mantissa, exponent)
 
 
 def test_topk_set_ties_order_and_padding():
@@ -161,7 +167,7 @@ def test_sparse_attention_against_explicit_softmax(state):
     slots = torch.tensor([[0, 70, 5, -1], [-1, -1, -1, -1]], dtype=torch.int32)
     out, lse = ref.sparse_attention(state, state.caches, q, slots, acc=torch.float64)
     rows = state.caches.mla_cache.view(-1, 576).double()
-    scale = 192**-0.5
+    scale = 192**-0.5 * (0.1 * math.log(40) + 1) ** 2  # YaRN's m^2 (factor 40, mscale 1)
     for h in range(3):
         logits = [float(q[0, h] @ rows[s]) * scale for s in (0, 70, 5)]
         m = max(logits)

@@ -1,6 +1,8 @@
+from dataclasses import replace
+
 import pytest
 
-from graphstep.shapes import PRESETS, ModelShape, RankShape, Topology, check_batch, preset, tiled_from
+from graphstep.shapes import PRESETS, ModelShape, RankShape, RopeScaling, Topology, check_batch, preset, tiled_from
 
 
 def test_deepseek_preset_sizes():
@@ -13,9 +15,22 @@ def test_deepseek_preset_sizes():
     assert m.assumed == ()
 
 
+def test_deepseek_preset_is_the_public_models_rope_rotation_and_scale_format():
+    m = preset("deepseek-v3.2")
+    assert (m.rope_theta, m.max_seq_len) == (10000.0, 163840)
+    assert m.rope_scaling == RopeScaling("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    assert m.index_rotation and m.fp8_scale_format == "ue8m0"
+    plain = replace(m, rope_scaling=None, index_rotation=False, fp8_scale_format="fp32")
+    assert plain.yarn is None and plain.softmax_scale == 192**-0.5
+
+
 def test_kimi_preset_marks_assumptions():
     m = PRESETS["kimi-k3.1"]
     assert m.heads == 64 and "heads" in m.assumed
+    assert {"index_rotation", "fp8_scale_format"} <= set(m.assumed)
+    # Kimi K2's public RoPE: theta 50000, YaRN factor 64 over 4096 positions, betas 1 and 1
+    assert (m.rope_theta, m.max_seq_len) == (50000.0, 262144)
+    assert m.yarn == RopeScaling(factor=64.0, beta_fast=1.0, beta_slow=1.0)
 
 
 def test_rank_sizes_under_tp_and_dcp():
@@ -56,6 +71,21 @@ def test_invalid_shapes():
         ModelShape(name="x", q_lora_rank=1024)
     with pytest.raises(ValueError, match="unknown preset 'v4'"):
         preset("v4")
+    with pytest.raises(ValueError, match="fp8_scale_format"):
+        ModelShape(name="x", fp8_scale_format="e8m0")
+    with pytest.raises(ValueError, match="power-of-two index_dim"):
+        ModelShape(name="x", index_dim=96, index_rope_dim=64)
+    ModelShape(name="x", index_dim=96, index_rope_dim=64, index_rotation=False)
+    with pytest.raises(ValueError, match="RopeScaling.type"):
+        RopeScaling(type="linear")
+    with pytest.raises(ValueError, match="factor"):
+        RopeScaling(factor=1.0)
+    with pytest.raises(ValueError, match="beta_fast >= beta_slow"):
+        RopeScaling(beta_fast=1.0, beta_slow=32.0)
+    with pytest.raises(ValueError, match="mscale_all_dim"):
+        RopeScaling(mscale=0.707)
+    with pytest.raises(ValueError, match="ModelShape.max_seq_len"):
+        ModelShape(name="x", max_seq_len=0)
 
 
 @pytest.mark.parametrize("batch", [0, -3, 1.5, True])

@@ -4,7 +4,7 @@ eager step against the reference."""
 import pytest
 import torch
 
-from conftest import SMALL, rel_err
+from conftest import SMALL, hadamard_matrix, rel_err, yarn_inv_freq
 from graphstep import formats
 from graphstep import reference as ref
 from graphstep.shapes import RankShape, Topology
@@ -105,10 +105,10 @@ def _inputs_of(state, batch):
     return type(state.inputs(1))(qkv, lens, torch.zeros(batch, dtype=torch.int32), tables)
 
 
-def _rope(x, pos, theta, interleaved):
+def _rope(x, pos, inv_freq, interleaved):
     """RoPE written out from its definition (float64), not through graphstep.formats."""
     half = x.shape[-1] // 2
-    angle = pos.double()[:, None] * theta ** (-2 * torch.arange(half, dtype=torch.float64) / x.shape[-1])[None]
+    angle = pos.double()[:, None] * inv_freq[None]
     cos, sin = angle.cos(), angle.sin()
     a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, :half], x[:, half:])
     ra, rb = a * cos - b * sin, a * sin + b * cos
@@ -132,11 +132,13 @@ def _independent_checks(step, inputs, got, before):
     assert _within_bf16(got.q_c, q_c)
     kv = qkv[:, slice(*cols["kv_a"])]
     kv = kv / (kv.square().mean(1, keepdim=True) + m.rms_eps).sqrt() * w.gamma_kv.double()
-    row = torch.cat([kv, _rope(qkv[:, slice(*cols["k_pe"])], pos, m.rope_theta, True)], dim=1)
+    row = torch.cat([kv, _rope(qkv[:, slice(*cols["k_pe"])], pos, yarn_inv_freq(m, m.qk_rope_dim), True)], dim=1)
     k = qkv[:, slice(*cols["idx_k"])]
     k = (k - k.mean(1, keepdim=True)) / (k.var(1, unbiased=False, keepdim=True) + m.index_norm_eps).sqrt()
     k = k * w.index_norm_weight.double() + w.index_norm_bias.double()
-    k = torch.cat([_rope(k[:, : m.index_rope_dim], pos, m.rope_theta, False), k[:, m.index_rope_dim :]], dim=1)
+    index_freq = yarn_inv_freq(m, m.index_rope_dim)
+    k = torch.cat([_rope(k[:, : m.index_rope_dim], pos, index_freq, False), k[:, m.index_rope_dim :]], dim=1)
+    k = k @ hadamard_matrix(m.index_dim).T  # the indexer's rotation (on in SMALL, as in DeepSeek-V3.2)
     mla = step.caches.mla_cache.view(-1, m.query_row)
     index = step.caches.index_cache
     page_keys = m.page_size * m.index_dim
@@ -172,10 +174,11 @@ def test_torch_backend_eager_step_equals_the_reference(mode):
     got = step.step(inputs, eager=True)
     _independent_checks(step, inputs, got, before)
     # the torch stages project in bf16 (as cuBLAS serves them), the reference in fp32:
-    # the selections agree up to near-ties, the query rows to bf16 rounding
+    # the selections agree up to near-ties (one swapped slot moves out by a few percent), the
+    # query rows to bf16 rounding
     assert _overlap(got.slots, expect.slots) > 0.97
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
-    assert rel_err(got.out, expect.out) < 2e-2 and rel_err(got.lse, expect.lse) < 1e-2
+    assert rel_err(got.out, expect.out) < 4e-2 and rel_err(got.lse, expect.lse) < 1e-2
     # the caches took the same writes, and the pad row wrote only into the spare page
     trash = step.state.trash_page
     assert torch.equal(step.caches.mla_cache[:trash], expect_caches.mla_cache[:trash])
@@ -195,6 +198,6 @@ def test_torch_backend_dcp_step_equals_the_reference():
     # the peer's rows (rank 0's 4 heads), copied into the mailbox in bf16: compared with the peers' own values
     assert torch.equal(got.q_rows[:, :4], peers.rows[:, :4].bfloat16())
     assert rel_err(got.q_rows, expect.q_rows) < 1e-2
-    assert rel_err(got.out, expect.out) < 2e-2
+    assert rel_err(got.out, expect.out) < 4e-2
     with pytest.raises(ValueError, match="peers"):
         step.step(inputs, eager=True)
