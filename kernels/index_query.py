@@ -95,7 +95,6 @@ class IndexQuery:
         pdl: bool = True,
         hadamard: bool = False,
         ue8m0: bool = False,
-        slab_prefetch: bool = False,
     ):
         """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
         it; tokens: token rows per stage (a key of RING); launch with batch <= tokens;
@@ -104,9 +103,6 @@ class IndexQuery:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
         self.hadamard, self.ue8m0 = hadamard, ue8m0
-        # slab_prefetch: the CTA's whole 192 KB weight slab (contiguous) requested into L2 by
-        # bulk prefetches at the start, instead of AHEAD stages of per-line prefetches
-        self.slab_prefetch = slab_prefetch
 
     @cute.jit
     def __call__(
@@ -161,14 +157,10 @@ class IndexQuery:
         # Weights never change within a step: every slot is filled before the wait, and the
         # next AHEAD stages are requested into L2.
         weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
-        ahead = 0 if self.slab_prefetch else J.AHEAD
-        if cutlass.const_expr(self.slab_prefetch):  # rows head x 128 + 64 rank .. + 63: one contiguous slab
-            if tid < J.STAGES:
-                P.prefetch_l2(weights + tid * (J.ROWS * J.K // J.STAGES), J.ROWS * J.K * 2 // J.STAGES)
         for stage in cutlass.range_constexpr(ring):
             s.issue_weights(weights, stage)
             cute.arch.cp_async_commit_group()
-        for stage in cutlass.range_constexpr(ring, min(ring + ahead, J.STAGES)):
+        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
             s.prefetch_weights(weights, stage)
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
@@ -189,8 +181,8 @@ class IndexQuery:
                 if cutlass.const_expr(nxt < J.STAGES):
                     s.issue_weights(weights, nxt)
                     s.issue_tokens(qc, ntok, nxt)
-                if cutlass.const_expr(ahead > 0 and nxt + ahead < J.STAGES):
-                    s.prefetch_weights(weights, nxt + ahead)
+                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
+                    s.prefetch_weights(weights, nxt + J.AHEAD)
                 cute.arch.cp_async_commit_group()
             acc = s.compute(it, acc)
         cute.arch.sync_threads()  # every copy landed and every warp is done with the ring

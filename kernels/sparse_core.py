@@ -133,7 +133,6 @@ class SparseCore:
         slots_per_cta: int,
         pdl: bool = True,
         publish: bool = False,
-        prefetch_rows: bool = False,
     ):
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
@@ -142,9 +141,6 @@ class SparseCore:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
         self.softmax_scale, self.slots_per_cta, self.pdl, self.publish = softmax_scale, slots_per_cta, pdl, publish
-        # prefetch_rows: every selected row of the CTA requested into L2 (one bulk prefetch per
-        # row) as soon as the slot ids are in, ahead of the ring's 16-byte copies
-        self.prefetch_rows = prefetch_rows
         self.heads = heads_per_cta(q_heads)
         self.cols = cols_for(self.heads)
         self.block = block_for(self.heads, slots_per_cta)
@@ -232,13 +228,6 @@ class SparseCore:
         P.cp_async_wait(0)
         cute.arch.sync_threads()
 
-        if cutlass.const_expr(self.prefetch_rows):
-            for i in cutlass.range_constexpr((self.slots_per_cta + self.threads - 1) // self.threads):
-                entry = tid + i * self.threads
-                if entry < self.slots_per_cta:
-                    selected = ids_t[entry]
-                    if selected >= 0:
-                        P.prefetch_l2(cache + Int64(selected) * self.row_bytes, self.row_bytes)
         # lane -> ldmatrix row address parts (matrix i = lane / 8, row j = lane % 8)
         mi, mj = lane // 8, lane % 8
         a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)  # A tiles: (rows 0-7 | 8-15) x (k 0-7 | 8-15)

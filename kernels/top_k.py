@@ -56,7 +56,9 @@ SUPPORTED = {"page_size": (PAGE,)}
 
 
 def order_key(word) -> Uint32:
-    """fp32 bits -> a key whose unsigned order is the float order (-inf lowest)."""
+    """fp32 bits -> a key whose unsigned order is the float order (-inf lowest). -0.0 is
+    keyed as +0.0: equal scores must tie (the lower index first), and -0.0 == +0.0."""
+    word = Uint32(cutlass.select_(word == Uint32(0x80000000), Uint32(0), word))
     flip = (Uint32(0) - (word >> Uint32(31))) | Uint32(0x80000000)
     return word ^ flip
 

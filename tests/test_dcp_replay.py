@@ -90,6 +90,7 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
 def _keys(scores: torch.Tensor) -> torch.Tensor:
     """kernels/top_k.py's order_key, as int64."""
     bits = scores.float().view(torch.int32).long() & 0xFFFFFFFF
+    bits = torch.where(bits == 0x80000000, 0, bits)  # -0.0 keyed as +0.0
     flip = torch.where(bits >> 31 == 1, 0xFFFFFFFF, 0x80000000)
     return bits ^ flip
 

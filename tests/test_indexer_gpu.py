@@ -434,6 +434,24 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
 
 
+@pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
+def test_top_k_ties_minus_zero_with_plus_zero(split):
+    """-0.0 == +0.0: a threshold among zeros of both signs takes the lower indices first, as
+    the reference does (found by the rounded-score DCP test: the order key once put -0.0
+    below +0.0)."""
+    width = _variant_width(split)
+    lengths = [n for n in _variant_lengths(split) if n > 2048][:3]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scores = torch.zeros(len(lengths), width, device="cuda")
+    scores[torch.rand(len(lengths), width, device="cuda") < 0.5] = -0.0
+    scores[:, ::16] = 1.0  # fewer than k positives: the rest of the k among the zeros
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    assert (scores.view(torch.int32) == -(2**31)).any(), "the row holds -0.0"
+    tables = _tables(len(lengths), width, seed=3)
+    out, _ = _run_variant(split, scores, tables, lens)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
 @pytest.mark.parametrize("dcp, rank", [(2, 1), (4, 2)])
 @pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
 @pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)

@@ -120,7 +120,6 @@ BEFORE_WAIT = {
     "index_query": {
         "cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
         "prefetch.global.L2",  # test_index_query_streams_once_in_one_fused_kernel)
-        "cp.async.bulk.prefetch.L2.global",  # the CTA's weight slab into L2
     },
     "dsa_index": {
         "ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
