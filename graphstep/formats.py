@@ -41,11 +41,14 @@ def index_cache_views(cache: torch.Tensor, page_size: int, index_dim: int) -> tu
     return keys, scales
 
 
+INV_FP8_MAX_F32 = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))  # fp32(1 / 448), exact as a float
+
+
 def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
     """fp32 amax -> the power of two at or above amax x fp32(1 / 448): DeepSeek-V3.2-Exp
     inference/kernel.py act_quant with scale_fmt set (fast_round_scale: 2^ceil(log2)), exact
     on the bits: adding 2^23 - 1 carries into the exponent unless the mantissa is zero."""
-    scaled = amax.float() * torch.tensor(1 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    scaled = amax.float() * INV_FP8_MAX_F32  # a Python float: no host tensor copied during graph capture
     return ((scaled.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 

@@ -221,7 +221,9 @@ def describe(summary: TraceSummary) -> str:
 
 def record(graph, replays: int, path: Path, warmup: int = 10) -> dict:
     """Replay a captured torch.cuda.CUDAGraph `replays` times under torch.profiler (CUDA activity),
-    write the Chrome trace to `path` and return it."""
+    write the Chrome trace to `path` and return it. One more replay runs first under the
+    profiler: the first one's kernel events can come back incomplete while CUPTI starts
+    (seen on an H100), and `summarize` keeps only the replays with every event."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -229,7 +231,7 @@ def record(graph, replays: int, path: Path, warmup: int = 10) -> dict:
         graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        for _ in range(replays):
+        for _ in range(replays + 1):
             graph.replay()
         torch.cuda.synchronize()
     profiler.export_chrome_trace(str(path))
