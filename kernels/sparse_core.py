@@ -36,9 +36,11 @@ fill follow the launch.
 
 `plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
 wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep).
-At TP 8 the kernel is bound by its 16-byte cache copies, not its math (A/B probes in
-bench/RESULTS.md); at 64-row tiles by the query rows' shared-memory reads (wgmma is the
-lever there).
+At TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in
+half the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of
+every row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is
+left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialized producer
+is the next lever). At 64-row tiles the query rows' shared-memory reads bound it (wgmma).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. Query rows: bf16, or e4m3 widened exactly to bf16;
