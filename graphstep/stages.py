@@ -39,7 +39,7 @@ class Buffers:
     own_positions: torch.Tensor  # DCP: this rank's top-k candidates, global positions [B, topk]
     own_scores: torch.Tensor  # and their scores
     slots: torch.Tensor  # the indexer's selection [B, topk]
-    q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
+    q_out: torch.Tensor  # the query rows the sparse core read (it re-arms them in the mailbox)
     out: torch.Tensor  # sparse core [B, gathered, 512] fp32
     lse: torch.Tensor  # [B, gathered] fp32
 
