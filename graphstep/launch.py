@@ -45,6 +45,7 @@ def ptr(tensor: torch.Tensor, align: int = 16):
 
 
 def current_stream():
+    """torch's current CUDA stream as the driver handle the compiled kernels launch on."""
     import cuda.bindings.driver as cuda
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -69,9 +70,11 @@ class ErrorWord:
 
     @classmethod
     def new(cls, device) -> "ErrorWord":
+        """A cleared error word on `device`."""
         return cls(torch.tensor([0, INT32_MAX], dtype=torch.int32, device=device))
 
     def reset(self) -> None:
+        """Clear the word (flag 0, index INT32_MAX) for the next step."""
         self.word.copy_(torch.tensor([0, INT32_MAX], dtype=torch.int32))
 
     def check(self, gathered: int, row_chunks: int) -> None:

@@ -73,6 +73,7 @@ class Buffers:
         return StepInputs(self.qkv[:size], self.context_lens[:size], self.slot_mapping[:size], self.block_tables[:size])
 
     def pointers(self) -> tuple[int, ...]:
+        """Every buffer's address: the graphs hold these, so a replaced buffer is detected."""
         return tuple(t.data_ptr() for t in vars(self).values())
 
 

@@ -120,6 +120,7 @@ class DecodeStep:
 
     @property
     def caches(self) -> LayerCaches:
+        """The state's caches and mailbox (the graphs read and write them in place)."""
         return self.state.caches
 
     def padded(self, batch: int) -> int:
@@ -207,6 +208,7 @@ class DecodeStep:
         self._captured_pointers = self._pointers()
 
     def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
+        """The captured graph of `size` in `mode` (default: the policy's mode for the size)."""
         mode = mode or self.modes.get(size)
         if (size, mode) not in self.graphs:
             raise RuntimeError(
