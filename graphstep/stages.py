@@ -93,7 +93,7 @@ class Stages(ABC):
 
     @abstractmethod
     def index_key(self, size: int) -> None:
-        """The new tokens' indexer keys (LayerNorm, RoPE, e4m3) from b.qkv at b.slot_mapping
+        """The new tokens' indexer keys (LayerNorm, RoPE, rotation, e4m3) from b.qkv at b.slot_mapping
         of the indexer cache; slot -1 writes nothing where a block table reads. First on the
         main stream: it needs only the inputs."""
 
@@ -103,7 +103,8 @@ class Stages(ABC):
 
     @abstractmethod
     def index_query(self, size: int) -> None:
-        """wq_b, RoPE, e4m3 and the folded head weights: b.qc, b.qkv -> b.index_q, b.index_w."""
+        """wq_b, RoPE, the Hadamard rotation, e4m3 and the folded head weights: b.qc, b.qkv ->
+        b.index_q, b.index_w."""
 
     @abstractmethod
     def index_scores(self, size: int) -> None:
