@@ -64,6 +64,7 @@ def _number(kind, accepts, expected: str):
         return value
 
     parse.__name__ = expected
+    parse.__doc__ = f"An argparse type: {expected}."
     return parse
 
 
