@@ -7,6 +7,8 @@ Each time is the median over graph replays of back-to-back launches, each launch
 own slot lists over a cache several times the L2, so every selected row comes from HBM
 (as in a step). Bytes = the selected rows + the query rows + out and lse. `--sweep` also
 times every slots-per-CTA variant within 4x of the plan's choice and prints the best.
+The launches are SparseCore's read-only variant (no q_out): the step's launch also copies
+the query rows it read to q_out and re-arms them (`publish`), not timed here.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.

@@ -19,12 +19,14 @@ from .shapes import PRESETS, RankShape, Topology, preset
 
 
 def sm90_device() -> bool:
+    """Whether torch sees an sm_90 GPU (H100/H200): the commands that capture graphs need one."""
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8) -> None:
+    """The shape and topology flags every command shares (`rank_shape` reads them back)."""
     parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS), help="model shapes")
     parser.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (heads per rank = heads / tp)")
     parser.add_argument("--dcp", type=int, default=1, help="decode context-parallel size")
@@ -36,6 +38,7 @@ def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8) -> None:
 
 
 def rank_shape(args) -> RankShape:
+    """The RankShape the shape flags of `add_shape_args` name."""
     topology = Topology(
         tp=args.tp,
         dcp=args.dcp,
@@ -61,6 +64,7 @@ def _number(kind, accepts, expected: str):
         return value
 
     parse.__name__ = expected
+    parse.__doc__ = f"An argparse type: {expected}."
     return parse
 
 
@@ -116,6 +120,8 @@ def host_memory_bytes() -> int:
 def check_fits(
     shape: RankShape, batch: int, context: int, available: int, where: str, flag: str, reference: bool = False
 ) -> None:
+    """Refuse a state too large for `available` bytes before allocating it (a clear error, not an
+    OOM)."""
     from .state import state_bytes
 
     need = state_bytes(shape, batch, context, reference=reference)
@@ -127,6 +133,7 @@ def check_fits(
 
 
 def batches(text: str) -> list[int]:
+    """Parse a --batch list ("1,4,16") into positive ints; argparse reports a bad one."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -188,6 +195,7 @@ def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tb
 
 
 def cmd_info(args) -> int:
+    """`graphstep info`: sizes, bytes, FLOPs and floors per stage; needs no GPU."""
     record = info_record(rank_shape(args), args.batch, args.context, args.bandwidth)
     if args.json:
         print(json.dumps(record, indent=1))
@@ -243,6 +251,7 @@ def _given(args, defaults: dict) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    """`graphstep run`: capture and replay on an sm_90 GPU, else the torch reference on the CPU."""
     gpu = not args.cpu and sm90_device()
     if gpu:
         given = _given(args, RUN_CPU_DEFAULTS)
@@ -280,6 +289,7 @@ def cmd_run(args) -> int:
 
 
 def check_policy(args, shape: RankShape) -> None:
+    """Refuse a --policy that gives some --batch size a mode this topology does not allow, before any GPU work."""
     from .policy import overlap_for
 
     topo = shape.topology
@@ -301,6 +311,8 @@ def _needs_gpu(command: str, args=None) -> None:
 
 
 def cmd_serve(args) -> int:
+    """`graphstep serve`: replay a trace of batch sizes as a serving loop does
+    (graphstep.timing.serve)."""
     _needs_gpu("serve", args)
     from .timing import serve
 
@@ -308,6 +320,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """`graphstep bench`: the backends and modes per batch against the floor
+    (graphstep.timing.bench)."""
     _needs_gpu("bench", args)
     from .timing import bench
 
@@ -315,6 +329,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    """`graphstep tune`: time every allowed mode per size and print the fastest as a policy table."""
     _needs_gpu("tune", args)
     from .timing import tune
 
@@ -322,6 +337,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_trace(args) -> int:
+    """`graphstep trace`: replays under torch.profiler, the trace file and its per-kernel summary."""
     _needs_gpu("trace", args)
     from .timing import trace
 
@@ -329,6 +345,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_graph(args) -> int:
+    """`graphstep graph`: capture one size and print the graph's nodes, edges, forks and joins."""
     _needs_gpu("graph", args)
     from .graphs import inspect
     from .step import DecodeStep
@@ -418,6 +435,8 @@ def run_cpu(args) -> int:
 
 
 def cmd_ptx(args) -> int:
+    """`graphstep ptx`: compile every kernel variant for --arch and write one .ptx each (no GPU
+    needed)."""
     from .kernels.catalog import write_ptx
     from .shapes import tiled_from
 
@@ -436,6 +455,7 @@ def cmd_ptx(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `graphstep` argument parser, one subcommand per job."""
     parser = argparse.ArgumentParser(prog="graphstep", description=__doc__, formatter_class=Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -578,6 +598,8 @@ def check_args(args) -> None:
 
 
 def watchdog_seconds() -> float | None:
+    """GRAPHSTEP_WATCHDOG as seconds (None when unset): unattended GPU runs dump their stacks and
+    exit instead of hanging."""
     text = os.environ.get("GRAPHSTEP_WATCHDOG", "").strip()
     if not text:
         return None
@@ -591,6 +613,8 @@ def watchdog_seconds() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `graphstep` command: parse, check every flag before any GPU work, run the subcommand;
+    returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         try:

@@ -18,6 +18,8 @@ H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (KI
 
 @dataclass(frozen=True)
 class StageCost:
+    """The bytes and FLOPs of one stage of a step: what its time floor is computed from."""
+
     name: str
     stream: str  # "main" or "side" in the fork mode
     weight_bytes: int  # read once per step whatever the batch
@@ -28,9 +30,11 @@ class StageCost:
 
     @property
     def bytes(self) -> int:
+        """Weights plus activations and cache traffic."""
         return self.weight_bytes + self.io_bytes
 
     def floor_us(self, bandwidth: float = H200_COPY_BW) -> float:
+        """The stage's time if it moved its bytes at `bandwidth` (bytes/s) and did nothing else."""
         return self.bytes / bandwidth * 1e6
 
 
@@ -102,6 +106,9 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
 
 @dataclass(frozen=True)
 class StepFloor:
+    """The bytes floor of a whole step: each tensor moved once at `bandwidth`, the bar the step's
+    time is measured against."""
+
     costs: tuple[StageCost, ...]
     bandwidth: float
 
@@ -112,6 +119,7 @@ class StepFloor:
 
     @property
     def us(self) -> float:
+        """The step's floor in us."""
         return self.bytes / self.bandwidth * 1e6
 
     @property
@@ -122,8 +130,10 @@ class StepFloor:
 
     @property
     def indexer_us(self) -> float:
+        """The indexer's floor in us."""
         return self.indexer_bytes / self.bandwidth * 1e6
 
 
 def step_floor(shape: RankShape, batch: int, context: int, bandwidth: float = H200_COPY_BW) -> StepFloor:
+    """The StepFloor of one step of `batch` tokens at `context` cached tokens each."""
     return StepFloor(tuple(stage_costs(shape, batch, context)), bandwidth)

@@ -30,6 +30,8 @@ CHUNK = 16
 
 
 def index_page_bytes(page_size: int, index_dim: int) -> int:
+    """Bytes of one indexer cache page: page_size e4m3 keys of index_dim bytes, then page_size fp32
+    scales."""
     return page_size * (index_dim + 4)
 
 
@@ -66,6 +68,7 @@ def quantize_fp8_rows(
 
 
 def fp8_to_float(values: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 bytes -> fp32 values (for checks and the torch stages)."""
     return values.view(FP8).float()
 
 
@@ -108,6 +111,7 @@ def mla_rows(cache: torch.Tensor, cache_format: str, kv_lora_rank: int) -> torch
 
 
 def q_dtype(q_format: str) -> torch.dtype:
+    """The torch dtype of the query rows in `q_format` ("bf16" or "fp8" = e4m3)."""
     return torch.bfloat16 if q_format == "bf16" else FP8
 
 

@@ -25,6 +25,8 @@ def _ok(result):
 
 @dataclass
 class Node:
+    """One node of a captured graph."""
+
     index: int
     kind: str  # "kernel", "memcpy", "memset", "event_record", ...
     name: str  # kernel function name, "" for other nodes
@@ -32,6 +34,8 @@ class Node:
 
 @dataclass
 class Edge:
+    """One dependency of a captured graph, with its type (programmatic edges come from PDL)."""
+
     src: int
     dst: int
     type: int  # 0 default, 1 programmatic
@@ -40,32 +44,41 @@ class Edge:
 
 @dataclass
 class GraphInfo:
+    """A captured graph's nodes and edges, with the queries the step's graph tests ask."""
+
     nodes: list[Node]
     edges: list[Edge] = field(default_factory=list)
 
     def successors(self, index: int) -> list[int]:
+        """The nodes that depend on node `index`."""
         return [e.dst for e in self.edges if e.src == index]
 
     def predecessors(self, index: int) -> list[int]:
+        """The nodes node `index` depends on."""
         return [e.src for e in self.edges if e.dst == index]
 
     @property
     def roots(self) -> list[int]:
+        """Nodes with no dependency: where the graph's streams start."""
         return [n.index for n in self.nodes if not self.predecessors(n.index)]
 
     @property
     def forks(self) -> list[int]:
+        """Nodes with more than one dependent: where the side stream forks."""
         return [n.index for n in self.nodes if len(self.successors(n.index)) > 1]
 
     @property
     def joins(self) -> list[int]:
+        """Nodes with more than one dependency: where the streams join."""
         return [n.index for n in self.nodes if len(self.predecessors(n.index)) > 1]
 
     @property
     def programmatic(self) -> list[Edge]:
+        """The programmatic (PDL) edges."""
         return [e for e in self.edges if e.type == PROGRAMMATIC]
 
     def kernels(self, contains: str = "") -> list[Node]:
+        """Kernel nodes whose name contains `contains`."""
         return [n for n in self.nodes if n.kind == "kernel" and contains in n.name]
 
 

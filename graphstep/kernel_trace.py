@@ -57,6 +57,8 @@ def kernel_label(name: str, width: int = 48) -> str:
 
 @dataclass
 class GpuEvent:
+    """One GPU event of a profiler trace (kernel, memcpy or memset), times in us."""
+
     name: str
     kind: str  # "kernel", "memcpy" or "memset"
     start: float  # us
@@ -83,6 +85,8 @@ class KernelRow:
 
 @dataclass
 class TraceSummary:
+    """What `graphstep trace` prints: per-kernel rows and the replays' span and idle time."""
+
     rows: list[KernelRow]
     replays: int
     events_per_replay: int
@@ -92,6 +96,7 @@ class TraceSummary:
     other_events: int  # GPU events outside the replays (other launches)
 
     def as_dict(self) -> dict:
+        """The summary as plain data (for --json and tests)."""
         return dict(
             replays=self.replays,
             events_per_replay=self.events_per_replay,

@@ -45,6 +45,7 @@ def ptr(tensor: torch.Tensor, align: int = 16):
 
 
 def current_stream():
+    """torch's current CUDA stream as the driver handle the compiled kernels launch on."""
     import cuda.bindings.driver as cuda
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -69,9 +70,11 @@ class ErrorWord:
 
     @classmethod
     def new(cls, device) -> "ErrorWord":
+        """A cleared error word on `device`."""
         return cls(torch.tensor([0, INT32_MAX], dtype=torch.int32, device=device))
 
     def reset(self) -> None:
+        """Clear the word (flag 0, index INT32_MAX) for the next step."""
         self.word.copy_(torch.tensor([0, INT32_MAX], dtype=torch.int32))
 
     def check(self, gathered: int, row_chunks: int) -> None:
@@ -84,7 +87,17 @@ class ErrorWord:
 
 
 class Kernels:
-    """The compiled kernels of one rank, bound to its weights."""
+    """The compiled kernels of one rank, bound to its weights: one launcher per kernel, so
+    a step, a benchmark or a test launches exactly what the step's graphs hold.
+
+    Conventions of every launcher (B = `batch`; sizes for DeepSeek-V3.2, names from
+    RankShape / ModelShape): a tensor argument is a CUDA tensor, contiguous and row-major
+    in the shape given (a kernel gets only its base pointer and computes the rest from
+    compile-time strides), 16-byte aligned (int32 and fp32 vectors read per element: 4);
+    "[>= B, ...]" means the first B rows are read or written and the rest are untouched.
+    Launches go on the current stream, chained with PDL when `pdl`; none synchronizes.
+    The variant launched must have been compiled (`warm`) before a graph capture.
+    """
 
     def __init__(self, shape: RankShape, weights: LayerWeights, pdl: bool = True):
         """Raises ValueError for a shape some kernel is not written for (kernels/catalog.py check)."""
@@ -97,6 +110,7 @@ class Kernels:
         self.eps = shape.model.rms_eps
 
     def tiled(self, batch: int) -> bool:
+        """Whether QueryNorm (alone or inside MlaQuery) runs its tiled variant at this batch."""
         return batch >= tiled_from(self.shape.heads)
 
     def compiled(self, kernel: str, **choice):
@@ -152,6 +166,11 @@ class Kernels:
     # -- launches on the current stream ------------------------------------------------
 
     def query_norm(self, qkv: torch.Tensor, qc: torch.Tensor, batch: int) -> None:
+        """QueryNorm: the RMSNorm of q_a (gamma_q, rms_eps), the indexer's q_c on the main stream.
+
+        qkv: bf16 [>= B, packed_width 2304], the packed projection rows (q_a = columns 0 .. 1535).
+        qc: bf16 [>= B, q_lora_rank 1536], written; bit-identical to MlaQuery's own q_c.
+        batch: B >= 1 (the row or tiled variant is chosen by `tiled(batch)`)."""
         from cutlass import Float32, Int32
 
         self.compiled("query_norm", tiled=self.tiled(batch))(
@@ -174,10 +193,26 @@ class Kernels:
         poll: bool,
         budget_ns: int = DEFAULT_BUDGET_NS,
     ) -> None:
-        """MlaQuery normalizes q_a into `qc` (the indexer's q_c, store_qc) or `qc_private`
-        (both bf16 [>= batch, 1536]) and reads it from there. q_rows: the uint8 query-row
-        buffer / mailbox [>= batch, q_heads, 576 x q_bytes]; workspace: fp32
-        [>= batch, heads, 192]; mla_cache: the MLA cache (any dtype, addressed as bytes)."""
+        """MlaQuery, three PDL-chained kernels: q_a RMSNorm, then Q_B with the kv_a RMSNorm,
+        RoPE and the new tokens' MLA cache rows, then the W_UK absorption into this rank's
+        query rows of the mailbox (polling every rank's rows first when `poll`).
+
+        qkv: bf16 [>= B, packed_width 2304], the packed projection rows.
+        context_lens: int32 [>= B], tokens per sequence over all ranks (RoPE position =
+            context_lens - 1).
+        slots: int32 [>= B], this rank's MLA cache slot of each new token (page x 64 +
+            offset); -1 writes nothing.
+        qc, qc_private: bf16 [>= B, q_lora_rank 1536]; the normalized q_a is written to `qc`
+            (store_qc: it is the indexer's q_c, serial mode) or to `qc_private` (fork modes).
+        workspace: fp32 [>= B, heads, qk_head_dim 192], Q_B's output (scratch).
+        q_rows: uint8 [>= B, q_heads, 576 x q_bytes], the mailbox (armed: all 0xFF); this
+            rank's head rows [rank x heads, (rank + 1) x heads) of each token are written as
+            bf16 (q_bytes 2) or e4m3 (q_bytes 1) per Topology.q_format, in 16-byte chunks.
+        mla_cache: the paged MLA cache, bf16 [pages, 64, 576] or uint8 [pages, 64, 656]
+            (Topology.mla_cache; addressed as bytes).
+        error: the ErrorWord a poll that gives up writes (token, row, chunk) to.
+        batch: B >= 1. store_qc, poll: as above (poll: the fork_poll and serial DCP modes).
+        budget_ns: how long a poll waits for one chunk before it gives up."""
         from cutlass import Float32, Int32, Int64
 
         w = self.weights
@@ -206,6 +241,12 @@ class Kernels:
     def query_wait(
         self, q_rows: torch.Tensor, error: ErrorWord, batch: int, budget_ns: int = DEFAULT_BUDGET_NS
     ) -> None:
+        """QueryWait (DCP, fork mode): wait until every chunk of every rank's query rows of
+        the B tokens has landed, recording the lowest one that never did in `error`.
+
+        q_rows: uint8 [>= B, q_heads, 576 x q_bytes], the mailbox; head rows [0, gathered)
+            of each token are polled (read only).
+        error: the ErrorWord; batch: B >= 1; budget_ns: how long it waits for one chunk."""
         from cutlass import Int32, Int64
 
         from .kernels.query_wait import grid_for
@@ -217,8 +258,17 @@ class Kernels:
     # -- the indexer --
 
     def index_key(self, qkv, context_lens, slots, index_cache, batch: int) -> None:
-        """The new tokens' indexer keys (LayerNorm, RoPE, e4m3) at their slots of the
-        paged indexer cache (uint8 [pages, 8448]); slot -1 writes nothing."""
+        """IndexKey: the new tokens' indexer keys (LayerNorm, NeoX RoPE, the Hadamard rotation
+        when ModelShape.index_rotation, e4m3 with a per-token scale) at their cache slots.
+
+        qkv: bf16 [>= B, packed_width 2304], the packed projection rows (idx_k = columns
+            2112 .. 2239).
+        context_lens: int32 [>= B], tokens per sequence over all ranks (RoPE position =
+            context_lens - 1).
+        slots: int32 [>= B], this rank's cache slot of each new token; -1 writes nothing.
+        index_cache: uint8 [pages, 64 x 132 = 8448]: per page 64 x 128 e4m3 keys, then 64
+            fp32 scales (formats.index_cache_views).
+        batch: B >= 1."""
         from cutlass import Int32
 
         w = self.weights
@@ -236,9 +286,18 @@ class Kernels:
         )
 
     def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int) -> None:
-        """wq_b + RoPE + e4m3 quantization + head weights in one kernel: q_out uint8
-        [>= batch, 64, 128], w_out fp32 [>= batch, 64]. One launch of the variant that holds
-        the batch; above 64 tokens, one per chunk of 64 (kernels/index_query.py launches)."""
+        """IndexQuery: wq_b, NeoX RoPE, the Hadamard rotation (index_rotation), per-head e4m3
+        quantization and the folded head weights, in one kernel. One launch of the variant
+        that holds the batch; above 64 tokens, one per chunk of 64 (index_query.launches).
+
+        qc: bf16 [>= B, q_lora_rank 1536], QueryNorm's q_c.
+        qkv: bf16 [>= B, packed_width 2304], the packed rows (idx_w = columns 2240 .. 2303,
+            the head weights' logits).
+        context_lens: int32 [>= B], tokens per sequence over all ranks (RoPE position =
+            context_lens - 1).
+        q_out: uint8 [>= B, index_heads 64, index_dim 128], the e4m3 queries, written.
+        w_out: fp32 [>= B, index_heads 64], idx_w x heads^-0.5 x q_scale x dim^-0.5, written.
+        batch: B >= 1."""
         from cutlass import Int32
 
         from .kernels.index_query import launches
@@ -261,9 +320,20 @@ class Kernels:
     def dsa_index(
         self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int, pages_per_cta: int | None = None
     ) -> None:
-        """scores fp32 [>= batch, pages_per_seq x 64]: every local position scored or -inf.
-        pages_per_cta: the run of block-table pages each CTA streams (default: the host's
-        choice for this batch and table width, `dsa_index.pages_per_cta`)."""
+        """DsaIndex: score[b, i] = k_scale[i] x sum_h w[b, h] x relu(q[b, h] . k[i]) for every
+        local position i a block table holds; -inf at and past the local length.
+
+        q: uint8 [>= B, index_heads 64, index_dim 128], IndexQuery's e4m3 queries.
+        head_w: fp32 [>= B, index_heads 64], IndexQuery's head weights.
+        index_cache: uint8 [pages, 8448], the paged indexer cache (see index_key).
+        block_tables: int32 [>= B, pages_per_seq], local index i at page [b, i // 64]; its
+            width (shape[1]) is the row stride and sets the scores' width.
+        context_lens: int32 [>= B], tokens per sequence over all ranks (the local length
+            under DCP is ceil((len - rank) / dcp)).
+        scores: fp32 [>= B, pages_per_seq x 64], written.
+        batch: B >= 1.
+        pages_per_cta: the run of block-table pages each CTA streams, >= 1 (default: the
+            host's choice for this batch and table width, `dsa_index.pages_per_cta`)."""
         from cutlass import Int32
 
         from .kernels.dsa_index import pages_per_cta as choose
@@ -286,11 +356,19 @@ class Kernels:
         )
 
     def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int, split="auto") -> None:
-        """The index_topk best of each row of DsaIndex's scores, in ascending position:
-        out int32 [>= batch, topk] cache slots, or under DCP this rank's candidates (global
-        positions in out, their scores in out_scores fp32 [>= batch, topk]; unused
-        otherwise, pass any fp32 CUDA tensor). split: "auto" (top_k_split's choice for the
-        block table's width and this batch), a top_k.Split, or None (one CTA per row)."""
+        """TopK: the index_topk (2048) best of each row of DsaIndex's scores, in ascending
+        position, equal scores to the lower position first, -1 padded.
+
+        scores: fp32 [>= B, pages_per_seq x 64], DsaIndex's (-inf past the local length).
+        block_tables: int32 [>= B, pages_per_seq], maps the chosen positions to cache slots.
+        context_lens: int32 [>= B], tokens per sequence over all ranks.
+        out: int32 [>= B, topk], written: cache slots, or under DCP this rank's candidates as
+            global positions (local x dcp + rank).
+        out_scores: fp32 [>= B, topk], under DCP the candidates' scores (-inf padded);
+            unread and unwritten otherwise (pass any fp32 CUDA tensor).
+        batch: B >= 1.
+        split: "auto" (top_k_split's choice for the block table's width and this batch), a
+            top_k.Split that holds rows of the table's width, or None (one CTA per row)."""
         from cutlass import Int32
 
         width = block_tables.shape[1] * self.shape.model.page_size
@@ -312,9 +390,17 @@ class Kernels:
         )
 
     def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
-        """DCP: this rank's candidates (TopK's, [>= batch, topk]) and every rank's
-        (peer_*, [>= batch, dcp, topk]; this rank's row unused) -> out int32 [>= batch,
-        topk]: this rank's share of the global top-k as local cache slots, -1 padded."""
+        """DcpMerge (DCP): every rank's candidates -> this rank's share of the global top-k
+        (the same set the index_topk best over all ranks would be) as local cache slots.
+
+        own_positions: int32 [>= B, topk], TopK's global positions (ascending, -1 padded).
+        own_scores: fp32 [>= B, topk], their scores (-inf padded).
+        peer_positions: int32 [>= B, dcp, topk], every rank's candidates as the transport
+            returns them (this rank's row [:, rank] is not read).
+        peer_scores: fp32 [>= B, dcp, topk], their scores.
+        block_tables: int32 [>= B, pages_per_seq], maps this rank's local indices to slots.
+        out: int32 [>= B, topk], written: this rank's slots, compacted to the front, -1 padded.
+        batch: B >= 1."""
         from cutlass import Int32
 
         self.compiled("dcp_merge")(
@@ -342,13 +428,26 @@ class Kernels:
         slots_per_cta: int | None = None,
         q_out=None,
     ) -> None:
-        """Sparse MLA decode: q_rows the mailbox / query rows (uint8 [>= batch, q_heads,
-        576 x q_bytes]), slots int32 [>= batch, topk] (-1: none; 16-byte aligned) -> out fp32 [>= batch,
-        gathered, 512], lse fp32 [>= batch, gathered]; partials from sparse_core_buffers.
-        slots_per_cta: the plan's choice unless given (benchmarks sweep it; the partials
-        must then hold batch x topk / slots_per_cta rows). q_out (uint8 [>= batch, gathered,
-        576 x q_bytes]): the step's publish -- the rows read are copied there and re-armed
-        (0xFF) in q_rows once every reader is done; None leaves q_rows as it was."""
+        """SparseCore: sparse MLA decode of every gathered query row over its token's selected
+        MLA cache rows (online softmax, split over CTAs by the plan, then a combine).
+
+        q_rows: uint8 [>= B, q_heads, 576 x q_bytes], the mailbox; head rows [0, gathered)
+            of each token are read (bf16 or e4m3 per Topology.q_format).
+        slots: int32 [>= B, topk], this rank's cache slots to attend (-1: none).
+        mla_cache: bf16 [pages, 64, 576] or uint8 [pages, 64, 656] (Topology.mla_cache).
+        partial_o: fp32 [n, q_heads, kv_lora_rank 512], partial_ml: fp32 [n, q_heads, 2]
+            (max, sum): the splits' partials, n >= B x topk / slots_per_cta when a token
+            is split (sparse_core_buffers allocates them for the plan).
+        out: fp32 [>= B, gathered, kv_lora_rank 512], written: attention in latent space
+            (before W_UV).
+        lse: fp32 [>= B, gathered], written: natural-log log-sum-exp of the scaled scores
+            (-inf and out 0 for a token with no slot).
+        batch: B >= 1.
+        slots_per_cta: the plan's choice (`sparse_core_plan`) unless given (benchmarks
+            sweep it).
+        q_out: uint8 [>= B, gathered, 576 x q_bytes] or None. Given (the step's launch), the
+            rows read are copied there and re-armed (0xFF) in q_rows once every reader of
+            them is done; None leaves q_rows as it was."""
         from cutlass import Int32
 
         spc = slots_per_cta or self.sparse_core_plan(batch)

@@ -41,6 +41,7 @@ def batch_table(policy: str) -> dict[int, str]:
 
 
 def topology_key(dcp: bool = False, wide: bool = False, split: bool = False) -> str:
+    """The key of QUERY_OVERLAP whose table applies to a topology."""
     topology = "tp1" if wide else "dcp" if dcp else "tp"
     if split and dcp and not wide:
         topology = "dcp_split"

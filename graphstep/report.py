@@ -7,6 +7,7 @@ import time
 
 
 def table(headers: list[str], rows: list[list], markdown: bool = False) -> str:
+    """Rows as an aligned plain-text table, or a markdown one (RESULTS.md, bench.md)."""
     cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -27,6 +28,7 @@ def _fmt(value) -> str:
 
 
 def mb(n: int) -> float:
+    """Bytes -> MB (1e6)."""
     return n / 1e6
 
 
@@ -38,6 +40,7 @@ class Progress:
         self.done, self._last, self._start = 0, 0.0, time.perf_counter()
 
     def update(self, n: int = 1) -> None:
+        """Count `n` more done; redraw at most every `every` seconds."""
         self.done += n
         now = time.perf_counter()
         if now - self._last >= self.every or self.done == self.total:

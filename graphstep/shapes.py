@@ -152,6 +152,7 @@ class ModelShape:
 
     @property
     def packed_width(self) -> int:
+        """Columns of a packed qkv row: q_a | kv_a | k_pe | idx_k | idx_w (2304)."""
         return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim + self.index_dim + self.index_heads
 
     @property
@@ -196,6 +197,7 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def preset(name: str) -> ModelShape:
+    """The ModelShape of a named preset (PRESETS); ValueError names the known ones."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -238,6 +240,7 @@ class Topology:
 
     @property
     def name(self) -> str:
+        """A short name for tables and file names, e.g. "tp8-dcp2"."""
         parts = [f"tp{self.tp}"]
         if self.dcp > 1:
             parts.append(f"dcp{self.dcp}")
@@ -280,6 +283,7 @@ class RankShape:
 
     @property
     def q_bytes(self) -> int:
+        """Bytes per query-row value: 2 (bf16) or 1 (e4m3)."""
         return 2 if self.topology.q_format == "bf16" else 1
 
     @property
@@ -289,13 +293,16 @@ class RankShape:
 
     @property
     def mla_token_bytes(self) -> int:
+        """MLA cache bytes per token in this rank's cache format."""
         return self.model.mla_token_bytes(self.topology.mla_cache)
 
     def with_topology(self, **changes) -> "RankShape":
+        """The same model under a topology with `changes` (dataclasses.replace)."""
         return RankShape(self.model, replace(self.topology, **changes))
 
 
 def check_batch(batch: int, what: str = "batch") -> int:
+    """Return `batch` if it is a positive int, else raise ValueError naming `what`."""
     if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
         raise ValueError(f"{what} must be a positive int, got {batch!r}")
     return batch

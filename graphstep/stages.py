@@ -39,7 +39,7 @@ class Buffers:
     own_positions: torch.Tensor  # DCP: this rank's top-k candidates, global positions [B, topk]
     own_scores: torch.Tensor  # and their scores
     slots: torch.Tensor  # the indexer's selection [B, topk]
-    q_out: torch.Tensor  # the query rows the sparse core read (the mailbox is re-armed after)
+    q_out: torch.Tensor  # the query rows the sparse core read (it re-arms them in the mailbox)
     out: torch.Tensor  # sparse core [B, gathered, 512] fp32
     lse: torch.Tensor  # [B, gathered] fp32
 
@@ -73,6 +73,7 @@ class Buffers:
         return StepInputs(self.qkv[:size], self.context_lens[:size], self.slot_mapping[:size], self.block_tables[:size])
 
     def pointers(self) -> tuple[int, ...]:
+        """Every buffer's address: the graphs hold these, so a replaced buffer is detected."""
         return tuple(t.data_ptr() for t in vars(self).values())
 
 
@@ -92,7 +93,7 @@ class Stages(ABC):
 
     @abstractmethod
     def index_key(self, size: int) -> None:
-        """The new tokens' indexer keys (LayerNorm, RoPE, e4m3) from b.qkv at b.slot_mapping
+        """The new tokens' indexer keys (LayerNorm, RoPE, rotation, e4m3) from b.qkv at b.slot_mapping
         of the indexer cache; slot -1 writes nothing where a block table reads. First on the
         main stream: it needs only the inputs."""
 
@@ -102,7 +103,8 @@ class Stages(ABC):
 
     @abstractmethod
     def index_query(self, size: int) -> None:
-        """wq_b, RoPE, e4m3 and the folded head weights: b.qc, b.qkv -> b.index_q, b.index_w."""
+        """wq_b, RoPE, the Hadamard rotation, e4m3 and the folded head weights: b.qc, b.qkv ->
+        b.index_q, b.index_w."""
 
     @abstractmethod
     def index_scores(self, size: int) -> None:

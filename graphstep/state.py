@@ -21,6 +21,9 @@ from .shapes import RankShape, check_batch
 
 @dataclass
 class LayerWeights:
+    """One layer's weights on this rank (shapes and dtypes in the field comments): seeded
+    random matrices and the model's RoPE tables, what the kernels and the reference share."""
+
     gamma_q: torch.Tensor  # [1536] bf16, q_a RMSNorm
     gamma_kv: torch.Tensor  # [512] bf16, kv_a RMSNorm
     w_qb: torch.Tensor  # [heads x 192, 1536] bf16 (out, in): per head 128 nope then 64 rope
@@ -36,6 +39,8 @@ class LayerWeights:
 
 @dataclass
 class LayerCaches:
+    """One rank's caches and mailbox, in the kernels' byte formats (docs/design.md section 3)."""
+
     index_cache: torch.Tensor  # uint8 [pages, 64 x 132]
     mla_cache: torch.Tensor  # bf16 [pages, 64, 576] or uint8 [pages, 64, 656]
     block_tables: torch.Tensor  # int32 [max_batch, pages per sequence]: local index // 64 -> page
@@ -65,6 +70,7 @@ class StepInputs:
 
     @property
     def batch(self) -> int:
+        """B, the number of tokens."""
         return self.qkv.shape[0]
 
     @property
@@ -273,5 +279,6 @@ class LayerState:
         return torch.where(pos % topo.dcp == topo.rank, slots, -1).to(torch.int32)
 
     def clone_caches(self) -> LayerCaches:
+        """A copy of the caches, so a reference run and a kernel run can start from the same state."""
         c = self.caches
         return LayerCaches(c.index_cache.clone(), c.mla_cache.clone(), c.block_tables.clone(), c.mailbox.clone())

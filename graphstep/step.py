@@ -17,10 +17,10 @@ transport (graphstep.transport); on one GPU, SimulatedPeers plays them from Peer
 
 Padding: a batch pads up to the next captured size; pad rows have slot -1 (the cute
 kernels write nothing for them, the torch stages write to the state's spare page) and
-context length 1. A batch above the largest
-captured size is an error. The mailbox is re-armed by the transport inside the step,
-after the sparse core, the last reader of the query rows; a poll that gives up raises
-MailboxTimeout from step().
+context length 1. A batch above the largest captured size is an error. The mailbox's
+query rows are re-armed inside the step by the sparse core, their last reader (in its
+kernel; the transport's arm() re-arms whatever else its exchanges need); a poll that
+gives up raises MailboxTimeout from step().
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ class DecodeStep:
 
     @property
     def caches(self) -> LayerCaches:
+        """The state's caches and mailbox (the graphs read and write them in place)."""
         return self.state.caches
 
     def padded(self, batch: int) -> int:
@@ -207,6 +208,7 @@ class DecodeStep:
         self._captured_pointers = self._pointers()
 
     def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
+        """The captured graph of `size` in `mode` (default: the policy's mode for the size)."""
         mode = mode or self.modes.get(size)
         if (size, mode) not in self.graphs:
             raise RuntimeError(

@@ -21,6 +21,7 @@ from .step import DecodeStep
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`: the nearest element of the sorted list, no interpolation."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
@@ -42,6 +43,8 @@ def replay_us(
 
 
 def load_batch(step: DecodeStep, batch: int, context: int, seed: int = 0) -> None:
+    """Load random inputs of `batch` tokens at `context` (and peers under DCP) into the step's
+    buffers, for timing replays."""
     inputs = step.state.inputs(batch, context_lens=context, seed=seed)
     peers = step.state.peer_inputs(inputs, seed=seed + 1) if step.shape.topology.dcp > 1 else None
     step.load(inputs, peers)
@@ -99,6 +102,8 @@ def default_trace(max_batch: int, steps: int, seed: int = 0) -> list[int]:
 
 
 def read_trace(path: str) -> list[int]:
+    """A file of batch sizes (separated by spaces, commas or newlines) for `graphstep serve
+    --trace`."""
     text = Path(path).read_text().replace(",", " ").split()
     try:
         trace = [int(v) for v in text]

@@ -23,6 +23,7 @@ def _write_slots(state: LayerState, slots: torch.Tensor) -> torch.Tensor:
 
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
+    """IndexKey in torch: the reference's keys, pad rows' writes sent to the spare page."""
     keys, scales = ref.index_key(state, inputs)
     ref.store_index_keys(state, caches, _write_slots(state, inputs.slot_mapping), keys, scales)
 
@@ -58,6 +59,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def kv_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
+    """The new tokens' MLA cache rows, pad rows' writes sent to the spare page."""
     ref.store_kv_rows(state, caches, _write_slots(state, inputs.slot_mapping), ref.kv_row(state, inputs))
 
 
@@ -74,6 +76,8 @@ def mla_query(state: LayerState, inputs: StepInputs, caches: LayerCaches, q_c: t
 def sparse_core(
     state: LayerState, caches: LayerCaches, slots: torch.Tensor, batch: int, out: torch.Tensor, lse: torch.Tensor
 ) -> None:
+    """The reference's sparse attention over `slots` of the mailbox's query rows, into `out` and
+    `lse`."""
     attention, log_sum_exp = ref.sparse_attention(state, caches, ref.query_rows(state, caches, batch), slots)
     out.copy_(attention)
     lse.copy_(log_sum_exp)

@@ -77,11 +77,12 @@ class Transport(ABC):
         (this rank's row is not read). Called under DCP only, on the main stream, after TopK
         and before DcpMerge; the tensors returned must stay where they are across replays."""
 
-    @abstractmethod
-    def arm(self, size: int) -> None:
+    def arm(self, size: int) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Re-arm what this transport's exchanges need for the next step, besides the query
         rows: those the sparse core re-arms itself, as their last reader (in its kernel: no
-        copy or fill launch ends the step). Called last in the step, on the main stream."""
+        copy or fill launch ends the step). Called last in the step, on the main stream.
+        Nothing by default: SingleRank and SimulatedPeers have nothing else to re-arm; a
+        transport whose exchange buffers carry a sentinel (e.g. remote candidates) overrides it."""
 
 
 class SingleRank(Transport):
@@ -110,9 +111,6 @@ class SingleRank(Transport):
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("a step without DCP exchanges no candidates: its TopK writes the slots")
-
-    def arm(self, size: int) -> None:
-        pass  # nothing besides the query rows
 
 
 class SimulatedPeers(Transport):
@@ -200,6 +198,3 @@ class SimulatedPeers(Transport):
         """Launches nothing: the peers' candidates were staged by load(), and DcpMerge reads
         this rank's own from `positions` / `scores` directly."""
         return self.positions[:size], self.scores[:size]
-
-    def arm(self, size: int) -> None:
-        pass  # the candidates are staged inputs: nothing to re-arm besides the query rows

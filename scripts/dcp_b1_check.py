@@ -4,7 +4,7 @@ and what a model of its radix search says about token 0 (rounds 3 with this rank
 the case that ran the dcp x k tie scan before the fix). Then a few seeds on the [1] step:
 if the slowdown is the data (not the capture sizes) some seeds are slow there too.
 
-    python scripts/dcp_b1_check.py          # on main (before) and on dcpslow (after)
+    python scripts/dcp_b1_check.py          # needs an sm_90 GPU (H100/H200)
 """
 
 import statistics

@@ -79,7 +79,8 @@ def main() -> int:
         step.replay(args.batch)
     inputs = step.state.inputs(args.batch, context_lens=args.context, seed=1)
     peers = step.state.peer_inputs(inputs, seed=2) if shape.topology.dcp > 1 else None
-    stages = stage_ranges(step.kernels) if args.eager_steps and step.kernels is not None else []
+    kernels = getattr(step.stages, "kernels", None)  # CuteStages' launch.Kernels
+    stages = stage_ranges(kernels) if args.eager_steps and kernels is not None else []
     if args.eager_steps and not stages:
         print("nsys_steps: no stage launchers to wrap: eager steps get no stage ranges", file=sys.stderr)
     torch.cuda.synchronize()

@@ -67,3 +67,61 @@ def test_step_inputs_documents_every_field():
     fields = [f.name for f in dataclasses.fields(graphstep.StepInputs)]
     assert fields == ["qkv", "context_lens", "slot_mapping", "block_tables"]
     assert _documented(graphstep.StepInputs, fields) == []
+
+
+LAUNCHERS = [
+    "query_norm",
+    "mla_query",
+    "query_wait",
+    "index_key",
+    "index_query",
+    "dsa_index",
+    "top_k",
+    "dcp_merge",
+    "sparse_core",
+]
+
+
+def test_every_kernel_launcher_documents_every_argument():
+    """Kernels' launchers state each argument (its shape, dtype and layout) in the docstring,
+    as `name:` or in a `name, other:` group."""
+    import re
+
+    from graphstep.launch import Kernels
+
+    missing = {}
+    for name in LAUNCHERS:
+        launcher = getattr(Kernels, name)
+        doc = inspect.getdoc(launcher) or ""
+        arguments = [p for p in inspect.signature(launcher).parameters if p != "self"]
+        undocumented = [a for a in arguments if not re.search(rf"\b{a}[:,]", doc)]
+        if undocumented:
+            missing[name] = undocumented
+    assert missing == {}
+
+
+def test_every_public_definition_of_the_package_has_a_docstring():
+    """Every public class, function and method defined in graphstep/ says what it is for
+    (a method overriding a documented one inherits its docstring)."""
+    import importlib
+    import pkgutil
+
+    bare = []
+    for info in pkgutil.iter_modules(graphstep.__path__):
+        if info.name == "kernels":
+            continue
+        module = importlib.import_module(f"graphstep.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+                continue
+            if not (inspect.isclass(value) or inspect.isfunction(value)):
+                continue
+            if not inspect.getdoc(value):
+                bare.append(f"{module.__name__}.{name}")
+            if inspect.isclass(value):
+                for attr, member in vars(value).items():
+                    if attr.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                        continue
+                    if not inspect.getdoc(getattr(value, attr)):
+                        bare.append(f"{module.__name__}.{name}.{attr}")
+    assert bare == []

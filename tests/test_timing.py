@@ -112,3 +112,21 @@ def test_serve_summary():
     assert summary["tokens_per_s"] == pytest.approx(12 / 600e-6)
     assert summary["device_us"] == {"p50": 20.0, "p99": 30.0, "mean": 20.0}
     assert summary["host_us"]["mean"] == pytest.approx(200.0)
+
+
+def test_nsys_steps_wraps_every_launcher_of_the_cute_stages():
+    """nsys_steps.py's eager stage ranges wrap the launchers of step.stages.kernels (the
+    step keeps its Kernels in its CuteStages); every stage name must still be a launcher."""
+    import importlib.util
+
+    from graphstep import RankShape, Topology, preset
+    from graphstep.stages import CuteStages
+    from graphstep.step import DecodeStep
+
+    spec = importlib.util.spec_from_file_location("nsys_steps", ROOT / "scripts" / "nsys_steps.py")
+    nsys_steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nsys_steps)
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    step = DecodeStep(shape, capture_sizes=[2], backend="torch", device="cpu", max_context=256)
+    stages = CuteStages(step.state, step.buffers, step.error, step.budget_ns)
+    assert nsys_steps.stage_ranges(stages.kernels) == list(nsys_steps.STAGE_LAUNCHERS.values())
