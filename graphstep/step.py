@@ -142,6 +142,7 @@ class DecodeStep:
         if mode == "serial":
             stages.index_key(size)
             stages.mla_query(size, store_qc=True, poll=dcp)
+            self.transport.share_query_rows(size)
             self._indexer(size)
         else:
             side = side_stream(self.device.index) if main is not None else None
@@ -152,6 +153,7 @@ class DecodeStep:
             self._indexer(size)
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 stages.mla_query(size, store_qc=False, poll=dcp and mode == "fork_poll")
+                self.transport.share_query_rows(size)
                 if dcp and mode == "fork":
                     stages.query_wait(size)
             if side is not None:
@@ -275,7 +277,7 @@ class DecodeStep:
         else:
             self.graph(size).replay()
         if self.shape.topology.dcp > 1:
-            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
+            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, self.shape.heads)
         batch, b = inputs.batch, self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
         return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])

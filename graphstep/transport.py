@@ -67,6 +67,12 @@ class Transport(ABC):
         point. The rows need not have landed when it returns: the step's readers (QueryWait,
         MlaQuery's poll) wait on the chunks themselves."""
 
+    def share_query_rows(self, size: int) -> None:
+        """This rank's query rows, just written into its own mailbox by its MlaQuery, go to
+        the other ranks. Called right after MlaQuery, on its stream, before QueryWait. Nothing
+        to do when MlaQuery stores into the peers itself (remote stores) or without DCP; a
+        transport that copies the rows instead (GroupTransport) does it here."""
+
     @abstractmethod
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
