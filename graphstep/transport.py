@@ -67,11 +67,13 @@ class Transport(ABC):
         point. The rows need not have landed when it returns: the step's readers (QueryWait,
         MlaQuery's poll) wait on the chunks themselves."""
 
+    @abstractmethod
     def share_query_rows(self, size: int) -> None:
         """This rank's query rows, just written into its own mailbox by its MlaQuery, go to
         the other ranks. Called right after MlaQuery, on its stream, before QueryWait. Nothing
-        to do when MlaQuery stores into the peers itself (remote stores) or without DCP; a
-        transport that copies the rows instead (GroupTransport) does it here."""
+        to do when MlaQuery stores into the peers itself (remote stores), without DCP, or when
+        the peers are simulated; a transport that copies the rows instead
+        (dcp_group.GroupTransport) does it here."""
 
     @abstractmethod
     def publish_candidates(
@@ -111,6 +113,9 @@ class SingleRank(Transport):
 
     def publish_query_rows(self, size: int) -> None:
         pass  # every row is this rank's own, written by its MlaQuery
+
+    def share_query_rows(self, size: int) -> None:
+        pass  # no other rank
 
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
@@ -199,6 +204,9 @@ class SimulatedPeers(Transport):
         own, gathered = self.own, self.shape.gathered
         self.mailbox[:size, : own.start] = self.rows[:size, : own.start]
         self.mailbox[:size, own.stop : gathered] = self.rows[:size, own.stop :]
+
+    def share_query_rows(self, size: int) -> None:
+        pass  # the simulated peers need nothing of this rank's
 
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
