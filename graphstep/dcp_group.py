@@ -214,8 +214,11 @@ class DcpGroup:
         check_rows = backend == "torch"
         self.steps: list[DecodeStep] = []
         for rank, device in enumerate(self.devices):
+            rank_shape = shape.with_topology(dcp=dcp, rank=rank)
+            state = LayerState(rank_shape, sizes[-1], max_context, seed, device)
+            state.load_shard(self.unsharded)  # before the backend: Kernels derives W_UK^T from it
             step = DecodeStep(
-                shape.with_topology(dcp=dcp, rank=rank),
+                rank_shape,
                 capture_sizes=sizes,
                 policy=GROUP_POLICY[backend],
                 backend=backend,
@@ -224,8 +227,8 @@ class DcpGroup:
                 seed=seed,
                 budget_ns=budget_ns,
                 transport=lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous, check_rows),
+                state=state,
             )
-            step.state.load_shard(self.unsharded)
             self.steps.append(step)
         self.streams = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in self.devices]
         self.times: list[float | None] = [None] * dcp

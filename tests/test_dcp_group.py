@@ -141,3 +141,21 @@ def test_a_group_rank_takes_no_peer_inputs():
 def test_construction_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DcpGroup(RankShape(SMALL, Topology(tp=4)), max_context=100, **kwargs)
+
+
+def test_a_step_on_a_given_state_checks_it_is_the_steps():
+    group = _group(2)
+    state = group.steps[1].state
+    with pytest.raises(
+        ValueError, match=r"rank=0.* on cpu for 4 x 300 tokens, got small .*rank=1.* on cpu for 4 x 300"
+    ):
+        DecodeStep(
+            state.shape.with_topology(rank=0),
+            capture_sizes=SIZES,
+            backend="torch",
+            device="cpu",
+            max_context=CONTEXT,
+            state=state,
+        )  # the shapes differ in the rank
+    with pytest.raises(ValueError, match="for 8 x 300 tokens"):
+        DecodeStep(state.shape, capture_sizes=(8,), backend="torch", device="cpu", max_context=CONTEXT, state=state)
