@@ -229,6 +229,7 @@ class DcpGroup:
                 transport=lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous, check_rows),
                 state=state,
             )
+            step.stages.warm(step.sizes)  # a compile inside a step would hold the peers past wait_s
             self.steps.append(step)
         self.streams = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in self.devices]
         self.times: list[float | None] = [None] * dcp
