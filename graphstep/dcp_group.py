@@ -283,7 +283,9 @@ class DcpGroup:
         for thread in threads:
             thread.join()
         self.group_time = time.perf_counter() - started
+        # a rank's own error first: the others' timeouts are its consequence
         failed = [error for error in errors if error is not None]
+        failed.sort(key=lambda error: isinstance(error, MailboxTimeout | CandidatesTimeout))
         if failed or absent:
             self._rearm()
         if failed:

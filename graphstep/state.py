@@ -305,7 +305,7 @@ class LayerState:
         local = torch.arange(self.pages_per_seq * page, device=dev)
         # positions past the unsharded tables (past max_context) are never read: any row will do
         position = (local * topo.dcp + topo.rank).clamp(max=full.pages_per_seq * page - 1)
-        full_pages = full.caches.block_tables.long()[:, position // page].to(dev)
+        full_pages = full.caches.block_tables.long()[:, (position // page).to(full.device)].to(dev)
         pages = self.caches.block_tables.long()[:, local // page]
         full_offsets, offsets = (position % page).expand_as(pages), (local % page).expand_as(pages)
         source = full.caches.mla_cache.to(dev)  # (a copy only when the devices differ)

@@ -14,8 +14,8 @@ A `Transport` is this rank's end of both exchanges. `DecodeStep` calls it at fix
 of its data path (see each method), with the same calls in eager runs and graph captures,
 so whatever a transport launches is captured into the step's graphs. `SimulatedPeers`
 plays the other ranks on this rank's GPU from inputs loaded before the step; `SingleRank`
-is the transport of a step without DCP. A multi-rank transport (remote stores into the
-peers' mailboxes and candidate buffers) is one more subclass.
+is the transport of a step without DCP; `dcp_group.GroupTransport` exchanges with the
+other ranks of a `DcpGroup` in this process.
 """
 
 from __future__ import annotations

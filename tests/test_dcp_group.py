@@ -159,3 +159,17 @@ def test_a_step_on_a_given_state_checks_it_is_the_steps():
         )  # the shapes differ in the rank
     with pytest.raises(ValueError, match="for 8 x 300 tokens"):
         DecodeStep(state.shape, capture_sizes=(8,), backend="torch", device="cpu", max_context=CONTEXT, state=state)
+
+
+def test_a_ranks_own_error_is_raised_rather_than_the_timeouts_it_caused(monkeypatch):
+    group = _group(2, wait_s=0.2)
+    inputs = group.unsharded.inputs(2, seed=9)
+
+    def broken(size):
+        raise RuntimeError("rank 1's IndexKey failed")
+
+    monkeypatch.setattr(group.steps[1].stages, "index_key", broken)
+    with pytest.raises(RuntimeError, match="rank 1's IndexKey failed"):
+        group.step(inputs)
+    monkeypatch.undo()
+    assert all(out is not None for out in group.step(inputs))
