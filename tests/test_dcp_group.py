@@ -1,13 +1,15 @@
 """DcpGroup on the CPU (torch backend): the shards of one unsharded layer, the exchanges of
 GroupTransport, the combine across ranks against the unsharded layer, and a missing rank."""
 
+import time
+
 import pytest
 import torch
 
 from conftest import SMALL, rel_err
 from graphstep import formats
 from graphstep import reference as ref
-from graphstep.dcp_group import DcpGroup, GroupTransport
+from graphstep.dcp_group import CandidatesTimeout, DcpGroup, GroupTransport
 from graphstep.launch import MailboxTimeout
 from graphstep.shapes import RankShape, Topology
 from graphstep.step import DecodeStep
@@ -173,3 +175,25 @@ def test_a_ranks_own_error_is_raised_rather_than_the_timeouts_it_caused(monkeypa
         group.step(inputs)
     monkeypatch.undo()
     assert all(out is not None for out in group.step(inputs))
+
+
+def _slow(stage, seconds):
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return stage(*args, **kwargs)
+
+    return run
+
+
+def test_a_delayed_rank_gives_the_same_results_and_one_past_wait_s_loses_its_candidates(monkeypatch):
+    group = _group(2, wait_s=0.5)
+    inputs = group.unsharded.inputs(2, seed=10)
+    expect = [out.slots.clone() for out in group.step(inputs)]
+    monkeypatch.setattr(group.steps[1].stages, "index_scores", _slow(group.steps[1].stages.index_scores, 0.1))
+    assert all(torch.equal(out.slots, slots) for out, slots in zip(group.step(inputs), expect)), "within wait_s"
+    # past wait_s between the two exchanges: rank 0 merged without rank 1's candidates
+    monkeypatch.setattr(group.steps[1].stages, "index_scores", _slow(group.steps[1].stages.index_scores, 1.0))
+    with pytest.raises(CandidatesTimeout, match=r"rank 0 never received the candidates of ranks \[1\]"):
+        group.step(inputs)
+    monkeypatch.undo()
+    assert all(torch.equal(out.slots, slots) for out, slots in zip(group.step(inputs), expect)), "recovered"

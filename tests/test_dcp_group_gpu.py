@@ -92,3 +92,18 @@ def test_a_rank_that_is_not_run_times_the_others_out_and_the_group_recovers(grou
         tables = step.state.caches.block_tables[:4]
         assert torch.equal(out.slots, ref.local_slots(merged, tables, 64, group.dcp, rank)), rank
         assert torch.isfinite(out.out).all()
+
+
+def test_a_rank_delayed_on_the_gpu_gives_the_same_results(group, monkeypatch):
+    inputs = group.unsharded.inputs(4, context_lens=5000, seed=5)
+    expect = [(out.slots.clone(), out.out.clone()) for out in group.step(inputs)]
+    late = group.steps[-1].stages
+    index_key = late.index_key
+
+    def delayed(size):
+        torch.cuda._sleep(2_000_000)  # a spin kernel of about 1 ms ahead of the rank's step
+        index_key(size)
+
+    monkeypatch.setattr(late, "index_key", delayed)
+    for out, (slots, attention) in zip(group.step(inputs), expect):
+        assert torch.equal(out.slots, slots) and torch.equal(out.out, attention)
