@@ -197,3 +197,19 @@ def test_a_delayed_rank_gives_the_same_results_and_one_past_wait_s_loses_its_can
         group.step(inputs)
     monkeypatch.undo()
     assert all(torch.equal(out.slots, slots) for out, slots in zip(group.step(inputs), expect)), "recovered"
+
+
+def test_a_rank_pushes_its_own_rows_of_the_steps_tokens_into_every_peer_and_nothing_else():
+    group = _group(4, wait_s=0.01)
+    for step in group.steps:
+        formats.arm(step.caches.mailbox)
+    pusher = group.transports[1]
+    rows = torch.randint(0, 255, pusher.mailbox[:2, 4:8].shape, dtype=torch.uint8)
+    pusher.mailbox[:2, 4:8] = rows
+    with pytest.raises(MailboxTimeout, match=r"token 0, head row 0 \(rank 0's\)"):  # alone: nobody else pushed
+        pusher.share_query_rows(2)
+    for rank, step in enumerate(group.steps):
+        mailbox = step.caches.mailbox
+        assert torch.equal(mailbox[:2, 4:8], rows), rank
+        armed = formats.SENTINEL_BYTE
+        assert (mailbox[:2, :4] == armed).all() and (mailbox[:2, 8:] == armed).all() and (mailbox[2:] == armed).all()
