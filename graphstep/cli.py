@@ -382,8 +382,12 @@ def describe_graph(info) -> str:
 
 
 def run_cpu(args) -> int:
-    """The reference step on the CPU: what the GPU step computes, without graphs."""
+    """The reference step on the CPU: what the GPU step computes, without graphs (under
+    DCP, the group of every rank: run_cpu_group)."""
     import torch
+
+    if args.dcp > 1:
+        return run_cpu_group(args)
 
     from .reference import reference_step
     from .state import LayerState
@@ -430,6 +434,57 @@ def run_cpu(args) -> int:
     print(
         "Graph capture, PDL and the CuTe DSL kernels need an sm_90 GPU (H100/H200): none was found,"
         " so no graph was built and no latency was measured."
+    )
+    return 0
+
+
+def run_cpu_group(args) -> int:
+    """`run --dcp d` on the CPU: a DcpGroup of d ranks (torch backend, eager), each rank's
+    step and the combine of their attention into the unsharded layer's."""
+    import torch
+
+    from .dcp_group import DcpGroup
+
+    shape = rank_shape(args)
+    batch, context = args.cpu_batch, args.cpu_context
+    started = time.perf_counter()
+    group = DcpGroup(shape, args.dcp, capture_sizes=[batch], max_context=context, seed=args.seed)
+    built = time.perf_counter() - started
+    inputs = group.unsharded.inputs(batch, context_lens=None, seed=args.seed + 1)
+    outputs = group.step(inputs)
+    out, lse = group.combine(outputs)
+    ranks = [
+        dict(rank=r, slots_picked=int((o.slots >= 0).sum()), seconds=group.times[r]) for r, o in enumerate(outputs)
+    ]
+    tokens = [
+        dict(
+            token=b,
+            context=int(inputs.context_lens[b]),
+            out_rms=float(out[b].square().mean().sqrt()),
+            lse_mean=float(lse[b].mean()),
+        )
+        for b in range(batch)
+    ]
+    if args.json:
+        record = dict(
+            model=shape.model.name,
+            topology=shape.topology.name,
+            device="cpu",
+            graphs=False,
+            torch=torch.__version__,
+            build_seconds=built,
+            group_seconds=group.group_time,
+            ranks=ranks,
+            tokens=tokens,
+        )
+        print(json.dumps(record, indent=1))
+        return 0
+    print(f"graphstep run: {shape.model.name} {shape.topology.name}, a DCP group of {args.dcp} ranks on the CPU")
+    print(table(["rank", "slots picked", "step s"], [[r["rank"], r["slots_picked"], r["seconds"]] for r in ranks]))
+    print(table(["token", "context", "combined out rms", "combined lse mean"], [list(t.values()) for t in tokens]))
+    print(
+        f"group step: {group.group_time:.3f} s for {batch} tokens (ranks in threads, torch backend, eager; "
+        f"built in {built:.1f} s, torch {torch.__version__})."
     )
     return 0
 

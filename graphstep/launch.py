@@ -52,14 +52,17 @@ def current_stream():
 
 
 class MailboxTimeout(RuntimeError):
-    """A mailbox chunk never landed within QueryWait's budget."""
+    """A mailbox chunk never landed within QueryWait's budget. heads: head rows per rank,
+    to name the rank that owns the row (rank = row // heads) and never published it."""
 
-    def __init__(self, token: int, row: int, chunk: int):
+    def __init__(self, token: int, row: int, chunk: int, heads: int | None = None):
+        owner = "" if heads is None else f" (rank {row // heads}'s)"
         super().__init__(
-            f"DCP mailbox: token {token}, head row {row}, chunk {chunk} was never published "
+            f"DCP mailbox: token {token}, head row {row}{owner}, chunk {chunk} was never published "
             f"(QueryWait gave up after its budget; the step's outputs are invalid)"
         )
         self.token, self.row, self.chunk = token, row, chunk
+        self.rank = None if heads is None else row // heads
 
 
 @dataclass
@@ -77,13 +80,14 @@ class ErrorWord:
         """Clear the word (flag 0, index INT32_MAX) for the next step."""
         self.word.copy_(torch.tensor([0, INT32_MAX], dtype=torch.int32))
 
-    def check(self, gathered: int, row_chunks: int) -> None:
-        """Raise MailboxTimeout if a poll gave up (synchronizes with the device), then re-arm."""
+    def check(self, gathered: int, row_chunks: int, heads: int | None = None) -> None:
+        """Raise MailboxTimeout if a poll gave up (synchronizes with the device), then re-arm.
+        heads: head rows per rank, to name the rank that never published."""
         flag, index = self.word.tolist()
         if flag:
             self.reset()
             token, rest = divmod(index, gathered * row_chunks)
-            raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks)
+            raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks, heads)
 
 
 class Kernels:

@@ -335,6 +335,17 @@ def sparse_attention(state: LayerState, caches: LayerCaches, q: torch.Tensor, sl
     return out, lse
 
 
+def combine_ranks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DCP combine: each rank's attention (out [B, G, 512], lse [B, G]) over its own
+    slots -> the attention over all of them, each rank's out weighted by exp(lse_r - lse)
+    with lse = logsumexp_r lse_r. A rank with no slot (lse -inf) weighs 0; a row no rank
+    attended gives out 0, lse -inf (as sparse_attention does)."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    base = torch.where(torch.isfinite(lse), lse, 0)
+    out = sum(torch.exp(rank_lse - base)[..., None] * out for out, rank_lse in zip(outs, lses))
+    return out, lse
+
+
 # -- the whole stage ----------------------------------------------------------------------
 
 

@@ -278,6 +278,50 @@ class LayerState:
         slots = pages * page + local % page
         return torch.where(pos % topo.dcp == topo.rank, slots, -1).to(torch.int32)
 
+    def load_shard(self, full: LayerState) -> None:
+        """Make this state DCP rank `topology.rank`'s shard of `full`, one unsharded layer
+        (dcp 1, this rank's gathered heads, the same max_batch and max_context): Q_B and W_UK
+        of this rank's heads, the other weights as they are, and the cache rows of the
+        positions p with p % dcp == rank at local index p // dcp, through this state's own
+        block tables. In place, so a step's stages and graphs keep their tensors; the
+        mailbox is re-armed."""
+        s, f = self.shape, full.shape
+        topo, page = s.topology, s.model.page_size
+        if f.model != s.model or f.topology.dcp != 1 or f.heads != s.gathered:
+            raise ValueError(
+                f"load_shard needs the unsharded layer of {s.model.name} with {s.gathered} heads and dcp 1, "
+                f"got {f.model.name} {f.topology.name} ({f.heads} heads)"
+            )
+        if (f.topology.q_format, f.topology.mla_cache) != (topo.q_format, topo.mla_cache):
+            raise ValueError("load_shard: the unsharded layer's q_format and mla_cache must be this rank's")
+        if (full.max_batch, full.max_context) != (self.max_batch, self.max_context):
+            raise ValueError(
+                f"load_shard: the unsharded layer holds {full.max_batch} x {full.max_context} tokens, "
+                f"this rank's state {self.max_batch} x {self.max_context}"
+            )
+        heads = slice(topo.rank * s.heads, (topo.rank + 1) * s.heads)
+        for name, mine in vars(self.weights).items():
+            theirs = getattr(full.weights, name)
+            if name == "w_qb":
+                theirs = theirs.unflatten(0, (f.heads, -1))[heads].flatten(0, 1)
+            elif name == "w_uk":
+                theirs = theirs[heads]
+            mine.copy_(theirs)
+        dev = self.device
+        local = torch.arange(self.pages_per_seq * page, device=dev)
+        # positions past the unsharded tables (past max_context) are never read: any row will do
+        position = (local * topo.dcp + topo.rank).clamp(max=full.pages_per_seq * page - 1)
+        full_pages = full.caches.block_tables.long()[:, (position // page).to(full.device)].to(dev)
+        pages = self.caches.block_tables.long()[:, local // page]
+        full_offsets, offsets = (position % page).expand_as(pages), (local % page).expand_as(pages)
+        source = full.caches.mla_cache.to(dev)  # (a copy only when the devices differ)
+        self.caches.mla_cache[pages, offsets] = source[full_pages, full_offsets]
+        keys, scales = formats.index_cache_views(self.caches.index_cache, page, s.model.index_dim)
+        full_keys, full_scales = formats.index_cache_views(full.caches.index_cache.to(dev), page, s.model.index_dim)
+        keys[pages, offsets] = full_keys[full_pages, full_offsets]
+        scales[pages, offsets] = full_scales[full_pages, full_offsets]
+        formats.arm(self.caches.mailbox)
+
     def clone_caches(self) -> LayerCaches:
         """A copy of the caches, so a reference run and a kernel run can start from the same state."""
         c = self.caches

@@ -68,6 +68,10 @@ class DecodeStep:
         transport: callable (shape, mailbox) -> Transport, or None. This rank's end of the
             DCP exchanges (graphstep.transport); None: SimulatedPeers under DCP (the other
             ranks played from step()'s `peers`), SingleRank without.
+        state: LayerState or None. The weights and caches to step on (a DcpGroup's shard of
+            one unsharded layer), built before the backend, which may derive tensors from the
+            weights; its shape, device and max_context must be the step's and its max_batch
+            the largest captured size (seed is then unused). None: drawn from `seed`.
 
     Attributes: state (LayerState: weights, caches, the mailbox), buffers (the static
     Buffers the graphs read and write), stages (the backend), transport (the DCP exchanges),
@@ -86,6 +90,7 @@ class DecodeStep:
         pdl: bool = True,
         budget_ns: int = DEFAULT_BUDGET_NS,
         transport=None,
+        state: LayerState | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(BACKENDS)}")
@@ -108,7 +113,20 @@ class DecodeStep:
         self.modes = {
             size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split) for size in sizes
         }
-        self.state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
+        if state is None:
+            state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
+        elif (state.shape, state.device, state.max_batch, state.max_context) != (
+            shape,
+            self.device,
+            sizes[-1],
+            max_context,
+        ):
+            raise ValueError(
+                f"state: a LayerState of {shape.model.name} {shape.topology} on {self.device} for {sizes[-1]} x "
+                f"{max_context} tokens, got {state.shape.model.name} {state.shape.topology} on {state.device} for "
+                f"{state.max_batch} x {state.max_context}"
+            )
+        self.state = state
         self.error = ErrorWord.new(self.device)
         self.buffers = Buffers.allocate(self.state)
         self.stages: Stages = BACKENDS[backend](self.state, self.buffers, self.error, budget_ns, pdl)
@@ -143,6 +161,7 @@ class DecodeStep:
         if mode == "serial":
             stages.index_key(size)
             stages.mla_query(size, store_qc=True, poll=dcp)
+            self.transport.share_query_rows(size)
             self._indexer(size)
         else:
             side = side_stream(self.device.index) if main is not None else None
@@ -153,6 +172,7 @@ class DecodeStep:
             self._indexer(size)
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 stages.mla_query(size, store_qc=False, poll=dcp and mode == "fork_poll")
+                self.transport.share_query_rows(size)
                 if dcp and mode == "fork":
                     stages.query_wait(size)
             if side is not None:
@@ -277,7 +297,7 @@ class DecodeStep:
         else:
             self.graph(size).replay()
         if self.shape.topology.dcp > 1:
-            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
+            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, self.shape.heads)
         batch, b = inputs.batch, self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
         return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])

@@ -14,8 +14,8 @@ A `Transport` is this rank's end of both exchanges. `DecodeStep` calls it at fix
 of its data path (see each method), with the same calls in eager runs and graph captures,
 so whatever a transport launches is captured into the step's graphs. `SimulatedPeers`
 plays the other ranks on this rank's GPU from inputs loaded before the step; `SingleRank`
-is the transport of a step without DCP. A multi-rank transport (remote stores into the
-peers' mailboxes and candidate buffers) is one more subclass.
+is the transport of a step without DCP; `dcp_group.GroupTransport` exchanges with the
+other ranks of a `DcpGroup` in this process.
 """
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ class Transport(ABC):
         MlaQuery's poll) wait on the chunks themselves."""
 
     @abstractmethod
+    def share_query_rows(self, size: int) -> None:
+        """This rank's query rows, just written into its own mailbox by its MlaQuery, go to
+        the other ranks. Called right after MlaQuery, on its stream, before QueryWait. Nothing
+        to do when MlaQuery stores into the peers itself (remote stores), without DCP, or when
+        the peers are simulated; a transport that copies the rows instead
+        (dcp_group.GroupTransport) does it here."""
+
+    @abstractmethod
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +114,9 @@ class SingleRank(Transport):
 
     def publish_query_rows(self, size: int) -> None:
         pass  # every row is this rank's own, written by its MlaQuery
+
+    def share_query_rows(self, size: int) -> None:
+        pass  # no other rank
 
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int
@@ -191,6 +202,9 @@ class SimulatedPeers(Transport):
         own, gathered = self.own, self.shape.gathered
         self.mailbox[:size, : own.start] = self.rows[:size, : own.start]
         self.mailbox[:size, own.stop : gathered] = self.rows[:size, own.stop :]
+
+    def share_query_rows(self, size: int) -> None:
+        pass  # the simulated peers need nothing of this rank's
 
     def publish_candidates(
         self, positions: torch.Tensor, scores: torch.Tensor, size: int

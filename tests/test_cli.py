@@ -213,3 +213,12 @@ def test_graph_table_names_each_kernel_by_its_stage():
         ["2", "memcpy"],
     ]
     assert "3 nodes (2 kernels), 2 edges, 1 programmatic" in text
+
+
+def test_cpu_run_dcp_runs_the_group(capsys):
+    assert main(["run", "--cpu", "--dcp", "2", "--cpu-batch", "2", "--cpu-context", "300", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["topology"] == "tp8-dcp2" and [r["rank"] for r in record["ranks"]] == [0, 1]
+    # each rank picks the selected positions it holds: together every position of both tokens (< top-k)
+    assert sum(r["slots_picked"] for r in record["ranks"]) == sum(t["context"] for t in record["tokens"])
+    assert record["group_seconds"] > 0 and all(r["seconds"] > 0 for r in record["ranks"])

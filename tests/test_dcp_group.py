@@ -1,0 +1,215 @@
+"""DcpGroup on the CPU (torch backend): the shards of one unsharded layer, the exchanges of
+GroupTransport, the combine across ranks against the unsharded layer, and a missing rank."""
+
+import time
+
+import pytest
+import torch
+
+from conftest import SMALL, rel_err
+from graphstep import formats
+from graphstep import reference as ref
+from graphstep.dcp_group import CandidatesTimeout, DcpGroup, GroupTransport
+from graphstep.launch import MailboxTimeout
+from graphstep.shapes import RankShape, Topology
+from graphstep.step import DecodeStep
+
+CONTEXT, SIZES = 300, (2, 4)  # SMALL: 4 heads per rank at tp 4; 300 tokens span 5 pages unsharded
+
+
+def _group(dcp, **kw):
+    return DcpGroup(RankShape(SMALL, Topology(tp=4)), dcp, capture_sizes=SIZES, max_context=CONTEXT, seed=3, **kw)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def group(request):
+    return _group(request.param)
+
+
+def test_each_rank_holds_its_heads_and_positions_of_the_unsharded_layer(group):
+    full, d, page = group.unsharded, group.dcp, SMALL.page_size
+    full_mla = full.caches.mla_cache.view(-1, SMALL.query_row)
+    full_keys, _ = formats.index_cache_views(full.caches.index_cache, page, SMALL.index_dim)
+    for rank, step in enumerate(group.steps):
+        state = step.state
+        assert isinstance(step.transport, GroupTransport) and state.shape.topology.rank == rank
+        heads = state.shape.heads
+        assert torch.equal(state.weights.w_uk, full.weights.w_uk[rank * heads : (rank + 1) * heads])
+        rows = SMALL.qk_head_dim * heads
+        assert torch.equal(state.weights.w_qb, full.weights.w_qb[rank * rows : (rank + 1) * rows])
+        assert torch.equal(state.weights.wq_b_index, full.weights.wq_b_index)
+        mla = state.caches.mla_cache.view(-1, SMALL.query_row)
+        keys, _ = formats.index_cache_views(state.caches.index_cache, page, SMALL.index_dim)
+        for seq in (0, 3):
+            for position in range(rank, CONTEXT, d * 7):  # every 7th of the rank's positions
+                local = position // d
+                slot = int(state.caches.block_tables[seq, local // page]) * page + local % page
+                full_slot = int(full.caches.block_tables[seq, position // page]) * page + position % page
+                assert torch.equal(mla[slot], full_mla[full_slot]), (rank, seq, position)
+                assert torch.equal(keys[slot // page, slot % page], full_keys[full_slot // page, full_slot % page])
+
+
+def test_combine_ranks_is_the_attention_over_every_ranks_slots():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 12, generator=g, dtype=torch.float64)
+    values = torch.randn(3, 12, 7, generator=g, dtype=torch.float64)
+    logits[1, :, :] = float("-inf")  # a token with no slot anywhere
+    parts = [slice(0, 5), slice(5, 5), slice(5, 12)]  # the middle rank has no slot
+    outs, lses = [], []
+    for part in parts:
+        lse = torch.logsumexp(logits[..., part], -1) if part.stop > part.start else torch.full((3, 5), -torch.inf)
+        probs = torch.exp(logits[..., part] - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+        outs.append(torch.einsum("bgk,bkc->bgc", probs, values[:, part]))
+        lses.append(lse.to(torch.float64))
+    out, lse = ref.combine_ranks(outs, lses)
+    expect = torch.einsum("bgk,bkc->bgc", torch.softmax(logits[[0, 2]], -1), values[[0, 2]])
+    assert torch.allclose(out[[0, 2]], expect, atol=1e-12)
+    assert torch.allclose(lse[[0, 2]], torch.logsumexp(logits[[0, 2]], -1), atol=1e-12)
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+
+
+def _global_selection(group, batch):
+    """The global top-k of the unsharded scores, assembled from the ranks' scores
+    (local index i of rank r is position i x dcp + r), as global positions."""
+    d = group.dcp
+    width = max(step.buffers.scores.shape[1] for step in group.steps) * d
+    scores = torch.full((batch, width), float("-inf"))
+    for rank, step in enumerate(group.steps):
+        local = step.buffers.scores[:batch]
+        scores[:, rank::d][:, : local.shape[1]] = local
+    return ref.topk_indices(scores, SMALL.index_topk)
+
+
+def test_the_group_step_is_the_unsharded_layers(group):
+    inputs = group.unsharded.inputs(3, seed=5)  # pads to 4
+    unsharded = DecodeStep(
+        group.unsharded.shape, capture_sizes=SIZES, backend="torch", device="cpu", max_context=CONTEXT, seed=3
+    )
+    assert torch.equal(unsharded.caches.mla_cache, group.unsharded.caches.mla_cache), "the same seeded layer"
+    outputs = group.step(inputs)
+    expect = unsharded.step(inputs, eager=True)
+    # every rank's slots: its share of the global top-k (the reference DCP merge)
+    chosen = _global_selection(group, 3)
+    for rank, (step, got) in enumerate(zip(group.steps, outputs)):
+        tables = step.state.caches.block_tables[:3]
+        assert torch.equal(got.slots, ref.local_slots(chosen, tables, SMALL.page_size, group.dcp, rank)), rank
+        # every rank attended every rank's heads: the unsharded layer's query rows
+        assert torch.equal(got.q_rows, expect.q_rows), rank
+        assert (step.caches.mailbox == formats.SENTINEL_BYTE).all(), "the sparse core re-armed the mailbox"
+    assert torch.equal(chosen, ref.topk_indices(unsharded.buffers.scores[:3], SMALL.index_topk))
+    out, lse = group.combine(outputs)
+    assert out.shape == (3, group.dcp * 4, SMALL.kv_lora_rank)
+    assert rel_err(out, expect.out) < 2e-3 and rel_err(lse, expect.lse) < 2e-3
+    # and against the reference attention of the unsharded layer over the same selection
+    ref.kv_insert(group.unsharded, inputs, group.unsharded.caches)
+    slots = ref.to_slots(chosen, inputs.block_tables, SMALL.page_size)
+    full_out, full_lse = ref.sparse_attention(group.unsharded, group.unsharded.caches, expect.q_rows.float(), slots)
+    assert rel_err(out, full_out) < 2e-3 and rel_err(lse, full_lse) < 2e-3
+    assert all(t is not None and t > 0 for t in group.times) and group.group_time > 0
+
+
+def test_a_rank_that_never_publishes_times_the_others_out_and_the_next_step_works():
+    group = _group(4, wait_s=0.3)
+    inputs = group.unsharded.inputs(2, seed=8)
+    with pytest.raises(MailboxTimeout, match=r"head row 8 \(rank 2's\), chunk 0") as lost:
+        group.step(inputs, absent=[2])
+    assert (lost.value.rank, lost.value.token, lost.value.row, lost.value.chunk) == (2, 0, 8, 0)
+    assert all((step.caches.mailbox == formats.SENTINEL_BYTE).all() for step in group.steps), "re-armed"
+    outputs = group.step(inputs)
+    chosen = _global_selection(group, 2)
+    for rank, (step, got) in enumerate(zip(group.steps, outputs)):
+        expect = ref.local_slots(chosen, step.state.caches.block_tables[:2], SMALL.page_size, 4, rank)
+        assert torch.equal(got.slots, expect), rank
+    assert torch.equal(outputs[0].q_rows, outputs[2].q_rows)
+
+
+def test_a_group_rank_takes_no_peer_inputs():
+    group = _group(2)
+    step = group.steps[1]
+    inputs = group.rank_inputs(group.unsharded.inputs(2, seed=1))[1]
+    with pytest.raises(ValueError, match="takes no peers"):
+        step.step(inputs, step.state.peer_inputs(inputs), eager=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dcp=1), "dcp >= 2"),
+        (dict(dcp=3), "multiple of dcp"),
+        (dict(dcp=2, devices=["cpu"] * 3), "one per rank"),
+        (dict(dcp=2, backend="triton"), "backend 'triton'"),
+    ],
+)
+def test_construction_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DcpGroup(RankShape(SMALL, Topology(tp=4)), max_context=100, **kwargs)
+
+
+def test_a_step_on_a_given_state_checks_it_is_the_steps():
+    group = _group(2)
+    state = group.steps[1].state
+    with pytest.raises(
+        ValueError, match=r"rank=0.* on cpu for 4 x 300 tokens, got small .*rank=1.* on cpu for 4 x 300"
+    ):
+        DecodeStep(
+            state.shape.with_topology(rank=0),
+            capture_sizes=SIZES,
+            backend="torch",
+            device="cpu",
+            max_context=CONTEXT,
+            state=state,
+        )  # the shapes differ in the rank
+    with pytest.raises(ValueError, match="for 8 x 300 tokens"):
+        DecodeStep(state.shape, capture_sizes=(8,), backend="torch", device="cpu", max_context=CONTEXT, state=state)
+
+
+def test_a_ranks_own_error_is_raised_rather_than_the_timeouts_it_caused(monkeypatch):
+    group = _group(2, wait_s=0.2)
+    inputs = group.unsharded.inputs(2, seed=9)
+
+    def broken(size):
+        raise RuntimeError("rank 1's IndexKey failed")
+
+    monkeypatch.setattr(group.steps[1].stages, "index_key", broken)
+    with pytest.raises(RuntimeError, match="rank 1's IndexKey failed"):
+        group.step(inputs)
+    monkeypatch.undo()
+    assert all(out is not None for out in group.step(inputs))
+
+
+def _slow(stage, seconds):
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return stage(*args, **kwargs)
+
+    return run
+
+
+def test_a_delayed_rank_gives_the_same_results_and_one_past_wait_s_loses_its_candidates(monkeypatch):
+    group = _group(2, wait_s=0.5)
+    inputs = group.unsharded.inputs(2, seed=10)
+    expect = [out.slots.clone() for out in group.step(inputs)]
+    monkeypatch.setattr(group.steps[1].stages, "index_scores", _slow(group.steps[1].stages.index_scores, 0.1))
+    assert all(torch.equal(out.slots, slots) for out, slots in zip(group.step(inputs), expect)), "within wait_s"
+    # past wait_s between the two exchanges: rank 0 merged without rank 1's candidates
+    monkeypatch.setattr(group.steps[1].stages, "index_scores", _slow(group.steps[1].stages.index_scores, 1.0))
+    with pytest.raises(CandidatesTimeout, match=r"rank 0 never received the candidates of ranks \[1\]"):
+        group.step(inputs)
+    monkeypatch.undo()
+    assert all(torch.equal(out.slots, slots) for out, slots in zip(group.step(inputs), expect)), "recovered"
+
+
+def test_a_rank_pushes_its_own_rows_of_the_steps_tokens_into_every_peer_and_nothing_else():
+    group = _group(4, wait_s=0.01)
+    for step in group.steps:
+        formats.arm(step.caches.mailbox)
+    pusher = group.transports[1]
+    rows = torch.randint(0, 255, pusher.mailbox[:2, 4:8].shape, dtype=torch.uint8)
+    pusher.mailbox[:2, 4:8] = rows
+    with pytest.raises(MailboxTimeout, match=r"token 0, head row 0 \(rank 0's\)"):  # alone: nobody else pushed
+        pusher.share_query_rows(2)
+    for rank, step in enumerate(group.steps):
+        mailbox = step.caches.mailbox
+        assert torch.equal(mailbox[:2, 4:8], rows), rank
+        armed = formats.SENTINEL_BYTE
+        assert (mailbox[:2, :4] == armed).all() and (mailbox[:2, 8:] == armed).all() and (mailbox[2:] == armed).all()
