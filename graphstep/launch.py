@@ -7,6 +7,7 @@ before any graph capture: a module load inside capture fails.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -86,15 +87,25 @@ class ErrorWord:
 class Kernels:
     """The compiled kernels of one rank, bound to its weights."""
 
-    def __init__(self, shape: RankShape, weights: LayerWeights, pdl: bool = True):
-        """Raises ValueError for a shape some kernel is not written for (kernels/catalog.py check)."""
+    def __init__(self, shape: RankShape, weights: LayerWeights | None, pdl: bool = True):
+        """weights: None for a caller that binds them per launch (`bind`). Raises ValueError
+        for a shape some kernel is not written for (kernels/catalog.py check)."""
         from .kernels import catalog
 
         catalog.check(shape)
         self.shape, self.weights, self.pdl = shape, weights, pdl
         # The absorption reads W_UK with K (the nope dim) contiguous: a one-time transpose.
-        self.w_uk_t = weights.w_uk.transpose(1, 2).contiguous()
+        self.w_uk_t = None if weights is None else weights.w_uk.transpose(1, 2).contiguous()
         self.eps = shape.model.rms_eps
+
+    def bind(self, weights, w_uk_t: torch.Tensor | None = None) -> "Kernels":
+        """These compiled kernels over other weights of the same shape, without a compile or
+        a copy (graphstep.ops passes a layer's weights with each call). weights: an object
+        with the LayerWeights fields the launches read; w_uk_t: W_UK with the nope dim
+        contiguous (bf16 [heads, 512, 128]), for MlaQuery."""
+        bound = copy.copy(self)
+        bound.weights, bound.w_uk_t = weights, w_uk_t
+        return bound
 
     def tiled(self, batch: int) -> bool:
         return batch >= tiled_from(self.shape.heads)
