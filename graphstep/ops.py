@@ -67,6 +67,13 @@ def _kernels(key: str, pdl: bool) -> Kernels:
     return Kernels(rank_shape(key), None, pdl)
 
 
+def _launcher(op: str, key: str, pdl: bool, device: torch.device) -> Kernels:
+    """The cached kernels of `key`, for arguments on `device` (checked to be one device)."""
+    if device.type != "cuda":
+        raise ValueError(f"graphstep.{op}: the kernels run on CUDA tensors, got tensors on {device}")
+    return _kernels(key, pdl)
+
+
 def warm(shape: RankShape, batches=range(1, 65), width: int | None = None, pdl: bool = True) -> None:
     """Compile every kernel variant the ops launch for these batch sizes over block tables of
     `width` scores (None: every TopK split), so that a graph capture loads no module."""
@@ -118,7 +125,7 @@ def query_norm(qkv: Tensor, gamma_q: Tensor, shape: str, pdl: bool = True) -> Te
         q_c: (B, 1536), torch.bfloat16.
     """
     _query_norm_check(qkv, gamma_q, shape)
-    kernels = _kernels(shape, pdl).bind(SimpleNamespace(gamma_q=gamma_q))
+    kernels = _launcher("query_norm", shape, pdl, qkv.device).bind(SimpleNamespace(gamma_q=gamma_q))
     q_c = qkv.new_empty(qkv.shape[0], gamma_q.shape[0])
     kernels.query_norm(qkv, q_c, qkv.shape[0])
     return q_c
@@ -227,7 +234,7 @@ def mla_query(
         shape,
     )
     weights = SimpleNamespace(gamma_q=gamma_q, gamma_kv=gamma_kv, w_qb=w_qb, rope_cos=rope_cos, rope_sin=rope_sin)
-    kernels = _kernels(shape, pdl).bind(weights, w_uk_t)
+    kernels = _launcher("mla_query", shape, pdl, qkv.device).bind(weights, w_uk_t)
     s, batch = kernels.shape, qkv.shape[0]
     q_c = qkv.new_empty(batch, s.model.q_lora_rank)
     workspace = qkv.new_empty(batch, s.heads, s.model.qk_head_dim, dtype=FP32)
@@ -312,7 +319,7 @@ def query_wait(
         error: (2,), torch.int32, written in place (see mla_query).
     """
     _query_wait_check(q_rows, error, batch, shape)
-    _kernels(shape, pdl).query_wait(q_rows, ErrorWord(error), batch, budget_ns)
+    _launcher("query_wait", shape, pdl, q_rows.device).query_wait(q_rows, ErrorWord(error), batch, budget_ns)
 
 
 @query_wait.register_fake
@@ -379,7 +386,9 @@ def index_key(
         index_rope_cos=index_rope_cos,
         index_rope_sin=index_rope_sin,
     )
-    _kernels(shape, pdl).bind(weights).index_key(qkv, context_lens, slot_mapping, index_cache, qkv.shape[0])
+    _launcher("index_key", shape, pdl, qkv.device).bind(weights).index_key(
+        qkv, context_lens, slot_mapping, index_cache, qkv.shape[0]
+    )
 
 
 @index_key.register_fake
@@ -455,7 +464,9 @@ def index_query(
     _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape)
     weights = SimpleNamespace(wq_b_index=wq_b_index, index_rope_cos=index_rope_cos, index_rope_sin=index_rope_sin)
     q, head_w = _index_query_outputs(q_c, shape)
-    _kernels(shape, pdl).bind(weights).index_query(q_c, qkv, context_lens, q, head_w, q_c.shape[0])
+    _launcher("index_query", shape, pdl, q_c.device).bind(weights).index_query(
+        q_c, qkv, context_lens, q, head_w, q_c.shape[0]
+    )
     return q, head_w
 
 
@@ -508,7 +519,7 @@ def dsa_index(
     _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape)
     m = rank_shape(shape).model
     scores = head_w.new_empty(q.shape[0], block_tables.shape[1] * m.page_size)
-    _kernels(shape, pdl).dsa_index(
+    _launcher("dsa_index", shape, pdl, q.device).dsa_index(
         q, head_w, index_cache, block_tables, context_lens, scores, q.shape[0], pages_per_cta
     )
     return scores
@@ -557,7 +568,9 @@ def top_k(
     out, out_scores = _top_k_outputs(scores, shape)
     # without DCP the kernel never writes out_scores: any fp32 CUDA pointer does
     unused = out_scores if out_scores.numel() else scores
-    _kernels(shape, pdl).top_k(scores, block_tables, context_lens, out, unused, scores.shape[0])
+    _launcher("top_k", shape, pdl, scores.device).top_k(
+        scores, block_tables, context_lens, out, unused, scores.shape[0]
+    )
     return out, out_scores
 
 
@@ -607,7 +620,7 @@ def dcp_merge(
     """
     _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape)
     slots = torch.empty_like(own_positions)
-    _kernels(shape, pdl).dcp_merge(
+    _launcher("dcp_merge", shape, pdl, own_positions.device).dcp_merge(
         own_positions, own_scores, peer_positions, peer_scores, block_tables, slots, own_positions.shape[0]
     )
     return slots
@@ -663,7 +676,7 @@ def sparse_core(
             for a token with no slot.
     """
     _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
-    kernels = _kernels(shape, pdl)
+    kernels = _launcher("sparse_core", shape, pdl, slots.device)
     batch, s = slots.shape[0], kernels.shape
     spc = slots_per_cta or kernels.sparse_core_plan(batch)
     # the (token, split) partials this launch makes; none for one split per token
