@@ -9,9 +9,12 @@ weights are tensor arguments (a layer's LayerWeights fields), so one compiled ke
 every layer. B, the batch, is the first dim of the token-indexed inputs; every tensor is
 contiguous, on one CUDA device, 16-byte aligned.
 
-Compiling happens on a variant's first call, and a module load inside a graph capture
-fails: call `warm(shape, batches, width)` (or run each op once eagerly at every batch size)
-before capturing.
+Eager calls go through CuTe DSL's TVM-FFI ABI where apache-tvm-ffi is installed (the `ffi`
+extra; launch.TvmFfiKernels), else through its own calling path (launch.Kernels). A kernel
+variant compiles on its first call (`warm(shape, batches, width)` compiles them ahead), and
+a module load inside a graph capture fails: under TVM-FFI a module loads at its first
+launch, so run each op once eagerly at every batch size before capturing it (the warm-up
+torch.cuda.graph asks for anyway).
 
 Outputs are new tensors; caches the kernels write in place (the MLA and indexer caches,
 the query-row mailbox, the error word) are declared in `mutates_args`. Byte formats
@@ -36,7 +39,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
+from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels, TvmFfiKernels, tvm_ffi_available
 from .shapes import ModelShape, RankShape, RopeScaling, Topology
 
 BF16, FP32, I32, U8 = torch.bfloat16, torch.float32, torch.int32, torch.uint8
@@ -64,7 +67,10 @@ def rank_shape(key: str) -> RankShape:
 
 @lru_cache(maxsize=None)
 def _kernels(key: str, pdl: bool) -> Kernels:
-    return Kernels(rank_shape(key), None, pdl)
+    """The launcher of the ops: through TVM-FFI where apache-tvm-ffi is installed (a few us of
+    host time a call), else CuTe DSL's own calling path."""
+    launcher = TvmFfiKernels if tvm_ffi_available() else Kernels
+    return launcher(rank_shape(key), None, pdl)
 
 
 def _launcher(op: str, key: str, pdl: bool, device: torch.device) -> Kernels:

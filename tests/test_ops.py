@@ -4,9 +4,11 @@ and bad arguments refused with the op and argument named."""
 
 import pytest
 import torch
+from graphstep.kernels import catalog
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphstep import ops
+from graphstep.launch import TvmFfiKernels, compile_tvm_ffi
 from graphstep.shapes import ModelShape, RankShape, Topology, preset
 
 OPS = (
@@ -237,3 +239,22 @@ def test_the_real_implementations_refuse_cpu_tensors():
     qkv = torch.zeros(B, shape.model.packed_width, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="query_norm: the kernels run on CUDA tensors, got tensors on cpu"):
         torch.ops.graphstep.query_norm(qkv, torch.ones(1536, dtype=torch.bfloat16), ops.shape_key(shape))
+
+
+def test_every_kernel_compiles_with_the_tvm_ffi_abi():
+    pytest.importorskip("tvm_ffi")
+    shape = SHAPES["kimi-dcp2-fp8"]
+    kernels = {}
+    for variant in catalog.variants(shape, batches=(1, 64), norms=(True,), widths=(4096,), polls=(True,)):
+        kernels.setdefault(type(variant.op).__name__, variant)
+    assert len(kernels) == len(OPS)  # one variant of each kernel (TopK: a cluster split)
+    for name, variant in kernels.items():
+        compiled = compile_tvm_ffi(variant, arch="sm_90a")
+        assert type(compiled).__name__.startswith("TVMFFIJitCompiledFunction"), name
+
+
+def test_tvm_ffi_arguments_are_plain_values_and_cpu_tensors_are_refused():
+    kernels = TvmFfiKernels(SHAPES["tp8"], None)
+    assert (kernels._i32(7), kernels._i64(2**40), kernels._f32(1e-6)) == (7, 2**40, 1e-6)
+    with pytest.raises(ValueError, match="kernel arguments must be CUDA tensors"):
+        kernels._ptr(torch.zeros(4))
