@@ -74,9 +74,14 @@ def _kernels(key: str, pdl: bool) -> Kernels:
 
 
 def _launcher(op: str, key: str, pdl: bool, device: torch.device) -> Kernels:
-    """The cached kernels of `key`, for arguments on `device` (checked to be one device)."""
+    """The cached kernels of `key`, for arguments on `device` (check_args held them to one)."""
     if device.type != "cuda":
         raise ValueError(f"graphstep.{op}: the kernels run on CUDA tensors, got tensors on {device}")
+    if device.index != torch.cuda.current_device():
+        raise ValueError(
+            f"graphstep.{op}: the tensors are on {device}, the current device is cuda:{torch.cuda.current_device()} "
+            f"(the kernels launch on the current device: torch.cuda.set_device)"
+        )
     return _kernels(key, pdl)
 
 
@@ -88,12 +93,11 @@ def warm(shape: RankShape, batches=range(1, 65), width: int | None = None, pdl: 
 
 def check_args(op: str, **args) -> None:
     """args: name=(tensor, dtype, shape), ANY in a shape for a free dim; raise ValueError
-    naming graphstep.<op> and the argument. All tensors on one device, contiguous."""
+    naming graphstep.<op> and the argument. All tensors on one device, contiguous. (The
+    dispatcher has already refused what is not a tensor.)"""
     device = None
     for name, (tensor, dtype, dims) in args.items():
         where = f"graphstep.{op}: {name}"
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{where} must be a tensor, got {type(tensor).__name__}")
         expect = "[" + ", ".join("*" if d is ANY else str(d) for d in dims) + "]"
         if tensor.dtype != dtype or tensor.dim() != len(dims):
             raise ValueError(f"{where} must be {dtype} {expect}, got {tensor.dtype} {list(tensor.shape)}")
@@ -106,6 +110,15 @@ def check_args(op: str, **args) -> None:
             raise ValueError(f"{where} is on {tensor.device}, the other arguments on {device}")
 
 
+def _batch(op: str, tensor: Tensor) -> int:
+    """B, the rows of a token-indexed argument: a launch of none would be an empty grid."""
+    if tensor.dim() == 0:
+        raise ValueError(f"graphstep.{op}: the token-indexed arguments have a batch dim [B, ...], got a 0-d tensor")
+    if tensor.shape[0] == 0:
+        raise ValueError(f"graphstep.{op}: the batch is empty (no launch of 0 tokens)")
+    return tensor.shape[0]
+
+
 def _at_least(op: str, name: str, tensor: Tensor, rows: int) -> None:
     if tensor.shape[0] < rows:
         raise ValueError(f"graphstep.{op}: {name} holds {tensor.shape[0]} rows, the batch is {rows}")
@@ -116,6 +129,7 @@ def _at_least(op: str, name: str, tensor: Tensor, rows: int) -> None:
 
 def _query_norm_check(qkv, gamma_q, shape):
     m = rank_shape(shape).model
+    _batch("query_norm", qkv)
     check_args("query_norm", qkv=(qkv, BF16, (ANY, m.packed_width)), gamma_q=(gamma_q, BF16, (m.q_lora_rank,)))
 
 
@@ -162,7 +176,7 @@ def _mla_query_check(
     shape,
 ):
     s = rank_shape(shape)
-    m, b = s.model, qkv.shape[0]
+    m, b = s.model, _batch("mla_query", qkv)
     cache_dtype, row = (BF16, m.query_row) if s.topology.mla_cache == "bf16" else (U8, s.mla_token_bytes)
     check_args(
         "mla_query",
@@ -338,7 +352,7 @@ def _(q_rows, error, batch, shape, budget_ns=DEFAULT_BUDGET_NS, pdl=True):
 
 def _index_key_check(qkv, context_lens, slot_mapping, norm_weight, norm_bias, rope_cos, rope_sin, index_cache, shape):
     m = rank_shape(shape).model
-    b = qkv.shape[0]
+    b = _batch("index_key", qkv)
     check_args(
         "index_key",
         qkv=(qkv, BF16, (ANY, m.packed_width)),
@@ -425,7 +439,7 @@ def _(
 
 def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, shape):
     m = rank_shape(shape).model
-    b = q_c.shape[0]
+    b = _batch("index_query", q_c)
     check_args(
         "index_query",
         q_c=(q_c, BF16, (ANY, m.q_lora_rank)),
@@ -484,7 +498,7 @@ def _(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape,
 
 def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape):
     m = rank_shape(shape).model
-    b = q.shape[0]
+    b = _batch("dsa_index", q)
     check_args(
         "dsa_index",
         q=(q, U8, (ANY, m.index_heads, m.index_dim)),
@@ -539,7 +553,7 @@ def _(q, head_w, index_cache, block_tables, context_lens, shape, pages_per_cta=N
 
 def _top_k_check(scores, block_tables, context_lens, shape):
     m = rank_shape(shape).model
-    b = scores.shape[0]
+    b = _batch("top_k", scores)
     check_args(
         "top_k",
         scores=(scores, FP32, (ANY, block_tables.shape[-1] * m.page_size)),
@@ -588,7 +602,7 @@ def _(scores, block_tables, context_lens, shape, pdl=True):
 
 def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape):
     s = rank_shape(shape)
-    k, dcp, b = s.model.index_topk, s.topology.dcp, own_positions.shape[0]
+    k, dcp, b = s.model.index_topk, s.topology.dcp, _batch("dcp_merge", own_positions)
     if dcp == 1:
         raise ValueError("graphstep.dcp_merge: needs a shape with Topology.dcp > 1")
     check_args(
@@ -643,7 +657,7 @@ def _(own_positions, own_scores, peer_positions, peer_scores, block_tables, shap
 
 def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta):
     s = rank_shape(shape)
-    m, b = s.model, slots.shape[0]
+    m, b = s.model, _batch("sparse_core", slots)
     cache_dtype, row = (BF16, m.query_row) if s.topology.mla_cache == "bf16" else (U8, s.mla_token_bytes)
     check_args(
         "sparse_core",

@@ -218,11 +218,20 @@ def _meta(*dims, dtype=torch.bfloat16):
         ("dcp_merge", {}, "needs a shape with Topology.dcp > 1"),
         ("sparse_core", {"a1": _meta(B, 1024, dtype=torch.int32)}, r"slots must be torch.int32 \[\*, 2048\]"),
         ("query_norm", {"a2": "tp8"}, "shape must be graphstep.ops.shape_key"),
+        ("query_norm", {"a0": _meta(0, 2304)}, "query_norm: the batch is empty"),
+        ("sparse_core", {"a1": _meta(0, 2048, dtype=torch.int32)}, "sparse_core: the batch is empty"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_op_and_argument(op, changes, message):
     with pytest.raises(ValueError, match=message):
         _call(op, **changes)
+
+
+def test_arguments_of_the_wrong_kind_are_refused():
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'wq_b_index'"):
+        _call("index_query", a3=[1.0])  # the schema's types, by the dispatcher
+    with pytest.raises(ValueError, match="dsa_index: the token-indexed arguments have a batch dim"):
+        _call("dsa_index", a0=torch.tensor(1, dtype=torch.uint8, device="meta"))
 
 
 def test_bad_tuning_arguments_are_refused():
