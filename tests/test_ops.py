@@ -262,6 +262,27 @@ def test_every_kernel_compiles_with_the_tvm_ffi_abi():
         assert type(compiled).__name__.startswith("TVMFFIJitCompiledFunction"), name
 
 
+def test_every_kernel_takes_under_tvm_ffi_what_tvm_ffi_kernels_passes():
+    """Data pointers (TvmFfiKernels passes data_ptr() ints), int and float scalars (Python
+    values) and a stream (its handle) last: no tensor parameter, whose DLPack form a data
+    pointer is not."""
+    pytest.importorskip("tvm_ffi")
+    import inspect
+
+    from cutlass.cute._tvm_ffi_args_spec_converter import _tvm_ffi_args_spec_converter
+    from cutlass.cute.runtime import make_fake_stream
+
+    shape = SHAPES["kimi-dcp2-fp8"]
+    seen = set()
+    for variant in catalog.variants(shape, batches=(1, 64), widths=(4096,)):
+        signature = inspect.signature(variant.op.__call__)
+        params, _, _ = _tvm_ffi_args_spec_converter(variant.name, signature, [*variant.args, make_fake_stream()], {})
+        kinds = [type(p).__name__ if type(p).__name__ != "Var" else str(p.dtype) for p in params]
+        assert kinds[-1] == "Stream" and set(kinds[:-1]) <= {"DataPointer", "int32", "int64", "float32"}, variant.name
+        seen.add(type(variant.op).__name__)
+    assert len(seen) == len(OPS)
+
+
 def test_tvm_ffi_arguments_are_plain_values_and_cpu_tensors_are_refused():
     kernels = TvmFfiKernels(SHAPES["tp8"], None)
     assert (kernels._i32(7), kernels._i64(2**40), kernels._f32(1e-6)) == (7, 2**40, 1e-6)
