@@ -2,7 +2,9 @@
 
 `Kernels` binds the compiled kernels of one RankShape to a state's weights; every op comes
 from kernels/catalog.py. Compile every variant of the capture sizes with `warm(sizes, width)`
-before any graph capture: a module load inside capture fails.
+before any graph capture: a module load inside capture fails. `TvmFfiKernels` launches the
+same kernels through CuTe DSL's TVM-FFI ABI, for callers that pay the host time of each
+eager call (graphstep.ops); its modules load at their first launch instead.
 """
 
 from __future__ import annotations
