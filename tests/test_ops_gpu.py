@@ -8,7 +8,7 @@ import torch
 from conftest import rel_err
 from graphstep import formats, ops
 from graphstep import reference as ref
-from graphstep.launch import INT32_MAX, ErrorWord, Kernels, MailboxTimeout
+from graphstep.launch import INT32_MAX, ErrorWord, Kernels, MailboxTimeout, TvmFfiKernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -48,6 +48,12 @@ def dcp2():
 
 def _error():
     return ErrorWord.new("cuda")
+
+
+def test_the_ops_launch_through_tvm_ffi(tp8):
+    """The issue's eager path: apache-tvm-ffi (the ffi extra) installed on this machine."""
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed: the ops use CuTe DSL's own path")
+    assert isinstance(ops._kernels(tp8.key, True), TvmFfiKernels)
 
 
 def test_query_norm_and_index_query_equal_their_launchers(tp8):
