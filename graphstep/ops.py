@@ -696,7 +696,17 @@ def sparse_core(
             for a token with no slot.
     """
     _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
-    kernels = _launcher("sparse_core", shape, pdl, slots.device)
+    return _run_sparse_core("sparse_core", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, None)
+
+
+@sparse_core.register_fake
+def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True):
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
+    return _sparse_core_outputs(slots, shape)
+
+
+def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_out):
+    kernels = _launcher(op, shape, pdl, slots.device)
     batch, s = slots.shape[0], kernels.shape
     spc = slots_per_cta or kernels.sparse_core_plan(batch)
     # the (token, split) partials this launch makes; none for one split per token
@@ -704,11 +714,36 @@ def sparse_core(
     partial_o = slots.new_empty(rows, s.q_heads, s.model.kv_lora_rank, dtype=FP32)
     partial_ml = slots.new_empty(rows, s.q_heads, 2, dtype=FP32)
     out, lse = _sparse_core_outputs(slots, shape)
-    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc)
+    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out)
     return out, lse
 
 
-@sparse_core.register_fake
+def _published_rows(q_rows, slots, shape):
+    s = rank_shape(shape)
+    return q_rows.new_empty(slots.shape[0], s.gathered, q_rows.shape[-1])
+
+
+@torch.library.custom_op("graphstep::sparse_core_publish", mutates_args=("q_rows",))
+def sparse_core_publish(
+    q_rows: Tensor, slots: Tensor, mla_cache: Tensor, shape: str, slots_per_cta: int | None = None, pdl: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SparseCore as the step launches it, the mailbox's last reader: sparse_core's outputs,
+    and the rows it read, copied out and re-armed (0xFF) in the mailbox for the next step
+    once every CTA that reads them is done (no copy or fill launch after it).
+
+    Arguments: as sparse_core's; q_rows (the mailbox) is written in place: rows 0 .. G of
+        the first B tokens re-armed.
+    Returns:
+        out, lse: as sparse_core's.
+        rows: (B, G, 576 x q_bytes), torch.uint8. The query rows read, in the mailbox's format.
+    """
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
+    rows = _published_rows(q_rows, slots, shape)
+    out, lse = _run_sparse_core("sparse_core_publish", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, rows)
+    return out, lse, rows
+
+
+@sparse_core_publish.register_fake
 def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True):
     _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
-    return _sparse_core_outputs(slots, shape)
+    return *_sparse_core_outputs(slots, shape), _published_rows(q_rows, slots, shape)

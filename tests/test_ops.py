@@ -21,11 +21,13 @@ OPS = (
     "top_k",
     "dcp_merge",
     "sparse_core",
+    "sparse_core_publish",
 )
 MUTATED = {
     "mla_query": {"q_rows", "mla_cache", "error"},
     "query_wait": {"q_rows", "error"},
     "index_key": {"index_cache"},
+    "sparse_core_publish": {"q_rows"},
 }
 SHAPES = {
     "tp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
@@ -73,6 +75,7 @@ def _args(shape: RankShape, device="meta") -> dict:
             {},
         ),
         "sparse_core": ((q_rows, t(B, k, dtype=i32), mla_cache, key), {}),
+        "sparse_core_publish": ((q_rows, t(B, k, dtype=i32), mla_cache, key), {"slots_per_cta": 256}),
     }
 
 
@@ -90,6 +93,11 @@ def _expected(shape: RankShape) -> dict:
         "top_k": [((B, k), torch.int32), ((B, dcp_scores), torch.float32)],
         "dcp_merge": [((B, k), torch.int32)],
         "sparse_core": [((B, g, m.kv_lora_rank), torch.float32), ((B, g), torch.float32)],
+        "sparse_core_publish": [
+            ((B, g, m.kv_lora_rank), torch.float32),
+            ((B, g), torch.float32),
+            ((B, g, m.query_row * shape.q_bytes), torch.uint8),
+        ],
     }
 
 
@@ -256,7 +264,7 @@ def test_every_kernel_compiles_with_the_tvm_ffi_abi():
     kernels = {}
     for variant in catalog.variants(shape, batches=(1, 64), norms=(True,), widths=(4096,), polls=(True,)):
         kernels.setdefault(type(variant.op).__name__, variant)
-    assert len(kernels) == len(OPS)  # one variant of each kernel (TopK: a cluster split)
+    assert len(kernels) == len(catalog.KERNELS)  # one variant of each kernel (TopK: a cluster split)
     for name, variant in kernels.items():
         compiled = compile_tvm_ffi(variant, arch="sm_90a")
         assert type(compiled).__name__.startswith("TVMFFIJitCompiledFunction"), name
@@ -280,7 +288,7 @@ def test_every_kernel_takes_under_tvm_ffi_what_tvm_ffi_kernels_passes():
         kinds = [type(p).__name__ if type(p).__name__ != "Var" else str(p.dtype) for p in params]
         assert kinds[-1] == "Stream" and set(kinds[:-1]) <= {"DataPointer", "int32", "int64", "float32"}, variant.name
         seen.add(type(variant.op).__name__)
-    assert len(seen) == len(OPS)
+    assert len(seen) == len(catalog.KERNELS)
 
 
 def test_tvm_ffi_arguments_are_plain_values_and_cpu_tensors_are_refused():

@@ -145,6 +145,16 @@ def test_dsa_index_top_k_and_sparse_core_equal_their_launchers(tp8):
         expect_out, expect_lse = torch.empty_like(out), torch.empty_like(lse)
         kernels.sparse_core(rows, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, spc)
         assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse), spc
+    # the step's variant: the rows read come back, the mailbox is re-armed
+    mailbox, theirs = rows.clone(), rows.clone()
+    out, lse, published = G.sparse_core_publish(mailbox, slots, caches.mla_cache, tp8.key)
+    expect_out, expect_lse, expect_rows = torch.empty_like(out), torch.empty_like(lse), torch.empty_like(published)
+    kernels.sparse_core(
+        theirs, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, q_out=expect_rows
+    )
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+    assert torch.equal(published, rows) and torch.equal(published, expect_rows)
+    assert torch.equal(mailbox, theirs) and bool((mailbox == formats.SENTINEL_BYTE).all())
 
 
 def test_dcp_top_k_merge_and_wait(dcp2):
