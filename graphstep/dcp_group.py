@@ -99,10 +99,12 @@ class GroupTransport(Transport):
 
     @property
     def own(self) -> slice:
+        """This rank's head rows of a token in the mailbox: [rank x H, (rank + 1) x H)."""
         heads = self.shape.heads
         return slice(self.rank * heads, (self.rank + 1) * heads)
 
     def others(self) -> list[GroupTransport]:
+        """The other ranks' transports, in rank order (whom this rank pushes to)."""
         return [peer for rank, peer in enumerate(self.peers) if rank != self.rank]
 
     def check(self, peers: PeerInputs | None, batch: int) -> None:

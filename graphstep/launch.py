@@ -2,11 +2,14 @@
 
 `Kernels` binds the compiled kernels of one RankShape to a state's weights; every op comes
 from kernels/catalog.py. Compile every variant of the capture sizes with `warm(sizes, width)`
-before any graph capture: a module load inside capture fails.
+before any graph capture: a module load inside capture fails. `TvmFfiKernels` launches the
+same kernels through CuTe DSL's TVM-FFI ABI, for callers that pay the host time of each
+eager call (graphstep.ops); its modules load at their first launch instead.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -103,15 +106,25 @@ class Kernels:
     The variant launched must have been compiled (`warm`) before a graph capture.
     """
 
-    def __init__(self, shape: RankShape, weights: LayerWeights, pdl: bool = True):
-        """Raises ValueError for a shape some kernel is not written for (kernels/catalog.py check)."""
+    def __init__(self, shape: RankShape, weights: LayerWeights | None, pdl: bool = True):
+        """weights: None for a caller that binds them per launch (`bind`). Raises ValueError
+        for a shape some kernel is not written for (kernels/catalog.py check)."""
         from .kernels import catalog
 
         catalog.check(shape)
         self.shape, self.weights, self.pdl = shape, weights, pdl
         # The absorption reads W_UK with K (the nope dim) contiguous: a one-time transpose.
-        self.w_uk_t = weights.w_uk.transpose(1, 2).contiguous()
+        self.w_uk_t = None if weights is None else weights.w_uk.transpose(1, 2).contiguous()
         self.eps = shape.model.rms_eps
+
+    def bind(self, weights, w_uk_t: torch.Tensor | None = None) -> "Kernels":
+        """These compiled kernels over other weights of the same shape, without a compile or
+        a copy (graphstep.ops passes a layer's weights with each call). weights: an object
+        with the LayerWeights fields the launches read; w_uk_t: W_UK with the nope dim
+        contiguous (bf16 [heads, 512, 128]), for MlaQuery."""
+        bound = copy.copy(self)
+        bound.weights, bound.w_uk_t = weights, w_uk_t
+        return bound
 
     def tiled(self, batch: int) -> bool:
         """Whether QueryNorm (alone or inside MlaQuery) runs its tiled variant at this batch."""
@@ -167,6 +180,29 @@ class Kernels:
         for variant in self.variants(batches, width, polls):
             catalog.compile_op(variant.op, variant.args)
 
+    # -- how a launch passes its arguments: CuTe DSL values (TvmFfiKernels: plain ones) --
+
+    def _ptr(self, tensor: torch.Tensor, align: int = 16):
+        return ptr(tensor, align)
+
+    def _i32(self, value: int):
+        from cutlass import Int32
+
+        return Int32(value)
+
+    def _i64(self, value: int):
+        from cutlass import Int64
+
+        return Int64(value)
+
+    def _f32(self, value: float):
+        from cutlass import Float32
+
+        return Float32(value)
+
+    def _stream(self):
+        return current_stream()
+
     # -- launches on the current stream ------------------------------------------------
 
     def query_norm(self, qkv: torch.Tensor, qc: torch.Tensor, batch: int) -> None:
@@ -175,10 +211,13 @@ class Kernels:
         qkv: bf16 [>= B, packed_width 2304], the packed projection rows (q_a = columns 0 .. 1535).
         qc: bf16 [>= B, q_lora_rank 1536], written; bit-identical to MlaQuery's own q_c.
         batch: B >= 1 (the row or tiled variant is chosen by `tiled(batch)`)."""
-        from cutlass import Float32, Int32
-
         self.compiled("query_norm", tiled=self.tiled(batch))(
-            ptr(qkv), ptr(self.weights.gamma_q), ptr(qc), Int32(batch), Float32(self.eps), current_stream()
+            self._ptr(qkv),
+            self._ptr(self.weights.gamma_q),
+            self._ptr(qc),
+            self._i32(batch),
+            self._f32(self.eps),
+            self._stream(),
         )
 
     def mla_query(
@@ -217,29 +256,27 @@ class Kernels:
         error: the ErrorWord a poll that gives up writes (token, row, chunk) to.
         batch: B >= 1. store_qc, poll: as above (poll: the fork_poll and serial DCP modes).
         budget_ns: how long a poll waits for one chunk before it gives up."""
-        from cutlass import Float32, Int32, Int64
-
         w = self.weights
         op = self.compiled("mla_query", tiled=self.tiled(batch), poll=poll)
         op(
-            ptr(qkv),
-            ptr(w.gamma_q),
-            ptr(w.gamma_kv),
-            ptr(w.w_qb),
-            ptr(self.w_uk_t),
-            ptr(w.rope_cos),
-            ptr(w.rope_sin),
-            ptr(context_lens, 4),
-            ptr(slots, 4),
-            ptr(qc if store_qc else qc_private),
-            ptr(workspace),
-            ptr(q_rows),
-            ptr(mla_cache.view(torch.uint8)),
-            ptr(error.word, 8),
-            Int32(batch),
-            Float32(self.eps),
-            Int64(budget_ns),
-            current_stream(),
+            self._ptr(qkv),
+            self._ptr(w.gamma_q),
+            self._ptr(w.gamma_kv),
+            self._ptr(w.w_qb),
+            self._ptr(self.w_uk_t),
+            self._ptr(w.rope_cos),
+            self._ptr(w.rope_sin),
+            self._ptr(context_lens, 4),
+            self._ptr(slots, 4),
+            self._ptr(qc if store_qc else qc_private),
+            self._ptr(workspace),
+            self._ptr(q_rows),
+            self._ptr(mla_cache.view(torch.uint8)),
+            self._ptr(error.word, 8),
+            self._i32(batch),
+            self._f32(self.eps),
+            self._i64(budget_ns),
+            self._stream(),
         )
 
     def query_wait(
@@ -251,13 +288,18 @@ class Kernels:
         q_rows: uint8 [>= B, q_heads, 576 x q_bytes], the mailbox; head rows [0, gathered)
             of each token are polled (read only).
         error: the ErrorWord; batch: B >= 1; budget_ns: how long it waits for one chunk."""
-        from cutlass import Int32, Int64
-
         from .kernels.query_wait import grid_for
 
         op = self.compiled("query_wait")
         chunks = batch * self.shape.gathered * self.shape.mailbox_row_chunks
-        op(ptr(q_rows), ptr(error.word, 8), Int32(batch), Int32(grid_for(chunks)), Int64(budget_ns), current_stream())
+        op(
+            self._ptr(q_rows),
+            self._ptr(error.word, 8),
+            self._i32(batch),
+            self._i32(grid_for(chunks)),
+            self._i64(budget_ns),
+            self._stream(),
+        )
 
     # -- the indexer --
 
@@ -273,20 +315,18 @@ class Kernels:
         index_cache: uint8 [pages, 64 x 132 = 8448]: per page 64 x 128 e4m3 keys, then 64
             fp32 scales (formats.index_cache_views).
         batch: B >= 1."""
-        from cutlass import Int32
-
         w = self.weights
         self.compiled("index_key")(
-            ptr(qkv),
-            ptr(w.index_norm_weight),
-            ptr(w.index_norm_bias),
-            ptr(w.index_rope_cos),
-            ptr(w.index_rope_sin),
-            ptr(context_lens, 4),
-            ptr(slots, 4),
-            ptr(index_cache),
-            Int32(batch),
-            current_stream(),
+            self._ptr(qkv),
+            self._ptr(w.index_norm_weight),
+            self._ptr(w.index_norm_bias),
+            self._ptr(w.index_rope_cos),
+            self._ptr(w.index_rope_sin),
+            self._ptr(context_lens, 4),
+            self._ptr(slots, 4),
+            self._ptr(index_cache),
+            self._i32(batch),
+            self._stream(),
         )
 
     def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int) -> None:
@@ -302,23 +342,21 @@ class Kernels:
         q_out: uint8 [>= B, index_heads 64, index_dim 128], the e4m3 queries, written.
         w_out: fp32 [>= B, index_heads 64], idx_w x heads^-0.5 x q_scale x dim^-0.5, written.
         batch: B >= 1."""
-        from cutlass import Int32
-
         from .kernels.index_query import launches
 
         w = self.weights
         for start, rows, tokens in launches(batch):
             self.compiled("index_query", tokens=tokens)(
-                ptr(qc[start:]),
-                ptr(w.wq_b_index),
-                ptr(qkv[start:]),
-                ptr(w.index_rope_cos),
-                ptr(w.index_rope_sin),
-                ptr(context_lens[start:], 4),
-                ptr(q_out[start:]),
-                ptr(w_out[start:]),
-                Int32(rows),
-                current_stream(),
+                self._ptr(qc[start:]),
+                self._ptr(w.wq_b_index),
+                self._ptr(qkv[start:]),
+                self._ptr(w.index_rope_cos),
+                self._ptr(w.index_rope_sin),
+                self._ptr(context_lens[start:], 4),
+                self._ptr(q_out[start:]),
+                self._ptr(w_out[start:]),
+                self._i32(rows),
+                self._stream(),
             )
 
     def dsa_index(
@@ -338,8 +376,6 @@ class Kernels:
         batch: B >= 1.
         pages_per_cta: the run of block-table pages each CTA streams, >= 1 (default: the
             host's choice for this batch and table width, `dsa_index.pages_per_cta`)."""
-        from cutlass import Int32
-
         from .kernels.dsa_index import pages_per_cta as choose
 
         pages = block_tables.shape[1]
@@ -347,16 +383,16 @@ class Kernels:
         if run < 1:
             raise ValueError(f"pages_per_cta must be >= 1, got {run}")
         self.compiled("dsa_index")(
-            ptr(q),
-            ptr(head_w),
-            ptr(index_cache),
-            ptr(block_tables, 4),
-            ptr(context_lens, 4),
-            ptr(scores, 4),
-            Int32(batch),
-            Int32(pages),
-            Int32(run),
-            current_stream(),
+            self._ptr(q),
+            self._ptr(head_w),
+            self._ptr(index_cache),
+            self._ptr(block_tables, 4),
+            self._ptr(context_lens, 4),
+            self._ptr(scores, 4),
+            self._i32(batch),
+            self._i32(pages),
+            self._i32(run),
+            self._stream(),
         )
 
     def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int, split="auto") -> None:
@@ -373,8 +409,6 @@ class Kernels:
         batch: B >= 1.
         split: "auto" (top_k_split's choice for the block table's width and this batch), a
             top_k.Split that holds rows of the table's width, or None (one CTA per row)."""
-        from cutlass import Int32
-
         width = block_tables.shape[1] * self.shape.model.page_size
         if isinstance(split, str):
             if split != "auto":
@@ -383,14 +417,14 @@ class Kernels:
         elif split is not None and split.capacity < width:
             raise ValueError(f"TopK split {split.name} holds rows of up to {split.capacity} scores, not {width}")
         self.compiled("top_k", split=split)(
-            ptr(scores),
-            ptr(block_tables, 4),
-            ptr(context_lens, 4),
-            ptr(out, 4),
-            ptr(out_scores, 4),
-            Int32(batch),
-            Int32(block_tables.shape[1]),
-            current_stream(),
+            self._ptr(scores),
+            self._ptr(block_tables, 4),
+            self._ptr(context_lens, 4),
+            self._ptr(out, 4),
+            self._ptr(out_scores, 4),
+            self._i32(batch),
+            self._i32(block_tables.shape[1]),
+            self._stream(),
         )
 
     def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
@@ -405,18 +439,16 @@ class Kernels:
         block_tables: int32 [>= B, pages_per_seq], maps this rank's local indices to slots.
         out: int32 [>= B, topk], written: this rank's slots, compacted to the front, -1 padded.
         batch: B >= 1."""
-        from cutlass import Int32
-
         self.compiled("dcp_merge")(
-            ptr(own_positions, 4),
-            ptr(own_scores, 4),
-            ptr(peer_positions, 4),
-            ptr(peer_scores, 4),
-            ptr(block_tables, 4),
-            ptr(out, 4),
-            Int32(batch),
-            Int32(block_tables.shape[1]),
-            current_stream(),
+            self._ptr(own_positions, 4),
+            self._ptr(own_scores, 4),
+            self._ptr(peer_positions, 4),
+            self._ptr(peer_scores, 4),
+            self._ptr(block_tables, 4),
+            self._ptr(out, 4),
+            self._i32(batch),
+            self._i32(block_tables.shape[1]),
+            self._stream(),
         )
 
     def sparse_core(
@@ -452,8 +484,6 @@ class Kernels:
         q_out: uint8 [>= B, gathered, 576 x q_bytes] or None. Given (the step's launch), the
             rows read are copied there and re-armed (0xFF) in q_rows once every reader of
             them is done; None leaves q_rows as it was."""
-        from cutlass import Int32
-
         spc = slots_per_cta or self.sparse_core_plan(batch)
         k = self.shape.model.index_topk
         needed = batch * k // spc if spc < k else 0  # one split: no partials
@@ -472,14 +502,87 @@ class Kernels:
                 f"got {q_out.dtype} {tuple(q_out.shape)}"
             )
         self.compiled("sparse_core", slots=spc, publish=q_out is not None)(
-            ptr(q_rows),
-            ptr(slots),
-            ptr(mla_cache.view(torch.uint8)),
-            ptr(partial_o),
-            ptr(partial_ml, 8),
-            ptr(out),
-            ptr(lse, 4),
-            ptr(q_rows if q_out is None else q_out),  # (unread without q_out)
-            Int32(batch),
-            current_stream(),
+            self._ptr(q_rows),
+            self._ptr(slots),
+            self._ptr(mla_cache.view(torch.uint8)),
+            self._ptr(partial_o),
+            self._ptr(partial_ml, 8),
+            self._ptr(out),
+            self._ptr(lse, 4),
+            self._ptr(q_rows if q_out is None else q_out),  # (unread without q_out)
+            self._i32(batch),
+            self._stream(),
         )
+
+
+def tvm_ffi_available() -> bool:
+    """Whether apache-tvm-ffi is installed (the `ffi` extra), which TvmFfiKernels needs."""
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def compile_tvm_ffi(variant, arch: str | None = None):
+    """`variant` (a kernels/catalog.py Variant) compiled with CuTe DSL's TVM-FFI ABI: its
+    pointers, scalars and stream become plain ints and floats at the call."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    options = (cute.EnableTVMFFI,) if arch is None else (cute.EnableTVMFFI, cute.GPUArch(arch))
+    return cute.compile[options](variant.op, *variant.args, make_fake_stream())
+
+
+class TvmFfiKernels(Kernels):
+    """Kernels whose launches go through CuTe DSL's TVM-FFI ABI: a launch passes each tensor's
+    data_ptr(), Python ints and floats and the stream's handle to one C call, and finds its
+    function in a dict, instead of wrapping each argument in a CuTe DSL value and building
+    the catalog's variant (the host time of an eager call; a graph replay has none).
+
+    A kernel's module loads on its first launch, not at compile: before a graph capture,
+    launch every variant it holds once (`warm` only compiles)."""
+
+    def __init__(self, shape: RankShape, weights: LayerWeights | None, pdl: bool = True):
+        super().__init__(shape, weights, pdl)
+        self._by_choice: dict[tuple, object] = {}  # (kernel, choice) -> the C function
+        self._by_variant: dict[str, tuple] = {}  # variant name -> (compiled function, its C function)
+
+    def _function(self, variant):
+        if variant.name not in self._by_variant:
+            compiled = compile_tvm_ffi(variant)
+            # the compiled function owns the module; its tvm_ffi.Function (where it wraps one)
+            # takes positional arguments without the Python kwargs wrapper
+            raw = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+            self._by_variant[variant.name] = (compiled, raw)
+        return self._by_variant[variant.name][1]
+
+    def compiled(self, kernel: str, **choice):
+        key = (kernel, tuple(sorted(choice.items())))
+        function = self._by_choice.get(key)
+        if function is None:
+            from .kernels import catalog
+
+            function = self._by_choice[key] = self._function(catalog.build(self.shape, kernel, self.pdl, **choice))
+        return function
+
+    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True)) -> None:
+        for variant in self.variants(batches, width, polls):
+            self._function(variant)
+
+    def _ptr(self, tensor: torch.Tensor, align: int = 16) -> int:
+        if not tensor.is_cuda:
+            raise ValueError(f"kernel arguments must be CUDA tensors, got one on {tensor.device}")
+        address = tensor.data_ptr()
+        if address % align:
+            raise ValueError(f"kernel argument at {address:#x} is not {align}-byte aligned")
+        return address
+
+    def _i32(self, value: int) -> int:
+        return value
+
+    _i64 = _i32
+
+    def _f32(self, value: float) -> float:
+        return value
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream

@@ -19,7 +19,7 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name rc=$rc"
 }
 if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys nsys_eager trace
-  only=" $* "            # kernels indexer sparse topk pybench sanitize sanitize_all)
+  only=" $* "            # kernels indexer sparse topk pybench sanitize sanitize_all ops_tests ops)
 else
   only=" gpu_tests graph run bench serve nsys trace kernels "
 fi
@@ -33,6 +33,8 @@ want nsys && TAIL=40 step nsys 100 bash scripts/nsys_capture.sh "$out/steps" -- 
 want nsys_eager && TAIL=40 step nsys_eager 100 bash scripts/nsys_capture.sh "$out/eager" -- --batch 4 --steps 0 \
   --eager-steps 2 --context 4096
 want trace && TAIL=24 step trace 90 graphstep trace --batch 4 --context 8192 --replays 20 --out "$out/trace.json"
+want ops_tests && step ops_tests 240 python3 -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider
+want ops && TAIL=24 step ops 150 python3 bench/bench_ops.py --batch 1,16 --json "$out/ops.json" --watchdog 145
 want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
 want indexer && TAIL=20 step indexer 240 python3 bench/bench_indexer.py --json "$out/indexer.json" --watchdog 235
 want sparse && TAIL=16 step sparse 240 python3 bench/bench_sparse_core.py --sweep --json "$out/sparse.json" --watchdog 235

@@ -119,6 +119,48 @@ def test_every_launcher_matches_its_kernel(cpu_launches, topology):
     assert cpu_launches == launched
 
 
+class CpuTvmFfiKernels(launch.TvmFfiKernels):
+    """TvmFfiKernels over CPU tensors (data_ptr() without the CUDA check) and a stream handle 7."""
+
+    def _ptr(self, tensor, align=16):
+        assert tensor.data_ptr() % align == 0
+        return tensor.data_ptr()
+
+    def _stream(self):
+        return 7
+
+
+class FfiLaunch:
+    """Stands in for a kernel compiled with TVM-FFI: each pointer an int, each Int32 / Int64
+    an int, each Float32 a float (the parameters test_ops checks the kernels declare)."""
+
+    calls: list = []
+
+    def __init__(self, variant):
+        self.variant = variant
+
+    def __call__(self, *args):
+        *args, stream = args
+        name = type(self.variant.op).__name__
+        assert stream == 7 and len(args) == len(self.variant.args), (name, len(args))
+        for i, (got, want) in enumerate(zip(args, self.variant.args)):
+            kind = float if type(want).__name__ == "Float32" else int
+            assert type(got) is kind, (name, i, type(got), type(want))
+        FfiLaunch.calls.append(name)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=["tp8", "dcp2-fp8"])
+def test_every_tvm_ffi_launcher_passes_plain_values(monkeypatch, topology):
+    monkeypatch.setattr(launch, "compile_tvm_ffi", FfiLaunch)
+    FfiLaunch.calls = []
+    state = LayerState(RankShape(preset("deepseek-v3.2"), topology), max_batch=4, max_context=256, seed=1)
+    kernels = CpuTvmFfiKernels(state.shape, state.weights)
+    launched = _launch_every_kernel(kernels, state, 4, poll=topology.dcp > 1)
+    assert FfiLaunch.calls == launched
+    _launch_every_kernel(kernels, state, 4, poll=topology.dcp > 1)
+    assert len(kernels._by_variant) == len(set(launched))  # each variant compiled once
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=["tp8", "dcp2-fp8"])
 def test_the_launchers_build_only_catalog_variants_and_warm_compiles_them(cpu_launches, topology):
     """Every op a launcher builds for batches 1..64 is one of the variants `graphstep ptx`
