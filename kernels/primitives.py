@@ -80,24 +80,12 @@ def load_u32x4_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 4, Uint32, "0")
 
 
-def load_u32x2_if(ptr, live) -> tuple:
-    return _load_if(ptr, live, 2, Uint32, "0")
-
-
 def load_f32x4_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 4, Float32, "0f00000000")
 
 
 def load_f32x2_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 2, Float32, "0f00000000")
-
-
-def load_u32_if(ptr, live) -> Uint32:
-    return _load_if(ptr, live, 1, Uint32, "0")
-
-
-def load_f32_if(ptr, live) -> Float32:
-    return _load_if(ptr, live, 1, Float32, "0")
 
 
 def store_u32x4(ptr, words):
@@ -132,10 +120,6 @@ def prefetch_l2(ptr, size: int):
     """Bulk-prefetch `size` bytes (a multiple of 16) into L2: weights stream in while the
     kernel waits on its predecessor (griddepcontrol) and normalizes."""
     cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {size};", read_only_args=[ptr])
-
-
-def load_f32(ptr) -> Float32:
-    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
 
 
 def load_f32x2(ptr) -> tuple:
@@ -492,11 +476,6 @@ def _mma(shape_and_types: str, a, b, c) -> list:
 def mma_bf16_16816(a, b, c) -> list:
     """m16n8k16, bf16 pairs in each word."""
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
-
-
-def mma_e4m3_16832(a, b, c) -> list:
-    """m16n8k32, four e4m3 in each word."""
-    return _mma("m16n8k32.row.col.f32.e4m3.e4m3.f32", a, b, c)
 
 
 # -- shared memory, asynchronous copies, ldmatrix --------------------------------------------
