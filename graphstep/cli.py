@@ -413,17 +413,7 @@ def run_cpu(args) -> int:
         for b in range(batch)
     ]
     if args.json:
-        record = dict(
-            model=shape.model.name,
-            topology=shape.topology.name,
-            device="cpu",
-            graphs=False,
-            torch=torch.__version__,
-            seconds=elapsed,
-            tokens=tokens,
-        )
-        print(json.dumps(record, indent=1))
-        return 0
+        return _print_cpu_record(shape, seconds=elapsed, tokens=tokens)
     print(f"graphstep run: {shape.model.name} {shape.topology.name}, reference step on the CPU")
     print(
         table(
@@ -435,6 +425,17 @@ def run_cpu(args) -> int:
         "Graph capture, PDL and the CuTe DSL kernels need an sm_90 GPU (H100/H200): none was found,"
         " so no graph was built and no latency was measured."
     )
+    return 0
+
+
+def _print_cpu_record(shape, **fields) -> int:
+    """`run --json` on the CPU: what ran (model, topology, no graphs) and its fields."""
+    import torch
+
+    record = dict(
+        model=shape.model.name, topology=shape.topology.name, device="cpu", graphs=False, torch=torch.__version__
+    )
+    print(json.dumps({**record, **fields}, indent=1))
     return 0
 
 
@@ -466,19 +467,7 @@ def run_cpu_group(args) -> int:
         for b in range(batch)
     ]
     if args.json:
-        record = dict(
-            model=shape.model.name,
-            topology=shape.topology.name,
-            device="cpu",
-            graphs=False,
-            torch=torch.__version__,
-            build_seconds=built,
-            group_seconds=group.group_time,
-            ranks=ranks,
-            tokens=tokens,
-        )
-        print(json.dumps(record, indent=1))
-        return 0
+        return _print_cpu_record(shape, build_seconds=built, group_seconds=group.group_time, ranks=ranks, tokens=tokens)
     print(f"graphstep run: {shape.model.name} {shape.topology.name}, a DCP group of {args.dcp} ranks on the CPU")
     print(table(["rank", "slots picked", "step s"], [[r["rank"], r["slots_picked"], r["seconds"]] for r in ranks]))
     print(table(["token", "context", "combined out rms", "combined lse mean"], [list(t.values()) for t in tokens]))

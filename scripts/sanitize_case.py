@@ -42,21 +42,16 @@ def run_case(name: str, batch: int, context: int) -> None:
     step = DecodeStep(shape, capture_sizes=[batch], policy=modes[0], max_context=context, budget_ns=SANITIZER_BUDGET_NS)
     inputs = step.state.inputs(batch, context_lens=context, seed=1)
     peers = step.state.peer_inputs(inputs, seed=2) if shape.topology.dcp > 1 else None
-    for mode in modes:
-        started = time.perf_counter()
-        step.load(inputs, peers)
-        step.run_stages(batch, mode)
-        torch.cuda.synchronize()
-        step.error.check(shape.gathered, shape.mailbox_row_chunks)
-        print(f"sanitize_case {name}: eager step, {mode}: {time.perf_counter() - started:.1f} s", flush=True)
-    step.capture(modes=modes)
-    for mode in modes:
-        started = time.perf_counter()
-        step.load(inputs, peers)
-        step.replay(batch, mode)
-        torch.cuda.synchronize()
-        step.error.check(shape.gathered, shape.mailbox_row_chunks)
-        print(f"sanitize_case {name}: graph replay, {mode}: {time.perf_counter() - started:.1f} s", flush=True)
+    for label, run, captured in (("eager step", step.run_stages, False), ("graph replay", step.replay, True)):
+        if captured:
+            step.capture(modes=modes)
+        for mode in modes:
+            started = time.perf_counter()
+            step.load(inputs, peers)
+            run(batch, mode)
+            torch.cuda.synchronize()
+            step.error.check(shape.gathered, shape.mailbox_row_chunks)
+            print(f"sanitize_case {name}: {label}, {mode}: {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def main() -> int:
