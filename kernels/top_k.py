@@ -314,6 +314,7 @@ SPLITS = (
     Split(4, 512, 1),  # rows up to 8K
     Split(8, 512, 2),  # up to 32K, batch <= 32: 8 CTAs of 4K scores per row
     Split(4, 512, 4),  # up to 32K, batch > 32: 4 CTAs of 8K (2 CTAs / SM: 64 rows in one wave)
+    Split(2, 1024, 4),  # up to 32K: 2 CTAs of 16K (a candidate for large batches)
     Split(16, 512, 4),  # up to 128K, batch <= 16: 16 CTAs of 8K (a non-portable cluster size)
     Split(8, 1024, 4),  # up to 128K, batch > 16: 8 CTAs of 16K
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K
