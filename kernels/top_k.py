@@ -27,8 +27,8 @@ its slice in registers, so the row is read from global memory once and every rou
 compaction work on registers; the CTAs sum their histograms and exchange their counts
 through distributed shared memory (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
-the batch; every split in SPLITS is compiled by kernels/catalog.py, and rows wider than
-every split fall back to TopK.
+the batch (the measured PICKS table); every split in SPLITS is compiled by
+kernels/catalog.py, and rows wider than every split fall back to TopK.
 """
 
 from __future__ import annotations
@@ -308,32 +308,34 @@ class Split:
 
 
 # Every split the host can choose (each compiled in kernels/catalog.py), smallest first.
-# split_for picks by the row width (the block table's pages x 64: every row's length is
-# at most that) and the batch.
 SPLITS = (
     Split(4, 512, 1),  # rows up to 8K
-    Split(8, 512, 2),  # up to 32K, batch <= 32: 8 CTAs of 4K scores per row
-    Split(4, 512, 4),  # up to 32K, batch > 32: 4 CTAs of 8K (2 CTAs / SM: 64 rows in one wave)
-    Split(2, 1024, 4),  # up to 32K: 2 CTAs of 16K (a candidate for large batches)
-    Split(16, 512, 4),  # up to 128K, batch <= 16: 16 CTAs of 8K (a non-portable cluster size)
-    Split(8, 1024, 4),  # up to 128K, batch > 16: 8 CTAs of 16K
-    Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K
+    Split(8, 512, 2),  # up to 32K: 8 CTAs of 4K scores per row
+    Split(4, 512, 4),  # up to 32K: 4 CTAs of 8K (2 CTAs / SM)
+    Split(2, 1024, 4),  # up to 32K: 2 CTAs of 16K (64 rows in one wave)
+    Split(8, 1024, 4),  # up to 128K: 8 CTAs of 16K
+    Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
+)
+# The host's pick by row width (the block table's pages x 64: every row's length is at most
+# that) and batch: per width, (the largest batch, split) in ascending batch, None for the
+# one-CTA-per-row TopK. Measured on the H200 with `bench/bench_indexer.py --top-k-sweep`
+# (bench/RESULTS.md, 2026-12-02): more CTAs per row win while the batch leaves SMs idle;
+# once the clusters fill the GPU, fewer and larger CTAs do (one wave of rows, fewer
+# cluster barriers), and at 128K x B = 64 one CTA per row beats four waves of clusters.
+PICKS = (
+    (8192, ((None, SPLITS[0]),)),
+    (32768, ((8, SPLITS[1]), (16, SPLITS[2]), (None, SPLITS[3]))),
+    (131072, ((48, SPLITS[4]), (None, None))),
 )
 
 
 def split_for(width: int, batch: int) -> Split | None:
-    """The split TopK uses for rows of `width` scores at this batch; None: the one-CTA-per-row
-    kernel (TopK), for rows wider than every split."""
-    fits = [s for s in SPLITS if s.capacity >= width]
-    if not fits:
-        return None
-    if width <= 8192:
-        return fits[0]
-    if width <= 32768:
-        return Split(8, 512, 2) if batch <= 32 else Split(4, 512, 4)
-    if width <= 131072:
-        return Split(16, 512, 4) if batch <= 16 else Split(8, 1024, 4)
-    return fits[-1]
+    """The split TopK uses for rows of `width` scores at this batch (PICKS); None: the
+    one-CTA-per-row kernel (TopK), also for rows wider than every split."""
+    for widest, picks in PICKS:
+        if width <= widest:
+            return next(split for largest, split in picks if largest is None or batch <= largest)
+    return next((s for s in SPLITS if s.capacity >= width), None)
 
 
 HISTS = ((0, 0, 2048), (2048, 64, 2048), (4096, 128, 1024))  # (bin offset, group offset, bins) per round

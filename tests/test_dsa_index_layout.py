@@ -105,11 +105,13 @@ def test_e4m3_widens_exactly_to_fp16():
 def test_host_runs_fill_the_gpu_and_bound_the_waves():
     for batch, pages, run in [
         (1, 512, 2),
-        (4, 512, 4),
+        (4, 512, 8),
+        (8, 512, 16),
         (16, 512, 16),
         (64, 512, 32),
         (1, 2048, 4),
         (4, 2048, 16),
+        (8, 2048, 32),
         (16, 2048, 32),
         (64, 2048, 32),
         (1, 1, 2),

@@ -32,14 +32,25 @@ def _state(topology, max_batch=len(LENGTHS), model="deepseek-v3.2"):
     )
 
 
-def _e4m3_steps(got: torch.Tensor, expect: torch.Tensor) -> torch.Tensor:
-    """How many e4m3 values apart two uint8 e4m3 codes are (codes ascend with |value|)."""
+def _ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as signed positions on the real line (+0 and -0 both 0)."""
+    magnitude = (codes & 0x7F).int()
+    return torch.where(codes >= 0x80, -magnitude, magnitude)
 
-    def ordinal(codes):
-        magnitude = (codes & 0x7F).int()
-        return torch.where(codes >= 0x80, -magnitude, magnitude)
 
-    return (ordinal(got) - ordinal(expect)).abs()
+def _assert_within_e4m3_rounding(got: torch.Tensor, expect: torch.Tensor):
+    """Codes at most one e4m3 value apart; two in the subnormals and the first normal
+    binade (codes below 16), whose step is the smallest (2^-9 x scale, ~4e-6 of the row's
+    |max|): fp32 sums in another order differ by about that much, so a value near a
+    rounding boundary there can land two steps away (seen at B = 80 with the rotation)."""
+    a, b = _ordinal(got), _ordinal(expect)
+    steps = (a - b).abs()
+    tiny = torch.minimum(a.abs(), b.abs()) < 16
+    bad = (steps > 1) & ~(tiny & (steps <= 2))
+    where = bad.nonzero()[:4].tolist()
+    assert not bad.any(), f"{int(bad.sum())} codes off by more than e4m3 rounding, e.g. at {where}: " + str(
+        [(int(got[tuple(i)]), int(expect[tuple(i)])) for i in where]
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -62,7 +73,7 @@ def test_index_key_writes_exactly_the_new_slots(model):
     expect_k, expect_s = ref.index_key(state, inputs)
     # fp32 LayerNorm sums in another order may flip an e4m3 rounding here and there
     assert (keys[slots] == expect_k[here]).float().mean() > 0.97
-    assert (_e4m3_steps(keys[slots], expect_k[here]) <= 1).all(), "within one e4m3 rounding"
+    _assert_within_e4m3_rounding(keys[slots], expect_k[here])
     assert rel_err(formats.fp8_to_float(keys[slots]), formats.fp8_to_float(expect_k[here])) < 0.02
     assert rel_err(scales[slots], expect_s[here]) < 1e-3
     if state.shape.model.fp8_scale_format == "ue8m0":
@@ -110,7 +121,7 @@ def _check_index_query(q_out, w_out, expect, batch):
     assert torch.isfinite(got).all() and torch.isfinite(w_out).all(), "every element written"
     # fp32 GEMMs in another order may flip an e4m3 rounding here and there
     assert (q_out == expect_q).float().mean() > 0.97
-    assert (_e4m3_steps(q_out, expect_q) <= 1).all(), "within one e4m3 rounding"
+    _assert_within_e4m3_rounding(q_out, expect_q)
     assert rel_err(got, formats.fp8_to_float(expect_q)) < 0.02
     assert rel_err(w_out, expect_w) < 1e-3
 

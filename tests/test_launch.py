@@ -264,7 +264,8 @@ def _top_k_setup(topology, context: int, batch: int):
 )
 def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch):
     """The launcher picks split_for(width, batch): a ClusterTopK of that split (its
-    compiled signature, its k / dcp / rank) or, for rows wider than every split, TopK."""
+    compiled signature, its k / dcp / rank) or TopK (rows wider than every split, and wide
+    rows at large batch)."""
     kernels, args = _top_k_setup(topology, context, batch)
     split = top_k.split_for(context, batch)
     assert kernels.top_k_split(context, batch) == split
@@ -272,7 +273,8 @@ def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context
     (op,) = Launch.ops
     assert (op.k, op.dcp, op.rank) == (2048, topology.dcp, topology.rank)
     if split is None:
-        assert context > max(s.capacity for s in top_k.SPLITS) and type(op) is top_k.TopK
+        assert type(op) is top_k.TopK
+        assert context > max(s.capacity for s in top_k.SPLITS) or (context > 32768 and batch > 48)
     else:
         assert split in top_k.SPLITS and split.capacity >= context
         assert type(op) is top_k.ClusterTopK
@@ -304,8 +306,13 @@ def test_split_for_covers_every_width():
     for width in (64, 2048, 4096, 8192, 8256, 32768, 32832, 65536, 131072):
         for batch in (1, 4, 16, 32, 64, 256):
             split = top_k.split_for(width, batch)
-            assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
-    assert top_k.split_for(max(s.capacity for s in top_k.SPLITS) + 64, 1) is None
+            if width > 32768 and batch > 48:  # one CTA per row beats waves of clusters there
+                assert split is None, (width, batch)
+            else:
+                assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
+    widest = max(s.capacity for s in top_k.SPLITS)
+    assert top_k.split_for(widest, 1) == top_k.SPLITS[-1]
+    assert top_k.split_for(widest + 64, 1) is None
     assert len({s.name for s in top_k.SPLITS}) == len(top_k.SPLITS)
 
 
