@@ -87,7 +87,7 @@ class InputRangeError(ValueError):
             effect = "RoPE row 0 was read instead"
         else:
             expected = f"in [{bounds[0]}, {bounds[1]}) ({what})" if bounds else f"one of {what}"
-            effect = "nothing was written for it" if argument == "slot_mapping" else "it was read as a hole (slot -1)"
+            effect = "nothing was written for it" if argument == "slot_mapping" else "it was treated as a hole"
         super().__init__(
             f"{kernel}: token {token}'s {argument} value {value} is out of range: it must be {expected}; {effect}, "
             f"and token {token}'s outputs of that step are not meaningful (the step ran with check_values=False)"

@@ -19,10 +19,10 @@ from __future__ import annotations
 # check id -> (kernel, what the value is, what it must be in); ids in the step's data-path order
 CHECKS = {
     1: ("IndexKey", "slot_mapping", "the indexer cache's slots"),
-    2: ("IndexKey", "context_lens", "the RoPE table's positions + 1"),
+    2: ("IndexKey", "context_lens", "the RoPE table's rows"),
     3: ("MlaQuery", "slot_mapping", "the MLA cache's slots"),
-    4: ("MlaQuery", "context_lens", "the RoPE table's positions + 1"),
-    5: ("IndexQuery", "context_lens", "the RoPE table's positions + 1"),
+    4: ("MlaQuery", "context_lens", "the RoPE table's rows"),
+    5: ("IndexQuery", "context_lens", "the RoPE table's rows"),
     6: ("DsaIndex", "block_tables", "the indexer cache's pages"),
     7: ("TopK", "block_tables", "the indexer cache's pages"),
     8: ("DcpMerge", "own_positions", "the block table's local positions (x dcp + rank)"),
