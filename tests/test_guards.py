@@ -54,7 +54,7 @@ def test_error_word_raises_the_record_and_resets():
     error.record.fill_(guards.pack(guards.DSA_INDEX_PAGE, 2, 123456))
     with pytest.raises(InputRangeError, match=r"DsaIndex: token 2's block_tables value 123456 is out of range") as e:
         error.check(16, 72, bounds={guards.DSA_INDEX_PAGE: (0, 33)})
-    assert "must be in [0, 33) (the indexer cache's pages)" in str(e.value) and "read as a hole" in str(e.value)
+    assert "must be in [0, 33) (the indexer cache's pages)" in str(e.value) and "treated as a hole" in str(e.value)
     assert (e.value.kernel, e.value.token, e.value.value, e.value.bounds) == ("DsaIndex", 2, 123456, (0, 33))
     assert isinstance(e.value, ValueError)
     error.check(16, 72)  # reset by the raise
