@@ -20,7 +20,6 @@ _LAZY = {
     "StepInputs": "state",
     "StepOutputs": "state",
     "LayerState": "state",
-    "InputRangeError": "launch",
 }
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "LayerState",
-    "InputRangeError",
     "MODES",
     "WIDE_MODES",
     "QUERY_OVERLAP",

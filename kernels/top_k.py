@@ -18,8 +18,7 @@ each element with warp ballots (in-segment order is load, then lane, then elemen
 block scan of the warps' counts per chunk. Rows shorter than k keep every position and
 are padded with -1. With DCP the output is this rank's candidates for the merge: global
 positions (local x dcp + rank) and their scores (-inf padded); otherwise cache slots
-(block table page x 64 + offset); a kept position whose page is outside [0, pool_pages)
-becomes slot -1 (a hole SparseCore skips) and is recorded (kernels/guards.py).
+(block table page x 64 + offset).
 
 Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
 16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
@@ -41,7 +40,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from . import guards
 from . import primitives as P
 
 THREADS = 1024
@@ -181,11 +179,9 @@ class TopK(RadixSelect):
         out_scores: cute.Pointer,
         batch: Int32,
         pages_per_seq: Int32,
-        error: cute.Pointer,
-        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.top_k(scores, block_tables, context_lens, out, out_scores, pages_per_seq, error, pool_pages).launch(
+        self.top_k(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
             grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
@@ -198,8 +194,6 @@ class TopK(RadixSelect):
         out: cute.Pointer,
         out_scores: cute.Pointer,
         pages_per_seq: Int32,
-        error: cute.Pointer,
-        pool_pages: Int32,
     ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
@@ -254,8 +248,6 @@ class TopK(RadixSelect):
                             lane_above + cutlass.min(lane_at, need),
                             element(start, warp, lane, e),
                             words[e],
-                            error,
-                            pool_pages,
                         )
                     lane_above = lane_above + mine_above
                     lane_at = lane_at + mine_at
@@ -281,23 +273,13 @@ class TopK(RadixSelect):
         return words, valids
 
     @cute.jit
-    def write(self, out, out_scores, block_tables, token, pages_per_seq, position, index, word, error, pool_pages):
+    def write(self, out, out_scores, block_tables, token, pages_per_seq, position, index, word):
         if self.dcp > 1:
             P.store_i32(out + token * self.k + position, index * self.dcp + self.rank)
             P.store_u32(out_scores + token * self.k + position, word)
         else:
             page = P.load_i32(block_tables + token * pages_per_seq + index // PAGE)
-            store_slot(out + token * self.k + position, page, index, error, token, pool_pages)
-
-
-@cute.jit
-def store_slot(at, page, index, error, token, pool_pages):
-    """The slot of local position `index` on `page` at `at`: -1 (a hole) and a record for a
-    page outside [0, pool_pages)."""
-    page_ok = P.in_range(page, pool_pages)
-    P.store_i32(at, P.select_i32(page_ok, page * PAGE + index % PAGE, -1))
-    if not page_ok:
-        P.record_range(error, guards.TOP_K_PAGE, token, page)
+            P.store_i32(out + token * self.k + position, page * PAGE + index % PAGE)
 
 
 # -- a row split over a thread-block cluster ---------------------------------------------
@@ -434,13 +416,9 @@ class ClusterTopK:
         out_scores: cute.Pointer,
         batch: Int32,
         pages_per_seq: Int32,
-        error: cute.Pointer,
-        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.top_k_cluster(
-            scores, block_tables, context_lens, out, out_scores, pages_per_seq, error, pool_pages
-        ).launch(
+        self.top_k_cluster(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
             grid=[self.ctas, batch, 1],
             block=[self.threads, 1, 1],
             cluster=[self.ctas, 1, 1],
@@ -457,8 +435,6 @@ class ClusterTopK:
         out: cute.Pointer,
         out_scores: cute.Pointer,
         pages_per_seq: Int32,
-        error: cute.Pointer,
-        pool_pages: Int32,
     ):
         threads, ctas, loads = self.threads, self.ctas, self.loads
         warps = threads // 32
@@ -503,23 +479,7 @@ class ClusterTopK:
         if n > self.k:
             threshold, need = self.find_threshold(keys, limit, zeroed, base_address, tid, lane, cta)
             self.compact(
-                keys,
-                limit,
-                threshold,
-                need,
-                counts,
-                offsets,
-                pages,
-                out,
-                out_scores,
-                token,
-                base,
-                tid,
-                lane,
-                warp,
-                cta,
-                error,
-                pool_pages,
+                keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
             )
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
@@ -527,18 +487,7 @@ class ClusterTopK:
                 for j in cutlass.range_constexpr(4):
                     offset = 4 * (threads * u + tid) + j
                     if 4 * threads * u + j < limit:
-                        self.write(
-                            out,
-                            out_scores,
-                            pages,
-                            token,
-                            base + offset,
-                            base + offset,
-                            offset,
-                            keys[4 * u + j],
-                            error,
-                            pool_pages,
-                        )
+                        self.write(out, out_scores, pages, token, base + offset, base + offset, offset, keys[4 * u + j])
         for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
             P.store_i32(out + token * self.k + i, Int32(-1))
             if cutlass.const_expr(self.dcp > 1):
@@ -627,24 +576,7 @@ class ClusterTopK:
 
     @cute.jit
     def compact(
-        self,
-        keys,
-        limit,
-        threshold,
-        need,
-        counts,
-        offsets,
-        pages,
-        out,
-        out_scores,
-        token,
-        base,
-        tid,
-        lane,
-        warp,
-        cta,
-        error,
-        pool_pages,
+        self, keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
     ):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
         the row) + min(kept keys == T before them, need)."""
@@ -709,8 +641,6 @@ class ClusterTopK:
                         base + offset,
                         offset,
                         keys[4 * u + j],
-                        error,
-                        pool_pages,
                     )
                 lane_above = lane_above + mine_above
                 lane_at = lane_at + mine_at
@@ -718,16 +648,15 @@ class ClusterTopK:
             at_before = at_before + (total >> 16)
 
     @cute.jit
-    def write(self, out, out_scores, pages, token, position, index, offset, key, error, pool_pages):
+    def write(self, out, out_scores, pages, token, position, index, offset, key):
         """Score `index` of the row (`offset` in this CTA's slice) kept at `position`."""
         if cutlass.const_expr(self.dcp > 1):
             P.store_i32(out + token * self.k + position, index * self.dcp + self.rank)
             P.store_u32(out_scores + token * self.k + position, word_of(key))
         else:
-            store_slot(out + token * self.k + position, pages[offset // PAGE], index, error, token, pool_pages)
+            P.store_i32(out + token * self.k + position, pages[offset // PAGE] * PAGE + index % PAGE)
 
 
 def compile_args():
     i32 = P.gmem_ptr(Int32, align=4)
-    f32 = P.gmem_ptr(Float32, align=4)
-    return (P.gmem_ptr(Float32), i32, i32, i32, f32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1))
+    return (P.gmem_ptr(Float32), i32, i32, i32, P.gmem_ptr(Float32, align=4), Int32(1), Int32(1))
