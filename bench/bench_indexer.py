@@ -17,7 +17,7 @@ fit, as in a step), with the variant the launcher picks for that width and batch
 (`Kernels.top_k_split`, named in the `split` column). Bandwidth = bytes the stage must
 move / time, against 4.3 TB/s. `--top-k-sweep` times only TopK, every variant that holds
 the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the data for
-`kernels/top_k.py`'s `split_for` table. `--rotation` times IndexQuery (wq_b from HBM) and
+`kernels/top_k.py`'s `PICKS` table. `--rotation` times IndexQuery (wq_b from HBM) and
 IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
 the rotation, and with neither: the cost of the rotation in the two kernels.
 """

@@ -82,9 +82,8 @@ def pages_per_cta(batch: int, pages_per_seq: int) -> int:
     widens its token's query rows into shared memory once, and once the batch fills the GPU
     longer runs amortize that (H200, `bench/bench_indexer.py --runs`, 32K: B = 4 9.0 us at
     8 pages against 9.7 at 4; B = 8 14.4 at 16 against 15.4 at 8; bench/RESULTS.md)."""
-    floor = next(run for run in CTA_PAGES if run >= min(2 * batch, 16))
     for run in CTA_PAGES:
-        if run >= floor and batch * -(-pages_per_seq // run) <= WAVE_CTAS:
+        if run >= min(2 * batch, 16) and batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run
     return CTA_PAGES[-1]
 

@@ -28,7 +28,8 @@ compaction work on registers; the CTAs sum their histograms and exchange their c
 through distributed shared memory (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
-kernels/catalog.py, and rows wider than every split fall back to TopK.
+kernels/catalog.py. TopK runs rows wider than every split, and 128K rows at large batch
+(one wave of one CTA per row beats waves of clusters there).
 """
 
 from __future__ import annotations
@@ -323,9 +324,9 @@ SPLITS = (
 # once the clusters fill the GPU, fewer and larger CTAs do (one wave of rows, fewer
 # cluster barriers), and at 128K x B = 64 one CTA per row beats four waves of clusters.
 PICKS = (
-    (8192, ((None, SPLITS[0]),)),
-    (32768, ((8, SPLITS[1]), (16, SPLITS[2]), (None, SPLITS[3]))),
-    (131072, ((48, SPLITS[4]), (None, None))),
+    (8192, ((None, Split(4, 512, 1)),)),
+    (32768, ((8, Split(8, 512, 2)), (16, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
+    (131072, ((48, Split(8, 1024, 4)), (None, None))),
 )
 
 
