@@ -4,7 +4,7 @@
 # the fp8 formats), then a table (case x tool -> errors). Exit 0 only if every run finished
 # and reported 0 errors.
 #   scripts/sanitize.sh [--quick] [--cases tp8,dcp2] [--tools memcheck,racecheck] [--jobs N] [-- case args]
-# --quick: the tp8 case only. --jobs: runs at once (default 4: the tools of a case side by side
+# --quick: the tp8 and tp8-range cases only. --jobs: runs at once (default 4: the tools of a case side by side
 # on the one GPU). Logs: $SANITIZE_LOGS (default /tmp/sanitize), one per run. Each run is
 # stopped after SANITIZE_TIMEOUT seconds (default 240). compute-sanitizer is
 # $COMPUTE_SANITIZER, else the one on the PATH, else /usr/local/cuda/bin/compute-sanitizer.
@@ -17,7 +17,7 @@ jobs=4
 case_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --quick) cases="tp8" ;;
+    --quick) cases="tp8 tp8-range" ;;
     --cases) cases="${2//,/ }"; shift ;;
     --tools) tools="${2//,/ }"; shift ;;
     --jobs) jobs="$2"; shift ;;

@@ -1,6 +1,9 @@
 """One case of scripts/sanitize.sh, run under each compute-sanitizer tool: for every overlap
 mode of a topology, one eager step, then one captured replay, each synchronized and its
 error word checked. Small on purpose (batch 2, context 4096): the tools slow kernels 10-100x.
+The `tp8-range` case loads out-of-range ids unchecked (check_values=False: a slot, a used
+block-table page and a length far past the pool) and expects no access out of bounds and
+the kernels' guards to report the first one (DecodeStep.check raising InputRangeError).
 
     python scripts/sanitize_case.py CASE [--batch 2] [--context 4096]
     python scripts/sanitize_case.py --list
@@ -12,6 +15,7 @@ import time
 
 import torch
 
+from graphstep import InputRangeError
 from graphstep.cli import sm90_device
 from graphstep.policy import MODES, WIDE_MODES
 from graphstep.shapes import RankShape, Topology, preset
@@ -23,6 +27,7 @@ CASES = {
     "dcp2": Topology(tp=8, dcp=2),
     "tp1-fp8": Topology(tp=1, q_format="fp8", mla_cache="fp8"),
     "dcp2-fp8": Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8"),
+    "tp8-range": Topology(tp=8),
 }
 # The mailbox polls give up after a budget of device time; under a sanitizer a healthy poll
 # runs far slower, so the budget is 10 s instead of 200 ms.
@@ -42,15 +47,28 @@ def run_case(name: str, batch: int, context: int) -> None:
     step = DecodeStep(shape, capture_sizes=[batch], policy=modes[0], max_context=context, budget_ns=SANITIZER_BUDGET_NS)
     inputs = step.state.inputs(batch, context_lens=context, seed=1)
     peers = step.state.peer_inputs(inputs, seed=2) if shape.topology.dcp > 1 else None
+    out_of_range = name.endswith("-range")
+    if out_of_range:  # each past the pool by far: any unguarded access would leave the allocations
+        inputs.slot_mapping[0] = 2**30
+        inputs.block_tables[-1, 0] = 2**30
+        inputs.context_lens[-1] = 2**30
     for label, run, captured in (("eager step", step.run_stages, False), ("graph replay", step.replay, True)):
         if captured:
             step.capture(modes=modes)
         for mode in modes:
             started = time.perf_counter()
-            step.load(inputs, peers)
+            step.load(inputs, peers, check_values=not out_of_range)
             run(batch, mode)
             torch.cuda.synchronize()
-            step.error.check(shape.gathered, shape.mailbox_row_chunks)
+            if out_of_range:
+                try:
+                    step.check()
+                except InputRangeError as error:
+                    print(f"sanitize_case {name}: reported as expected: {error}", flush=True)
+                else:
+                    raise SystemExit(f"sanitize_case {name}: the out-of-range ids were not reported")
+            else:
+                step.error.check(shape.gathered, shape.mailbox_row_chunks)
             print(f"sanitize_case {name}: {label}, {mode}: {time.perf_counter() - started:.1f} s", flush=True)
 
 

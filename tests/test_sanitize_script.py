@@ -32,14 +32,18 @@ def _sanitize(tmp_path, *args):
     return result, calls
 
 
-def test_quick_is_tp8_under_every_tool(tmp_path):
+def test_quick_is_tp8_and_its_out_of_range_inputs_under_every_tool(tmp_path):
     result, calls = _sanitize(tmp_path, "--quick")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted(call.split()[1] for call in calls) == ["initcheck", "memcheck", "racecheck", "synccheck"]
-    assert all(call.endswith("scripts/sanitize_case.py tp8") for call in calls)
+    tools = ["initcheck", "memcheck", "racecheck", "synccheck"]
+    for case in ("tp8", "tp8-range"):
+        mine = [call for call in calls if call.endswith(f"scripts/sanitize_case.py {case}")]
+        assert sorted(call.split()[1] for call in mine) == tools, case
+    assert len(calls) == 8
     assert any("--report-api-errors no" in call for call in calls if call.split()[1] == "memcheck")
     table = result.stdout.split("\ncase")[1].splitlines()
     assert table[1].split() == ["tp8", "0", "0", "0", "0"] and "every run clean" in result.stdout
+    assert table[2].split() == ["tp8-range", "0", "0", "0", "0"]
 
 
 def test_errors_fail_the_run_and_show_in_the_table(tmp_path):
