@@ -20,6 +20,7 @@ _LAZY = {
     "StepInputs": "state",
     "StepOutputs": "state",
     "LayerState": "state",
+    "InputRangeError": "launch",
 }
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "LayerState",
+    "InputRangeError",
     "MODES",
     "WIDE_MODES",
     "QUERY_OVERLAP",

@@ -5,6 +5,11 @@ from kernels/catalog.py. Compile every variant of the capture sizes with `warm(s
 before any graph capture: a module load inside capture fails. `TvmFfiKernels` launches the
 same kernels through CuTe DSL's TVM-FFI ABI, for callers that pay the host time of each
 eager call (graphstep.ops); its modules load at their first launch instead.
+
+Every kernel that addresses memory with an id from the step's inputs (a slot, a block-table
+page, a RoPE row at context_lens - 1) holds it to the bounds its launcher passes, taken
+from the tensors' shapes (`pool_slots`, `pool_pages`, `rope_rows`), and records the first
+offence in the ErrorWord (kernels/guards.py); `ErrorWord.check` raises InputRangeError.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import guards
 from .shapes import RankShape, tiled_from
 from .state import LayerWeights
 
@@ -68,29 +74,109 @@ class MailboxTimeout(RuntimeError):
         self.rank = None if heads is None else row // heads
 
 
+class InputRangeError(ValueError):
+    """A kernel met an id from the step's inputs out of its range (a step run with
+    check_values=False): it wrote nothing for it, read it as a hole or clamped a RoPE row,
+    and recorded it. check: the kernels/guards.py check id; kernel, argument: its names;
+    token: the row of the batch; value: the id; bounds: [lo, hi) it had to be in, if known."""
+
+    def __init__(self, check: int, token: int, value: int, bounds: tuple[int, int] | None = None):
+        kernel, argument, what = guards.CHECKS.get(check, (f"kernel check {check}", "an input", "its range"))
+        if argument == "context_lens":
+            expected = f"in [1, {bounds[1] - 1}] ({what})" if bounds else f"in [1, {what}]"
+            effect = "RoPE row 0 was read instead"
+        else:
+            expected = f"in [{bounds[0]}, {bounds[1]}) ({what})" if bounds else f"one of {what}"
+            effect = "nothing was written for it" if argument == "slot_mapping" else "it was treated as a hole"
+        super().__init__(
+            f"{kernel}: token {token}'s {argument} value {value} is out of range: it must be {expected}; {effect}, "
+            f"and token {token}'s outputs of that step are not meaningful (the step ran with check_values=False)"
+        )
+        self.check, self.kernel, self.argument, self.token, self.value = check, kernel, argument, token, value
+        self.bounds = bounds
+
+
+# the cleared word: no poll gave up (flag 0, index INT32_MAX), no range record (int64 2**63 - 1)
+_CLEAR = [0, INT32_MAX, -1, INT32_MAX]
+
+
 @dataclass
 class ErrorWord:
-    """int32 [2] on the device: (flag, lowest missing linear chunk index)."""
+    """int32 [4] on the device: the polls' (flag, lowest missing linear chunk index), then
+    the range guards' record, one int64 in words 2-3 (kernels/guards.py)."""
 
     word: torch.Tensor
 
     @classmethod
     def new(cls, device) -> "ErrorWord":
         """A cleared error word on `device`."""
-        return cls(torch.tensor([0, INT32_MAX], dtype=torch.int32, device=device))
+        return cls(torch.tensor(_CLEAR, dtype=torch.int32, device=device))
 
     def reset(self) -> None:
-        """Clear the word (flag 0, index INT32_MAX) for the next step."""
-        self.word.copy_(torch.tensor([0, INT32_MAX], dtype=torch.int32))
+        """Clear the word (no chunk missing, no range record) for the next step."""
+        self.word.copy_(torch.tensor(_CLEAR, dtype=torch.int32))
 
-    def check(self, gathered: int, row_chunks: int, heads: int | None = None) -> None:
-        """Raise MailboxTimeout if a poll gave up (synchronizes with the device), then re-arm.
-        heads: head rows per rank, to name the rank that never published."""
-        flag, index = self.word.tolist()
+    @property
+    def record(self) -> torch.Tensor:
+        """The range record as an int64 [1] view (what the torch backend min-reduces into)."""
+        return self.word[2:4].view(torch.int64)
+
+    def check(
+        self,
+        gathered: int,
+        row_chunks: int,
+        heads: int | None = None,
+        bounds: dict | None = None,
+        words: list[int] | None = None,
+    ) -> None:
+        """Raise InputRangeError if a kernel met an id out of range, else MailboxTimeout if
+        a poll gave up (reading the word synchronizes with the device), resetting the word
+        either way. heads: head rows per rank, to name the rank that never published;
+        bounds: {check: (lo, hi)} for the message (guard_bounds); words: the word's four
+        values if the caller already read them (no second transfer)."""
+        flag, index, low, high = self.word.tolist() if words is None else words
+        found = guards.unpack((high << 32) | (low & 0xFFFFFFFF))
+        if found is not None:
+            self.reset()
+            check, token, value = found
+            raise InputRangeError(check, token, value, (bounds or {}).get(check))
         if flag:
             self.reset()
             token, rest = divmod(index, gathered * row_chunks)
             raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks, heads)
+
+
+def pool_slots(cache: torch.Tensor) -> int:
+    """Slots of a paged cache [pages, page size, ...] (the MLA cache) as a kernel bound."""
+    return min(cache.shape[0] * cache.shape[1], INT32_MAX)
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """Positions a RoPE table pair holds: the kernels read row context_lens - 1 below it."""
+    return min(cos.shape[0], sin.shape[0], INT32_MAX)
+
+
+def guard_bounds(state) -> dict[int, tuple[int, int]]:
+    """Per range check (kernels/guards.py), the [lo, hi) the kernels hold its value to over
+    this LayerState's tensors (what the launchers pass them)."""
+    m, w, c = state.shape.model, state.weights, state.caches
+    index_pages = min(c.index_cache.shape[0], INT32_MAX)
+    index_slots = min(index_pages * m.page_size, INT32_MAX)
+    index_len = rope_rows(w.index_rope_cos, w.index_rope_sin) + 1
+    mla_len = rope_rows(w.rope_cos, w.rope_sin) + 1
+    positions = state.pages_per_seq * m.page_size * state.shape.topology.dcp
+    return {
+        guards.INDEX_KEY_SLOT: (0, index_slots),
+        guards.INDEX_KEY_LENGTH: (1, index_len),
+        guards.MLA_QUERY_SLOT: (0, pool_slots(c.mla_cache)),
+        guards.MLA_QUERY_LENGTH: (1, mla_len),
+        guards.INDEX_QUERY_LENGTH: (1, index_len),
+        guards.DSA_INDEX_PAGE: (0, index_pages),
+        guards.TOP_K_PAGE: (0, index_pages),
+        guards.DCP_MERGE_POSITION: (0, positions),
+        guards.DCP_MERGE_PAGE: (0, index_pages),
+        guards.SPARSE_CORE_SLOT: (0, pool_slots(c.mla_cache)),
+    }
 
 
 class Kernels:
@@ -104,6 +190,8 @@ class Kernels:
     "[>= B, ...]" means the first B rows are read or written and the rest are untouched.
     Launches go on the current stream, chained with PDL when `pdl`; none synchronizes.
     The variant launched must have been compiled (`warm`) before a graph capture.
+    `error`: the ErrorWord a kernel's range guards record an out-of-range id in (None: a
+    word of the launcher's own per device, never read).
     """
 
     def __init__(self, shape: RankShape, weights: LayerWeights | None, pdl: bool = True):
@@ -116,6 +204,16 @@ class Kernels:
         # The absorption reads W_UK with K (the nope dim) contiguous: a one-time transpose.
         self.w_uk_t = None if weights is None else weights.w_uk.transpose(1, 2).contiguous()
         self.eps = shape.model.rms_eps
+        self._sinks: dict[torch.device, ErrorWord] = {}  # error words of launches given none
+
+    def _error(self, error: ErrorWord | None, like: torch.Tensor) -> ErrorWord:
+        """`error`, or this launcher's own word on `like`'s device (created at its first
+        eager launch there, before any capture)."""
+        if error is not None:
+            return error
+        if like.device not in self._sinks:
+            self._sinks[like.device] = ErrorWord.new(like.device)
+        return self._sinks[like.device]
 
     def bind(self, weights, w_uk_t: torch.Tensor | None = None) -> "Kernels":
         """These compiled kernels over other weights of the same shape, without a compile or
@@ -253,7 +351,8 @@ class Kernels:
             bf16 (q_bytes 2) or e4m3 (q_bytes 1) per Topology.q_format, in 16-byte chunks.
         mla_cache: the paged MLA cache, bf16 [pages, 64, 576] or uint8 [pages, 64, 656]
             (Topology.mla_cache; addressed as bytes).
-        error: the ErrorWord a poll that gives up writes (token, row, chunk) to.
+        error: the ErrorWord a poll that gives up writes (token, row, chunk) to, and the range
+            guards a slot outside the cache or a length outside [1, rope rows].
         batch: B >= 1. store_qc, poll: as above (poll: the fork_poll and serial DCP modes).
         budget_ns: how long a poll waits for one chunk before it gives up."""
         w = self.weights
@@ -276,6 +375,8 @@ class Kernels:
             self._i32(batch),
             self._f32(self.eps),
             self._i64(budget_ns),
+            self._i32(pool_slots(mla_cache)),
+            self._i32(rope_rows(w.rope_cos, w.rope_sin)),
             self._stream(),
         )
 
@@ -303,7 +404,7 @@ class Kernels:
 
     # -- the indexer --
 
-    def index_key(self, qkv, context_lens, slots, index_cache, batch: int) -> None:
+    def index_key(self, qkv, context_lens, slots, index_cache, batch: int, error: ErrorWord | None = None) -> None:
         """IndexKey: the new tokens' indexer keys (LayerNorm, NeoX RoPE, the Hadamard rotation
         when ModelShape.index_rotation, e4m3 with a per-token scale) at their cache slots.
 
@@ -314,7 +415,7 @@ class Kernels:
         slots: int32 [>= B], this rank's cache slot of each new token; -1 writes nothing.
         index_cache: uint8 [pages, 64 x 132 = 8448]: per page 64 x 128 e4m3 keys, then 64
             fp32 scales (formats.index_cache_views).
-        batch: B >= 1."""
+        batch: B >= 1. error: records a slot outside the cache or a length outside [1, rope rows]."""
         w = self.weights
         self.compiled("index_key")(
             self._ptr(qkv),
@@ -325,11 +426,14 @@ class Kernels:
             self._ptr(context_lens, 4),
             self._ptr(slots, 4),
             self._ptr(index_cache),
+            self._ptr(self._error(error, qkv).word, 8),
             self._i32(batch),
+            self._i32(min(index_cache.shape[0] * self.shape.model.page_size, INT32_MAX)),
+            self._i32(rope_rows(w.index_rope_cos, w.index_rope_sin)),
             self._stream(),
         )
 
-    def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int) -> None:
+    def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int, error: ErrorWord | None = None) -> None:
         """IndexQuery: wq_b, NeoX RoPE, the Hadamard rotation (index_rotation), per-head e4m3
         quantization and the folded head weights, in one kernel. One launch of the variant
         that holds the batch; above 64 tokens, one per chunk of 64 (index_query.launches).
@@ -341,10 +445,11 @@ class Kernels:
             context_lens - 1).
         q_out: uint8 [>= B, index_heads 64, index_dim 128], the e4m3 queries, written.
         w_out: fp32 [>= B, index_heads 64], idx_w x heads^-0.5 x q_scale x dim^-0.5, written.
-        batch: B >= 1."""
+        batch: B >= 1. error: records a length outside [1, rope rows]."""
         from .kernels.index_query import launches
 
         w = self.weights
+        word, rows_bound = self._error(error, qc).word, rope_rows(w.index_rope_cos, w.index_rope_sin)
         for start, rows, tokens in launches(batch):
             self.compiled("index_query", tokens=tokens)(
                 self._ptr(qc[start:]),
@@ -355,12 +460,24 @@ class Kernels:
                 self._ptr(context_lens[start:], 4),
                 self._ptr(q_out[start:]),
                 self._ptr(w_out[start:]),
+                self._ptr(word, 8),
                 self._i32(rows),
+                self._i32(rows_bound),
+                self._i32(start),
                 self._stream(),
             )
 
     def dsa_index(
-        self, q, head_w, index_cache, block_tables, context_lens, scores, batch: int, pages_per_cta: int | None = None
+        self,
+        q,
+        head_w,
+        index_cache,
+        block_tables,
+        context_lens,
+        scores,
+        batch: int,
+        pages_per_cta: int | None = None,
+        error: ErrorWord | None = None,
     ) -> None:
         """DsaIndex: score[b, i] = k_scale[i] x sum_h w[b, h] x relu(q[b, h] . k[i]) for every
         local position i a block table holds; -inf at and past the local length.
@@ -375,7 +492,8 @@ class Kernels:
         scores: fp32 [>= B, pages_per_seq x 64], written.
         batch: B >= 1.
         pages_per_cta: the run of block-table pages each CTA streams, >= 1 (default: the
-            host's choice for this batch and table width, `dsa_index.pages_per_cta`)."""
+            host's choice for this batch and table width, `dsa_index.pages_per_cta`).
+        error: records a page of the used part outside the cache (scored -inf)."""
         from .kernels.dsa_index import pages_per_cta as choose
 
         pages = block_tables.shape[1]
@@ -392,10 +510,23 @@ class Kernels:
             self._i32(batch),
             self._i32(pages),
             self._i32(run),
+            self._ptr(self._error(error, q).word, 8),
+            self._i32(min(index_cache.shape[0], INT32_MAX)),
             self._stream(),
         )
 
-    def top_k(self, scores, block_tables, context_lens, out, out_scores, batch: int, split="auto") -> None:
+    def top_k(
+        self,
+        scores,
+        block_tables,
+        context_lens,
+        out,
+        out_scores,
+        batch: int,
+        split="auto",
+        error: ErrorWord | None = None,
+        pool_pages: int = INT32_MAX,
+    ) -> None:
         """TopK: the index_topk (2048) best of each row of DsaIndex's scores, in ascending
         position, equal scores to the lower position first, -1 padded.
 
@@ -408,7 +539,9 @@ class Kernels:
             unread and unwritten otherwise (pass any fp32 CUDA tensor).
         batch: B >= 1.
         split: "auto" (top_k_split's choice for the block table's width and this batch), a
-            top_k.Split that holds rows of the table's width, or None (one CTA per row)."""
+            top_k.Split that holds rows of the table's width, or None (one CTA per row).
+        error, pool_pages: a kept position whose page is outside [0, pool_pages) (the
+            indexer cache's pages) becomes slot -1, recorded in `error`."""
         width = block_tables.shape[1] * self.shape.model.page_size
         if isinstance(split, str):
             if split != "auto":
@@ -424,10 +557,23 @@ class Kernels:
             self._ptr(out_scores, 4),
             self._i32(batch),
             self._i32(block_tables.shape[1]),
+            self._ptr(self._error(error, scores).word, 8),
+            self._i32(min(pool_pages, INT32_MAX)),
             self._stream(),
         )
 
-    def dcp_merge(self, own_positions, own_scores, peer_positions, peer_scores, block_tables, out, batch: int) -> None:
+    def dcp_merge(
+        self,
+        own_positions,
+        own_scores,
+        peer_positions,
+        peer_scores,
+        block_tables,
+        out,
+        batch: int,
+        error: ErrorWord | None = None,
+        pool_pages: int = INT32_MAX,
+    ) -> None:
         """DcpMerge (DCP): every rank's candidates -> this rank's share of the global top-k
         (the same set the index_topk best over all ranks would be) as local cache slots.
 
@@ -438,7 +584,9 @@ class Kernels:
         peer_scores: fp32 [>= B, dcp, topk], their scores.
         block_tables: int32 [>= B, pages_per_seq], maps this rank's local indices to slots.
         out: int32 [>= B, topk], written: this rank's slots, compacted to the front, -1 padded.
-        batch: B >= 1."""
+        batch: B >= 1.
+        error, pool_pages: a kept candidate past the block table or whose page is outside
+            [0, pool_pages) becomes slot -1, recorded in `error`."""
         self.compiled("dcp_merge")(
             self._ptr(own_positions, 4),
             self._ptr(own_scores, 4),
@@ -448,6 +596,8 @@ class Kernels:
             self._ptr(out, 4),
             self._i32(batch),
             self._i32(block_tables.shape[1]),
+            self._ptr(self._error(error, out).word, 8),
+            self._i32(min(pool_pages, INT32_MAX)),
             self._stream(),
         )
 
@@ -463,6 +613,7 @@ class Kernels:
         batch: int,
         slots_per_cta: int | None = None,
         q_out=None,
+        error: ErrorWord | None = None,
     ) -> None:
         """SparseCore: sparse MLA decode of every gathered query row over its token's selected
         MLA cache rows (online softmax, split over CTAs by the plan, then a combine).
@@ -483,7 +634,8 @@ class Kernels:
             sweep it).
         q_out: uint8 [>= B, gathered, 576 x q_bytes] or None. Given (the step's launch), the
             rows read are copied there and re-armed (0xFF) in q_rows once every reader of
-            them is done; None leaves q_rows as it was."""
+            them is done; None leaves q_rows as it was.
+        error: records a slot outside the cache (read as -1: a hole)."""
         spc = slots_per_cta or self.sparse_core_plan(batch)
         k = self.shape.model.index_topk
         needed = batch * k // spc if spc < k else 0  # one split: no partials
@@ -511,6 +663,8 @@ class Kernels:
             self._ptr(lse, 4),
             self._ptr(q_rows if q_out is None else q_out),  # (unread without q_out)
             self._i32(batch),
+            self._ptr(self._error(error, slots).word, 8),
+            self._i32(pool_slots(mla_cache)),
             self._stream(),
         )
 

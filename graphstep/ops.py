@@ -27,6 +27,13 @@ the query-row mailbox, the error word) are declared in `mutates_args`. Byte form
   indexer cache: uint8 [pages, 64 x 132]: a page's 64 e4m3 keys of 128, then their 64 fp32
       scales.
   slots: cache slot = page x 64 + offset, -1 for none.
+
+Range guards: every op that addresses memory with a slot, a block-table page or a RoPE row
+at context_lens - 1 holds it to the tensors' bounds (an out-of-range id writes nothing, is
+read as a hole, or reads RoPE row 0) and records (check, token, value) in `error`, an
+int32 [4] error word (launch.ErrorWord; `ErrorWord(error).check(...)` raises
+InputRangeError). Ops without a required `error` take it as an optional last argument;
+without it the record goes to a word of the launcher's own that nobody reads.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels, TvmFfiKernels, tvm_ffi_available
+from .launch import DEFAULT_BUDGET_NS, INT32_MAX, ErrorWord, Kernels, TvmFfiKernels, tvm_ffi_available
 from .shapes import ModelShape, RankShape, RopeScaling, Topology
 
 BF16, FP32, I32, U8 = torch.bfloat16, torch.float32, torch.int32, torch.uint8
@@ -119,6 +126,15 @@ def _batch(op: str, tensor: Tensor) -> int:
     return tensor.shape[0]
 
 
+def _error_arg(error: Tensor | None) -> dict:
+    """check_args' entry for an optional error word."""
+    return {} if error is None else {"error": (error, I32, (4,))}
+
+
+def _word(error: Tensor | None) -> ErrorWord | None:
+    return None if error is None else ErrorWord(error)
+
+
 def _at_least(op: str, name: str, tensor: Tensor, rows: int) -> None:
     if tensor.shape[0] < rows:
         raise ValueError(f"graphstep.{op}: {name} holds {tensor.shape[0]} rows, the batch is {rows}")
@@ -191,7 +207,7 @@ def _mla_query_check(
         rope_sin=(rope_sin, FP32, (ANY, m.qk_rope_dim // 2)),
         q_rows=(q_rows, U8, (ANY, s.q_heads, m.query_row * s.q_bytes)),
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
-        error=(error, I32, (2,)),
+        error=(error, I32, (4,)),
     )
     _at_least("mla_query", "q_rows", q_rows, b)
 
@@ -232,8 +248,9 @@ def mla_query(
         q_rows: (>= B, Q, 576 x q_bytes), torch.uint8, written in place: this rank's head
             rows of each token (the DCP mailbox; see the module docstring).
         mla_cache: the MLA cache (module docstring), written in place at slot_mapping.
-        error: (2,), torch.int32, written in place: (flag, lowest missing chunk) when a poll
-            gave up (launch.ErrorWord); [0, 2**31 - 1] when armed.
+        error: (4,), torch.int32, written in place (launch.ErrorWord): (flag, lowest missing
+            chunk) when a poll gave up, then the range guards' int64 record of a slot outside
+            mla_cache or a length outside [1, rope rows]; ErrorWord.new's values when armed.
         poll: then wait until every DCP rank's rows landed in q_rows (budget_ns each).
     Returns:
         q_c: (B, 1536), torch.bfloat16. The q_a RMSNorm (as query_norm's).
@@ -319,7 +336,7 @@ def _(
 def _query_wait_check(q_rows, error, batch, shape):
     s = rank_shape(shape)
     check_args(
-        "query_wait", q_rows=(q_rows, U8, (ANY, s.q_heads, s.model.query_row * s.q_bytes)), error=(error, I32, (2,))
+        "query_wait", q_rows=(q_rows, U8, (ANY, s.q_heads, s.model.query_row * s.q_bytes)), error=(error, I32, (4,))
     )
     if batch < 1:
         raise ValueError(f"graphstep.query_wait: batch must be >= 1, got {batch}")
@@ -336,7 +353,7 @@ def query_wait(
     Arguments:
         q_rows: (>= batch, Q, 576 x q_bytes), torch.uint8. The mailbox (module docstring);
             declared mutated so that torch keeps the wait between its writers and readers.
-        error: (2,), torch.int32, written in place (see mla_query).
+        error: (4,), torch.int32, written in place (see mla_query).
     """
     _query_wait_check(q_rows, error, batch, shape)
     _launcher("query_wait", shape, pdl, q_rows.device).query_wait(q_rows, ErrorWord(error), batch, budget_ns)
@@ -350,7 +367,9 @@ def _(q_rows, error, batch, shape, budget_ns=DEFAULT_BUDGET_NS, pdl=True):
 # -- the indexer ---------------------------------------------------------------------
 
 
-def _index_key_check(qkv, context_lens, slot_mapping, norm_weight, norm_bias, rope_cos, rope_sin, index_cache, shape):
+def _index_key_check(
+    qkv, context_lens, slot_mapping, norm_weight, norm_bias, rope_cos, rope_sin, index_cache, shape, error
+):
     m = rank_shape(shape).model
     b = _batch("index_key", qkv)
     check_args(
@@ -363,10 +382,11 @@ def _index_key_check(qkv, context_lens, slot_mapping, norm_weight, norm_bias, ro
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
+        **_error_arg(error),
     )
 
 
-@torch.library.custom_op("graphstep::index_key", mutates_args=("index_cache",))
+@torch.library.custom_op("graphstep::index_key", mutates_args=("index_cache", "error"))
 def index_key(
     qkv: Tensor,
     context_lens: Tensor,
@@ -378,6 +398,7 @@ def index_key(
     index_cache: Tensor,
     shape: str,
     pdl: bool = True,
+    error: Tensor | None = None,
 ) -> None:
     """IndexKey: the new tokens' indexer keys (LayerNorm, NeoX RoPE, Hadamard rotation if the
     model has it, e4m3 with one scale) into the indexer cache at their slots.
@@ -388,6 +409,8 @@ def index_key(
         index_norm_weight, index_norm_bias: (128,), torch.bfloat16. The key's LayerNorm.
         index_rope_cos, index_rope_sin: (positions, 32), torch.float32.
         index_cache: (pages, 64 x 132), torch.uint8, written in place (module docstring).
+        error: (4,), torch.int32, or None: records a slot outside index_cache (nothing
+            written) or a length outside [1, rope rows] (module docstring).
     """
     _index_key_check(
         qkv,
@@ -399,6 +422,7 @@ def index_key(
         index_rope_sin,
         index_cache,
         shape,
+        error,
     )
     weights = SimpleNamespace(
         index_norm_weight=index_norm_weight,
@@ -407,7 +431,7 @@ def index_key(
         index_rope_sin=index_rope_sin,
     )
     _launcher("index_key", shape, pdl, qkv.device).bind(weights).index_key(
-        qkv, context_lens, slot_mapping, index_cache, qkv.shape[0]
+        qkv, context_lens, slot_mapping, index_cache, qkv.shape[0], _word(error)
     )
 
 
@@ -423,6 +447,7 @@ def _(
     index_cache,
     shape,
     pdl=True,
+    error=None,
 ):
     _index_key_check(
         qkv,
@@ -434,10 +459,11 @@ def _(
         index_rope_sin,
         index_cache,
         shape,
+        error,
     )
 
 
-def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, shape):
+def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, shape, error=None):
     m = rank_shape(shape).model
     b = _batch("index_query", q_c)
     check_args(
@@ -448,6 +474,7 @@ def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, s
         wq_b_index=(wq_b_index, BF16, (m.index_heads * m.index_dim, m.q_lora_rank)),
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
+        **_error_arg(error),
     )
 
 
@@ -457,7 +484,7 @@ def _index_query_outputs(q_c, shape):
     return q_c.new_empty(b, m.index_heads, m.index_dim, dtype=U8), q_c.new_empty(b, m.index_heads, dtype=FP32)
 
 
-@torch.library.custom_op("graphstep::index_query", mutates_args=())
+@torch.library.custom_op("graphstep::index_query", mutates_args=("error",))
 def index_query(
     q_c: Tensor,
     qkv: Tensor,
@@ -467,6 +494,7 @@ def index_query(
     index_rope_sin: Tensor,
     shape: str,
     pdl: bool = True,
+    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """IndexQuery: the indexer's wq_b, NeoX RoPE, rotation, e4m3 quantization and folded head
     weights in one kernel.
@@ -477,26 +505,27 @@ def index_query(
         context_lens: (B,), torch.int32.
         wq_b_index: (64 x 128, 1536), torch.bfloat16, (out, in).
         index_rope_cos, index_rope_sin: (positions, 32), torch.float32.
+        error: (4,), torch.int32, or None: records a length outside [1, rope rows].
     Returns:
         q: (B, 64, 128), torch.uint8. e4m3 bytes of each indexer head's query.
         head_w: (B, 64), torch.float32. Each head's weight with the query's scale folded in.
     """
-    _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape)
+    _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, error)
     weights = SimpleNamespace(wq_b_index=wq_b_index, index_rope_cos=index_rope_cos, index_rope_sin=index_rope_sin)
     q, head_w = _index_query_outputs(q_c, shape)
     _launcher("index_query", shape, pdl, q_c.device).bind(weights).index_query(
-        q_c, qkv, context_lens, q, head_w, q_c.shape[0]
+        q_c, qkv, context_lens, q, head_w, q_c.shape[0], _word(error)
     )
     return q, head_w
 
 
 @index_query.register_fake
-def _(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, pdl=True):
-    _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape)
+def _(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, pdl=True, error=None):
+    _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, error)
     return _index_query_outputs(q_c, shape)
 
 
-def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape):
+def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error=None):
     m = rank_shape(shape).model
     b = _batch("dsa_index", q)
     check_args(
@@ -506,12 +535,13 @@ def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_p
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
+        **_error_arg(error),
     )
     if pages_per_cta is not None and pages_per_cta < 1:
         raise ValueError(f"graphstep.dsa_index: pages_per_cta must be >= 1 or None, got {pages_per_cta}")
 
 
-@torch.library.custom_op("graphstep::dsa_index", mutates_args=())
+@torch.library.custom_op("graphstep::dsa_index", mutates_args=("error",))
 def dsa_index(
     q: Tensor,
     head_w: Tensor,
@@ -521,6 +551,7 @@ def dsa_index(
     shape: str,
     pages_per_cta: int | None = None,
     pdl: bool = True,
+    error: Tensor | None = None,
 ) -> Tensor:
     """DsaIndex: every cached key of each sequence scored, sum over heads of
     head_w x relu(q . k x scale).
@@ -533,25 +564,27 @@ def dsa_index(
         context_lens: (B,), torch.int32. Global lengths; this DCP rank holds positions
             p % dcp == rank at local index p // dcp.
         pages_per_cta: the run of pages each CTA streams (None: the host's choice).
+        error: (4,), torch.int32, or None: records a page of the used part outside
+            index_cache (its keys score -inf).
     Returns:
         scores: (B, W), torch.float32. -inf past each sequence's local length.
     """
-    _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape)
+    _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error)
     m = rank_shape(shape).model
     scores = head_w.new_empty(q.shape[0], block_tables.shape[1] * m.page_size)
     _launcher("dsa_index", shape, pdl, q.device).dsa_index(
-        q, head_w, index_cache, block_tables, context_lens, scores, q.shape[0], pages_per_cta
+        q, head_w, index_cache, block_tables, context_lens, scores, q.shape[0], pages_per_cta, _word(error)
     )
     return scores
 
 
 @dsa_index.register_fake
-def _(q, head_w, index_cache, block_tables, context_lens, shape, pages_per_cta=None, pdl=True):
-    _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape)
+def _(q, head_w, index_cache, block_tables, context_lens, shape, pages_per_cta=None, pdl=True, error=None):
+    _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error)
     return head_w.new_empty(q.shape[0], block_tables.shape[1] * rank_shape(shape).model.page_size)
 
 
-def _top_k_check(scores, block_tables, context_lens, shape):
+def _top_k_check(scores, block_tables, context_lens, shape, error=None):
     m = rank_shape(shape).model
     b = _batch("top_k", scores)
     check_args(
@@ -559,6 +592,7 @@ def _top_k_check(scores, block_tables, context_lens, shape):
         scores=(scores, FP32, (ANY, block_tables.shape[-1] * m.page_size)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
+        **_error_arg(error),
     )
 
 
@@ -568,9 +602,15 @@ def _top_k_outputs(scores, shape):
     return scores.new_empty(b, k, dtype=I32), scores.new_empty(b, k if s.topology.dcp > 1 else 0)
 
 
-@torch.library.custom_op("graphstep::top_k", mutates_args=())
+@torch.library.custom_op("graphstep::top_k", mutates_args=("error",))
 def top_k(
-    scores: Tensor, block_tables: Tensor, context_lens: Tensor, shape: str, pdl: bool = True
+    scores: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    shape: str,
+    pdl: bool = True,
+    error: Tensor | None = None,
+    pool_pages: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """TopK: the index_topk best scores of each row, in ascending position (ties: the lower
     position first; -0.0 as +0.0).
@@ -578,29 +618,39 @@ def top_k(
     Arguments:
         scores: (B, block_tables.shape[1] x 64), torch.float32. dsa_index's output.
         block_tables: (B, pages per sequence), torch.int32; context_lens: (B,), torch.int32.
+        error: (4,), torch.int32, or None; pool_pages: the indexer cache's pages, or None
+            (no bound but >= 0): a kept position on a page outside [0, pool_pages) gets
+            slot -1, recorded in error.
     Returns (k = index_topk = 2048):
         out: (B, k), torch.int32. Without DCP the cache slots of the best; under DCP this
             rank's candidates as global positions (local x dcp + rank); -1 padded.
         out_scores: under DCP (B, k), torch.float32, the candidates' scores (-inf padded);
             without DCP (B, 0).
     """
-    _top_k_check(scores, block_tables, context_lens, shape)
+    _top_k_check(scores, block_tables, context_lens, shape, error)
     out, out_scores = _top_k_outputs(scores, shape)
     # without DCP the kernel never writes out_scores: any fp32 CUDA pointer does
     unused = out_scores if out_scores.numel() else scores
     _launcher("top_k", shape, pdl, scores.device).top_k(
-        scores, block_tables, context_lens, out, unused, scores.shape[0]
+        scores,
+        block_tables,
+        context_lens,
+        out,
+        unused,
+        scores.shape[0],
+        error=_word(error),
+        pool_pages=INT32_MAX if pool_pages is None else pool_pages,
     )
     return out, out_scores
 
 
 @top_k.register_fake
-def _(scores, block_tables, context_lens, shape, pdl=True):
-    _top_k_check(scores, block_tables, context_lens, shape)
+def _(scores, block_tables, context_lens, shape, pdl=True, error=None, pool_pages=None):
+    _top_k_check(scores, block_tables, context_lens, shape, error)
     return _top_k_outputs(scores, shape)
 
 
-def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape):
+def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error=None):
     s = rank_shape(shape)
     k, dcp, b = s.model.index_topk, s.topology.dcp, _batch("dcp_merge", own_positions)
     if dcp == 1:
@@ -612,10 +662,11 @@ def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, blo
         peer_positions=(peer_positions, I32, (b, dcp, k)),
         peer_scores=(peer_scores, FP32, (b, dcp, k)),
         block_tables=(block_tables, I32, (b, ANY)),
+        **_error_arg(error),
     )
 
 
-@torch.library.custom_op("graphstep::dcp_merge", mutates_args=())
+@torch.library.custom_op("graphstep::dcp_merge", mutates_args=("error",))
 def dcp_merge(
     own_positions: Tensor,
     own_scores: Tensor,
@@ -624,6 +675,8 @@ def dcp_merge(
     block_tables: Tensor,
     shape: str,
     pdl: bool = True,
+    error: Tensor | None = None,
+    pool_pages: int | None = None,
 ) -> Tensor:
     """DcpMerge (DCP): every rank's top-k candidates -> this rank's share of the global top-k.
 
@@ -634,28 +687,40 @@ def dcp_merge(
             candidates (global positions, descending scores, -1 / -inf padded); this
             rank's row is not read.
         block_tables: (B, pages per sequence), torch.int32.
+        error, pool_pages: as top_k's (a kept candidate past the block table or on a page
+            outside [0, pool_pages) gets slot -1, recorded in error).
     Returns:
         slots: (B, k), torch.int32. This rank's cache slots among the global top-k,
             compacted to the front, -1 padded.
     """
-    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape)
+    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error)
     slots = torch.empty_like(own_positions)
     _launcher("dcp_merge", shape, pdl, own_positions.device).dcp_merge(
-        own_positions, own_scores, peer_positions, peer_scores, block_tables, slots, own_positions.shape[0]
+        own_positions,
+        own_scores,
+        peer_positions,
+        peer_scores,
+        block_tables,
+        slots,
+        own_positions.shape[0],
+        _word(error),
+        INT32_MAX if pool_pages is None else pool_pages,
     )
     return slots
 
 
 @dcp_merge.register_fake
-def _(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, pdl=True):
-    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape)
+def _(
+    own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, pdl=True, error=None, pool_pages=None
+):
+    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error)
     return torch.empty_like(own_positions)
 
 
 # -- SparseCore ----------------------------------------------------------------------
 
 
-def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta):
+def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error=None):
     s = rank_shape(shape)
     m, b = s.model, _batch("sparse_core", slots)
     cache_dtype, row = (BF16, m.query_row) if s.topology.mla_cache == "bf16" else (U8, s.mla_token_bytes)
@@ -664,6 +729,7 @@ def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta):
         q_rows=(q_rows, U8, (ANY, s.q_heads, m.query_row * s.q_bytes)),
         slots=(slots, I32, (ANY, m.index_topk)),
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
+        **_error_arg(error),
     )
     _at_least("sparse_core", "q_rows", q_rows, b)
     if slots_per_cta is not None and (slots_per_cta < 1 or m.index_topk % slots_per_cta):
@@ -676,9 +742,15 @@ def _sparse_core_outputs(slots, shape):
     return slots.new_empty(b, s.gathered, s.model.kv_lora_rank, dtype=FP32), slots.new_empty(b, s.gathered, dtype=FP32)
 
 
-@torch.library.custom_op("graphstep::sparse_core", mutates_args=())
+@torch.library.custom_op("graphstep::sparse_core", mutates_args=("error",))
 def sparse_core(
-    q_rows: Tensor, slots: Tensor, mla_cache: Tensor, shape: str, slots_per_cta: int | None = None, pdl: bool = True
+    q_rows: Tensor,
+    slots: Tensor,
+    mla_cache: Tensor,
+    shape: str,
+    slots_per_cta: int | None = None,
+    pdl: bool = True,
+    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SparseCore: sparse MLA decode of each token's query rows over the MLA cache rows at
     its slots (split over CTAs, merged in the kernel); q_rows and the cache are only read.
@@ -689,23 +761,24 @@ def sparse_core(
         slots: (B, index_topk), torch.int32, 16-byte aligned rows. Cache slots, -1: none.
         mla_cache: the MLA cache (module docstring).
         slots_per_cta: the slots each CTA attends (None: the plan's choice for B).
+        error: (4,), torch.int32, or None: records a slot outside mla_cache (read as -1).
     Returns:
         out: (B, G, 512), torch.float32. The attention per head row in the latent space
             (before W_UV); 0 for a token with no slot.
         lse: (B, G), torch.float32. The natural-log sum of exp of the scaled scores; -inf
             for a token with no slot.
     """
-    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
-    return _run_sparse_core("sparse_core", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, None)
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
+    return _run_sparse_core("sparse_core", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, None, error)
 
 
 @sparse_core.register_fake
-def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True):
-    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
+def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True, error=None):
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
     return _sparse_core_outputs(slots, shape)
 
 
-def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_out):
+def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_out, error):
     kernels = _launcher(op, shape, pdl, slots.device)
     batch, s = slots.shape[0], kernels.shape
     spc = slots_per_cta or kernels.sparse_core_plan(batch)
@@ -714,7 +787,7 @@ def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_
     partial_o = slots.new_empty(rows, s.q_heads, s.model.kv_lora_rank, dtype=FP32)
     partial_ml = slots.new_empty(rows, s.q_heads, 2, dtype=FP32)
     out, lse = _sparse_core_outputs(slots, shape)
-    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out)
+    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out, _word(error))
     return out, lse
 
 
@@ -723,9 +796,15 @@ def _published_rows(q_rows, slots, shape):
     return q_rows.new_empty(slots.shape[0], s.gathered, q_rows.shape[-1])
 
 
-@torch.library.custom_op("graphstep::sparse_core_publish", mutates_args=("q_rows",))
+@torch.library.custom_op("graphstep::sparse_core_publish", mutates_args=("q_rows", "error"))
 def sparse_core_publish(
-    q_rows: Tensor, slots: Tensor, mla_cache: Tensor, shape: str, slots_per_cta: int | None = None, pdl: bool = True
+    q_rows: Tensor,
+    slots: Tensor,
+    mla_cache: Tensor,
+    shape: str,
+    slots_per_cta: int | None = None,
+    pdl: bool = True,
+    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SparseCore as the step launches it, the mailbox's last reader: sparse_core's outputs,
     and the rows it read, copied out and re-armed (0xFF) in the mailbox for the next step
@@ -737,13 +816,13 @@ def sparse_core_publish(
         out, lse: as sparse_core's.
         rows: (B, G, 576 x q_bytes), torch.uint8. The query rows read, in the mailbox's format.
     """
-    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
     rows = _published_rows(q_rows, slots, shape)
-    out, lse = _run_sparse_core("sparse_core_publish", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, rows)
+    out, lse = _run_sparse_core("sparse_core_publish", q_rows, slots, mla_cache, shape, slots_per_cta, pdl, rows, error)
     return out, lse, rows
 
 
 @sparse_core_publish.register_fake
-def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True):
-    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta)
+def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True, error=None):
+    _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
     return *_sparse_core_outputs(slots, shape), _published_rows(q_rows, slots, shape)

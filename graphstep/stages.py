@@ -92,6 +92,12 @@ class Stages(ABC):
         modules); no launches."""
 
     @abstractmethod
+    def guard(self, size: int) -> None:
+        """The inputs' ids out of range (b.slot_mapping, b.context_lens, b.block_tables):
+        whatever a backend does before any stage uses them (record them in the step's error
+        word, make them safe). First in the step, on the main stream before the fork."""
+
+    @abstractmethod
     def index_key(self, size: int) -> None:
         """The new tokens' indexer keys (LayerNorm, RoPE, rotation, e4m3) from b.qkv at b.slot_mapping
         of the indexer cache; slot -1 writes nothing where a block table reads. First on the
@@ -153,30 +159,41 @@ class CuteStages(Stages):
         shape = self.state.shape
         self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size)
 
+    def guard(self, size: int) -> None:
+        pass  # each kernel guards its own reads and writes and records (kernels/guards.py)
+
     def index_key(self, size: int) -> None:
         b = self.buffers
-        self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.state.caches.index_cache, size)
+        self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.state.caches.index_cache, size, self.error)
 
     def query_norm(self, size: int) -> None:
         self.kernels.query_norm(self.buffers.qkv, self.buffers.qc, size)
 
     def index_query(self, size: int) -> None:
         b = self.buffers
-        self.kernels.index_query(b.qc, b.qkv, b.context_lens, b.index_q, b.index_w, size)
+        self.kernels.index_query(b.qc, b.qkv, b.context_lens, b.index_q, b.index_w, size, self.error)
 
     def index_scores(self, size: int) -> None:
         b = self.buffers
         cache = self.state.caches.index_cache
-        self.kernels.dsa_index(b.index_q, b.index_w, cache, b.block_tables, b.context_lens, b.scores, size)
+        self.kernels.dsa_index(
+            b.index_q, b.index_w, cache, b.block_tables, b.context_lens, b.scores, size, error=self.error
+        )
 
     def top_k(self, size: int) -> None:
         b = self.buffers
         out = b.slots if self.state.shape.topology.dcp == 1 else b.own_positions
-        self.kernels.top_k(b.scores, b.block_tables, b.context_lens, out, b.own_scores, size)
+        pages = self.state.caches.index_cache.shape[0]
+        self.kernels.top_k(
+            b.scores, b.block_tables, b.context_lens, out, b.own_scores, size, error=self.error, pool_pages=pages
+        )
 
     def dcp_merge(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> None:
         b = self.buffers
-        self.kernels.dcp_merge(b.own_positions, b.own_scores, positions, scores, b.block_tables, b.slots, size)
+        pages = self.state.caches.index_cache.shape[0]
+        self.kernels.dcp_merge(
+            b.own_positions, b.own_scores, positions, scores, b.block_tables, b.slots, size, self.error, pages
+        )
 
     def mla_query(self, size: int, store_qc: bool, poll: bool) -> None:
         b, caches = self.buffers, self.state.caches
@@ -211,6 +228,7 @@ class CuteStages(Stages):
             b.lse,
             size,
             q_out=b.q_out,
+            error=self.error,
         )  # (the kernel publishes: no copy or fill launch after it)
 
 
@@ -224,6 +242,11 @@ class TorchStages(Stages):
 
     def warm(self, sizes) -> None:
         pass  # nothing to compile: capture's warm-up pass creates the cuBLAS handles
+
+    def guard(self, size: int) -> None:
+        """Record as the kernels would and make the ids safe in the buffers, in place
+        (torch_stages.guard_inputs): every torch stage after it stays in bounds."""
+        torch_stages.guard_inputs(self.state, self._inputs(size), self.error.record)
 
     def index_key(self, size: int) -> None:
         torch_stages.index_key_insert(self.state, self._inputs(size), self.state.caches)

@@ -21,6 +21,13 @@ context length 1. A batch above the largest captured size is an error. The mailb
 query rows are re-armed inside the step by the sparse core, their last reader (in its
 kernel; the transport's arm() re-arms whatever else its exchanges need); a poll that
 gives up raises MailboxTimeout from step().
+
+Range guards: an id out of range (a slot, a block-table page, a length past the RoPE table)
+that reaches the kernels (check_values=False) writes nothing, reads a hole or a clamped RoPE
+row, and is recorded in the step's error word; check() raises InputRangeError for it on
+demand, and step() at the latest on the next step with check_values=True (in the one
+device-to-host read its value checks make), or at once under DCP (which reads the word
+after every step anyway).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from contextlib import nullcontext
 import torch
 
 from . import formats
-from .launch import DEFAULT_BUDGET_NS, ErrorWord
+from .launch import DEFAULT_BUDGET_NS, ErrorWord, guard_bounds
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
 from .stages import Buffers, CuteStages, Stages, TorchStages
@@ -75,7 +82,8 @@ class DecodeStep:
 
     Attributes: state (LayerState: weights, caches, the mailbox), buffers (the static
     Buffers the graphs read and write), stages (the backend), transport (the DCP exchanges),
-    modes ({size: mode}), graphs ({(size, mode): CUDAGraph}), error (the polls' ErrorWord).
+    modes ({size: mode}), graphs ({(size, mode): CUDAGraph}), error (the ErrorWord of the
+    polls and the range guards; check() reads it).
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class DecodeStep:
             )
         self.state = state
         self.error = ErrorWord.new(self.device)
+        self.bounds = guard_bounds(self.state)  # what the range guards hold each id to
         self.buffers = Buffers.allocate(self.state)
         self.stages: Stages = BACKENDS[backend](self.state, self.buffers, self.error, budget_ns, pdl)
         make_transport = transport or (SimulatedPeers if topo.dcp > 1 else SingleRank)
@@ -157,6 +166,7 @@ class DecodeStep:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         stages, dcp = self.stages, self.shape.topology.dcp > 1
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stages.guard(size)
         self.transport.publish_query_rows(size)
         if mode == "serial":
             stages.index_key(size)
@@ -212,7 +222,7 @@ class DecodeStep:
                 self.run_stages(size, mode)  # module loads, cuBLAS handles, allocator warm-up
         torch.cuda.current_stream(self.device).wait_stream(warm)
         torch.cuda.synchronize(self.device)
-        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks)
+        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, bounds=self.bounds)
         pool = torch.cuda.graph_pool_handle()
         gc.collect()
         gc.disable()  # a compiled kernel's finalizer unloads its module: none may run mid-capture
@@ -288,7 +298,11 @@ class DecodeStep:
         Shapes, dtypes and devices are always checked (no synchronization); check_values
         also checks the values (see load()), which costs one device-to-host sync: a serving
         loop that guarantees them can turn it off. Under DCP the step always synchronizes
-        to read QueryWait's error word."""
+        to read QueryWait's error word.
+
+        With check_values=False, an out-of-range id that reaches the kernels is guarded
+        there and recorded: check() raises InputRangeError for it; so does the next step
+        with check_values=True (before it runs; under DCP, this step itself)."""
         if not eager:
             self._check_pointers()
         size = self.load(inputs, peers, check_values)
@@ -297,10 +311,20 @@ class DecodeStep:
         else:
             self.graph(size).replay()
         if self.shape.topology.dcp > 1:
-            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, self.shape.heads)
+            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, self.shape.heads, self.bounds)
         batch, b = inputs.batch, self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
         return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
+
+    def check(self) -> None:
+        """Synchronize with the device and raise what the steps so far left in the error word:
+        InputRangeError (a kernel met an id out of range: which kernel, token, value and the
+        range expected) or MailboxTimeout (a DCP poll gave up). The word is then reset, so
+        the next step runs normally. Costs one synchronization: call it when you choose."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        heads = self.shape.heads if self.shape.topology.dcp > 1 else None
+        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds)
 
     def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
         m = self.shape.model
@@ -341,7 +365,13 @@ class DecodeStep:
         page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
         checks = [len_bad, page_bad.any(1), slot_bad, ~torch.isfinite(inputs.qkv).all(1)]
         transport_checks = self.transport.value_checks(peers, safe)
-        flags = torch.stack(checks + [bad for bad, _ in transport_checks]).tolist()  # the one sync
+        stacked = torch.stack(checks + [bad for bad, _ in transport_checks]).to(self.error.word.device)
+        # the one sync: the flags and the error word the steps before this one left
+        read = torch.cat([stacked.flatten().int(), self.error.word]).tolist()
+        flags = [[bool(v) for v in read[i : i + inputs.batch]] for i in range(0, len(read) - 4, inputs.batch)]
+        # an earlier unchecked step's range error first (the word is reset: the next call runs)
+        heads = self.shape.heads if topo.dcp > 1 else None
+        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds, read[-4:])
         if any(flags[0]):
             row = flags[0].index(True)
             raise ValueError(

@@ -4,6 +4,13 @@ writes (slot -1) sent to the state's spare page instead of being masked out.
 
 graphstep.stages.TorchStages runs them as DecodeStep's torch backend (the plain-torch
 baseline: cuBLAS bf16 GEMMs, an fp32 bmm over the dequantized FP8 indexer cache, torch.topk).
+
+`guard_inputs` is the torch backend's side of the kernels' range guards: it records in the
+step's error word what the CuTe DSL kernels would (kernels/guards.py: the same lowest
+(check, token, value)) and makes the ids safe in place, so the stages after it write and
+read in bounds: a bad slot becomes -1 (written to the spare page), a bad page the spare
+page (scored -inf by index_scores: a hole), a bad length is clamped to the RoPE table.
+Nothing is raised here (a stage never synchronizes); DecodeStep.check() raises.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import torch.nn.functional as F
 
 from . import formats
 from . import reference as ref
+from .kernels import guards
 from .state import LayerCaches, LayerState, StepInputs, local_lens
 
 
@@ -20,6 +28,49 @@ def _write_slots(state: LayerState, slots: torch.Tensor) -> torch.Tensor:
     """slot -1 -> a slot of the spare page (writes land where nothing reads)."""
     trash = state.trash_page * state.shape.model.page_size
     return torch.where(slots >= 0, slots, trash).long()
+
+
+def _records(check, values: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """The smallest record (kernels/guards.py) of the `bad` entries of `values` ([B] or
+    [B, n], row = token; check: an int or a tensor like `bad`), EMPTY if none: int64 []."""
+    token = torch.arange(values.shape[0], device=values.device)
+    if values.dim() == 2:
+        token = token[:, None]
+    packed = (torch.as_tensor(check, device=values.device) << 56) | (token << 32) | (values.long() & 0xFFFFFFFF)
+    return torch.where(bad, packed, guards.EMPTY).min()
+
+
+def guard_inputs(state: LayerState, inputs: StepInputs, record: torch.Tensor) -> None:
+    """Record the inputs' out-of-range ids in `record` (the error word's int64 [1] view, a
+    running minimum) as the kernels would, and make them safe in place (module docstring).
+    Graph-capturable: elementwise ops and reductions over the batch, no synchronization."""
+    m, w, c, topo = state.shape.model, state.weights, state.caches, state.shape.topology
+    page = m.page_size
+    lens, slots, tables = inputs.context_lens, inputs.slot_mapping, inputs.block_tables
+    index_pages = c.index_cache.shape[0]
+    index_slots, mla_slots = index_pages * page, c.mla_cache.shape[0] * c.mla_cache.shape[1]
+    index_rows = min(w.index_rope_cos.shape[0], w.index_rope_sin.shape[0])
+    mla_rows = min(w.rope_cos.shape[0], w.rope_sin.shape[0])
+    index_ok = (slots >= 0) & (slots < index_slots)
+    mla_ok = (slots >= 0) & (slots < mla_slots)
+    # the pages DsaIndex reads: the used part of each table, by the raw lengths
+    used = torch.div(local_lens(lens, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
+    columns = torch.arange(tables.shape[1], device=tables.device)[None]
+    page_ok = (tables >= 0) & (tables < index_pages)
+    found = torch.stack(
+        [
+            _records(guards.INDEX_KEY_SLOT, slots, ~index_ok & (slots != -1)),
+            _records(guards.INDEX_KEY_LENGTH, lens, index_ok & ((lens < 1) | (lens > index_rows))),
+            _records(guards.MLA_QUERY_SLOT, slots, ~mla_ok & (slots != -1)),
+            _records(guards.MLA_QUERY_LENGTH, lens, (lens < 1) | (lens > mla_rows)),
+            _records(guards.INDEX_QUERY_LENGTH, lens, (lens < 1) | (lens > index_rows)),
+            _records(guards.DSA_INDEX_PAGE, tables, ~page_ok & (columns < used[:, None])),
+        ]
+    ).min()
+    torch.minimum(record, found, out=record)
+    slots.copy_(torch.where(index_ok & mla_ok, slots, -1))
+    lens.clamp_(1, min(index_rows, mla_rows))
+    tables.copy_(torch.where(page_ok, tables, state.trash_page))
 
 
 def index_key_insert(state: LayerState, inputs: StepInputs, caches: LayerCaches) -> None:
@@ -45,7 +96,9 @@ def index_scores(
     score = torch.mul(torch.bmm(head_w.unsqueeze(1), dots).squeeze(1), k_scale, out=out)
     lens = local_lens(inputs.context_lens, topo.dcp, topo.rank)
     past = torch.arange(width, device=score.device)[None] >= lens[:, None]
-    return score.masked_fill_(past, float("-inf"))
+    # the spare page is never a sequence's: guard_inputs put it where a page was out of range
+    hole = (inputs.block_tables == state.trash_page).repeat_interleave(m.page_size, dim=1)
+    return score.masked_fill_(past | hole, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,9 @@ their scores (-inf padded). The global top-k is the k best of the dcp x k candid
 (kernels/top_k.py, one CTA of 1024 threads per token). This rank keeps the selected
 candidates that are its own, and its own list is already in ascending position, so the
 output is a compaction of that list (warp ballots, one block scan): local slots in
-ascending position, -1 padded, as graphstep.reference.local_slots gives them.
+ascending position, -1 padded, as graphstep.reference.local_slots gives them. Guards
+(kernels/guards.py): a kept candidate whose local index is outside the block table's
+width, or whose page is outside [0, pool_pages), becomes slot -1 (a hole), recorded.
 
 A candidate whose score equals the threshold is taken outright when the search took
 its bin whole (need = ALL: every candidate at the threshold is selected). Only when more
@@ -28,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
+from . import guards
 from . import primitives as P
 from .top_k import ALL, CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
 
@@ -53,11 +56,13 @@ class DcpMerge(RadixSelect):
         out: cute.Pointer,
         batch: Int32,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.dcp_merge(own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq).launch(
-            grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
-        )
+        self.dcp_merge(
+            own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq, error, pool_pages
+        ).launch(grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def dcp_merge(
@@ -69,6 +74,8 @@ class DcpMerge(RadixSelect):
         block_tables: cute.Pointer,
         out: cute.Pointer,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
     ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
@@ -103,15 +110,35 @@ class DcpMerge(RadixSelect):
                 for j in cutlass.range_constexpr(4):
                     e = 4 * u + j
                     if ((takes[e] >> lane) & 1) == 1:
-                        local = positions[e] // self.dcp
-                        page = P.load_i32(block_tables + token * pages_per_seq + local // PAGE)
-                        P.store_i32(out + token * self.k + mine_before, page * PAGE + local % PAGE)
+                        self.store_slot(
+                            out + token * self.k + mine_before,
+                            positions[e],
+                            block_tables + token * pages_per_seq,
+                            pages_per_seq,
+                            error,
+                            token,
+                            pool_pages,
+                        )
                     mine_before = mine_before + ((takes[e] >> lane) & 1)
                 for j in cutlass.range_constexpr(4):
                     place = place + cute.arch.popc(takes[4 * u + j])
             kept = kept + total
         for i in range(kept + tid, self.k, THREADS):
             P.store_i32(out + token * self.k + i, Int32(-1))
+
+    @cute.jit
+    def store_slot(self, at, position, table, pages_per_seq, error, token, pool_pages):
+        """The slot of this rank's global `position` through its block-table row `table`
+        at `at`; -1 (a hole) and a record where the local index or its page is out of range."""
+        local_ok = P.in_range(position, pages_per_seq * PAGE * self.dcp)  # local index position // dcp
+        local = position // self.dcp
+        page = P.load_i32(table + P.select_i32(local_ok, local, 0) // PAGE)
+        page_ok = P.in_range(page, pool_pages)
+        P.store_i32(at, P.select_i32(local_ok and page_ok, page * PAGE + local % PAGE, -1))
+        if not local_ok:
+            P.record_range(error, guards.DCP_MERGE_POSITION, token, position)
+        elif not page_ok:
+            P.record_range(error, guards.DCP_MERGE_PAGE, token, page)
 
     @cute.jit
     def segment(self, source, start, warp, lane, own_only: bool = False) -> tuple:
@@ -156,4 +183,4 @@ class DcpMerge(RadixSelect):
 
 def compile_args():
     i32, f32 = P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4)
-    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1))
+    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1))

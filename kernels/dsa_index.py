@@ -47,6 +47,11 @@ IndexQuery the query rows); before it only the length and block-table entries (n
 the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
 no data into the SM (L2 is the point of coherence: the copies after the wait see IndexKey's
 write), so a launch's first pages stream in while its predecessor finishes.
+
+Guard (kernels/guards.py): a live page id outside [0, pool_pages) is a hole. The producer
+copies nothing for it (its stage completes on a bare expect_tx of 0 bytes) and records it;
+the consumers, who hold the run's block-table entries too (loaded before the wait), score
+its 64 keys -inf whatever the stale stage holds; no prefetch is issued for it.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
+from . import guards
 from . import primitives as P
 
 HEADS, DIM, PAGE = 64, 128, 64
@@ -214,9 +220,13 @@ class DsaIndex:
         batch: Int32,
         pages_per_seq: Int32,
         run: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.dsa_index(q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run).launch(
+        self.dsa_index(
+            q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run, error, pool_pages
+        ).launch(
             grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
@@ -231,6 +241,8 @@ class DsaIndex:
         scores: cute.Pointer,
         pages_per_seq: Int32,
         run: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         chunk, token, _ = cute.arch.block_idx()
@@ -258,7 +270,7 @@ class DsaIndex:
         width = pages_per_seq * PAGE
         table = block_tables + token * pages_per_seq
         mine = _ldg_nc_i32(table + cutlass.min(first + lane, pages_per_seq - 1))
-        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES):
+        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES) and P.in_range(mine, pool_pages):
             keys = cutlass.min(length - (first + lane) * PAGE, PAGE)
             src = cache + Int64(mine) * PAGE_BYTES
             _prefetch_l2(src, keys * DIM)
@@ -267,7 +279,22 @@ class DsaIndex:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         if warp == CONSUMERS // 32:
-            self.produce(cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane)
+            self.produce(
+                cache,
+                table,
+                mine,
+                pages_per_seq,
+                first,
+                live,
+                length,
+                ring0,
+                full0,
+                empty0,
+                lane,
+                error,
+                token,
+                pool_pages,
+            )
         else:
             self.consume(
                 q,
@@ -286,13 +313,33 @@ class DsaIndex:
                 tid,
                 lane,
                 warp,
+                table,
+                mine,
+                pages_per_seq,
+                pool_pages,
             )
 
     @cute.jit
-    def produce(self, cache, table, mine, pages_per_seq, first, live, length, ring0, full0, empty0, lane):
+    def produce(
+        self,
+        cache,
+        table,
+        mine,
+        pages_per_seq,
+        first,
+        live,
+        length,
+        ring0,
+        full0,
+        empty0,
+        lane,
+        error,
+        token,
+        pool_pages,
+    ):
         """Warp 4: the block-table entries 32 at a time (one per lane; the first 32 loaded
         before the wait), then one bulk copy per live page into the ring, waiting for the
-        consumers to free a stage."""
+        consumers to free a stage; a page outside the pool: no copy, recorded."""
         for i0 in range(0, live, 32):
             if i0 > 0:
                 mine = _ldg_nc_i32(table + cutlass.min(first + i0 + lane, pages_per_seq - 1))
@@ -306,7 +353,10 @@ class DsaIndex:
                     keys = cutlass.min(length - (first + i) * PAGE, PAGE)
                     dst, bar = ring0 + stage * PAGE_BYTES, full0 + 8 * stage
                     src = cache + Int64(page) * PAGE_BYTES  # 64-bit: caches pass 2 GiB
-                    if keys == PAGE:
+                    if not P.in_range(page, pool_pages):  # a hole: the stage completes with no bytes
+                        P.mbar_expect(bar, Int32(0))
+                        P.record_range(error, guards.DSA_INDEX_PAGE, token, page)
+                    elif keys == PAGE:
                         P.mbar_expect(bar, Int32(PAGE_BYTES))
                         P.bulk_copy_g2s(dst, src, Int32(PAGE_BYTES), bar)
                     else:  # the last page: its live keys and the 16-byte words of their scales
@@ -317,8 +367,30 @@ class DsaIndex:
 
     @cute.jit
     def consume(
-        self, q, head_w, scores, token, width, first, count, live, length, ring0, qbase, full0, empty0, tid, lane, warp
+        self,
+        q,
+        head_w,
+        scores,
+        token,
+        width,
+        first,
+        count,
+        live,
+        length,
+        ring0,
+        qbase,
+        full0,
+        empty0,
+        tid,
+        lane,
+        warp,
+        table,
+        mine,
+        pages_per_seq,
+        pool_pages,
     ):
+        """Warps 0-3. mine: block-table entry first + lane (as the producer's), so that a
+        page outside the pool scores -inf (the producer copied nothing into its stage)."""
         g, t = lane // 4, lane % 4
         out = scores + token * width
         if live > 0:
@@ -330,6 +402,9 @@ class DsaIndex:
             odd = g % 2
             for i in range(live):
                 stage = i % STAGES
+                if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
+                    mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
+                page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
                 P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
                 base = ring0 + stage * PAGE_BYTES
                 rows = [warp * 16 + g, warp * 16 + g + 8]
@@ -370,7 +445,8 @@ class DsaIndex:
                 if t == 0:
                     for r in cutlass.range_constexpr(2):
                         key = position + rows[r]
-                        P.store_f32(out + key, P.select(key < length, sums[r] * scales[r], Float32(float("-inf"))))
+                        live_key = key < length and page_ok
+                        P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
         # pages of the run past the length: -inf, never read
         start, stop = (first + live) * PAGE, (first + count) * PAGE
         for p in range(start + tid, stop, CONSUMERS):
@@ -421,4 +497,6 @@ def compile_args():
         Int32(1),
         Int32(1),
         Int32(2),
+        P.gmem_ptr(Int32, align=8),
+        Int32(1),
     )

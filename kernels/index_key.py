@@ -5,9 +5,11 @@ and bias in FP32, NeoX RoPE on the first 64 dims at position len - 1, with `hada
 rotation of the 128 (a fast Walsh-Hadamard transform, 20 lane shuffles), per-token e4m3
 (scale = max(amax, 1e-4) / 448, with `ue8m0` rounded up to a power of two), written at
 the token's slot: the 128 key bytes at page x 8448 + offset x 128 and the fp32 scale at
-page x 8448 + 8192 + offset x 4 (graphstep/formats.py). Slot -1 (a pad row) writes nothing. It needs only the step's
-inputs, so it opens the main stream's PDL chain (IndexKey -> QueryNorm -> IndexQuery ->
-DsaIndex -> TopK) and DsaIndex sees the new keys.
+page x 8448 + 8192 + offset x 4 (graphstep/formats.py). Slot -1 (a pad row) writes nothing.
+Guards (kernels/guards.py): a slot outside [0, pool_slots) writes nothing, recorded unless
+-1; a length outside [1, rope_rows] reads RoPE row 0 (the key is garbage, in bounds),
+recorded. It needs only the step's inputs, so it opens the main stream's PDL chain
+(IndexKey -> QueryNorm -> IndexQuery -> DsaIndex -> TopK) and DsaIndex sees the new keys.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
+from . import guards
 from . import primitives as P
 
 DIM, PAGE = 128, 64
@@ -52,12 +55,15 @@ class IndexKey:
         context_lens: cute.Pointer,
         slots: cute.Pointer,
         cache: cute.Pointer,
+        error: cute.Pointer,
         batch: Int32,
+        pool_slots: Int32,
+        rope_rows: Int32,
         stream: cuda.CUstream,
     ):
-        self.index_key(qkv, weight, bias, cos, sin, context_lens, slots, cache, batch).launch(
-            grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl
-        )
+        self.index_key(
+            qkv, weight, bias, cos, sin, context_lens, slots, cache, error, batch, pool_slots, rope_rows
+        ).launch(grid=[(batch + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def index_key(
@@ -70,7 +76,10 @@ class IndexKey:
         context_lens: cute.Pointer,
         slots: cute.Pointer,
         cache: cute.Pointer,
+        error: cute.Pointer,
         batch: Int32,
+        pool_slots: Int32,
+        rope_rows: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -84,7 +93,9 @@ class IndexKey:
         cute.arch.griddepcontrol_launch_dependents()
         if token < batch:
             slot = P.load_i32(slots + token)
-            if slot >= 0:
+            if lane == 0 and slot != -1 and not P.in_range(slot, pool_slots):
+                P.record_range(error, guards.INDEX_KEY_SLOT, token, slot)
+            if P.in_range(slot, pool_slots):
                 row = qkv + token * self.row_stride + self.key_column + 4 * lane
                 x = P.unpack_bf16x2(P.load_u32(row)) + P.unpack_bf16x2(P.load_u32(row + 2))
                 mean = P.warp_sum(x[0] + x[1] + x[2] + x[3]) / Float32(DIM)
@@ -92,7 +103,11 @@ class IndexKey:
                 var = P.warp_sum(d[0] * d[0] + d[1] * d[1] + d[2] * d[2] + d[3] * d[3]) / Float32(DIM)
                 rstd = cute.math.rsqrt(var + Float32(self.eps))
                 y = [d[j] * rstd * gamma[j] + beta[j] for j in range(4)]
-                k = P.rope_neox_row(y, cos, sin, P.load_i32(context_lens + token) - 1, lane)
+                length = P.load_i32(context_lens + token)
+                row_ok = P.in_range(length - 1, rope_rows)
+                if lane == 0 and not row_ok:
+                    P.record_range(error, guards.INDEX_KEY_LENGTH, token, length)
+                k = P.rope_neox_row(y, cos, sin, P.select_i32(row_ok, length - 1, 0), lane)
                 if cutlass.const_expr(self.hadamard):
                     k = P.hadamard_row(k, lane)
                 word, scale = P.quantize_e4m3_row(k, self.ue8m0)
@@ -104,4 +119,5 @@ class IndexKey:
 
 def compile_args():
     bf16, f32, i32 = P.gmem_ptr(BFloat16), P.gmem_ptr(Float32), P.gmem_ptr(Int32, align=4)
-    return (bf16, bf16, bf16, f32, f32, i32, i32, P.gmem_ptr(Uint8), Int32(1))
+    error = P.gmem_ptr(Int32, align=8)
+    return (bf16, bf16, bf16, f32, f32, i32, i32, P.gmem_ptr(Uint8), error, Int32(1), Int32(64), Int32(1))

@@ -22,6 +22,10 @@ rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after Ro
          barriers instead of the start's and the maxima's), and both compute all 128
          outputs' |max| alike, so the maxima need no swap.
 
+RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads row 0 (that
+token's query is garbage, in bounds) and is recorded for token first_token + t
+(kernels/guards.py; first_token: where this launch's chunk of the batch starts).
+
 A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
 holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
 Tested on the H200 against the reference (tests/test_indexer_gpu.py).
@@ -34,6 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8
 
+from . import guards
 from . import primitives as P
 from . import projection as J
 
@@ -115,10 +120,15 @@ class IndexQuery:
         context_lens: cute.Pointer,
         q_out: cute.Pointer,
         w_out: cute.Pointer,
+        error: cute.Pointer,
         batch: Int32,
+        rope_rows: Int32,
+        first_token: Int32,
         stream: cuda.CUstream,
     ):
-        self.index_query(qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, batch).launch(
+        self.index_query(
+            qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, error, batch, rope_rows, first_token
+        ).launch(
             grid=[2 * HEADS, 1, 1],
             block=[J.THREADS, 1, 1],
             cluster=[2, 1, 1],
@@ -139,7 +149,10 @@ class IndexQuery:
         context_lens: cute.Pointer,
         q_out: cute.Pointer,
         w_out: cute.Pointer,
+        error: cute.Pointer,
         batch: Int32,
+        rope_rows: Int32,
+        first_token: Int32,
     ):
         tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
@@ -206,7 +219,11 @@ class IndexQuery:
             token = first_token + 16 * p
             v = list(P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
             partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
-            pos = P.load_i32(context_lens + cutlass.min(token, ntok - 1)) - 1
+            length = P.load_i32(context_lens + cutlass.min(token, ntok - 1))
+            row_ok = P.in_range(length - 1, rope_rows)
+            if cta == 0 and j == 0 and token < ntok and not row_ok:  # one record per token
+                P.record_range(error, guards.INDEX_QUERY_LENGTH, first_token + token, length)
+            pos = P.select_i32(row_ok, length - 1, 0)
             c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
             sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
             first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
@@ -276,4 +293,5 @@ class IndexQuery:
 
 def compile_args():
     bf16, f32 = P.gmem_ptr(BFloat16), P.gmem_ptr(Float32)
-    return (bf16, bf16, bf16, f32, f32, P.gmem_ptr(Int32, align=4), P.gmem_ptr(Uint8), f32, Int32(1))
+    i32, error = P.gmem_ptr(Int32, align=4), P.gmem_ptr(Int32, align=8)
+    return (bf16, bf16, bf16, f32, f32, i32, P.gmem_ptr(Uint8), f32, error, Int32(1), Int32(1), Int32(0))

@@ -11,7 +11,8 @@ mla_query_project
          as A so the batch is the narrow N side), reduces the four K quarters in a fixed
          order and writes raw q [B, H, 192] fp32 to a workspace. Its first CTAs also do
          the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE k_pe 64,
-         bf16 or the fp8 656-byte row; slot -1 writes nothing).
+         bf16 or the fp8 656-byte row; slot -1 writes nothing, and a slot outside
+         [0, pool_slots) too, recorded in the error word: kernels/guards.py).
 mla_query_absorb
          (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
          W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
@@ -20,6 +21,9 @@ mla_query_absorb
          head_base + h of q_rows: under DCP that is the mailbox publish. With poll, every
          thread then polls a share of the peers' head rows (its own rank's rows are
          written by this very grid, whose CTAs need not all be resident).
+
+RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads row 0 instead
+(that token's rows are garbage, in bounds) and is recorded (kernels/guards.py).
 
 Both hold their weight rows in registers and run the same 16 x 16 tensor-core tile
 (`held_rows`, `tile_mma`); they bulk-prefetch their weight slices into L2 before
@@ -35,6 +39,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
+from . import guards
 from . import primitives as P
 from .query_norm import QueryNorm
 
@@ -124,13 +129,29 @@ class MlaQuery:
         batch: Int32,
         eps: Float32,
         budget_ns: Int64,
+        pool_slots: Int32,
+        rope_rows: Int32,
         stream: cuda.CUstream,
     ):
         tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.norm(qkv, gamma_q, qc, batch, eps, stream)
         project_ctas = self.heads * QB_TILES
         self.mla_query_project(
-            qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, batch, eps
+            qkv,
+            gamma_kv,
+            w_qb,
+            cos,
+            sin,
+            context_lens,
+            slots,
+            qc,
+            workspace,
+            mla_cache,
+            error,
+            batch,
+            eps,
+            pool_slots,
+            rope_rows,
         ).launch(
             grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
             block=[THREADS, 1, 1],
@@ -138,7 +159,9 @@ class MlaQuery:
             use_pdl=self.pdl,
         )
         absorb_ctas = self.heads * LATENT_SLICES
-        self.mla_query_absorb(w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns).launch(
+        self.mla_query_absorb(
+            w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns, rope_rows
+        ).launch(
             grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
@@ -160,8 +183,11 @@ class MlaQuery:
         qc: cute.Pointer,
         workspace: cute.Pointer,
         mla_cache: cute.Pointer,
+        error: cute.Pointer,
         batch: Int32,
         eps: Float32,
+        pool_slots: Int32,
+        rope_rows: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         mtile, group, _ = cute.arch.block_idx()
@@ -183,7 +209,21 @@ class MlaQuery:
 
         if group == 0:  # the KV insert, one warp per new token, spread over the CTA row
             for row in range(mtile * 4 + warp, batch, ctas * 4):
-                self.kv_insert(qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps)
+                self.kv_insert(
+                    qkv,
+                    gamma_kv,
+                    cos,
+                    sin,
+                    context_lens,
+                    slots,
+                    mla_cache,
+                    error,
+                    row,
+                    lane,
+                    eps,
+                    pool_slots,
+                    rope_rows,
+                )
 
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             # Q_B over this warp's quarter of K, from q_c
@@ -207,10 +247,15 @@ class MlaQuery:
             cute.arch.sync_threads()  # the next tile reuses `partial`
 
     @cute.jit
-    def kv_insert(self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, row, lane, eps):
-        """The new token's MLA cache row: kv_a RMSNorm (512) then interleaved-RoPE k_pe (64)."""
+    def kv_insert(
+        self, qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, error, row, lane, eps, pool_slots, rope_rows
+    ):
+        """The new token's MLA cache row: kv_a RMSNorm (512) then interleaved-RoPE k_pe (64).
+        A slot outside [0, pool_slots) writes nothing (recorded unless -1)."""
         slot = P.load_i32(slots + row)
-        if slot >= 0:
+        if lane == 0 and slot != -1 and not P.in_range(slot, pool_slots):
+            P.record_range(error, guards.MLA_QUERY_SLOT, row, slot)
+        if P.in_range(slot, pool_slots):
             base = qkv + row * self.row_stride + K
             values, gammas = [], []
             for j in cutlass.range_constexpr(2):
@@ -222,7 +267,11 @@ class MlaQuery:
             rr = cute.math.rsqrt(P.warp_sum(total) / Float32(512) + eps)
             latent = [values[e] * rr * gammas[e] for e in range(16)]
             pe = P.unpack_bf16x2(P.load_u32(base + 512 + 2 * lane))
-            pos = P.load_i32(context_lens + row) - 1
+            length = P.load_i32(context_lens + row)
+            row_ok = P.in_range(length - 1, rope_rows)
+            if lane == 0 and not row_ok:
+                P.record_range(error, guards.MLA_QUERY_LENGTH, row, length)
+            pos = P.select_i32(row_ok, length - 1, 0)
             c, s = P.load_f32_nc(cos + pos * 32 + lane), P.load_f32_nc(sin + pos * 32 + lane)
             rope = P.pack_bf16x2(pe[0] * c - pe[1] * s, pe[0] * s + pe[1] * c)
             if cutlass.const_expr(self.mla_fp8):
@@ -261,6 +310,7 @@ class MlaQuery:
         error: cute.Pointer,
         batch: Int32,
         budget_ns: Int64,
+        rope_rows: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         x, group, _ = cute.arch.block_idx()
@@ -289,7 +339,9 @@ class MlaQuery:
             token, chunk = tid // chunks, tid % chunks
             row = tile * BATCH_TILE + token
             if token < BATCH_TILE and row < batch:
-                self.publish(cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part)
+                self.publish(
+                    cos, sin, context_lens, workspace, q_rows, error, out, row, token, chunk, head, part, rope_rows
+                )
             cute.arch.sync_threads()  # the next tile reuses `out`
 
         if cutlass.const_expr(self.poll and self.gathered > self.heads):
@@ -313,7 +365,7 @@ class MlaQuery:
         return P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
 
     @cute.jit
-    def publish(self, cos, sin, context_lens, workspace, q_rows, out, row, token, chunk, head, part):
+    def publish(self, cos, sin, context_lens, workspace, q_rows, error, out, row, token, chunk, head, part, rope_rows):
         """One whole 16-byte chunk of a query row: this slice's latent and, in slice 0, the rope."""
         per_chunk = 16 // self.q_bytes
         dst = q_rows + ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
@@ -324,7 +376,11 @@ class MlaQuery:
             raw = []
             for i in cutlass.range_constexpr(per_chunk // 4):
                 raw += list(P.load_f32x4(src + 4 * i))
-            pos = P.load_i32(context_lens + row) - 1
+            length = P.load_i32(context_lens + row)
+            row_ok = P.in_range(length - 1, rope_rows)
+            if head == 0 and chunk == 0 and not row_ok:  # one record per token
+                P.record_range(error, guards.MLA_QUERY_LENGTH, row, length)
+            pos = P.select_i32(row_ok, length - 1, 0)
             first = chunk * per_chunk // 2  # first rope pair of this chunk
             cs = []
             for i in cutlass.range_constexpr(per_chunk // 8):
@@ -361,4 +417,6 @@ def compile_args():
         Int32(1),
         Float32(1e-6),
         Int64(1),
+        Int32(1),
+        Int32(1),
     )

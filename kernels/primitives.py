@@ -415,6 +415,22 @@ def report_missing(error, linear_chunk):
     )
 
 
+def in_range(value, bound) -> cutlass.Boolean:
+    """0 <= value < bound (bound >= 0) in one unsigned compare: every negative id, -1
+    included, is out of range."""
+    return Uint32(value) < Uint32(bound)
+
+
+def record_range(error, check: int, token, value):
+    """error: the int32 [4] error word; (check, token, value) into its 64-bit record at
+    words 2-3 by atomic min, so the lowest (check, token) wins (kernels/guards.py)."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b64 hi, lo;\n\tcvt.u64.u32 hi, {$r1};\n\tshl.b64 hi, hi, 32;\n\t"
+        "cvt.u64.u32 lo, {$r2};\n\tor.b64 hi, hi, lo;\n\tred.global.min.s64 [{$r0}], hi;\n\t}",
+        read_only_args=[error + 2, Int32(check << 24) + Int32(token), Int32(value)],
+    )
+
+
 POLL_IN_FLIGHT = 8
 
 

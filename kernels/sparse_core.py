@@ -43,8 +43,10 @@ left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialize
 is the next lever). At 64-row tiles the query rows' shared-memory reads bound it (wgmma).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
-graphstep.reference.sparse_attention. Query rows: bf16, or e4m3 widened exactly to bf16;
-rows past `gathered` (the 16-row padding of the mailbox, never published) are zeros.
+graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
+unsigned compare where -1 was tested), recorded in the error word (kernels/guards.py).
+Query rows: bf16, or e4m3 widened exactly to bf16; rows past `gathered` (the 16-row padding
+of the mailbox, never published) are zeros.
 Caches: bf16 [576] rows, or the fp8 656-byte rows (512 e4m3 x their per-128 fp32 scale,
 rounded to bf16; 64 bf16 rope).
 """
@@ -58,6 +60,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
 
+from . import guards
 from . import primitives as P
 
 ROW, LATENT = 576, 512
@@ -166,9 +169,13 @@ class SparseCore:
         lse: cute.Pointer,
         q_out: cute.Pointer,
         batch: Int32,
+        error: cute.Pointer,
+        pool_slots: Int32,
         stream: cuda.CUstream,
     ):
-        self.sparse_core_partial(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out).launch(
+        self.sparse_core_partial(
+            q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots
+        ).launch(
             grid=[self.splits, self.q_heads // self.heads, batch],
             block=[self.threads, 1, 1],
             stream=stream,
@@ -192,6 +199,8 @@ class SparseCore:
         out: cute.Pointer,
         lse: cute.Pointer,
         q_out: cute.Pointer,
+        error: cute.Pointer,
+        pool_slots: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
@@ -250,14 +259,16 @@ class SparseCore:
         row_sum = [Float32(0), Float32(0)]  # this thread's share
         blocks, stages = self.slots_per_cta // block, self.stages
         for b in cutlass.range_constexpr(stages - 1):  # the ring's first stages-1 blocks in flight
-            self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, tid)
+            self.issue_block(cache, ids_t, ring + b * stage_bytes, b * block, tid, pool_slots, error, token)
             P.cp_async_commit()
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, self.threads)
         for b in range(blocks):
             ahead = b + stages - 1
             if ahead < blocks:  # into the stage block b - 1 used (freed by its closing barrier)
-                self.issue_block(cache, ids_t, ring + ahead % stages * stage_bytes, ahead * block, tid)
+                self.issue_block(
+                    cache, ids_t, ring + ahead % stages * stage_bytes, ahead * block, tid, pool_slots, error, token
+                )
             P.cp_async_commit()
             P.cp_async_wait(stages - 1)  # block b's copies (this thread's) have landed
             cute.arch.sync_threads()
@@ -273,7 +284,7 @@ class SparseCore:
                 scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
                 for j in cutlass.range_constexpr(per):
                     for q in cutlass.range_constexpr(4):
-                        live = ids_t[b * block + (col * per + j) * 8 + 2 * t + q % 2] >= 0
+                        live = P.in_range(ids_t[b * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
                         scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
             # the block's row max over the column warps
             for r in cutlass.range_constexpr(2):
@@ -410,23 +421,27 @@ class SparseCore:
         return [[acc[j][0][q] + acc[j][1][q] for q in range(4)] for j in range(per)]
 
     @cute.jit
-    def issue_block(self, cache, ids_t, dst, first, tid):
+    def issue_block(self, cache, ids_t, dst, first, tid, pool_slots, error, token):
         """cp.async the cache rows of slots ids[first .. first + block) into dst (bf16 rows
-        at STRIDE, or raw fp8 rows at FP8_ROW); -1 slots are zero-filled. threads / block
-        threads share a row, each taking every (threads / block)-th 16-byte chunk, so a
-        thread reads one slot id per block and its chunk offsets are constants."""
+        at STRIDE, or raw fp8 rows at FP8_ROW); -1 slots, and slots outside the pool
+        (recorded), are zero-filled. threads / block threads share a row, each taking every
+        (threads / block)-th 16-byte chunk, so a thread reads one slot id per block and its
+        chunk offsets are constants."""
         chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         stride = STRIDE if not self.mla_fp8 else FP8_ROW
         per_row = self.threads // self.block
         r, c0 = tid // per_row, tid % per_row
         slot = ids_t[first + r]
-        src = cache + Int64(cutlass.max(slot, 0)) * self.row_bytes + 16 * c0
+        live = P.in_range(slot, pool_slots)
+        if c0 == 0 and slot != -1 and not live:
+            P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
+        src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * c0
         row = dst + r * stride + 16 * c0
         for j in cutlass.range_constexpr((chunks + per_row - 1) // per_row):
             if cutlass.const_expr(per_row * (j + 1) <= chunks):
-                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, slot >= 0)
+                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, live)
             elif c0 + per_row * j < chunks:
-                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, slot >= 0)
+                P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, live)
 
     @cute.jit
     def dequantize_block(self, raw, kv, tid):
@@ -585,5 +600,7 @@ def compile_args():
         f32,
         P.gmem_ptr(Float32, align=4),
         P.gmem_ptr(Uint8),
+        Int32(1),
+        P.gmem_ptr(Int32, align=8),
         Int32(1),
     )

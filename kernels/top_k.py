@@ -18,7 +18,8 @@ each element with warp ballots (in-segment order is load, then lane, then elemen
 block scan of the warps' counts per chunk. Rows shorter than k keep every position and
 are padded with -1. With DCP the output is this rank's candidates for the merge: global
 positions (local x dcp + rank) and their scores (-inf padded); otherwise cache slots
-(block table page x 64 + offset).
+(block table page x 64 + offset); a kept position whose page is outside [0, pool_pages)
+becomes slot -1 (a hole SparseCore skips) and is recorded (kernels/guards.py).
 
 Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
 16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
@@ -41,6 +42,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
+from . import guards
 from . import primitives as P
 
 THREADS = 1024
@@ -180,9 +182,11 @@ class TopK(RadixSelect):
         out_scores: cute.Pointer,
         batch: Int32,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.top_k(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
+        self.top_k(scores, block_tables, context_lens, out, out_scores, pages_per_seq, error, pool_pages).launch(
             grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
@@ -195,6 +199,8 @@ class TopK(RadixSelect):
         out: cute.Pointer,
         out_scores: cute.Pointer,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
     ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
@@ -249,6 +255,8 @@ class TopK(RadixSelect):
                             lane_above + cutlass.min(lane_at, need),
                             element(start, warp, lane, e),
                             words[e],
+                            error,
+                            pool_pages,
                         )
                     lane_above = lane_above + mine_above
                     lane_at = lane_at + mine_at
@@ -274,13 +282,23 @@ class TopK(RadixSelect):
         return words, valids
 
     @cute.jit
-    def write(self, out, out_scores, block_tables, token, pages_per_seq, position, index, word):
+    def write(self, out, out_scores, block_tables, token, pages_per_seq, position, index, word, error, pool_pages):
         if self.dcp > 1:
             P.store_i32(out + token * self.k + position, index * self.dcp + self.rank)
             P.store_u32(out_scores + token * self.k + position, word)
         else:
             page = P.load_i32(block_tables + token * pages_per_seq + index // PAGE)
-            P.store_i32(out + token * self.k + position, page * PAGE + index % PAGE)
+            store_slot(out + token * self.k + position, page, index, error, token, pool_pages)
+
+
+@cute.jit
+def store_slot(at, page, index, error, token, pool_pages):
+    """The slot of local position `index` on `page` at `at`: -1 (a hole) and a record for a
+    page outside [0, pool_pages)."""
+    page_ok = P.in_range(page, pool_pages)
+    P.store_i32(at, P.select_i32(page_ok, page * PAGE + index % PAGE, -1))
+    if not page_ok:
+        P.record_range(error, guards.TOP_K_PAGE, token, page)
 
 
 # -- a row split over a thread-block cluster ---------------------------------------------
@@ -417,9 +435,13 @@ class ClusterTopK:
         out_scores: cute.Pointer,
         batch: Int32,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
         stream: cuda.CUstream,
     ):
-        self.top_k_cluster(scores, block_tables, context_lens, out, out_scores, pages_per_seq).launch(
+        self.top_k_cluster(
+            scores, block_tables, context_lens, out, out_scores, pages_per_seq, error, pool_pages
+        ).launch(
             grid=[self.ctas, batch, 1],
             block=[self.threads, 1, 1],
             cluster=[self.ctas, 1, 1],
@@ -436,6 +458,8 @@ class ClusterTopK:
         out: cute.Pointer,
         out_scores: cute.Pointer,
         pages_per_seq: Int32,
+        error: cute.Pointer,
+        pool_pages: Int32,
     ):
         threads, ctas, loads = self.threads, self.ctas, self.loads
         warps = threads // 32
@@ -480,7 +504,23 @@ class ClusterTopK:
         if n > self.k:
             threshold, need = self.find_threshold(keys, limit, zeroed, base_address, tid, lane, cta)
             self.compact(
-                keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
+                keys,
+                limit,
+                threshold,
+                need,
+                counts,
+                offsets,
+                pages,
+                out,
+                out_scores,
+                token,
+                base,
+                tid,
+                lane,
+                warp,
+                cta,
+                error,
+                pool_pages,
             )
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
@@ -488,7 +528,18 @@ class ClusterTopK:
                 for j in cutlass.range_constexpr(4):
                     offset = 4 * (threads * u + tid) + j
                     if 4 * threads * u + j < limit:
-                        self.write(out, out_scores, pages, token, base + offset, base + offset, offset, keys[4 * u + j])
+                        self.write(
+                            out,
+                            out_scores,
+                            pages,
+                            token,
+                            base + offset,
+                            base + offset,
+                            offset,
+                            keys[4 * u + j],
+                            error,
+                            pool_pages,
+                        )
         for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
             P.store_i32(out + token * self.k + i, Int32(-1))
             if cutlass.const_expr(self.dcp > 1):
@@ -577,7 +628,24 @@ class ClusterTopK:
 
     @cute.jit
     def compact(
-        self, keys, limit, threshold, need, counts, offsets, pages, out, out_scores, token, base, tid, lane, warp, cta
+        self,
+        keys,
+        limit,
+        threshold,
+        need,
+        counts,
+        offsets,
+        pages,
+        out,
+        out_scores,
+        token,
+        base,
+        tid,
+        lane,
+        warp,
+        cta,
+        error,
+        pool_pages,
     ):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
         the row) + min(kept keys == T before them, need)."""
@@ -642,6 +710,8 @@ class ClusterTopK:
                         base + offset,
                         offset,
                         keys[4 * u + j],
+                        error,
+                        pool_pages,
                     )
                 lane_above = lane_above + mine_above
                 lane_at = lane_at + mine_at
@@ -649,15 +719,16 @@ class ClusterTopK:
             at_before = at_before + (total >> 16)
 
     @cute.jit
-    def write(self, out, out_scores, pages, token, position, index, offset, key):
+    def write(self, out, out_scores, pages, token, position, index, offset, key, error, pool_pages):
         """Score `index` of the row (`offset` in this CTA's slice) kept at `position`."""
         if cutlass.const_expr(self.dcp > 1):
             P.store_i32(out + token * self.k + position, index * self.dcp + self.rank)
             P.store_u32(out_scores + token * self.k + position, word_of(key))
         else:
-            P.store_i32(out + token * self.k + position, pages[offset // PAGE] * PAGE + index % PAGE)
+            store_slot(out + token * self.k + position, pages[offset // PAGE], index, error, token, pool_pages)
 
 
 def compile_args():
     i32 = P.gmem_ptr(Int32, align=4)
-    return (P.gmem_ptr(Float32), i32, i32, i32, P.gmem_ptr(Float32, align=4), Int32(1), Int32(1))
+    f32 = P.gmem_ptr(Float32, align=4)
+    return (P.gmem_ptr(Float32), i32, i32, i32, f32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1))

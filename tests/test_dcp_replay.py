@@ -75,8 +75,9 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
     for name, scalars in recorded:
         if name == "QueryWait":
             assert scalars == [1, 1, DEFAULT_BUDGET_NS]  # batch, one CTA, the 200 ms budget
-        if name == "MlaQuery":
-            assert scalars[-1] == DEFAULT_BUDGET_NS
+        if name == "MlaQuery":  # batch, eps, the budget, then the range guards' bounds
+            assert scalars[2] == DEFAULT_BUDGET_NS
+            assert scalars[3:] == [step.caches.mla_cache.shape[0] * 64, 200]  # MLA cache slots, RoPE rows
     # the peers' rows landed in row 0 only (the SparseCore launch then copies row 0 to q_out
     # and re-arms it: tests/test_sparse_core_gpu.py); rows 1.. never touched
     own = slice(shape.topology.rank * shape.heads, (shape.topology.rank + 1) * shape.heads)

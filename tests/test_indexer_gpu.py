@@ -10,7 +10,7 @@ from graphstep.kernels import top_k as top_k_kernels
 from conftest import rel_err
 from graphstep import formats
 from graphstep import reference as ref
-from graphstep.launch import Kernels
+from graphstep.launch import ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState, StepInputs, local_lens
 
@@ -106,7 +106,10 @@ def _index_query(batch, tokens=None, model="deepseek-v3.2"):
             ptr(inputs.context_lens, 4),
             ptr(q_out),
             ptr(w_out),
+            ptr(ErrorWord.new("cuda").word, 8),
             Int32(batch),
+            Int32(w.index_rope_cos.shape[0]),  # the range guard's RoPE rows
+            Int32(0),  # the launch's first token
             current_stream(),
         )
     torch.cuda.synchronize()

@@ -524,3 +524,21 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
         found = _cubin_attributes(cubin.read_bytes())
         assert found["frame"] == 0, (split.name, dcp, found)
         assert found["regs"] * split.threads <= 65536, (split.name, dcp, found)
+
+
+# Every kernel that addresses memory with an id from the inputs records an out-of-range one
+# (kernels/guards.py), after its PDL wait; QueryNorm and QueryWait take no such id.
+GUARDED = ("mla_query", "index_key", "index_query", "dsa_index", "top_k", "dcp_merge", "sparse_core")
+
+
+def test_guarded_kernels_record_by_atomic_min_after_the_wait(ptx):
+    for (shape, name), text in ptx.items():
+        guarded = name.startswith(GUARDED) and not (name.startswith("top_k") and shape == "kimi-dcp2-fp8")
+        assert ("red.global.min.s64" in text) == guarded, (shape, name)
+        for entry in _entries(text):
+            if "red.global.min.s64" in entry:
+                assert entry.index("griddepcontrol.wait;") < entry.index("red.global.min.s64"), (shape, name)
+        if guarded:  # the range test: one unsigned compare per id
+            assert "setp.lt.u32" in text or "setp.ge.u32" in text, (shape, name)
+    # under DCP TopK writes positions, not slots: no page is read, nothing to guard
+    assert "red.global.min.s64" not in ptx[("kimi-dcp2-fp8", "top_k")]

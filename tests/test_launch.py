@@ -61,7 +61,7 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
     f32 = lambda *shape: torch.zeros(*shape)  # noqa: E731
     i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32)  # noqa: E731
     qc = torch.zeros(b, m.q_lora_rank, dtype=torch.bfloat16)
-    error = ErrorWord(torch.zeros(2, dtype=torch.int32))
+    error = ErrorWord(torch.zeros(4, dtype=torch.int32))
     q8 = torch.zeros(b, m.index_heads, m.index_dim, dtype=torch.uint8)
     scores = f32(b, state.pages_per_seq * m.page_size)
     partial_o, partial_ml = kernels.sparse_core_buffers(b, "cpu")

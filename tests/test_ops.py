@@ -26,8 +26,13 @@ OPS = (
 MUTATED = {
     "mla_query": {"q_rows", "mla_cache", "error"},
     "query_wait": {"q_rows", "error"},
-    "index_key": {"index_cache"},
-    "sparse_core_publish": {"q_rows"},
+    "index_key": {"index_cache", "error"},
+    "index_query": {"error"},  # the range guards' record (optional everywhere but MlaQuery)
+    "dsa_index": {"error"},
+    "top_k": {"error"},
+    "dcp_merge": {"error"},
+    "sparse_core": {"error"},
+    "sparse_core_publish": {"q_rows", "error"},
 }
 SHAPES = {
     "tp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
@@ -45,7 +50,7 @@ def _args(shape: RankShape, device="meta") -> dict:
     qkv, lens, slots = t(B, m.packed_width), t(B, dtype=i32), t(B, dtype=i32)
     q_rows = t(B + 3, shape.q_heads, m.query_row * shape.q_bytes, dtype=u8)
     mla_cache = t(PAGES, 64, 576) if topo.mla_cache == "bf16" else t(PAGES, 64, 656, dtype=u8)
-    index_cache, tables, error = t(PAGES, 64 * 132, dtype=u8), t(B, TABLE, dtype=i32), t(2, dtype=i32)
+    index_cache, tables, error = t(PAGES, 64 * 132, dtype=u8), t(B, TABLE, dtype=i32), t(4, dtype=i32)
     rope, index_rope = t(100, m.qk_rope_dim // 2, dtype=f32), t(100, m.index_rope_dim // 2, dtype=f32)
     mla_weights = (
         t(1536),

@@ -8,7 +8,7 @@ import torch
 from conftest import rel_err
 from graphstep import formats, ops
 from graphstep import reference as ref
-from graphstep.launch import INT32_MAX, ErrorWord, Kernels, MailboxTimeout, TvmFfiKernels
+from graphstep.launch import ErrorWord, Kernels, MailboxTimeout, TvmFfiKernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -120,7 +120,7 @@ def test_index_key_and_mla_query_write_what_their_launchers_write(tp8):
     for name in ("index_cache", "mla_cache", "mailbox"):
         assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
     assert not torch.equal(mine.mla_cache, state.caches.mla_cache)  # the op wrote the new tokens
-    assert error.word.tolist() == [0, INT32_MAX]
+    assert error.word.tolist() == ErrorWord.new("cuda").word.tolist()
 
 
 def test_dsa_index_top_k_and_sparse_core_equal_their_launchers(tp8):
@@ -186,7 +186,7 @@ def test_dcp_top_k_merge_and_wait(dcp2):
     )
     G.query_wait(caches.mailbox, error.word, BATCH, dcp2.key)
     torch.cuda.synchronize()
-    assert error.word.tolist() == [0, INT32_MAX]
+    assert error.word.tolist() == ErrorWord.new("cuda").word.tolist()
     caches.mailbox[2, 3, 16:32] = formats.SENTINEL_BYTE  # rank 0's token 2, row 3, chunk 1 never lands
     G.query_wait(caches.mailbox, error.word, BATCH, dcp2.key, budget_ns=20_000_000)
     with pytest.raises(MailboxTimeout, match="token 2, head row 3, chunk 1"):

@@ -12,13 +12,19 @@ import pytest
 
 import graphstep
 
-PUBLIC = ["DecodeStep", "StepInputs", "StepOutputs", "LayerState", "RankShape", "Topology", "preset"]
+PUBLIC = ["DecodeStep", "StepInputs", "StepOutputs", "LayerState", "InputRangeError", "RankShape", "Topology", "preset"]
 
 
 def test_the_public_names_are_the_definitions():
-    from graphstep import shapes, state, step
+    from graphstep import launch, shapes, state, step
 
-    homes = {"DecodeStep": step, "RankShape": shapes, "Topology": shapes, "preset": shapes}
+    homes = {
+        "DecodeStep": step,
+        "InputRangeError": launch,
+        "RankShape": shapes,
+        "Topology": shapes,
+        "preset": shapes,
+    }
     for name in PUBLIC:
         assert getattr(graphstep, name) is getattr(homes.get(name, state), name), name
         assert name in graphstep.__all__ and name in dir(graphstep), name

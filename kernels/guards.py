@@ -1,0 +1,48 @@
+"""The range checks of the kernels that address memory with ids from the step's inputs, and
+the record each one leaves in the step's error word on an out-of-range id.
+
+An out-of-range id never causes an access out of bounds: a slot write is skipped, a page
+or slot read is a hole (its scores -inf, never selected, slot -1), a RoPE row read at
+length - 1 is clamped to row 0. The kernel records (check, token, value) with one 64-bit
+atomic min at word 1 of the int32 [4] error word (bytes 8 .. 15; words 0-1 are the
+polls' flag and chunk):
+
+    record = check << 56 | token << 32 | value as uint32        (empty: 2**63 - 1)
+
+so the lowest check, in the step's order, then the lowest token, wins whatever the order
+the CTAs ran in; the host reads it with the polls' word in one transfer. Plain Python (no
+cutlass import): graphstep reads these numbers too.
+"""
+
+from __future__ import annotations
+
+# check id -> (kernel, what the value is, what it must be in); ids in the step's data-path order
+CHECKS = {
+    1: ("IndexKey", "slot_mapping", "the indexer cache's slots"),
+    2: ("IndexKey", "context_lens", "the RoPE table's rows"),
+    3: ("MlaQuery", "slot_mapping", "the MLA cache's slots"),
+    4: ("MlaQuery", "context_lens", "the RoPE table's rows"),
+    5: ("IndexQuery", "context_lens", "the RoPE table's rows"),
+    6: ("DsaIndex", "block_tables", "the indexer cache's pages"),
+    7: ("TopK", "block_tables", "the indexer cache's pages"),
+    8: ("DcpMerge", "own_positions", "the block table's local positions (x dcp + rank)"),
+    9: ("DcpMerge", "block_tables", "the indexer cache's pages"),
+    10: ("SparseCore", "slots", "the MLA cache's slots"),
+}
+INDEX_KEY_SLOT, INDEX_KEY_LENGTH, MLA_QUERY_SLOT, MLA_QUERY_LENGTH, INDEX_QUERY_LENGTH = 1, 2, 3, 4, 5
+DSA_INDEX_PAGE, TOP_K_PAGE, DCP_MERGE_POSITION, DCP_MERGE_PAGE, SPARSE_CORE_SLOT = 6, 7, 8, 9, 10
+EMPTY = 2**63 - 1  # no record
+TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
+
+
+def pack(check: int, token: int, value: int) -> int:
+    """The record of (check, token, value), as the kernels write it (int64)."""
+    return check << 56 | min(token, (1 << TOKEN_BITS) - 1) << 32 | (value & 0xFFFFFFFF)
+
+
+def unpack(record: int) -> tuple[int, int, int] | None:
+    """(check, token, value) of a record, value as int32; None for EMPTY."""
+    if record == EMPTY:
+        return None
+    value = record & 0xFFFFFFFF
+    return record >> 56, (record >> 32) & ((1 << TOKEN_BITS) - 1), value - (1 << 32) if value >= 1 << 31 else value
