@@ -79,31 +79,39 @@ def calls_of(state: LayerState, launcher: Kernels, batch: int) -> dict:
         "index_key": (
             lambda: launcher.index_key(qkv, lens, slot_mapping, index_cache, batch),
             lambda: G.index_key(
-                qkv, lens, slot_mapping, w.index_norm_weight, w.index_norm_bias, *index_rope, index_cache, key
+                qkv,
+                lens,
+                slot_mapping,
+                w.index_norm_weight,
+                w.index_norm_bias,
+                *index_rope,
+                index_cache,
+                error.word,
+                key,
             ),
         ),
         "index_query": (
             lambda: launcher.index_query(qc, qkv, lens, q, head_w, batch),
-            lambda: G.index_query(qc, qkv, lens, w.wq_b_index, *index_rope, key),
+            lambda: G.index_query(qc, qkv, lens, w.wq_b_index, *index_rope, error.word, key),
         ),
         "dsa_index": (
             lambda: launcher.dsa_index(q, head_w, index_cache, tables, lens, scores, batch),
-            lambda: G.dsa_index(q, head_w, index_cache, tables, lens, key),
+            lambda: G.dsa_index(q, head_w, index_cache, tables, lens, error.word, key),
         ),
         "top_k": (
             lambda: launcher.top_k(scores, tables, lens, positions if dcp > 1 else slots, own_scores, batch),
-            lambda: G.top_k(scores, tables, lens, key),
+            lambda: G.top_k(scores, tables, lens, error.word, key),
         ),
         "sparse_core": (
             lambda: launcher.sparse_core(mailbox, slots, mla_cache, partial_o, partial_ml, out, lse, batch),
-            lambda: G.sparse_core(mailbox, slots, mla_cache, key),
+            lambda: G.sparse_core(mailbox, slots, mla_cache, error.word, key),
         ),
     }
     if dcp > 1:
         merged = torch.empty_like(slots)
         table["dcp_merge"] = (
             lambda: launcher.dcp_merge(positions, own_scores, peers.positions, peers.scores, tables, merged, batch),
-            lambda: G.dcp_merge(positions, own_scores, peers.positions, peers.scores, tables, key),
+            lambda: G.dcp_merge(positions, own_scores, peers.positions, peers.scores, tables, error.word, key),
         )
         # every rank's rows in place: the wait returns at once
         mailbox.zero_()

@@ -32,8 +32,9 @@ Range guards: every op that addresses memory with a slot, a block-table page or 
 at context_lens - 1 holds it to the tensors' bounds (an out-of-range id writes nothing, is
 read as a hole, or reads RoPE row 0) and records (check, token, value) in `error`, an
 int32 [4] error word (launch.ErrorWord; `ErrorWord(error).check(...)` raises
-InputRangeError). Ops without a required `error` take it as an optional last argument;
-without it the record goes to a word of the launcher's own that nobody reads.
+InputRangeError). Every op that guards takes `error` as a required argument, just before
+`shape`: an optional mutated argument trips torch's in-place view tracking
+(ADInplaceOrView) when a caller leaves it out.
 """
 
 from __future__ import annotations
@@ -124,15 +125,6 @@ def _batch(op: str, tensor: Tensor) -> int:
     if tensor.shape[0] == 0:
         raise ValueError(f"graphstep.{op}: the batch is empty (no launch of 0 tokens)")
     return tensor.shape[0]
-
-
-def _error_arg(error: Tensor | None) -> dict:
-    """check_args' entry for an optional error word."""
-    return {} if error is None else {"error": (error, I32, (4,))}
-
-
-def _word(error: Tensor | None) -> ErrorWord | None:
-    return None if error is None else ErrorWord(error)
 
 
 def _at_least(op: str, name: str, tensor: Tensor, rows: int) -> None:
@@ -382,7 +374,7 @@ def _index_key_check(
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
 
 
@@ -396,9 +388,9 @@ def index_key(
     index_rope_cos: Tensor,
     index_rope_sin: Tensor,
     index_cache: Tensor,
+    error: Tensor,
     shape: str,
     pdl: bool = True,
-    error: Tensor | None = None,
 ) -> None:
     """IndexKey: the new tokens' indexer keys (LayerNorm, NeoX RoPE, Hadamard rotation if the
     model has it, e4m3 with one scale) into the indexer cache at their slots.
@@ -409,7 +401,7 @@ def index_key(
         index_norm_weight, index_norm_bias: (128,), torch.bfloat16. The key's LayerNorm.
         index_rope_cos, index_rope_sin: (positions, 32), torch.float32.
         index_cache: (pages, 64 x 132), torch.uint8, written in place (module docstring).
-        error: (4,), torch.int32, or None: records a slot outside index_cache (nothing
+        error: (4,), torch.int32, written in place: records a slot outside index_cache (nothing
             written) or a length outside [1, rope rows] (module docstring).
     """
     _index_key_check(
@@ -431,7 +423,7 @@ def index_key(
         index_rope_sin=index_rope_sin,
     )
     _launcher("index_key", shape, pdl, qkv.device).bind(weights).index_key(
-        qkv, context_lens, slot_mapping, index_cache, qkv.shape[0], _word(error)
+        qkv, context_lens, slot_mapping, index_cache, qkv.shape[0], ErrorWord(error)
     )
 
 
@@ -445,9 +437,9 @@ def _(
     index_rope_cos,
     index_rope_sin,
     index_cache,
+    error,
     shape,
     pdl=True,
-    error=None,
 ):
     _index_key_check(
         qkv,
@@ -463,7 +455,7 @@ def _(
     )
 
 
-def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, shape, error=None):
+def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, shape, error):
     m = rank_shape(shape).model
     b = _batch("index_query", q_c)
     check_args(
@@ -474,7 +466,7 @@ def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, s
         wq_b_index=(wq_b_index, BF16, (m.index_heads * m.index_dim, m.q_lora_rank)),
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
 
 
@@ -492,9 +484,9 @@ def index_query(
     wq_b_index: Tensor,
     index_rope_cos: Tensor,
     index_rope_sin: Tensor,
+    error: Tensor,
     shape: str,
     pdl: bool = True,
-    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """IndexQuery: the indexer's wq_b, NeoX RoPE, rotation, e4m3 quantization and folded head
     weights in one kernel.
@@ -505,7 +497,7 @@ def index_query(
         context_lens: (B,), torch.int32.
         wq_b_index: (64 x 128, 1536), torch.bfloat16, (out, in).
         index_rope_cos, index_rope_sin: (positions, 32), torch.float32.
-        error: (4,), torch.int32, or None: records a length outside [1, rope rows].
+        error: (4,), torch.int32, written in place: records a length outside [1, rope rows].
     Returns:
         q: (B, 64, 128), torch.uint8. e4m3 bytes of each indexer head's query.
         head_w: (B, 64), torch.float32. Each head's weight with the query's scale folded in.
@@ -514,18 +506,18 @@ def index_query(
     weights = SimpleNamespace(wq_b_index=wq_b_index, index_rope_cos=index_rope_cos, index_rope_sin=index_rope_sin)
     q, head_w = _index_query_outputs(q_c, shape)
     _launcher("index_query", shape, pdl, q_c.device).bind(weights).index_query(
-        q_c, qkv, context_lens, q, head_w, q_c.shape[0], _word(error)
+        q_c, qkv, context_lens, q, head_w, q_c.shape[0], ErrorWord(error)
     )
     return q, head_w
 
 
 @index_query.register_fake
-def _(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, pdl=True, error=None):
+def _(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, error, shape, pdl=True):
     _index_query_check(q_c, qkv, context_lens, wq_b_index, index_rope_cos, index_rope_sin, shape, error)
     return _index_query_outputs(q_c, shape)
 
 
-def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error=None):
+def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error):
     m = rank_shape(shape).model
     b = _batch("dsa_index", q)
     check_args(
@@ -535,7 +527,7 @@ def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_p
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
     if pages_per_cta is not None and pages_per_cta < 1:
         raise ValueError(f"graphstep.dsa_index: pages_per_cta must be >= 1 or None, got {pages_per_cta}")
@@ -548,10 +540,10 @@ def dsa_index(
     index_cache: Tensor,
     block_tables: Tensor,
     context_lens: Tensor,
+    error: Tensor,
     shape: str,
     pages_per_cta: int | None = None,
     pdl: bool = True,
-    error: Tensor | None = None,
 ) -> Tensor:
     """DsaIndex: every cached key of each sequence scored, sum over heads of
     head_w x relu(q . k x scale).
@@ -564,7 +556,7 @@ def dsa_index(
         context_lens: (B,), torch.int32. Global lengths; this DCP rank holds positions
             p % dcp == rank at local index p // dcp.
         pages_per_cta: the run of pages each CTA streams (None: the host's choice).
-        error: (4,), torch.int32, or None: records a page of the used part outside
+        error: (4,), torch.int32, written in place: records a page of the used part outside
             index_cache (its keys score -inf).
     Returns:
         scores: (B, W), torch.float32. -inf past each sequence's local length.
@@ -573,18 +565,18 @@ def dsa_index(
     m = rank_shape(shape).model
     scores = head_w.new_empty(q.shape[0], block_tables.shape[1] * m.page_size)
     _launcher("dsa_index", shape, pdl, q.device).dsa_index(
-        q, head_w, index_cache, block_tables, context_lens, scores, q.shape[0], pages_per_cta, _word(error)
+        q, head_w, index_cache, block_tables, context_lens, scores, q.shape[0], pages_per_cta, ErrorWord(error)
     )
     return scores
 
 
 @dsa_index.register_fake
-def _(q, head_w, index_cache, block_tables, context_lens, shape, pages_per_cta=None, pdl=True, error=None):
+def _(q, head_w, index_cache, block_tables, context_lens, error, shape, pages_per_cta=None, pdl=True):
     _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_per_cta, shape, error)
     return head_w.new_empty(q.shape[0], block_tables.shape[1] * rank_shape(shape).model.page_size)
 
 
-def _top_k_check(scores, block_tables, context_lens, shape, error=None):
+def _top_k_check(scores, block_tables, context_lens, shape, error):
     m = rank_shape(shape).model
     b = _batch("top_k", scores)
     check_args(
@@ -592,7 +584,7 @@ def _top_k_check(scores, block_tables, context_lens, shape, error=None):
         scores=(scores, FP32, (ANY, block_tables.shape[-1] * m.page_size)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
 
 
@@ -607,9 +599,9 @@ def top_k(
     scores: Tensor,
     block_tables: Tensor,
     context_lens: Tensor,
+    error: Tensor,
     shape: str,
     pdl: bool = True,
-    error: Tensor | None = None,
     pool_pages: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """TopK: the index_topk best scores of each row, in ascending position (ties: the lower
@@ -618,7 +610,7 @@ def top_k(
     Arguments:
         scores: (B, block_tables.shape[1] x 64), torch.float32. dsa_index's output.
         block_tables: (B, pages per sequence), torch.int32; context_lens: (B,), torch.int32.
-        error: (4,), torch.int32, or None; pool_pages: the indexer cache's pages, or None
+        error: (4,), torch.int32, written in place; pool_pages: the indexer cache's pages, or None
             (no bound but >= 0): a kept position on a page outside [0, pool_pages) gets
             slot -1, recorded in error.
     Returns (k = index_topk = 2048):
@@ -638,19 +630,19 @@ def top_k(
         out,
         unused,
         scores.shape[0],
-        error=_word(error),
+        error=ErrorWord(error),
         pool_pages=INT32_MAX if pool_pages is None else pool_pages,
     )
     return out, out_scores
 
 
 @top_k.register_fake
-def _(scores, block_tables, context_lens, shape, pdl=True, error=None, pool_pages=None):
+def _(scores, block_tables, context_lens, error, shape, pdl=True, pool_pages=None):
     _top_k_check(scores, block_tables, context_lens, shape, error)
     return _top_k_outputs(scores, shape)
 
 
-def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error=None):
+def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error):
     s = rank_shape(shape)
     k, dcp, b = s.model.index_topk, s.topology.dcp, _batch("dcp_merge", own_positions)
     if dcp == 1:
@@ -662,7 +654,7 @@ def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, blo
         peer_positions=(peer_positions, I32, (b, dcp, k)),
         peer_scores=(peer_scores, FP32, (b, dcp, k)),
         block_tables=(block_tables, I32, (b, ANY)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
 
 
@@ -673,9 +665,9 @@ def dcp_merge(
     peer_positions: Tensor,
     peer_scores: Tensor,
     block_tables: Tensor,
+    error: Tensor,
     shape: str,
     pdl: bool = True,
-    error: Tensor | None = None,
     pool_pages: int | None = None,
 ) -> Tensor:
     """DcpMerge (DCP): every rank's top-k candidates -> this rank's share of the global top-k.
@@ -703,16 +695,14 @@ def dcp_merge(
         block_tables,
         slots,
         own_positions.shape[0],
-        _word(error),
+        ErrorWord(error),
         INT32_MAX if pool_pages is None else pool_pages,
     )
     return slots
 
 
 @dcp_merge.register_fake
-def _(
-    own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, pdl=True, error=None, pool_pages=None
-):
+def _(own_positions, own_scores, peer_positions, peer_scores, block_tables, error, shape, pdl=True, pool_pages=None):
     _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error)
     return torch.empty_like(own_positions)
 
@@ -720,7 +710,7 @@ def _(
 # -- SparseCore ----------------------------------------------------------------------
 
 
-def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error=None):
+def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error):
     s = rank_shape(shape)
     m, b = s.model, _batch("sparse_core", slots)
     cache_dtype, row = (BF16, m.query_row) if s.topology.mla_cache == "bf16" else (U8, s.mla_token_bytes)
@@ -729,7 +719,7 @@ def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error=Non
         q_rows=(q_rows, U8, (ANY, s.q_heads, m.query_row * s.q_bytes)),
         slots=(slots, I32, (ANY, m.index_topk)),
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
-        **_error_arg(error),
+        error=(error, I32, (4,)),
     )
     _at_least("sparse_core", "q_rows", q_rows, b)
     if slots_per_cta is not None and (slots_per_cta < 1 or m.index_topk % slots_per_cta):
@@ -747,10 +737,10 @@ def sparse_core(
     q_rows: Tensor,
     slots: Tensor,
     mla_cache: Tensor,
+    error: Tensor,
     shape: str,
     slots_per_cta: int | None = None,
     pdl: bool = True,
-    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SparseCore: sparse MLA decode of each token's query rows over the MLA cache rows at
     its slots (split over CTAs, merged in the kernel); q_rows and the cache are only read.
@@ -761,7 +751,7 @@ def sparse_core(
         slots: (B, index_topk), torch.int32, 16-byte aligned rows. Cache slots, -1: none.
         mla_cache: the MLA cache (module docstring).
         slots_per_cta: the slots each CTA attends (None: the plan's choice for B).
-        error: (4,), torch.int32, or None: records a slot outside mla_cache (read as -1).
+        error: (4,), torch.int32, written in place: records a slot outside mla_cache (read as -1).
     Returns:
         out: (B, G, 512), torch.float32. The attention per head row in the latent space
             (before W_UV); 0 for a token with no slot.
@@ -773,7 +763,7 @@ def sparse_core(
 
 
 @sparse_core.register_fake
-def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True, error=None):
+def _(q_rows, slots, mla_cache, error, shape, slots_per_cta=None, pdl=True):
     _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
     return _sparse_core_outputs(slots, shape)
 
@@ -787,7 +777,7 @@ def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_
     partial_o = slots.new_empty(rows, s.q_heads, s.model.kv_lora_rank, dtype=FP32)
     partial_ml = slots.new_empty(rows, s.q_heads, 2, dtype=FP32)
     out, lse = _sparse_core_outputs(slots, shape)
-    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out, _word(error))
+    kernels.sparse_core(q_rows, slots, mla_cache, partial_o, partial_ml, out, lse, batch, spc, q_out, ErrorWord(error))
     return out, lse
 
 
@@ -801,10 +791,10 @@ def sparse_core_publish(
     q_rows: Tensor,
     slots: Tensor,
     mla_cache: Tensor,
+    error: Tensor,
     shape: str,
     slots_per_cta: int | None = None,
     pdl: bool = True,
-    error: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SparseCore as the step launches it, the mailbox's last reader: sparse_core's outputs,
     and the rows it read, copied out and re-armed (0xFF) in the mailbox for the next step
@@ -823,6 +813,6 @@ def sparse_core_publish(
 
 
 @sparse_core_publish.register_fake
-def _(q_rows, slots, mla_cache, shape, slots_per_cta=None, pdl=True, error=None):
+def _(q_rows, slots, mla_cache, error, shape, slots_per_cta=None, pdl=True):
     _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error)
     return *_sparse_core_outputs(slots, shape), _published_rows(q_rows, slots, shape)

@@ -30,13 +30,14 @@ def _write_slots(state: LayerState, slots: torch.Tensor) -> torch.Tensor:
     return torch.where(slots >= 0, slots, trash).long()
 
 
-def _records(check, values: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+def _records(check: int, values: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """The smallest record (kernels/guards.py) of the `bad` entries of `values` ([B] or
-    [B, n], row = token; check: an int or a tensor like `bad`), EMPTY if none: int64 []."""
+    [B, n], row = token), EMPTY if none: int64 []. `check` stays a Python scalar: a host
+    tensor copied to the GPU would be a pageable copy, illegal inside a graph capture."""
     token = torch.arange(values.shape[0], device=values.device)
     if values.dim() == 2:
         token = token[:, None]
-    packed = (torch.as_tensor(check, device=values.device) << 56) | (token << 32) | (values.long() & 0xFFFFFFFF)
+    packed = ((token << 32) | (values.long() & 0xFFFFFFFF)) | (check << 56)
     return torch.where(bad, packed, guards.EMPTY).min()
 
 

@@ -213,10 +213,10 @@ class IndexQuery:
         cute.arch.sync_threads()
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
-        j, first_token = tid % 16, tid // 16
+        j, row0 = tid % 16, tid // 16
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
-            token = first_token + 16 * p
+            token = row0 + 16 * p
             v = list(P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
             partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
             length = P.load_i32(context_lens + cutlass.min(token, ntok - 1))
@@ -245,13 +245,13 @@ class IndexQuery:
             cluster_arrive()  # this CTA's tile is read: the peer may overwrite it
             cluster_wait()
             for p in cutlass.range_constexpr(tokens // 16):
-                st_peer_f32x4(out + (first_token + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, values[p])
+                st_peer_f32x4(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, values[p])
             cluster_arrive()
             cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
             sign = P.select(rank == 0, Float32(1.0), Float32(-1.0))
             for p in cutlass.range_constexpr(tokens // 16):
                 own = values[p]
-                peer = P.ld_shared_f32x4(out + (first_token + 16 * p) * J.OUT_PITCH + 16 * j)
+                peer = P.ld_shared_f32x4(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j)
                 # the last stage: a + b on rank 0, a - b on rank 1 (a: rank 0's dim), and the
                 # other rank's output for the head's |max|
                 mine = [P.mul_rn(P.fma_rn(own[q], sign, peer[q]), Float32(P.HADAMARD_SCALE)) for q in range(4)]
@@ -268,12 +268,12 @@ class IndexQuery:
             cluster_wait()  # the peer CTA is running: its shared memory may be written
             if j == 0:
                 for p in cutlass.range_constexpr(tokens // 16):
-                    st_peer_f32(peer_base + 4 * (first_token + 16 * p), 1 - rank, amaxes[p])
+                    st_peer_f32(peer_base + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
             cluster_arrive()
             cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 
         for p in cutlass.range_constexpr(tokens // 16):
-            token = first_token + 16 * p
+            token = row0 + 16 * p
             v = values[p]
             amax = amaxes[p]
             if cutlass.const_expr(not self.hadamard):

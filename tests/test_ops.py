@@ -27,7 +27,7 @@ MUTATED = {
     "mla_query": {"q_rows", "mla_cache", "error"},
     "query_wait": {"q_rows", "error"},
     "index_key": {"index_cache", "error"},
-    "index_query": {"error"},  # the range guards' record (optional everywhere but MlaQuery)
+    "index_query": {"error"},  # the range guards' record
     "dsa_index": {"error"},
     "top_k": {"error"},
     "dcp_merge": {"error"},
@@ -64,10 +64,10 @@ def _args(shape: RankShape, device="meta") -> dict:
         "query_norm": ((qkv, t(1536), key), {}),
         "mla_query": ((qkv, lens, slots, *mla_weights, q_rows, mla_cache, error, key), {}),
         "query_wait": ((q_rows, error, B, key), {}),
-        "index_key": ((qkv, lens, slots, t(128), t(128), index_rope, index_rope, index_cache, key), {}),
-        "index_query": ((t(B, 1536), qkv, lens, t(64 * 128, 1536), index_rope, index_rope, key), {}),
-        "dsa_index": ((t(B, 64, 128, dtype=u8), t(B, 64, dtype=f32), index_cache, tables, lens, key), {}),
-        "top_k": ((t(B, TABLE * 64, dtype=f32), tables, lens, key), {}),
+        "index_key": ((qkv, lens, slots, t(128), t(128), index_rope, index_rope, index_cache, error, key), {}),
+        "index_query": ((t(B, 1536), qkv, lens, t(64 * 128, 1536), index_rope, index_rope, error, key), {}),
+        "dsa_index": ((t(B, 64, 128, dtype=u8), t(B, 64, dtype=f32), index_cache, tables, lens, error, key), {}),
+        "top_k": ((t(B, TABLE * 64, dtype=f32), tables, lens, error, key), {}),
         "dcp_merge": (
             (
                 t(B, k, dtype=i32),
@@ -75,12 +75,13 @@ def _args(shape: RankShape, device="meta") -> dict:
                 t(B, topo.dcp, k, dtype=i32),
                 t(B, topo.dcp, k, dtype=f32),
                 tables,
+                error,
                 key,
             ),
             {},
         ),
-        "sparse_core": ((q_rows, t(B, k, dtype=i32), mla_cache, key), {}),
-        "sparse_core_publish": ((q_rows, t(B, k, dtype=i32), mla_cache, key), {"slots_per_cta": 256}),
+        "sparse_core": ((q_rows, t(B, k, dtype=i32), mla_cache, error, key), {}),
+        "sparse_core_publish": ((q_rows, t(B, k, dtype=i32), mla_cache, error, key), {"slots_per_cta": 256}),
     }
 
 
@@ -159,17 +160,17 @@ def test_a_chain_of_ops_traces_whole_under_torch_compile():
     shape = SHAPES["tp8"]
     a, key = _args(shape), ops.shape_key(shape)  # a constant of the traced function
 
-    def indexer(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, gamma, wq_b, tables):
-        torch.ops.graphstep.index_key(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, key)
+    def indexer(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, gamma, wq_b, tables, error):
+        torch.ops.graphstep.index_key(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, error, key)
         q_c = torch.ops.graphstep.query_norm(qkv, gamma, key)
-        q, w = torch.ops.graphstep.index_query(q_c, qkv, lens, wq_b, rope_cos, rope_sin, key)
-        scores = torch.ops.graphstep.dsa_index(q, w, cache, tables, lens, key)
-        return torch.ops.graphstep.top_k(scores, tables, lens, key)[0]
+        q, w = torch.ops.graphstep.index_query(q_c, qkv, lens, wq_b, rope_cos, rope_sin, error, key)
+        scores = torch.ops.graphstep.dsa_index(q, w, cache, tables, lens, error, key)
+        return torch.ops.graphstep.top_k(scores, tables, lens, error, key)[0]
 
-    qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, _ = a["index_key"][0]
+    qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, error, _ = a["index_key"][0]
     gamma, wq_b, tables = a["query_norm"][0][1], a["index_query"][0][3], a["top_k"][0][1]
     compiled = torch.compile(indexer, fullgraph=True, backend="aot_eager")
-    out = compiled(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, gamma, wq_b, tables)
+    out = compiled(qkv, lens, slots, norm_w, norm_b, rope_cos, rope_sin, cache, gamma, wq_b, tables, error)
     assert (tuple(out.shape), out.dtype) == ((B, 2048), torch.int32)
 
 

@@ -64,7 +64,7 @@ def test_query_norm_and_index_query_equal_their_launchers(tp8):
     kernels.query_norm(inputs.qkv, expect, BATCH)
     assert torch.equal(q_c, expect)
     q, head_w = G.index_query(
-        q_c, inputs.qkv, inputs.context_lens, w.wq_b_index, w.index_rope_cos, w.index_rope_sin, tp8.key
+        q_c, inputs.qkv, inputs.context_lens, w.wq_b_index, w.index_rope_cos, w.index_rope_sin, _error().word, tp8.key
     )
     expect_q, expect_w = torch.empty_like(q), torch.empty_like(head_w)
     kernels.index_query(q_c, inputs.qkv, inputs.context_lens, expect_q, expect_w, BATCH)
@@ -84,6 +84,7 @@ def test_index_key_and_mla_query_write_what_their_launchers_write(tp8):
         w.index_rope_cos,
         w.index_rope_sin,
         mine.index_cache,
+        _error().word,
         tp8.key,
     )
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, theirs.index_cache, BATCH)
@@ -129,25 +130,26 @@ def test_dsa_index_top_k_and_sparse_core_equal_their_launchers(tp8):
     caches = state.caches
     q = torch.randint(0, 120, (BATCH, 64, 128), dtype=torch.uint8, device="cuda")  # finite e4m3
     head_w = torch.randn(BATCH, 64, device="cuda")
-    scores = G.dsa_index(q, head_w, caches.index_cache, inputs.block_tables, inputs.context_lens, tp8.key)
+    error = _error()
+    scores = G.dsa_index(q, head_w, caches.index_cache, inputs.block_tables, inputs.context_lens, error.word, tp8.key)
     expect = torch.empty_like(scores)
     kernels.dsa_index(q, head_w, caches.index_cache, inputs.block_tables, inputs.context_lens, expect, BATCH)
     assert torch.equal(scores, expect)
-    slots, none = G.top_k(scores, inputs.block_tables, inputs.context_lens, tp8.key)
+    slots, none = G.top_k(scores, inputs.block_tables, inputs.context_lens, error.word, tp8.key)
     assert none.shape == (BATCH, 0)
     expect_slots = torch.empty_like(slots)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, expect_slots, scores, BATCH)
     assert torch.equal(slots, expect_slots)
     rows = formats.encode_q_rows(torch.randn(BATCH, 16, 576, device="cuda"), "bf16").view(BATCH, 16, -1)
     for spc in (None, 256, k):
-        out, lse = G.sparse_core(rows, slots, caches.mla_cache, tp8.key, slots_per_cta=spc)
+        out, lse = G.sparse_core(rows, slots, caches.mla_cache, error.word, tp8.key, slots_per_cta=spc)
         partial_o, partial_ml = kernels.sparse_core_buffers(BATCH, "cuda")
         expect_out, expect_lse = torch.empty_like(out), torch.empty_like(lse)
         kernels.sparse_core(rows, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, spc)
         assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse), spc
     # the step's variant: the rows read come back, the mailbox is re-armed
     mailbox, theirs = rows.clone(), rows.clone()
-    out, lse, published = G.sparse_core_publish(mailbox, slots, caches.mla_cache, tp8.key)
+    out, lse, published = G.sparse_core_publish(mailbox, slots, caches.mla_cache, error.word, tp8.key)
     expect_out, expect_lse, expect_rows = torch.empty_like(out), torch.empty_like(lse), torch.empty_like(published)
     kernels.sparse_core(
         theirs, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, q_out=expect_rows
@@ -155,24 +157,25 @@ def test_dsa_index_top_k_and_sparse_core_equal_their_launchers(tp8):
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
     assert torch.equal(published, rows) and torch.equal(published, expect_rows)
     assert torch.equal(mailbox, theirs) and bool((mailbox == formats.SENTINEL_BYTE).all())
+    assert error.word.tolist() == ErrorWord.new("cuda").word.tolist()  # nothing out of range
 
 
 def test_dcp_top_k_merge_and_wait(dcp2):
     state, kernels, k = dcp2.state, dcp2.kernels, 2048
     inputs = state.inputs(BATCH, seed=_seed())
     scores = torch.randn(BATCH, state.pages_per_seq * 64, device="cuda")
-    positions, own_scores = G.top_k(scores, inputs.block_tables, inputs.context_lens, dcp2.key)
+    caches, error = state.clone_caches(), _error()
+    positions, own_scores = G.top_k(scores, inputs.block_tables, inputs.context_lens, error.word, dcp2.key)
     expect_p, expect_s = torch.empty_like(positions), torch.empty_like(own_scores)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, expect_p, expect_s, BATCH)
     assert torch.equal(positions, expect_p) and torch.equal(own_scores, expect_s)
     peers = state.peer_inputs(inputs, seed=_seed())
-    slots = G.dcp_merge(positions, own_scores, peers.positions, peers.scores, inputs.block_tables, dcp2.key)
+    slots = G.dcp_merge(positions, own_scores, peers.positions, peers.scores, inputs.block_tables, error.word, dcp2.key)
     expect = torch.empty_like(slots)
     kernels.dcp_merge(positions, own_scores, peers.positions, peers.scores, inputs.block_tables, expect, BATCH)
     assert torch.equal(slots, expect)
     assert (slots >= 0).sum() > 0 and slots.shape == (BATCH, k)
     # QueryWait: returns once both ranks' rows are in; records a chunk that never lands
-    caches, error = state.clone_caches(), _error()
     ref.publish(state, caches, peers.rows[:, : state.shape.heads], rank=0)
     G.mla_query(
         inputs.qkv,
@@ -198,12 +201,14 @@ def _step(setup, inputs, caches, error):
     w, key = setup.state.weights, setup.key
     lens, slot_mapping, tables = inputs.context_lens, inputs.slot_mapping, inputs.block_tables
     index_rope = (w.index_rope_cos, w.index_rope_sin)
-    G.index_key(inputs.qkv, lens, slot_mapping, w.index_norm_weight, w.index_norm_bias, *index_rope, caches[0], key)
+    G.index_key(
+        inputs.qkv, lens, slot_mapping, w.index_norm_weight, w.index_norm_bias, *index_rope, caches[0], error, key
+    )
     q_c = G.mla_query(inputs.qkv, lens, slot_mapping, *setup.mla_weights, caches[2], caches[1], error, key)
-    q, head_w = G.index_query(q_c, inputs.qkv, lens, w.wq_b_index, *index_rope, key)
-    scores = G.dsa_index(q, head_w, caches[0], tables, lens, key)
-    slots, _ = G.top_k(scores, tables, lens, key)
-    out, lse = G.sparse_core(caches[2], slots, caches[1], key)
+    q, head_w = G.index_query(q_c, inputs.qkv, lens, w.wq_b_index, *index_rope, error, key)
+    scores = G.dsa_index(q, head_w, caches[0], tables, lens, error, key)
+    slots, _ = G.top_k(scores, tables, lens, error, key)
+    out, lse = G.sparse_core(caches[2], slots, caches[1], error, key)
     return q_c, scores, slots, out, lse
 
 
