@@ -262,6 +262,9 @@ class DcpGroup:
         steps then raise MailboxTimeout naming it). A failed step re-arms every mailbox
         before it raises, so the next step starts clean."""
         ranks = self.rank_inputs(inputs)
+        for step, stream in zip(self.steps, self.streams):  # the ranks' inputs were made on this stream
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(step.device))
         self.rendezvous.reset()
         outputs: list[StepOutputs | None] = [None] * self.dcp
         errors: list[Exception | None] = [None] * self.dcp
