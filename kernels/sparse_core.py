@@ -54,6 +54,7 @@ rounded to bf16; 64 bf16 rope).
 from __future__ import annotations
 
 import math
+import os
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -77,6 +78,7 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # 64-row CTAs (wgmma): shared operands in the no-swizzle canonical layout, 16-byte chunks of
 # 8 dims; chunk c of row r at c x CHUNK + r x 16 (64 rows: 8-row core matrices 128 B apart)
 WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
+PROBE = os.environ.get("GRAPHSTEP_SC_PROBE", "")  # timing probes (wrong results): noscores, nopv, nofetch
 CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
 TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
 TILE_CHUNKS = ROW // 8  # 72
@@ -167,7 +169,15 @@ def wgmma_scores(q_addr, k_addr, n: int) -> list:
     )
 
 
-def wgmma_values(acc, p_addr, v_addr, k_steps: int) -> list:
+def wgmma_wait(acc) -> list:
+    """Wait for this warpgroup's wgmmas in flight (wgmma_values(..., wait=False)); the
+    accumulators pass through, so nothing reads them before the wait."""
+    count = len(acc)
+    lines = ["wgmma.wait_group.sync.aligned 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    return list(cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc)))
+
+
+def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
     """O[64 rows, 256 dims] += P (shared bf16, K-major: rows x slots) x V (the same shared
     cache rows read MN-major: slots x dims, transposed B), k_steps steps of 16 slots.
     acc: 128 FP32 in the accumulator layout (acc[4 j + 2 r + e]: row 16 w + g + 8 r, dim
@@ -183,7 +193,7 @@ def wgmma_values(acc, p_addr, v_addr, k_steps: int) -> list:
         lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
         lines.append(f"add.s64 b, b0, {16 * 16 * s >> 4};")
         lines.append(f"wgmma.mma_async.sync.aligned.m64n{2 * count}k16.f32.bf16.bf16 {{{d}}}, a, b, more, 1, 1, 0, 1;")
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
     return list(
         cute.arch.inline_ptx(
             "\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc) + [p_addr, v_addr]
@@ -217,6 +227,8 @@ class SparseCore:
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
+        self.overlap = os.environ.get("GRAPHSTEP_SC_OVERLAP", "0") == "1"
+        self.probe = PROBE  # (in the compile key)
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.threads = WG_THREADS if self.wgmma else self.heads // 16 * self.cols * 32
         self.q_bytes = ROW * (1 if q_fp8 else 2)
@@ -476,11 +488,9 @@ class SparseCore:
             ids_s[r] = slot
             if slot != -1 and not P.in_range(slot, pool_slots):
                 P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
-        # the next block's slot of this row (-1 past the CTA's last block: its "copy" is
-        # zeros into the free buffer, read by no one)
-        upcoming = Int32(-1)
-        if cutlass.const_expr(blocks > 1):
-            upcoming = P.load_i32(ids_row + block)
+        # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
+        # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
+        upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
         P.cp_async_commit()
         P.cp_async_wait(0)
         P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
@@ -499,17 +509,22 @@ class SparseCore:
             ahead = b + 1
             # block b + 1 into the other buffer (free: every thread passed the barrier that
             # ended block b - 1, the last reader of it)
-            nxt = self.fetch_rows(cache, upcoming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
+            coming = P.select_i32(ahead < blocks, upcoming, -1)
+            nxt = []
+            if cutlass.const_expr(PROBE != "nofetch"):
+                nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
             P.cp_async_commit()
             if writer:
-                ids_s[(ahead % 2) * WG_ROWS + r] = upcoming
-                if upcoming != -1 and not P.in_range(upcoming, pool_slots):
-                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, upcoming)
-            further = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
-            upcoming = P.select_i32(b + 2 < blocks, further, -1)
+                ids_s[(ahead % 2) * WG_ROWS + r] = coming
+                if coming != -1 and not P.in_range(coming, pool_slots):
+                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
+            # (not used before the next block: its load latency hides behind this block)
+            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
 
             # scores of this warpgroup's half of the block
-            s = wgmma_scores(q_s, cur + wg * half * 16, half)
+            s = [Float32(0)] * (half // 2)
+            if cutlass.const_expr(PROBE != "noscores"):
+                s = wgmma_scores(q_s, cur + wg * half * 16, half)
             for j in cutlass.range_constexpr(half // 8):
                 for e in cutlass.range_constexpr(2):
                     live = P.in_range(ids_s[(b % 2) * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
@@ -544,9 +559,20 @@ class SparseCore:
             P.fence_proxy_async()
             cute.arch.sync_threads()  # the block's P (both halves) is in shared memory
 
-            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
-            if cutlass.const_expr(self.mla_fp8):
-                self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            if cutlass.const_expr(PROBE == "nopv"):
+                if cutlass.const_expr(self.mla_fp8):
+                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            elif cutlass.const_expr(PROBE == "nofetch"):
+                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+            elif cutlass.const_expr(self.overlap):  # the next block's dequantization under P @ V
+                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
+                if cutlass.const_expr(self.mla_fp8):
+                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+                acc_o = wgmma_wait(acc_o)
+            else:
+                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+                if cutlass.const_expr(self.mla_fp8):
+                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
             P.cp_async_wait(0)
             P.fence_proxy_async()
             cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
