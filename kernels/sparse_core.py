@@ -103,13 +103,20 @@ def block_for(heads: int, slots_per_cta: int) -> int:
     return min(64, slots_per_cta)
 
 
+def min_slots(q_heads: int) -> int:
+    """The fewest slots per CTA a plan picks: 32, or 64 for 64-row CTAs, whose partials are
+    4x a 16-row CTA's (TP 1, B = 1 on the H200: 13.9 us at 64 slots against 18.8 at 32, the
+    combine reading 16.8 MB of partials; bench/RESULTS.md)."""
+    return 64 if heads_per_cta(q_heads) == WG_ROWS else 32
+
+
 def plan(batch: int, q_heads: int, k: int) -> int:
-    """slots_per_cta for a launch of `batch` tokens: the largest power of two >= 32 that
-    still gives about one wave (>= WAVE CTAs), at most k. (16 slots per CTA fill the GPU
-    at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
+    """slots_per_cta for a launch of `batch` tokens: the largest power of two >= min_slots
+    that still gives about one wave (>= WAVE CTAs), at most k. (16 slots per CTA fill the
+    GPU at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
     the H200, bench/RESULTS.md.)"""
     groups = q_heads // heads_per_cta(q_heads)
-    slots = min(32, k)
+    slots = min(min_slots(q_heads), k)
     while slots * 2 <= k and k % (slots * 2) == 0 and batch * groups * (k // (slots * 2)) >= WAVE:
         slots *= 2
     return slots
@@ -491,6 +498,7 @@ class SparseCore:
         # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
         # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
         upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
+        later = P.load_i32(ids_row + cutlass.min(2, blocks - 1) * block)  # the block after (L2 prefetch)
         P.cp_async_commit()
         P.cp_async_wait(0)
         P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
@@ -518,8 +526,13 @@ class SparseCore:
                 ids_s[(ahead % 2) * WG_ROWS + r] = coming
                 if coming != -1 and not P.in_range(coming, pool_slots):
                     P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
+            # block b + 2's rows into L2 (one bulk prefetch per row), so that its copies next
+            # block wait on L2, not DRAM: two blocks of rows in flight per CTA, one in shared memory
+            if writer and b + 2 < blocks and P.in_range(later, pool_slots):
+                P.prefetch_l2(cache + Int64(later) * self.row_bytes, self.row_bytes)
             # (not used before the next block: its load latency hides behind this block)
-            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
+            upcoming = later
+            later = P.load_i32(ids_row + cutlass.min(b + 3, blocks - 1) * block)
 
             # scores of this warpgroup's half of the block
             s = [Float32(0)] * (half // 2)
