@@ -3,10 +3,14 @@
     out[b, h] = softmax_k(scale x q[b, h] . row[slot_k]) @ row[slot_k][:512],  lse[b, h]
 
 partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_cta` query
-         rows (16, 32 or 64: one 16-row MMA tile per row of warps) of one token and a run
-         of `slots_per_cta` consecutive entries of its slot list, walked in blocks of
-         `block` slots. Warp (mt, c): M tile mt, column c of `cols` (8, or 4 for 64-row
-         CTAs). A 16-row CTA keeps its query rows' A fragments in registers. Per block:
+         rows (16, 32 or 64) of one token and a run of `slots_per_cta` consecutive entries
+         of its slot list, walked in blocks of `block` slots.
+         64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
+         docstring has the block's steps): shared Q, K and V operands in the no-swizzle
+         canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
+         16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
+         (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
+         fragments in registers. Per block:
          - the block's cache rows are copied into shared memory once (cp.async, 16-byte
            chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
            blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
@@ -40,7 +44,10 @@ At TP 8 the kernel waits on its cache rows, not its math (without the copies it 
 half the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of
 every row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is
 left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialized producer
-is the next lever). At 64-row tiles the query rows' shared-memory reads bound it (wgmma).
+is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
+math alone (no row copies or loads) takes 92 us of its 142 (H200, bench/RESULTS.md): one
+block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
+next was measured no better.
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -54,7 +61,6 @@ rounded to bf16; 64 bf16 rope).
 from __future__ import annotations
 
 import math
-import os
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -78,7 +84,6 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # 64-row CTAs (wgmma): shared operands in the no-swizzle canonical layout, 16-byte chunks of
 # 8 dims; chunk c of row r at c x CHUNK + r x 16 (64 rows: 8-row core matrices 128 B apart)
 WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
-PROBE = os.environ.get("GRAPHSTEP_SC_PROBE", "")  # timing probes (wrong results): noscores, nopv, nofetch
 CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
 TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
 TILE_CHUNKS = ROW // 8  # 72
@@ -93,8 +98,8 @@ def heads_per_cta(q_heads: int) -> int:
 
 
 def cols_for(heads: int) -> int:
-    """Column warps per 16-row M tile: 8 (64 latent dims each) up to 32 rows, 4 at 64 rows
-    (512 threads: 128 registers each)."""
+    """Column warps per 16-row M tile of the mma.sync path: 8 (64 latent dims each) up to 32
+    rows (64-row CTAs take the wgmma path and no column warps)."""
     return 4 if heads == 64 else 8
 
 
@@ -234,8 +239,6 @@ class SparseCore:
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        self.overlap = os.environ.get("GRAPHSTEP_SC_OVERLAP", "0") == "1"
-        self.probe = PROBE  # (in the compile key)
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.threads = WG_THREADS if self.wgmma else self.heads // 16 * self.cols * 32
         self.q_bytes = ROW * (1 if q_fp8 else 2)
@@ -451,9 +454,11 @@ class SparseCore:
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
         """64-row CTAs: two warpgroups (256 threads). Shared memory: the query rows (bf16, K-major
         canonical), two buffers of `block` cache rows as bf16 (block b in buffer b % 2: bf16
-        rows by cp.async, fp8 rows loaded to registers and dequantized into it, block b + 1's
-        copies or loads in flight while block b is computed), P (bf16, K-major), the two
-        blocks' slot ids and the row maxima the warpgroups exchange. Per block:
+        rows by cp.async, fp8 rows loaded to registers and dequantized into it -- while P @ V
+        runs -- block b + 1's copies or loads in flight while block b is computed), P (bf16,
+        K-major), the two blocks' slot ids and the row maxima the warpgroups exchange (the
+        whole 227 KB but 1.5 KB). Each thread copies chunks of one row per block, so it
+        loads one slot id per block, a block ahead. Per block:
         - warpgroup h: S = Q x K^T over the block's slots h x block / 2 .. (wgmma m64n(block/2)k16,
           both operands in shared memory), holes -inf, scaled to log2 units;
         - the row max over both warpgroups (shared memory, one CTA barrier), P = 2^(s - max)
@@ -498,7 +503,6 @@ class SparseCore:
         # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
         # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
         upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
-        later = P.load_i32(ids_row + cutlass.min(2, blocks - 1) * block)  # the block after (L2 prefetch)
         P.cp_async_commit()
         P.cp_async_wait(0)
         P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
@@ -518,26 +522,17 @@ class SparseCore:
             # block b + 1 into the other buffer (free: every thread passed the barrier that
             # ended block b - 1, the last reader of it)
             coming = P.select_i32(ahead < blocks, upcoming, -1)
-            nxt = []
-            if cutlass.const_expr(PROBE != "nofetch"):
-                nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
+            nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
             P.cp_async_commit()
             if writer:
                 ids_s[(ahead % 2) * WG_ROWS + r] = coming
                 if coming != -1 and not P.in_range(coming, pool_slots):
                     P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
-            # block b + 2's rows into L2 (one bulk prefetch per row), so that its copies next
-            # block wait on L2, not DRAM: two blocks of rows in flight per CTA, one in shared memory
-            if writer and b + 2 < blocks and P.in_range(later, pool_slots):
-                P.prefetch_l2(cache + Int64(later) * self.row_bytes, self.row_bytes)
             # (not used before the next block: its load latency hides behind this block)
-            upcoming = later
-            later = P.load_i32(ids_row + cutlass.min(b + 3, blocks - 1) * block)
+            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
 
             # scores of this warpgroup's half of the block
-            s = [Float32(0)] * (half // 2)
-            if cutlass.const_expr(PROBE != "noscores"):
-                s = wgmma_scores(q_s, cur + wg * half * 16, half)
+            s = wgmma_scores(q_s, cur + wg * half * 16, half)
             for j in cutlass.range_constexpr(half // 8):
                 for e in cutlass.range_constexpr(2):
                     live = P.in_range(ids_s[(b % 2) * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
@@ -572,20 +567,11 @@ class SparseCore:
             P.fence_proxy_async()
             cute.arch.sync_threads()  # the block's P (both halves) is in shared memory
 
-            if cutlass.const_expr(PROBE == "nopv"):
-                if cutlass.const_expr(self.mla_fp8):
-                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
-            elif cutlass.const_expr(PROBE == "nofetch"):
-                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
-            elif cutlass.const_expr(self.overlap):  # the next block's dequantization under P @ V
-                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
-                if cutlass.const_expr(self.mla_fp8):
-                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
-                acc_o = wgmma_wait(acc_o)
-            else:
-                acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
-                if cutlass.const_expr(self.mla_fp8):
-                    self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            # P @ V in flight while this thread dequantizes its share of the next block (fp8)
+            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
+            if cutlass.const_expr(self.mla_fp8):
+                self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            acc_o = wgmma_wait(acc_o)
             P.cp_async_wait(0)
             P.fence_proxy_async()
             cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
