@@ -45,7 +45,7 @@ half the time), yet not on how they are copied: one bulk copy per row, an L2 pre
 every row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is
 left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialized producer
 is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
-math alone (no row copies or loads) takes 92 us of its 142 (H200, bench/RESULTS.md): one
+math alone (no row copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one
 block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
 next was measured no better.
 
