@@ -80,6 +80,11 @@ def load_u32x4_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 4, Uint32, "0")
 
 
+def load_u32x2_if(ptr, live) -> tuple:
+    """8-byte global load issued only where `live` (0 words otherwise)."""
+    return _load_if(ptr, live, 2, Uint32, "0")
+
+
 def load_f32x4_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 4, Float32, "0f00000000")
 

@@ -3,10 +3,14 @@
     out[b, h] = softmax_k(scale x q[b, h] . row[slot_k]) @ row[slot_k][:512],  lse[b, h]
 
 partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_cta` query
-         rows (16, 32 or 64: one 16-row MMA tile per row of warps) of one token and a run
-         of `slots_per_cta` consecutive entries of its slot list, walked in blocks of
-         `block` slots. Warp (mt, c): M tile mt, column c of `cols` (8, or 4 for 64-row
-         CTAs). A 16-row CTA keeps its query rows' A fragments in registers. Per block:
+         rows (16, 32 or 64) of one token and a run of `slots_per_cta` consecutive entries
+         of its slot list, walked in blocks of `block` slots.
+         64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
+         docstring has the block's steps): shared Q, K and V operands in the no-swizzle
+         canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
+         16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
+         (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
+         fragments in registers. Per block:
          - the block's cache rows are copied into shared memory once (cp.async, 16-byte
            chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
            blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
@@ -40,7 +44,10 @@ At TP 8 the kernel waits on its cache rows, not its math (without the copies it 
 half the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of
 every row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is
 left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialized producer
-is the next lever). At 64-row tiles the query rows' shared-memory reads bound it (wgmma).
+is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
+math alone (no row copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one
+block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
+next was measured no better.
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -74,6 +81,12 @@ SMEM_BYTES = 232448  # the H100/H200 per-CTA opt-in limit (227 KB)
 LOG2E = 1.4426950408889634
 SENTINEL_WORD = 0xFFFFFFFF  # an unpublished mailbox chunk (graphstep/formats.py)
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
+# 64-row CTAs (wgmma): shared operands in the no-swizzle canonical layout, 16-byte chunks of
+# 8 dims; chunk c of row r at c x CHUNK + r x 16 (64 rows: 8-row core matrices 128 B apart)
+WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
+CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
+TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
+TILE_CHUNKS = ROW // 8  # 72
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -85,23 +98,30 @@ def heads_per_cta(q_heads: int) -> int:
 
 
 def cols_for(heads: int) -> int:
-    """Column warps per 16-row M tile: 8 (64 latent dims each) up to 32 rows, 4 at 64 rows
-    (512 threads: 128 registers each)."""
+    """Column warps per 16-row M tile of the mma.sync path: 8 (64 latent dims each) up to 32
+    rows (64-row CTAs take the wgmma path and no column warps)."""
     return 4 if heads == 64 else 8
 
 
 def block_for(heads: int, slots_per_cta: int) -> int:
-    """Slots per shared-memory block: 64, or 32 for 64-row CTAs (their query rows take 74 KB)."""
-    return min(32 if heads == 64 else 64, slots_per_cta)
+    """Slots per shared-memory block: 64 (at most slots_per_cta)."""
+    return min(64, slots_per_cta)
+
+
+def min_slots(q_heads: int) -> int:
+    """The fewest slots per CTA a plan picks: 32, or 64 for 64-row CTAs, whose partials are
+    4x a 16-row CTA's (TP 1, B = 1 on the H200: 13.9 us at 64 slots against 18.8 at 32, the
+    combine reading 16.8 MB of partials; bench/RESULTS.md)."""
+    return 64 if heads_per_cta(q_heads) == WG_ROWS else 32
 
 
 def plan(batch: int, q_heads: int, k: int) -> int:
-    """slots_per_cta for a launch of `batch` tokens: the largest power of two >= 32 that
-    still gives about one wave (>= WAVE CTAs), at most k. (16 slots per CTA fill the GPU
-    at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
+    """slots_per_cta for a launch of `batch` tokens: the largest power of two >= min_slots
+    that still gives about one wave (>= WAVE CTAs), at most k. (16 slots per CTA fill the
+    GPU at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
     the H200, bench/RESULTS.md.)"""
     groups = q_heads // heads_per_cta(q_heads)
-    slots = min(32, k)
+    slots = min(min_slots(q_heads), k)
     while slots * 2 <= k and k % (slots * 2) == 0 and batch * groups * (k // (slots * 2)) >= WAVE:
         slots *= 2
     return slots
@@ -124,6 +144,73 @@ def partial_rows(batch: int, q_heads: int, k: int) -> int:
     the partial kernel writes out and lse itself)."""
     splits = k // plan(batch, q_heads, k)
     return batch * splits if splits > 1 else 0
+
+
+# -- wgmma (64-row CTAs) ----------------------------------------------------------------------
+# Descriptor bits besides the start address (PTX ISA, "Matrix Descriptor"; no swizzle):
+# K-major ((8, m), (T, 2k)) : ((T, SBO), (1, LBO)): SBO between 8-row groups, LBO between
+# k chunks. MN-major ((T, 1, m), (8, k)) : ((1, T, SBO), (T, LBO)): SBO between 8-element
+# groups along N, LBO between 8-row groups along K.
+DESC_K = (128 >> 4) << 32 | (CHUNK >> 4) << 16  # Q, K and P: 8-row groups 128 B apart, k chunks CHUNK
+DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHUNK apart, 8-slot groups 128 B
+
+
+def _desc_lines(reg: str, operand: str, layout: int) -> list:
+    return [f"cvt.u64.u32 {reg}, {operand};", f"shr.u64 {reg}, {reg}, 4;", f"or.b64 {reg}, {reg}, {layout:#018x};"]
+
+
+def wgmma_scores(q_addr, k_addr, n: int) -> list:
+    """S[64 rows, n slots] = Q (shared, K-major) x K^T (shared rows, K-major B), bf16, FP32
+    accumulation over the 36 k steps of 16 dims; issued, committed and waited for in one
+    asm block. Thread (warp w of the warpgroup, g, t) gets s[4 j + 2 r + e] = row 16 w + g
+    + 8 r, slot 8 j + 2 t + e."""
+    d = ", ".join(f"{{$w{i}}}" for i in range(n // 2))
+    lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred first, more;"]
+    lines += _desc_lines("a0", "{$r0}", DESC_K) + _desc_lines("b0", "{$r1}", DESC_K)
+    lines += ["setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
+    for s in range(K_STEPS):
+        lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
+        lines.append(f"add.s64 b, b0, {2 * CHUNK * s >> 4};")
+        lines.append(
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, a, b, "
+            f"{'first' if s == 0 else 'more'}, 1, 1, 0, 0;"
+        )
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    return list(
+        cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * (n // 2), read_only_args=[q_addr, k_addr])
+    )
+
+
+def wgmma_wait(acc) -> list:
+    """Wait for this warpgroup's wgmmas in flight (wgmma_values(..., wait=False)); the
+    accumulators pass through, so nothing reads them before the wait."""
+    count = len(acc)
+    lines = ["wgmma.wait_group.sync.aligned 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    return list(cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc)))
+
+
+def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
+    """O[64 rows, 256 dims] += P (shared bf16, K-major: rows x slots) x V (the same shared
+    cache rows read MN-major: slots x dims, transposed B), k_steps steps of 16 slots.
+    acc: 128 FP32 in the accumulator layout (acc[4 j + 2 r + e]: row 16 w + g + 8 r, dim
+    8 j + 2 t + e); returned updated."""
+    count = len(acc)
+    d = ", ".join(f"{{$w{i}}}" for i in range(count))
+    lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred more;"]
+    lines += _desc_lines("a0", f"{{$r{count}}}", DESC_K) + _desc_lines("b0", f"{{$r{count + 1}}}", DESC_V)
+    lines += ["setp.eq.b32 more, 0, 0;"]
+    lines += [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    lines += ["wgmma.fence.sync.aligned;"]
+    for s in range(k_steps):
+        lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
+        lines.append(f"add.s64 b, b0, {16 * 16 * s >> 4};")
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n{2 * count}k16.f32.bf16.bf16 {{{d}}}, a, b, more, 1, 1, 0, 1;")
+    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    return list(
+        cute.arch.inline_ptx(
+            "\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc) + [p_addr, v_addr]
+        )
+    )
 
 
 class SparseCore:
@@ -150,8 +237,10 @@ class SparseCore:
         self.cols = cols_for(self.heads)
         self.block = block_for(self.heads, slots_per_cta)
         self.splits = k // slots_per_cta
-        self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.threads = self.heads // 16 * self.cols * 32
+        # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
+        self.wgmma = self.heads == WG_ROWS
+        self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
+        self.threads = WG_THREADS if self.wgmma else self.heads // 16 * self.cols * 32
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
@@ -202,6 +291,14 @@ class SparseCore:
         error: cute.Pointer,
         pool_slots: Int32,
     ):
+        if cutlass.const_expr(self.wgmma):
+            self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+        else:
+            self.partial_mma_sync(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+
+    @cute.jit
+    def partial_mma_sync(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """16- and 32-row CTAs: warps of mma.sync m16n8k16 (the module docstring)."""
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
@@ -352,6 +449,241 @@ class SparseCore:
                     P.store_f32x2(partial_o + row + 8 * n, acc_o[n][2 * r], acc_o[n][2 * r + 1])
                 if col == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """64-row CTAs: two warpgroups (256 threads). Shared memory: the query rows (bf16, K-major
+        canonical), two buffers of `block` cache rows as bf16 (block b in buffer b % 2: bf16
+        rows by cp.async, fp8 rows loaded to registers and dequantized into it -- while P @ V
+        runs -- block b + 1's copies or loads in flight while block b is computed), P (bf16,
+        K-major), the two blocks' slot ids and the row maxima the warpgroups exchange (the
+        whole 227 KB but 1.5 KB). Each thread copies chunks of one row per block, so it
+        loads one slot id per block, a block ahead. Per block:
+        - warpgroup h: S = Q x K^T over the block's slots h x block / 2 .. (wgmma m64n(block/2)k16,
+          both operands in shared memory), holes -inf, scaled to log2 units;
+        - the row max over both warpgroups (shared memory, one CTA barrier), P = 2^(s - max)
+          as bf16 into shared memory (the whole block's P after a second barrier);
+        - warpgroup h: O[:, 256 h .. 256 h + 255] += P x V (wgmma m64n256k16, V = the same
+          shared rows' first 512 dims read MN-major), rescaled first when the max moved."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        block = self.block
+        half = block // 2  # the slots of a block whose scores one warpgroup computes
+        smem = cutlass.memory.SmemAllocator()
+        q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
+        kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(block // 8 * CHUNK), byte_alignment=128).iterator.toint()
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # This thread's cache row of every block (r) and its 16-byte chunks 4 cg + q4: the
+        # 8 lanes of a quarter-warp take 8 rows of one chunk (128 contiguous shared bytes).
+        groups = block // 8
+        r = 8 * (warp % groups) + lane % 8
+        cg0, q4 = warp // groups, lane // 8
+        writer = (cg0 == 0) & (q4 == 0)  # the thread of chunk 0: records the row's slot id
+        ids_row = slots + token * self.k + split * self.slots_per_cta + r
+        head0 = group * WG_ROWS
+        slot = P.load_i32(ids_row)
+        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        blocks = self.slots_per_cta // block
+        staged = self.fetch_rows(cache, slot, kv_s, r, cg0, q4, pool_slots)
+        if cutlass.const_expr(self.mla_fp8):
+            self.store_rows(staged, kv_s, r, cg0, q4)
+        if writer:
+            ids_s[r] = slot
+            if slot != -1 and not P.in_range(slot, pool_slots):
+                P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
+        # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
+        # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
+        upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
+        P.cp_async_commit()
+        P.cp_async_wait(0)
+        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
+
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        acc_o = [Float32(0)] * 128
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
+        row_sum = [Float32(0), Float32(0)]  # this thread's share
+        row0 = 16 * w4 + g
+        for b in range(blocks):
+            cur = kv_s + (b % 2) * TILE_BYTES
+            ahead = b + 1
+            # block b + 1 into the other buffer (free: every thread passed the barrier that
+            # ended block b - 1, the last reader of it)
+            coming = P.select_i32(ahead < blocks, upcoming, -1)
+            nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
+            P.cp_async_commit()
+            if writer:
+                ids_s[(ahead % 2) * WG_ROWS + r] = coming
+                if coming != -1 and not P.in_range(coming, pool_slots):
+                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
+            # (not used before the next block: its load latency hides behind this block)
+            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
+
+            # scores of this warpgroup's half of the block
+            s = wgmma_scores(q_s, cur + wg * half * 16, half)
+            for j in cutlass.range_constexpr(half // 8):
+                for e in cutlass.range_constexpr(2):
+                    live = P.in_range(ids_s[(b % 2) * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
+                    for rr in cutlass.range_constexpr(2):
+                        s[4 * j + 2 * rr + e] = P.select(live, s[4 * j + 2 * rr + e] * scale, neg_inf)
+            for rr in cutlass.range_constexpr(2):
+                top = s[2 * rr]
+                for j in cutlass.range_constexpr(half // 8):
+                    top = cute.arch.fmax(top, cute.arch.fmax(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]))
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+                if t == 0:
+                    red[wg * WG_ROWS + row0 + 8 * rr] = top
+            cute.arch.sync_threads()
+            alpha = [Float32(0), Float32(0)]
+            use = [Float32(0), Float32(0)]
+            for rr in cutlass.range_constexpr(2):
+                top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
+                use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+                alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+                row_max[rr] = top
+                row_sum[rr] = row_sum[rr] * alpha[rr]
+            for j in cutlass.range_constexpr(half // 8):
+                p = [P.exp2_approx(s[4 * j + q] - use[q // 2]) for q in range(4)]
+                row_sum[0] = row_sum[0] + p[0] + p[1]
+                row_sum[1] = row_sum[1] + p[2] + p[3]
+                at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
+                P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+                P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
+            for i in cutlass.range_constexpr(128):
+                acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+            P.fence_proxy_async()
+            cute.arch.sync_threads()  # the block's P (both halves) is in shared memory
+
+            # P @ V in flight while this thread dequantizes its share of the next block (fp8)
+            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
+            if cutlass.const_expr(self.mla_fp8):
+                self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            acc_o = wgmma_wait(acc_o)
+            P.cp_async_wait(0)
+            P.fence_proxy_async()
+            cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
+
+        # the row sums over the 4 lanes of a row, then over the two warpgroups
+        for rr in cutlass.range_constexpr(2):
+            total = row_sum[rr] + cute.arch.shuffle_sync_bfly(row_sum[rr], offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if t == 0:
+                sums[wg * WG_ROWS + row0 + 8 * rr] = total
+        cute.arch.sync_threads()
+        item = token * self.splits + split
+        for rr in cutlass.range_constexpr(2):
+            head = head0 + row0 + 8 * rr
+            total = sums[row0 + 8 * rr] + sums[WG_ROWS + row0 + 8 * rr]
+            dims = wg * (LATENT // 2) + 2 * t
+            if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
+                if head < self.gathered:
+                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    at = out + (token * self.gathered + head) * LATENT + dims
+                    for j in cutlass.range_constexpr(32):
+                        P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr] * inverse, acc_o[4 * j + 2 * rr + 1] * inverse)
+                    if wg == 0 and t == 0:
+                        P.store_f32(lse + token * self.gathered + head, self.lse_of(row_max[rr], total))
+            else:
+                at = partial_o + (item * self.q_heads + head) * LATENT + dims
+                for j in cutlass.range_constexpr(32):
+                    P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr], acc_o[4 * j + 2 * rr + 1])
+                if wg == 0 and t == 0:
+                    P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[rr], total)
+
+    @cute.jit
+    def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots) -> list:
+        """This thread's chunks of cache row `slot` (block row r): bf16 rows by
+        cp.async straight into dst (the caller commits; returns []), fp8 rows by predicated
+        loads into registers (returned for store_rows). Chunk j: 4 (cg0 + step j) + q4 of
+        the row's 72 (8 dims each); a hole or a slot outside the pool reads nothing (zeros)."""
+        step = 8 // (self.block // 8)
+        live = P.in_range(slot, pool_slots)
+        row = Int64(P.select_i32(live, slot, 0)) * self.row_bytes
+        staged = []
+        if cutlass.const_expr(not self.mla_fp8):
+            src = cache + row + 16 * q4
+            at = dst + r * 16 + q4 * CHUNK
+            for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
+                c4 = cg0 + step * j  # chunk 4 c4 + q4
+                if cutlass.const_expr(step * (j + 1) <= TILE_CHUNKS // 4):
+                    P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
+                elif c4 < TILE_CHUNKS // 4:
+                    P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
+        else:
+            src = cache + row
+            staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
+            for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
+                c4 = cg0 + step * j
+                if cutlass.const_expr(step * (j + 1) <= LATENT // 32):  # latent: 8 e4m3 at 8 c
+                    staged.append(P.load_u32x2_if(src + 8 * (4 * c4 + q4), live))
+                else:  # rope: 16 bytes at 528 + 16 (c - 64)
+                    ok = live & (c4 < TILE_CHUNKS // 4)
+                    staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), ok))
+        return staged
+
+    @cute.jit
+    def store_rows(self, staged, dst, r, cg0, q4):
+        """fetch_rows' fp8 registers -> bf16 chunks of block row r in dst: e4m3 x the chunk's
+        128-dim scale, rounded to bf16; the rope copied."""
+        step = 8 // (self.block // 8)
+        scales = staged[0]
+        at = dst + r * 16 + q4 * CHUNK
+        for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
+            c4 = cg0 + step * j
+            words = staged[1 + j]
+            if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+                # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
+                # for every cg0 < step (step divides 4)
+                sc = scales[step * j // 4]
+                outw = []
+                for i in cutlass.range_constexpr(2):
+                    f = P.unpack_e4m3x4(words[i])
+                    outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                    outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+                P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
+            elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
+                if c4 < TILE_CHUNKS // 4:
+                    P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
+
+    @cute.jit
+    def load_query_tile(self, rows, head0, q_s, tid):
+        """The CTA's 64 query rows -> shared bf16 in the canonical K-major layout (chunk c of
+        row h at c x CHUNK + 16 h): bf16 rows by cp.async (the caller commits and waits),
+        e4m3 rows by loads all issued first and widened exactly; rows at or past
+        `gathered` are zeros."""
+        if cutlass.const_expr(self.q_fp8):
+            items = WG_ROWS * (ROW // 16)  # 16 e4m3 (two chunks) each
+            loads = []
+            for i in cutlass.range_constexpr(items // WG_THREADS):
+                index = tid + i * WG_THREADS
+                h, c2 = index % WG_ROWS, index // WG_ROWS
+                loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c2, head0 + h < self.gathered), h, c2))
+            for words, h, c2 in loads:
+                outw = []
+                for j in cutlass.range_constexpr(4):
+                    f = P.unpack_e4m3x4(words[j])
+                    outw.append(P.pack_bf16x2(f[0], f[1]))
+                    outw.append(P.pack_bf16x2(f[2], f[3]))
+                P.st_shared_u32x4(q_s + 2 * c2 * CHUNK + 16 * h, outw[:4])
+                P.st_shared_u32x4(q_s + (2 * c2 + 1) * CHUNK + 16 * h, outw[4:])
+        else:
+            for i in cutlass.range_constexpr(WG_ROWS * TILE_CHUNKS // WG_THREADS):
+                index = tid + i * WG_THREADS
+                h, c = index % WG_ROWS, index // WG_ROWS
+                P.cp_async_16(q_s + c * CHUNK + 16 * h, rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered)
 
     @cute.jit
     def publish_rows(self, q_rows, q_out, token, head0, rows: int, tid, threads: int):

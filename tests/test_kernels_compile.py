@@ -542,3 +542,40 @@ def test_guarded_kernels_record_by_atomic_min_after_the_wait(ptx):
             assert "setp.lt.u32" in text or "setp.ge.u32" in text, (shape, name)
     # under DCP TopK writes positions, not slots: no page is read, nothing to guard
     assert "red.global.min.s64" not in ptx[("kimi-dcp2-fp8", "top_k")]
+
+
+TP1 = {
+    "tp1-bf16": RankShape(preset("deepseek-v3.2"), Topology(tp=1)),
+    "tp1-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=1, q_format="fp8", mla_cache="fp8")),
+}
+
+
+@pytest.mark.parametrize("shape_name", TP1)
+@pytest.mark.parametrize("slots", [16, 32, 64, 128, 2048])
+def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, slots):
+    """64 query rows per CTA (TP 1): two warpgroups of wgmma (36 k steps of scores over half
+    a block each, then P @ V over the block's slots in 16-slot steps, 256 dims), no mma.sync,
+    PDL, no local memory, and at most 255 registers a thread with no spills (256 threads)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    shape = TP1[shape_name]
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048)
+    assert variant.op.wgmma and variant.op.threads == sparse_core.WG_THREADS
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    entries = _entries(ptx)
+    assert len(entries) == (1 if slots == 2048 else 2)
+    partial = next(e for e in entries if "sparse_core_partial" in e.split("(")[0])
+    block = min(64, slots)
+    assert partial.count(f"wgmma.mma_async.sync.aligned.m64n{block // 2}k16.f32.bf16.bf16") == 36
+    assert partial.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == block // 16
+    assert "mma.sync" not in partial and ".local" not in partial
+    assert "griddepcontrol.wait;" in partial and "fence.proxy.async.shared::cta;" in partial
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == (shape_name == "tp1-fp8")
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    found = _cubin_attributes(cubin.read_bytes())
+    assert found["frame"] == 0 and found["regs"] * sparse_core.WG_THREADS <= 65536, found
