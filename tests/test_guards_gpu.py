@@ -299,8 +299,11 @@ def test_dcp_merge_turns_a_bad_page_or_position_into_a_hole_and_records_it(where
 
 
 @pytest.mark.parametrize("slots_per_cta", [None, 2048])  # the plan's split and one CTA per token
-def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(slots_per_cta):
-    state = _state(max_batch=2)
+@pytest.mark.parametrize(
+    "topology", [Topology(tp=8), Topology(tp=1, mla_cache="fp8")], ids=["tp8-mma-sync", "tp1-fp8-wgmma"]
+)
+def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(slots_per_cta, topology):
+    state = _state(topology, max_batch=2)
     s, m = state.shape, state.shape.model
     kernels = Kernels(s, state.weights)
     rows = torch.randn(2, s.gathered, m.query_row, device="cuda") * 0.3
