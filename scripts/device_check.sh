@@ -18,7 +18,7 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench serve nsys nsys_eager trace
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench bench_tp1 bench_dcp2 serve nsys nsys_eager trace
   only=" $* "            # kernels indexer sparse topk pybench sanitize sanitize_all ops_tests ops)
 else
   only=" gpu_tests graph run bench serve nsys trace kernels "
@@ -28,6 +28,10 @@ want gpu_tests && step gpu_tests 330 python3 -m pytest -q -m gpu tests -p no:cac
 want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
 want bench && step bench 150 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
+want bench_tp1 && step bench_tp1 200 graphstep bench --tp 1 --mla-cache fp8 --batch 1,4,16,64 --context 32768 \
+  --replays 30 --out "$out/tp1"
+want bench_dcp2 && step bench_dcp2 200 graphstep bench --dcp 2 --batch 1,4,16,64 --context 32768 --replays 30 \
+  --out "$out/dcp2"
 want serve && step serve 45 graphstep serve --batch 1,2,4,8,16 --context 8192 --steps 300
 want nsys && TAIL=40 step nsys 100 bash scripts/nsys_capture.sh "$out/steps" -- --batch 4 --steps 3 --context 4096
 want nsys_eager && TAIL=40 step nsys_eager 100 bash scripts/nsys_capture.sh "$out/eager" -- --batch 4 --steps 0 \
