@@ -266,7 +266,7 @@ def test_missing_publisher_is_reported_and_the_next_step_works(dcp2, poll_in_mla
         kernels.query_wait(buf["q_rows"], error, batch, budget_ns=20_000_000)
     end.record()
     torch.cuda.synchronize()
-    assert 20 <= start.elapsed_time(end) < 2000  # gave up after its 20 ms budget, not never
+    assert 20 <= start.elapsed_time(end) < 2 * 20 + 10  # gave up within 2x its 20 ms budget + launch slack
     with pytest.raises(MailboxTimeout) as timeout:
         error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
     assert (timeout.value.token, timeout.value.row, timeout.value.chunk) == missing

@@ -57,6 +57,8 @@ def test_replay_equals_eager_and_fork_equals_serial(tp8, size, mode):
     tp8.replay(size, other)
     torch.cuda.synchronize()
     assert _equal(_outputs(tp8), eager), "fork and serial must agree bit for bit"
+    # the sparse core re-armed every row it read: the whole mailbox holds the sentinel again
+    assert bool((tp8.caches.mailbox == formats.SENTINEL_BYTE).all()), "a mailbox chunk left published"
 
 
 def test_step_matches_the_reference(tp8):
@@ -193,6 +195,8 @@ def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
         torch.cuda.synchronize()
         dcp2.error.check(dcp2.shape.gathered, dcp2.shape.mailbox_row_chunks)
         results[mode] = _outputs(dcp2)
+        # both ranks' rows were read and re-armed: every chunk holds the sentinel again
+        assert bool((dcp2.caches.mailbox == formats.SENTINEL_BYTE).all()), mode
     assert _equal(results["fork"], results["serial"]) and _equal(results["fork"], results["fork_poll"])
     expect = formats.encode_q_rows(peers.rows[:, :16], "bf16").view(7, 16, -1)
     assert torch.equal(dcp2.buffers.q_out[:7, :16], expect)
