@@ -146,9 +146,9 @@ class ErrorWord:
             raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks, heads)
 
 
-def pool_slots(cache: torch.Tensor) -> int:
-    """Slots of a paged cache [pages, page size, ...] (the MLA cache) as a kernel bound."""
-    return min(cache.shape[0] * cache.shape[1], INT32_MAX)
+def pool_slots(cache: torch.Tensor, page_size: int) -> int:
+    """Slots of a paged cache [pages, ...] (the MLA or the indexer cache) as a kernel bound."""
+    return min(cache.shape[0] * page_size, INT32_MAX)
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -161,21 +161,20 @@ def guard_bounds(state) -> dict[int, tuple[int, int]]:
     this LayerState's tensors (what the launchers pass them)."""
     m, w, c = state.shape.model, state.weights, state.caches
     index_pages = min(c.index_cache.shape[0], INT32_MAX)
-    index_slots = min(index_pages * m.page_size, INT32_MAX)
     index_len = rope_rows(w.index_rope_cos, w.index_rope_sin) + 1
     mla_len = rope_rows(w.rope_cos, w.rope_sin) + 1
     positions = state.pages_per_seq * m.page_size * state.shape.topology.dcp
     return {
-        guards.INDEX_KEY_SLOT: (0, index_slots),
+        guards.INDEX_KEY_SLOT: (0, pool_slots(c.index_cache, m.page_size)),
         guards.INDEX_KEY_LENGTH: (1, index_len),
-        guards.MLA_QUERY_SLOT: (0, pool_slots(c.mla_cache)),
+        guards.MLA_QUERY_SLOT: (0, pool_slots(c.mla_cache, m.page_size)),
         guards.MLA_QUERY_LENGTH: (1, mla_len),
         guards.INDEX_QUERY_LENGTH: (1, index_len),
         guards.DSA_INDEX_PAGE: (0, index_pages),
         guards.TOP_K_PAGE: (0, index_pages),
         guards.DCP_MERGE_POSITION: (0, positions),
         guards.DCP_MERGE_PAGE: (0, index_pages),
-        guards.SPARSE_CORE_SLOT: (0, pool_slots(c.mla_cache)),
+        guards.SPARSE_CORE_SLOT: (0, pool_slots(c.mla_cache, m.page_size)),
     }
 
 
@@ -375,7 +374,7 @@ class Kernels:
             self._i32(batch),
             self._f32(self.eps),
             self._i64(budget_ns),
-            self._i32(pool_slots(mla_cache)),
+            self._i32(pool_slots(mla_cache, self.shape.model.page_size)),
             self._i32(rope_rows(w.rope_cos, w.rope_sin)),
             self._stream(),
         )
@@ -428,7 +427,7 @@ class Kernels:
             self._ptr(index_cache),
             self._ptr(self._error(error, qkv).word, 8),
             self._i32(batch),
-            self._i32(min(index_cache.shape[0] * self.shape.model.page_size, INT32_MAX)),
+            self._i32(pool_slots(index_cache, self.shape.model.page_size)),
             self._i32(rope_rows(w.index_rope_cos, w.index_rope_sin)),
             self._stream(),
         )
@@ -664,7 +663,7 @@ class Kernels:
             self._ptr(q_rows if q_out is None else q_out),  # (unread without q_out)
             self._i32(batch),
             self._ptr(self._error(error, slots).word, 8),
-            self._i32(pool_slots(mla_cache)),
+            self._i32(pool_slots(mla_cache, self.shape.model.page_size)),
             self._stream(),
         )
 
