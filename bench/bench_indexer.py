@@ -8,7 +8,6 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 "run" column); --runs also times every listed run and prints them in a second table, to
 tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...]   # every TopK variant
-    python bench/bench_indexer.py --score-sweep [--batch ...] [--context ...] [--runs ...]   # DsaIndex per W
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
@@ -21,10 +20,6 @@ the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the
 `kernels/top_k.py`'s `PICKS` table. `--rotation` times IndexQuery (wq_b from HBM) and
 IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
 the rotation, and with neither: the cost of the rotation in the two kernels.
-`--score-sweep` times only DsaIndex, with each number of consumer warpgroups per CTA
-(`dsa_index.WARPGROUPS`) at its host run and at each `--runs` run, over enough cache copies
-to stream from HBM, and checks each equals the W = 1 scores bit for bit: the data for
-`kernels/dsa_index.py`'s `PICKS` table.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ import sys
 
 import torch
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
-from graphstep.kernels import dsa_index as dsa_index_kernels
 from graphstep.kernels import top_k as top_k_kernels
 from graphstep.kernels.dsa_index import pages_per_cta
 
@@ -146,7 +140,7 @@ def bench_context(
             dict(
                 context=context,
                 batch=batch,
-                run=pages_per_cta(batch, tables.shape[1], dsa_index_kernels.warpgroups_for(batch)),
+                run=pages_per_cta(batch, tables.shape[1]),
                 split=split.name if split else "one-cta",
                 wq_b_bw=wq_b_bytes / (t["wq_b"] * 1e-6) / H200_COPY_BW,
                 score_bw=score_bytes / (t["score"] * 1e-6) / H200_COPY_BW,
@@ -238,78 +232,6 @@ def main_top_k_sweep(args, shape: RankShape) -> int:
     return 0
 
 
-def bench_score_variants(shape: RankShape, context: int, batches: list[int], runs, launches: int = 8) -> list[dict]:
-    """DsaIndex alone for each W at its host run and at each of `runs`, each launch on
-    another cache copy (HBM, not L2); `_exact`: the scores equal W = 1's at the host run."""
-    m = shape.model
-    state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
-    kernels = Kernels(shape, state.weights)
-    width = state.pages_per_seq * m.page_size
-    rows = []
-    for batch in batches:
-        inputs = state.inputs(batch, context_lens=context)
-        tables, lens = inputs.block_tables, inputs.context_lens
-        caches = [state.caches.index_cache] + [
-            state.caches.index_cache.clone()
-            for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
-        ]
-        qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-        q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
-        hw = torch.empty(batch, m.index_heads, device="cuda")
-        kernels.index_query(qc, inputs.qkv, lens, q8, hw, batch)
-        expect = torch.empty(batch, width, device="cuda")
-        kernels.dsa_index(q8, hw, caches[0], tables, lens, expect, batch, warpgroups=1)
-        scores = torch.empty(batch, width, device="cuda")
-        row = dict(context=context, batch=batch, picked=dsa_index_kernels.warpgroups_for(batch))
-        for w in dsa_index_kernels.WARPGROUPS:
-            host = pages_per_cta(batch, tables.shape[1], w)
-            row[f"w{w}_run"] = host
-            for run in dict.fromkeys([host, *runs]):
-                name = f"w{w}" if run == host else f"w{w}_run{run}"
-
-                def body(w=w, run=run):
-                    for i in range(launches):
-                        kernels.dsa_index(
-                            q8, hw, caches[i % len(caches)], tables, lens, scores, batch, run, warpgroups=w
-                        )
-
-                print(f"  ctx={context} B={batch} score {name} ...", file=sys.stderr, flush=True)
-                scores.fill_(float("nan"))
-                row[name] = graph_time_us(body, launches, replays=10)
-                row[name + "_exact"] = bool(torch.equal(scores, expect))
-        rows.append(row)
-        print("  " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr, flush=True)
-    return rows
-
-
-def main_score_sweep(args, shape: RankShape, runs) -> int:
-    batches = [int(b) for b in args.batch.split(",")]
-    rows = []
-    for context in (int(c) for c in args.context.split(",")):
-        rows += bench_score_variants(shape, context, batches, runs)
-        torch.cuda.empty_cache()
-    ws = dsa_index_kernels.WARPGROUPS
-    names = [f"w{w}" for w in ws] + [f"w{w}_run{run}" for w in ws for run in runs]
-
-    def cell(r, n):
-        return f"{r[n]:.2f}{'' if r[n + '_exact'] else ' WRONG'}" if n in r else "-"
-
-    report(
-        rows,
-        ["ctx", "B", "picked W"] + [f"W{w} (host run)" for w in ws] + names[len(ws) :],
-        [
-            [r["context"], r["batch"], r["picked"]]
-            + [f"{cell(r, n)} ({r[n + '_run']})" for n in names[: len(ws)]]
-            + [cell(r, n) for n in names[len(ws) :]]
-            for r in rows
-        ],
-        "DsaIndex us per launch (median of graph replays of 8 launches, each on another cache copy) per W "
-        "(consumer warpgroups per CTA) at its host run (in brackets) and at forced runs; WRONG: not equal to W = 1",
-        args.json,
-    )
-    return 0
-
-
 ROTATION_MODELS = {
     "rotated": preset("deepseek-v3.2"),
     "unrotated": dataclasses.replace(preset("deepseek-v3.2"), index_rotation=False),
@@ -377,7 +299,6 @@ def main() -> int:
     parser.add_argument("--context", default="4096,32768,131072")
     parser.add_argument("--runs", default="", help="also time DsaIndex at these pages-per-CTA runs")
     parser.add_argument("--top-k-sweep", action="store_true", help="time every TopK variant only")
-    parser.add_argument("--score-sweep", action="store_true", help="time DsaIndex only, per consumer warpgroup count")
     parser.add_argument(
         "--rotation", action="store_true", help="time IndexQuery and IndexKey with and without the Hadamard rotation"
     )
@@ -388,8 +309,6 @@ def main() -> int:
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
     if args.top_k_sweep:
         return main_top_k_sweep(args, shape)
-    if args.score_sweep:
-        return main_score_sweep(args, shape, runs)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):

@@ -477,7 +477,6 @@ class Kernels:
         batch: int,
         pages_per_cta: int | None = None,
         error: ErrorWord | None = None,
-        warpgroups: int | None = None,
     ) -> None:
         """DsaIndex: score[b, i] = k_scale[i] x sum_h w[b, h] x relu(q[b, h] . k[i]) for every
         local position i a block table holds; -inf at and past the local length.
@@ -492,20 +491,15 @@ class Kernels:
         scores: fp32 [>= B, pages_per_seq x 64], written.
         batch: B >= 1.
         pages_per_cta: the run of block-table pages each CTA streams, >= 1 (default: the
-            host's choice for this batch, table width and W, `dsa_index.pages_per_cta`).
-        error: records a page of the used part outside the cache (scored -inf).
-        warpgroups: consumer warpgroups per CTA, W in `dsa_index.WARPGROUPS` (default: the
-            host's choice for this batch, `dsa_index.warpgroups_for`)."""
-        from .kernels import dsa_index as D
+            host's choice for this batch and table width, `dsa_index.pages_per_cta`).
+        error: records a page of the used part outside the cache (scored -inf)."""
+        from .kernels.dsa_index import pages_per_cta as choose
 
         pages = block_tables.shape[1]
-        w = D.warpgroups_for(batch) if warpgroups is None else warpgroups
-        if w not in D.WARPGROUPS:
-            raise ValueError(f"warpgroups must be one of {D.WARPGROUPS}, got {w}")
-        run = D.pages_per_cta(batch, pages, w) if pages_per_cta is None else pages_per_cta
+        run = choose(batch, pages) if pages_per_cta is None else pages_per_cta
         if run < 1:
             raise ValueError(f"pages_per_cta must be >= 1, got {run}")
-        self.compiled("dsa_index", warpgroups=w)(
+        self.compiled("dsa_index")(
             self._ptr(q),
             self._ptr(head_w),
             self._ptr(index_cache),

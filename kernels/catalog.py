@@ -134,9 +134,8 @@ def _index_query(shape, pdl, tokens: int):
     return f"index_query_{tokens}", op
 
 
-def _dsa_index(shape, pdl, warpgroups: int = 1):
-    name = "dsa_index" if warpgroups == 1 else f"dsa_index_w{warpgroups}"
-    return name, dsa_index.DsaIndex(shape.topology.dcp, shape.topology.rank, pdl, warpgroups)
+def _dsa_index(shape, pdl):
+    return "dsa_index", dsa_index.DsaIndex(shape.topology.dcp, shape.topology.rank, pdl)
 
 
 def _top_k(shape, pdl, split):
@@ -184,7 +183,7 @@ _BUILDERS = {
 def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
     launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll;
-    index_query: tokens; dsa_index: warpgroups; top_k: split (a top_k.Split, or None: one CTA per row);
+    index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA), publish; the others none."""
     if kernel not in _BUILDERS:
         raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
@@ -209,8 +208,7 @@ def variants(
     out.append(build(shape, "index_key", pdl))
     for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
         out.append(build(shape, "index_query", pdl, tokens=tokens))
-    for warpgroups in sorted({dsa_index.warpgroups_for(b) for b in batches}):
-        out.append(build(shape, "dsa_index", pdl, warpgroups=warpgroups))
+    out.append(build(shape, "dsa_index", pdl))
     if widths is None:
         splits = [None, *top_k.SPLITS]
     else:

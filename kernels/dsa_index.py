@@ -3,28 +3,24 @@
     score[b, i] = k_scale[i] * sum_h w[b, h] * relu(q[b, h] . k[i])     (i < local length)
     score[b, i] = -inf                                                   (past it)
 
-Grid: (page runs, tokens); W consumer warpgroups (`warpgroups`, 1, 2 or 4) + one producer
-warp per CTA. A CTA owns one token and a run of consecutive block-table pages (chosen on
-the host by `pages_per_cta(batch, pages, W)`, W by `warpgroups_for(batch)`, so that B = 1
-still fills the GPU and large batches are one or two waves). The last warp is the
-producer: one `cp.async.bulk` per live page (8448 B: 64 keys x 128 e4m3 | 64 fp32 scales)
-into a ring of 4 W shared-memory stages, completing on a `full` mbarrier; a last, partial
+Grid: (page runs, tokens); 160 threads. A CTA owns one token and a run of `pages_per_cta`
+consecutive block-table pages (chosen on the host by `pages_per_cta(batch, pages)` so that
+B = 1 still fills the GPU and large batches are one or two waves). Warp 4 is the producer:
+one `cp.async.bulk` per live page (8448 B: 64 keys x 128 e4m3 | 64 fp32 scales) into a
+STAGES-deep ring of shared-memory stages, completing on a `full` mbarrier; a last, partial
 page copies only its live keys and the 16-byte words of their scales, so keys past the
-length are never read. Page i of the run goes to stage i % 4 W and warpgroup i % W, so
-each stage has one consumer warpgroup. The consumers, once per CTA and all W warpgroups
-together, write the token's 64 query rows to shared memory as fp16 (e4m3 widens exactly)
-in the no-swizzle K-major layout wgmma reads (8 x 16 B core matrices; chunk c of head n at
-c x 1024 + n x 16) -- one copy the W warpgroups share, which is why W > 1: a CTA's pages
-run as W independent chains behind one query staging -- and keep its head weights in
-registers; per page a warpgroup's warps load their keys (thread (warp w, g, t): key rows
-16 w + g and + 8, bytes 16 t.. and 64 + 16 t..; odd rows take the halves in the other
-order so a quarter-warp hits 32 distinct banks), release the stage to the producer
-(`empty` mbarrier), widen the bytes to fp16 pairs (`cvt.rn.f16x2.e4m3x2`, exact) and issue
-eight `wgmma.m64n64k16.f32.f16.f16` with the keys as A from registers (M = the page's 64
-keys) and the queries as B from shared memory (N = 64 heads), FP32 accumulation. Thread
-(w, g, t) (w: its warp in the warpgroup) then holds keys 16 w + g (+ 8) x heads 8 j + 2 t
-(+ 1): ReLU, the weighted head sum in registers, two butterflies over the 4 lanes of a
-key, times the key's scale.
+length are never read. Warps 0-3 (one warpgroup) are the consumers: once per CTA they
+write the token's 64 query rows to shared memory as fp16 (e4m3 widens exactly) in the
+no-swizzle K-major layout wgmma reads (8 x 16 B core matrices; chunk c of head n at
+c x 1024 + n x 16) and keep its head weights in registers; per page they load their keys
+(thread (warp w, g, t): key rows 16 w + g and + 8, bytes 16 t.. and 64 + 16 t..; odd rows
+take the halves in the other order so a quarter-warp hits 32 distinct banks), release the
+stage to the producer (`empty` mbarrier), widen the bytes to fp16 pairs
+(`cvt.rn.f16x2.e4m3x2`, exact) and issue eight `wgmma.m64n64k16.f32.f16.f16` with the
+keys as A from registers (M = the page's 64 keys) and the queries as B from shared memory
+(N = 64 heads), FP32 accumulation. Thread (w, g, t) then holds keys 16 w + g (+ 8) x heads
+8 j + 2 t (+ 1): ReLU, the weighted head sum in registers, two butterflies over the 4
+lanes of a key, times the key's scale.
 
 Predicted on the H200 (us per launch, B = 1 / 4 / 16 / 64; not yet measured): 32K
 ~3 / 5.5 / 19 / 70, 128K ~6 / 19 / 70 / 275 -- the cache bytes at ~4.0 TB/s plus ~1.5-2 us
@@ -40,17 +36,17 @@ reduced precision (DeepSeek-V3 measured ~14 bits on H800), which would break "wi
 1e-5 of the fp32 reference". e4m3 -> fp16 is exact and fp16 wgmma accumulates in FP32.
 
 The k order inside an MMA is free as long as A and B agree: a thread's key byte i of its
-32 (i < 16: 16 t + i, else 64 + 16 t + i - 16) is logical k = 16 s + 8 h + 2 t + j with i
-= 4 s + 2 h + j, and the query rows are written to shared memory in the same order
+32 (i < 16: 16 t + i, else 64 + 16 t + i - 16) is logical k = 16 s + 8 h + 2 t + j with
+i = 4 s + 2 h + j, and the query rows are written to shared memory in the same order
 (`key_byte`, `a_fragment`, `query_source`, `query_offset`; tests/test_dsa_index_layout.py
 checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a
 sequence is ceil((len - rank) / dcp). Every byte offset into the cache is 64-bit (caches
-pass 2 GiB). PDL: the cache pages, query rows and weights are read after
-griddepcontrol.wait (IndexKey writes the new key into the cache, IndexQuery the query
-rows); before it only the length and block-table entries (no kernel of the step writes
-them) and an L2 prefetch of the run's first ring of pages, which brings no data into the
-SM (L2 is the point of coherence: the copies after the wait see IndexKey's write), so a
-launch's first pages stream in while its predecessor finishes.
+pass 2 GiB). PDL: the cache pages, query rows and
+weights are read after griddepcontrol.wait (IndexKey writes the new key into the cache,
+IndexQuery the query rows); before it only the length and block-table entries (no kernel of
+the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
+no data into the SM (L2 is the point of coherence: the copies after the wait see IndexKey's
+write), so a launch's first pages stream in while its predecessor finishes.
 
 Guard (kernels/guards.py): a live page id outside [0, pool_pages) is a hole. The producer
 copies nothing for it (its stage completes on a bare expect_tx of 0 bytes) and records it;
@@ -73,50 +69,29 @@ HEADS, DIM, PAGE = 64, 128, 64
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "page_size": (PAGE,)}
 KEY_BYTES = PAGE * DIM  # 8192: the page's keys, then its 64 fp32 scales
 PAGE_BYTES = KEY_BYTES + 4 * PAGE  # 8448 (graphstep/formats.py)
-STAGES_PER_WARPGROUP = 4  # pages in flight per consumer warpgroup
-WARPGROUP = 128
+STAGES = 4  # pages in flight per CTA
+CONSUMERS = 128  # one warpgroup
+THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
 SMS = 132  # H100 / H200 SXM
-WARPGROUPS = (1, 2, 4)  # the consumer warpgroups per CTA the host picks from (each compiled)
-# The runs the host picks from, per W (every one GPU-tested). A run longer than the ring
-# reuses its stages: each release is preceded by a proxy fence (see `consume`).
-CTA_PAGES = {1: (2, 4, 8, 16, 32), 2: (2, 4, 8, 16, 32, 64), 4: (4, 8, 16, 32, 64, 128)}
+# The runs the host picks from (every one GPU-tested). A run longer than the ring reuses its
+# stages: each release is preceded by a proxy fence (see `consume`).
+CTA_PAGES = (2, 4, 8, 16, 32)
+# 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
+WAVE_CTAS = 4 * SMS
 
 
-def stages(warpgroups: int) -> int:
-    return STAGES_PER_WARPGROUP * warpgroups
-
-
-def wave_ctas(warpgroups: int) -> int:
-    """CTAs resident at once: 93 registers x (128 W + 32) threads and 4 W x 8448 B + 16 KB of
-    shared memory per CTA: W = 1 4 CTAs per SM, W = 2 2, W = 4 1 (16 pages in flight per SM
-    either way)."""
-    return SMS * (4 // warpgroups)
-
-
-def pages_per_cta(batch: int, pages_per_seq: int, warpgroups: int = 1) -> int:
-    """Pages per CTA for a launch of W = `warpgroups`: the smallest run in CTA_PAGES[W]
-    whose grid fits one wave of wave_ctas(W) CTAs (else the longest), and at least
-    min(2 x batch, 16) pages: each CTA widens its token's query rows into shared memory
-    once, and once the batch fills the GPU longer runs amortize that (H200, W = 1,
-    `bench/bench_indexer.py --runs`, 32K: B = 4 9.0 us at 8 pages against 9.7 at 4; B = 8
-    14.4 at 16 against 15.4 at 8; bench/RESULTS.md)."""
-    runs = CTA_PAGES[warpgroups]
-    for run in runs:
-        if run >= min(2 * batch, 16) and batch * -(-pages_per_seq // run) <= wave_ctas(warpgroups):
+def pages_per_cta(batch: int, pages_per_seq: int) -> int:
+    """Pages per CTA for a launch: the smallest run in CTA_PAGES whose grid fits one wave of
+    WAVE_CTAS CTAs (else the longest), and at least min(2 x batch, 16) pages: each CTA
+    widens its token's query rows into shared memory once, and once the batch fills the GPU
+    longer runs amortize that (H200, `bench/bench_indexer.py --runs`, 32K: B = 4 9.0 us at
+    8 pages against 9.7 at 4; B = 8 14.4 at 16 against 15.4 at 8; bench/RESULTS.md)."""
+    for run in CTA_PAGES:
+        if run >= min(2 * batch, 16) and batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run
-    return runs[-1]
-
-
-# The host's W by batch (largest batch, W), ascending; measured on the H200
-# (bench/bench_indexer.py --warpgroups, bench/RESULTS.md).
-PICKS = ((None, 1),)
-
-
-def warpgroups_for(batch: int) -> int:
-    """The consumer warpgroups per CTA (W) the host launches at this batch (PICKS)."""
-    return next(w for largest, w in PICKS if largest is None or batch <= largest)
+    return CTA_PAGES[-1]
 
 
 def grid_for(batch: int, pages_per_seq: int, run: int) -> tuple[int, int]:
@@ -175,6 +150,10 @@ def _prefetch_l2(ptr, nbytes):
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
 
 
+def _consumer_sync():
+    cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
+
+
 def _e4m3x4_to_f16x2x2(word) -> tuple:
     """Four e4m3 (byte 0 first) -> two fp16x2 words (bytes 0-1, bytes 2-3); exact."""
     return cute.arch.inline_ptx(
@@ -226,14 +205,8 @@ def _wgmma_page(a, qbase) -> list:
 
 
 class DsaIndex:
-    def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True, warpgroups: int = 1):
-        if warpgroups not in WARPGROUPS:
-            raise ValueError(f"DsaIndex: warpgroups must be one of {WARPGROUPS}, got {warpgroups}")
-        self.dcp, self.rank, self.pdl, self.warpgroups = dcp, rank, pdl, warpgroups
-
-    @property
-    def consumers(self) -> int:
-        return WARPGROUP * self.warpgroups
+    def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True):
+        self.dcp, self.rank, self.pdl = dcp, rank, pdl
 
     @cute.jit
     def __call__(
@@ -254,10 +227,7 @@ class DsaIndex:
         self.dsa_index(
             q, head_w, cache, block_tables, context_lens, scores, pages_per_seq, run, error, pool_pages
         ).launch(
-            grid=[(pages_per_seq + run - 1) // run, batch, 1],
-            block=[self.consumers + 32, 1, 1],
-            stream=stream,
-            use_pdl=self.pdl,
+            grid=[(pages_per_seq + run - 1) // run, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -278,21 +248,20 @@ class DsaIndex:
         chunk, token, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        ring_stages = stages(self.warpgroups)
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(ring_stages * PAGE_BYTES), byte_alignment=128)
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * PAGE_BYTES), byte_alignment=128)
         queries = smem.allocate_tensor(Uint8, cute.make_layout(QUERY_BYTES), byte_alignment=128)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * ring_stages), byte_alignment=8)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * STAGES), byte_alignment=8)
         ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
         full0 = bars.iterator.toint()
-        empty0 = full0 + 8 * ring_stages
+        empty0 = full0 + 8 * STAGES
         if tid == 0:
-            for s in cutlass.range_constexpr(ring_stages):
+            for s in cutlass.range_constexpr(STAGES):
                 P.mbar_init(full0 + 8 * s, 1)
-                P.mbar_init(empty0 + 8 * s, WARPGROUP)  # the stage's one consumer warpgroup
+                P.mbar_init(empty0 + 8 * s, CONSUMERS)
             P.mbar_init_fence()
         # Before the PDL wait only what no kernel of the step writes: the length, the run's
         # first 32 block-table entries (one per lane), and an L2 prefetch of the run's first
-        # ring of pages (live bytes only; no data reaches the SM, and L2 is the point of
+        # STAGES pages (live bytes only; no data reaches the SM, and L2 is the point of
         # coherence, so IndexKey's later write of the new key is what the copies read).
         length = cutlass.max((_ldg_nc_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
         first = chunk * run  # this CTA's first page (index into the token's block table)
@@ -301,8 +270,7 @@ class DsaIndex:
         width = pages_per_seq * PAGE
         table = block_tables + token * pages_per_seq
         mine = _ldg_nc_i32(table + cutlass.min(first + lane, pages_per_seq - 1))
-        producer = warp == self.consumers // 32
-        if producer and lane < cutlass.min(live, ring_stages) and P.in_range(mine, pool_pages):
+        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES) and P.in_range(mine, pool_pages):
             keys = cutlass.min(length - (first + lane) * PAGE, PAGE)
             src = cache + Int64(mine) * PAGE_BYTES
             _prefetch_l2(src, keys * DIM)
@@ -310,7 +278,7 @@ class DsaIndex:
         cute.arch.sync_threads()  # the mbarriers are initialized
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        if producer:
+        if warp == CONSUMERS // 32:
             self.produce(
                 cache,
                 table,
@@ -369,17 +337,16 @@ class DsaIndex:
         token,
         pool_pages,
     ):
-        """The last warp: the block-table entries 32 at a time (one per lane; the first 32
-        loaded before the wait), then one bulk copy per live page into the ring, waiting for
-        its consumer warpgroup to free the stage; a page outside the pool: no copy, recorded."""
-        ring_stages = stages(self.warpgroups)
+        """Warp 4: the block-table entries 32 at a time (one per lane; the first 32 loaded
+        before the wait), then one bulk copy per live page into the ring, waiting for the
+        consumers to free a stage; a page outside the pool: no copy, recorded."""
         for i0 in range(0, live, 32):
             if i0 > 0:
                 mine = _ldg_nc_i32(table + cutlass.min(first + i0 + lane, pages_per_seq - 1))
             for j in range(0, cutlass.min(32, live - i0)):
                 i = i0 + j
                 page = cute.arch.shuffle_sync(mine, j)
-                stage, use = i % ring_stages, i // ring_stages
+                stage, use = i % STAGES, i // STAGES
                 if use > 0:
                     P.mbar_wait(empty0 + 8 * stage, (use - 1) % 2)
                 if lane == 0:
@@ -422,29 +389,25 @@ class DsaIndex:
         pages_per_seq,
         pool_pages,
     ):
-        """The consumer warpgroups; warpgroup v takes pages v, v + W, ... of the run. mine:
-        block-table entry first + lane (as the producer's), so that a page outside the pool
-        scores -inf (the producer copied nothing into its stage)."""
-        W = self.warpgroups
-        ring_stages = stages(W)
+        """Warps 0-3. mine: block-table entry first + lane (as the producer's), so that a
+        page outside the pool scores -inf (the producer copied nothing into its stage)."""
         g, t = lane // 4, lane % 4
-        v, w = warp // 4, warp % 4  # this thread's warpgroup, its warp in the warpgroup
         out = scores + token * width
         if live > 0:
             self.stage_queries(q, token, qbase, tid)
             # this thread's heads: 8 j + 2 t and + 1
             weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
             P.fence_proxy_async()
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.consumers)
+            _consumer_sync()
             odd = g % 2
-            for i in range(v, live, W):
-                stage = i % ring_stages
-                if i % 32 < W and i >= 32:  # this warpgroup's first page past 32 k: entries 32 k ..
-                    mine = _ldg_nc_i32(table + cutlass.min(first + i - i % 32 + lane, pages_per_seq - 1))
+            for i in range(live):
+                stage = i % STAGES
+                if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
+                    mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
                 page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
-                P.mbar_wait(full0 + 8 * stage, (i // ring_stages) % 2)
+                P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
                 base = ring0 + stage * PAGE_BYTES
-                rows = [w * 16 + g, w * 16 + g + 8]
+                rows = [warp * 16 + g, warp * 16 + g + 8]
                 frags = []
                 scales = []
                 for r in cutlass.range_constexpr(2):
@@ -486,28 +449,25 @@ class DsaIndex:
                         P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
         # pages of the run past the length: -inf, never read
         start, stop = (first + live) * PAGE, (first + count) * PAGE
-        for p in range(start + tid, stop, self.consumers):
+        for p in range(start + tid, stop, CONSUMERS):
             P.store_f32(out + p, Float32(float("-inf")))
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):
         """The token's 64 e4m3 query rows -> shared fp16, in the keys' k order: thread
-        (head n = tid % 64, half = tid // 64 % 2, part = tid // 128 of W) reads bytes
-        [64 half, 64 half + 64) of row n and writes its part of k chunks c = 8 half + cc
-        (logical k 8 c .. 8 c + 7 = byte pairs 2 cc + 16 t of the half, t = 0..3) to
-        qbase + c x 1024 + n x 16."""
-        per = 8 // self.warpgroups  # chunks per thread
-        n, half, part = tid % HEADS, tid // HEADS % 2, tid // WARPGROUP
+        (head n = tid % 64, half = tid // 64) reads bytes [64 half, 64 half + 64) of row n and
+        writes k chunks c = 8 half + cc (logical k 8 c .. 8 c + 7 = byte pairs 2 cc + 16 t of
+        the half, t = 0..3) to qbase + c x 1024 + n x 16."""
+        n, half = tid % HEADS, tid // HEADS
         src = q + (token * HEADS + n) * DIM + 64 * half
         words = []
         for k in cutlass.range_constexpr(4):
             words += list(P.load_u32x4(src + 16 * k))
         for cc in cutlass.range_constexpr(8):
-            if cc // per == part:  # the chunk index stays compile-time (it picks the words)
-                pairs = [query_source(cc, tt) for tt in range(4)]
-                P.st_shared_u32x4(
-                    qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs]
-                )
+            pairs = [query_source(cc, tt) for tt in range(4)]
+            P.st_shared_u32x4(
+                qbase + query_offset(8 * half + cc, n), [_e4m3x2_to_f16x2(words[w], high) for w, high in pairs]
+            )
 
     @cute.jit
     def head_sums(self, acc, weights):

@@ -7,7 +7,6 @@ memory with kernels/dsa_index.py's index functions; this model runs those functi
 every thread, assembles what the hardware would read, and checks D = keys @ queries^T
 exactly, and that the epilogue's accumulator index names the (key, head) it claims."""
 
-import pytest
 import torch
 from graphstep.kernels import dsa_index as D
 
@@ -46,16 +45,14 @@ def _a_registers(values):
     return a
 
 
-def _query_smem(values, warpgroups=1):
+def _query_smem(values):
     """The fp16 query rows in shared memory, by byte offset -> value, as stage_queries
-    writes them with W consumer warpgroups (thread: head tid % 64, half tid // 64 % 2, part
-    tid // 128 of the 8 k chunks of the half; 16 words of 4 bytes)."""
+    writes them (thread: head tid % 64, half tid // 64; 16 words of 4 bytes)."""
     smem = {}
-    per = 8 // warpgroups
-    for tid in range(D.WARPGROUP * warpgroups):
-        n, half, part = tid % HEADS, tid // HEADS % 2, tid // D.WARPGROUP
+    for tid in range(D.CONSUMERS):
+        n, half = tid % HEADS, tid // HEADS
         region = values[n, 64 * half : 64 * half + 64]
-        for cc in range(part * per, part * per + per):
+        for cc in range(8):
             base = D.query_offset(8 * half + cc, n)
             for tt in range(4):
                 word, high = D.query_source(cc, tt)
@@ -80,13 +77,12 @@ def _b_operand(smem, s):
     return b
 
 
-@pytest.mark.parametrize("warpgroups", D.WARPGROUPS)
-def test_wgmma_operands_compute_keys_times_queries_exactly(warpgroups):
-    gen = torch.Generator().manual_seed(warpgroups)
+def test_wgmma_operands_compute_keys_times_queries_exactly():
+    gen = torch.Generator().manual_seed(0)
     _, keys = _fp8_page(gen, KEYS)
     _, queries = _fp8_page(gen, HEADS)
     a = _a_registers(keys)
-    smem = _query_smem(queries, warpgroups)
+    smem = _query_smem(queries)
     d = sum(a[s] @ _b_operand(smem, s) for s in range(8))
     assert torch.equal(d, keys @ queries.T)
 
@@ -107,7 +103,7 @@ def test_e4m3_widens_exactly_to_fp16():
 
 
 def test_host_runs_fill_the_gpu_and_bound_the_waves():
-    for batch, pages, run in [  # one consumer warpgroup per CTA: 4 CTAs per SM
+    for batch, pages, run in [
         (1, 512, 2),
         (4, 512, 8),
         (8, 512, 16),
@@ -120,28 +116,7 @@ def test_host_runs_fill_the_gpu_and_bound_the_waves():
         (64, 2048, 32),
         (1, 1, 2),
     ]:
-        assert D.pages_per_cta(batch, pages, 1) == run, (batch, pages)
-        assert run in D.CTA_PAGES[1]
-    for batch, pages, run in [  # four per CTA, one CTA per SM: one wave is 132 CTAs
-        (1, 512, 4),
-        (4, 512, 16),
-        (16, 512, 64),
-        (64, 512, 128),  # no run fits one wave: the longest
-        (1, 2048, 16),
-        (4, 2048, 64),
-    ]:
-        assert D.pages_per_cta(batch, pages, 4) == run, (batch, pages)
-        assert batch * -(-pages // run) <= D.wave_ctas(4) or run == D.CTA_PAGES[4][-1]
-    assert [D.pages_per_cta(b, 512, 2) for b in (1, 4, 16)] == [2, 8, 32]
-    for w in D.WARPGROUPS:
-        assert all(run % w == 0 for run in D.CTA_PAGES[w] if run >= w)
+        assert D.pages_per_cta(batch, pages) == run, (batch, pages)
+        assert run in D.CTA_PAGES
     grid = D.grid_for(3, 2049, 32)
     assert grid == (65, 3)
-
-
-def test_host_warpgroup_picks_cover_every_batch():
-    assert D.PICKS[-1][0] is None
-    for batch in range(1, 65):
-        assert D.warpgroups_for(batch) in D.WARPGROUPS
-    with pytest.raises(ValueError, match="warpgroups must be one of"):
-        D.DsaIndex(warpgroups=3)

@@ -187,29 +187,28 @@ def _scoring(batch=3, max_context=4096):
     return state, Kernels(state.shape, state.weights), inputs, q, w
 
 
-def _scores(kernels, state, q, w, inputs, batch, error, run=None, warpgroups=None):
+def _scores(kernels, state, q, w, inputs, batch, error, run=None):
     width = inputs.block_tables.shape[1] * 64
     scores = torch.full((batch + 1, width), float("nan"), device="cuda")
     kernels.dsa_index(
-        q, w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores, batch, run, error, warpgroups
+        q, w, state.caches.index_cache, inputs.block_tables, inputs.context_lens, scores, batch, run, error
     )
     torch.cuda.synchronize()
     assert torch.isnan(scores[batch]).all(), "the row past the batch stays poisoned"
     return scores[:batch]
 
 
-@pytest.mark.parametrize("warpgroups", [1, 2, 4])
 @pytest.mark.parametrize("run", [None, 64])  # 64: one CTA streams the whole table (the consumers reload entries)
 @pytest.mark.parametrize("page", [10**6, -9, "pool"])
-def test_dsa_index_scores_a_bad_page_minus_inf_and_records_it(run, page, warpgroups):
+def test_dsa_index_scores_a_bad_page_minus_inf_and_records_it(run, page):
     state, kernels, good, q, w = _scoring()
     page = state.caches.index_cache.shape[0] if page == "pool" else page
     column = 40 if run == 64 else 1
     bad = _changed(good, block_tables=[((0, column), page)])
     error = ErrorWord.new("cuda")
-    expect = _scores(kernels, state, q, w, good, 3, error, run, warpgroups)
+    expect = _scores(kernels, state, q, w, good, 3, error, run)
     _clear(error)
-    got = _scores(kernels, state, q, w, bad, 3, error, run, warpgroups)
+    got = _scores(kernels, state, q, w, bad, 3, error, run)
     hole = slice(column * 64, (column + 1) * 64)
     assert torch.isneginf(got[0, hole]).all(), "the bad page's keys score -inf"
     rest = torch.ones_like(got, dtype=torch.bool)

@@ -175,15 +175,10 @@ def scoring(request):
     torch.cuda.empty_cache()
 
 
-# for every W (consumer warpgroups per CTA): every run the host can pick
-# (dsa_index.pages_per_cta), None (the host's own pick for this launch), and runs that are
-# not powers of two or shorter than W (warpgroups with no page)
-RUNS = [(w, run) for w in dsa_index.WARPGROUPS for run in (None, *dsa_index.CTA_PAGES[w])]
-RUNS += [(1, 1), (1, 3), (1, 5), (2, 1), (2, 5), (4, 1), (4, 3), (4, 6)]
-
-
-@pytest.mark.parametrize("warpgroups,run", RUNS, ids=[f"w{w}-run{r}" for w, r in RUNS])
-def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, warpgroups, run):
+# every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
+# launch), and runs that are not powers of two
+@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
+def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run):
     state, inputs, q_fp8, head_w, expect, lens = scoring
     kernels = Kernels(state.shape, state.weights)
     width = state.pages_per_seq * 64
@@ -197,7 +192,6 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, wa
         scores,
         len(SCORE_LENGTHS),
         pages_per_cta=run,
-        warpgroups=warpgroups,
     )
     torch.cuda.synchronize()
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
@@ -238,8 +232,7 @@ def _score_mismatches(scores, expect, lens, run, tol=1e-5):
     return lines
 
 
-@pytest.mark.parametrize("warpgroups", dsa_index.WARPGROUPS)
-def test_dsa_index_batch_of_64_at_32k_matches_the_reference(warpgroups):
+def test_dsa_index_batch_of_64_at_32k_matches_the_reference():
     """The host's pick at the largest captured batch (full 32-page runs): 64 tokens over the
     block tables of 8 sequences (each table used by 8 tokens, rows shuffled; scoring only
     reads the cache), so the state stays small. Reports every wrong token and position, and
@@ -254,11 +247,11 @@ def test_dsa_index_batch_of_64_at_32k_matches_the_reference(warpgroups):
     inputs = StepInputs(qkv, lens, torch.full_like(lens, -1), tables)
     q_fp8, head_w = ref.index_query(state, inputs, ref.query_norm(state, inputs))
     kernels = Kernels(state.shape, state.weights)
-    run = dsa_index.pages_per_cta(64, state.pages_per_seq, warpgroups)
+    run = dsa_index.pages_per_cta(64, state.pages_per_seq)
     launches = []
     for _ in range(3):
         scores = torch.full((64, state.pages_per_seq * 64), float("nan"), device="cuda")
-        kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, tables, lens, scores, 64, warpgroups=warpgroups)
+        kernels.dsa_index(q_fp8, head_w, state.caches.index_cache, tables, lens, scores, 64)
         torch.cuda.synchronize()
         launches.append(scores)
     scores = launches[0]
@@ -283,7 +276,7 @@ def test_dsa_index_batch_of_64_at_32k_matches_the_reference(warpgroups):
             problems.append(f"launch {k}: NaN left at {int(torch.isnan(launch).sum())} positions")
         for line in _score_mismatches(launch, expect, lens, run):
             problems.append(f"launch {k}: {line}")
-    assert not problems, f"W {warpgroups}, run {run} pages per CTA\n" + "\n".join(problems)
+    assert not problems, f"run {run} pages per CTA\n" + "\n".join(problems)
 
 
 TOPK_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768]
