@@ -30,8 +30,7 @@ the CTAs sum their histograms and exchange their counts through distributed shar
 (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
-kernels/catalog.py. TopK runs rows wider than every split, and 128K rows at large batch
-(one wave of one CTA per row beats waves of clusters there).
+kernels/catalog.py. TopK runs rows wider than every split.
 """
 
 from __future__ import annotations
@@ -343,20 +342,33 @@ SPLITS = (
     Split(2, 1024, 4),  # up to 32K: 2 CTAs of 16K (64 rows in one wave)
     Split(8, 1024, 4),  # up to 128K: 8 CTAs of 16K
     Split(16, 1024, 2),  # up to 128K: 16 CTAs of 8K (a non-portable cluster size)
-    Split(4, 1024, 8, 4),  # up to 128K: 4 CTAs of 32K, half of each in shared memory (one wave to B = 32)
-    Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave to B = 64)
+    Split(4, 1024, 8, 4),  # up to 128K: 4 CTAs of 32K, half of each in shared memory
+    Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch, split) in ascending batch, None for the
 # one-CTA-per-row TopK. Measured on the H200 with `bench/bench_indexer.py --top-k-sweep`
-# (bench/RESULTS.md, 2026-12-02): more CTAs per row win while the batch leaves SMs idle;
-# once the clusters fill the GPU, fewer and larger CTAs do (one wave of rows, fewer
-# cluster barriers), and at 128K x B = 64 one CTA per row beats four waves of clusters.
+# (bench/RESULTS.md, 2026-12-02; 128K 2026-12-03, with the pull-reduced histograms): more
+# CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
+# and larger CTAs do (one wave of rows, fewer cluster barriers). 128K: 16 CTAs of 8K to
+# B = 4 (12.8 us; about 7 such clusters fit at once), 8 of 16K to B = 12 (15.7; B = 16
+# takes a second wave), 4 of 32K to B = 24 (24.3), 8 of 16K at B = 32 (37.7: the 4-CTA
+# clusters take a second wave there, 40.6), 2 of 64K above (44.6 at B = 48, 45.9 at 64,
+# where one CTA per row took 69.4).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (16, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
-    (131072, ((48, Split(8, 1024, 4)), (None, None))),
+    (
+        131072,
+        (
+            (4, Split(16, 1024, 2)),
+            (12, Split(8, 1024, 4)),
+            (24, Split(4, 1024, 8, 4)),
+            (32, Split(8, 1024, 4)),
+            (None, Split(2, 1024, 16, 12)),
+        ),
+    ),
 )
 
 
