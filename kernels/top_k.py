@@ -25,12 +25,12 @@ Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams t
 16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
 over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
 its slice in registers, so the row is read from global memory once and every round and the
-compaction work on registers; the CTAs sum their histograms and exchange their counts
-through distributed shared memory (see its docstring). The host picks the variant with
+compaction work on registers (the larger splits keep part of the slice in shared memory);
+the CTAs sum their histograms and exchange their counts through distributed shared memory
+(see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
-kernels/catalog.py. TopK runs rows wider than every split, and 128K rows at large batch
-(one wave of one CTA per row beats waves of clusters there).
+kernels/catalog.py. TopK runs rows wider than every split.
 """
 
 from __future__ import annotations
@@ -307,11 +307,19 @@ def store_slot(at, page, index, error, token, pool_pages):
 @dataclass(frozen=True)
 class Split:
     """A row split over `ctas` CTAs of one cluster, `threads` threads each, every thread
-    holding 4 x `loads` scores in registers: a row of up to `capacity` scores."""
+    holding 4 x `loads` scores: a row of up to `capacity` scores. The last `stashed` of the
+    loads are kept in shared memory (each thread's own 16 bytes, copied there by cp.async
+    and re-read by that thread in every pass), the others in registers."""
 
     ctas: int
     threads: int
     loads: int
+    stashed: int = 0
+
+    @property
+    def held(self) -> int:
+        """The loads held in registers."""
+        return self.loads - self.stashed
 
     @property
     def per_cta(self) -> int:
@@ -333,18 +341,34 @@ SPLITS = (
     Split(4, 512, 4),  # up to 32K: 4 CTAs of 8K (2 CTAs / SM)
     Split(2, 1024, 4),  # up to 32K: 2 CTAs of 16K (64 rows in one wave)
     Split(8, 1024, 4),  # up to 128K: 8 CTAs of 16K
+    Split(16, 1024, 2),  # up to 128K: 16 CTAs of 8K (a non-portable cluster size)
+    Split(4, 1024, 8, 4),  # up to 128K: 4 CTAs of 32K, half of each in shared memory
+    Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch, split) in ascending batch, None for the
 # one-CTA-per-row TopK. Measured on the H200 with `bench/bench_indexer.py --top-k-sweep`
-# (bench/RESULTS.md, 2026-12-02): more CTAs per row win while the batch leaves SMs idle;
-# once the clusters fill the GPU, fewer and larger CTAs do (one wave of rows, fewer
-# cluster barriers), and at 128K x B = 64 one CTA per row beats four waves of clusters.
+# (bench/RESULTS.md, 2026-12-02; 128K 2026-12-03, with the pull-reduced histograms): more
+# CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
+# and larger CTAs do (one wave of rows, fewer cluster barriers). 128K: 16 CTAs of 8K to
+# B = 4 (12.8 us; about 7 such clusters fit at once), 8 of 16K to B = 12 (15.7; B = 16
+# takes a second wave), 4 of 32K to B = 24 (24.3), 8 of 16K at B = 32 (37.7: the 4-CTA
+# clusters take a second wave there, 40.6), 2 of 64K above (44.6 at B = 48, 45.9 at 64,
+# where one CTA per row took 69.4).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (16, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
-    (131072, ((48, Split(8, 1024, 4)), (None, None))),
+    (
+        131072,
+        (
+            (4, Split(16, 1024, 2)),
+            (12, Split(8, 1024, 4)),
+            (24, Split(4, 1024, 8, 4)),
+            (32, Split(8, 1024, 4)),
+            (None, Split(2, 1024, 16, 12)),
+        ),
+    ),
 )
 
 
@@ -357,16 +381,38 @@ def split_for(width: int, batch: int) -> Split | None:
     return next((s for s in SPLITS if s.capacity >= width), None)
 
 
-HISTS = ((0, 0, 2048), (2048, 64, 2048), (4096, 128, 1024))  # (bin offset, group offset, bins) per round
-ZEROED = 2 * 5120 + 160  # per-CTA histograms | cluster-summed histograms | summed group counts
-SUMS = 5120  # offset of the cluster-summed histograms
+HISTS = ((0, 2048), (2048, 2048), (4096, 1024))  # (offset of the CTA's histogram, bins) per round
+# The cluster-summed histogram and its 32-bin group sums, one for every round: round r + 1's
+# sums are stored after a cluster barrier that every CTA passes only once done with round r's.
+SUMS = 5120
+GROUPS = SUMS + 2048
+ZEROED = GROUPS + 64  # the CTA's histograms (zeroed) | summed histogram | summed group counts
 
 
-def dsmem_add(address, cta, value):
-    """Atomically add `value` to the Int32 at shared address `address` in CTA `cta` of the cluster."""
+def dsmem_load4(address, cta) -> tuple:
+    """The four Int32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "ld.shared::cluster.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote];\n\t}",
+        write_only_types=[Int32] * 4,
+        read_only_args=[address, cta],
+    )
+
+
+def dsmem_store4(address, cta, words):
+    """Store four Int32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
     cute.arch.inline_ptx(
         "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "red.shared::cluster.add.u32 [remote], {$r2};\n\t}",
+        "st.shared::cluster.v4.b32 [remote], {{$r2}, {$r3}, {$r4}, {$r5}};\n\t}",
+        read_only_args=[address, cta, *words],
+    )
+
+
+def dsmem_store1(address, cta, value):
+    """Store an Int32 at shared address `address` in CTA `cta` of the cluster."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "st.shared::cluster.b32 [remote], {$r2};\n\t}",
         read_only_args=[address, cta, value],
     )
 
@@ -409,21 +455,27 @@ class ClusterTopK:
 
     CTA c of the cluster holds scores [c x per_cta, (c + 1) x per_cta) of its row in
     registers (thread t, load u: the 4 scores at 4 (threads x u + t); read once, 16-byte
-    loads), so index order is (CTA, load, thread, word). Each radix round (11 + 11 + 10 key
-    bits, as TopK) histograms the CTA's candidates in shared memory (atomics), then every
-    non-zero bin, and the sums of every 32 bins, are added into every CTA's copy of the
-    cluster histogram (`red.shared::cluster`), one cluster barrier, and every warp finds
-    the bin holding the need-th key on its own (32-bin groups, then the group's bins: two
-    warp scans, no CTA barrier). The compaction ranks a CTA's kept scores with ballots and a
+    loads), so index order is (CTA, load, thread, word); a split's last `stashed` loads go
+    to shared memory instead (cp.async), each thread re-reading its own 16 bytes in every
+    pass. Each radix round (11 + 11 + 10 key bits, as TopK) histograms the CTA's candidates
+    in shared memory (atomics); after a cluster barrier CTA c sums its 1 / ctas slice of
+    the bins over the cluster (16-byte distributed shared memory loads from every CTA) and
+    stores the sums, and the sums of every 32 bins, into every CTA's summed histogram; after
+    a second cluster barrier every warp finds the bin holding the need-th key on its own
+    (32-bin groups, then the group's bins: two warp scans, no CTA barrier). This pull
+    moves bins / 4 16-byte loads and stores per CTA and round, where adding each non-zero
+    bin into every CTA (`red.shared::cluster`) cost up to bins x ctas remote atomics. The
+    compaction ranks a CTA's kept scores with ballots and a
     scan of per-(load, warp) counts, and offsets them by the lower CTAs' counts, exchanged
     through distributed shared memory (one more cluster barrier). Rows of at most k scores
     keep every score at its own index (no search, no exchange)."""
 
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
-        if split.ctas > 16 or split.per_cta >= 1 << 15 or 1024 % split.threads or split.threads < 256:
+        if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
             raise ValueError(f"unsupported split {split}")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
         self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
+        self.stashed, self.held = split.stashed, split.held
 
     @cute.jit
     def __call__(
@@ -473,10 +525,16 @@ class ClusterTopK:
         counts = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
         offsets = smem.allocate_tensor(Int32, cute.make_layout(2 * ctas), byte_alignment=16)
         pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
+        stash = Int32(0)
+        if cutlass.const_expr(self.stashed > 0):
+            stash = smem.allocate_tensor(
+                Int32, cute.make_layout(4 * threads * self.stashed), byte_alignment=16
+            ).iterator.toint()
         base_address = zeroed.iterator.toint()
-        # Zero the histograms before the PDL wait (no global reads), and tell the cluster:
-        # no CTA adds into another's histogram before this barrier's wait.
-        for i in range(tid, ZEROED // 4, threads):
+        # Zero this CTA's histograms before the PDL wait (no global reads; the summed ones are
+        # stored whole). The cluster barrier this arrives on is waited on before any CTA reads
+        # another's shared memory.
+        for i in range(tid, SUMS // 4, threads):
             store_zero4(base_address + 16 * i)
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.griddepcontrol_wait()
@@ -489,8 +547,13 @@ class ClusterTopK:
         base = cta * per_cta  # this CTA's first index
         row = scores + token * width + base
         in_row = width - base - 4 * tid  # this thread's element at offset o (4 threads u + j) is < width if o < in_row
+        for u in cutlass.range_constexpr(self.held, loads):  # the stashed loads: global -> shared
+            at = stash + 16 * (threads * (u - self.held) + tid)
+            P.cp_async_16(at, row + 4 * (threads * u + tid), 4 * threads * u < in_row)
+        if cutlass.const_expr(self.stashed > 0):
+            P.cp_async_commit()
         words = []
-        for u in cutlass.range_constexpr(loads):
+        for u in cutlass.range_constexpr(self.held):
             words += list(P.load_u32x4_if(row + 4 * (threads * u + tid), 4 * threads * u < in_row))
         if cutlass.const_expr(self.dcp == 1):  # for the slots
             for p in range(tid, per_cta // PAGE, threads):
@@ -499,12 +562,15 @@ class ClusterTopK:
         n = cutlass.min(cutlass.max((length - self.rank + self.dcp - 1) // self.dcp, 0), width)
         limit = n - base - 4 * tid  # ... and valid (a score of the row) if o < limit
         keys = [order_key(w) for w in words]
+        if cutlass.const_expr(self.stashed > 0):
+            P.cp_async_wait(0)  # this thread's stashed scores (read back by this thread only)
         cute.arch.cluster_wait()
 
         if n > self.k:
-            threshold, need = self.find_threshold(keys, limit, zeroed, base_address, tid, lane, cta)
+            threshold, need = self.find_threshold(keys, stash, limit, zeroed, base_address, tid, lane, cta)
             self.compact(
                 keys,
+                stash,
                 limit,
                 threshold,
                 need,
@@ -525,6 +591,7 @@ class ClusterTopK:
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
             for u in cutlass.range_constexpr(loads):
+                quad = self.quad(keys, stash, u, tid)
                 for j in cutlass.range_constexpr(4):
                     offset = 4 * (threads * u + tid) + j
                     if 4 * threads * u + j < limit:
@@ -536,7 +603,7 @@ class ClusterTopK:
                             base + offset,
                             base + offset,
                             offset,
-                            keys[4 * u + j],
+                            quad[j],
                             error,
                             pool_pages,
                         )
@@ -546,46 +613,34 @@ class ClusterTopK:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
     @cute.jit
-    def find_threshold(self, keys, limit, zeroed, base_address, tid, lane, cta):
+    def find_threshold(self, keys, stash, limit, zeroed, base_address, tid, lane, cta):
         """(T, need) over the cluster's row: the k best are every key > T and the first
         `need` keys == T (need = ALL: every one). The row has more than k scores."""
-        threads, ctas = self.threads, self.ctas
+        threads = self.threads
         threshold, need = Uint32(0), Int32(self.k)
         prefix, done = Uint32(0), Int32(0)
         for r in cutlass.range_constexpr(len(ROUNDS)):
             shift, bits = ROUNDS[r]
-            hist, groups, bins = HISTS[r]
+            hist, bins = HISTS[r]
             if done == 0:
                 for u in cutlass.range_constexpr(self.loads):
+                    quad = self.quad(keys, stash, u, tid)
                     for j in cutlass.range_constexpr(4):
-                        key = keys[4 * u + j]
+                        key = quad[j]
                         digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
                         live = 4 * threads * u + j < limit
                         if cutlass.const_expr(r > 0):
                             live = live and (key >> Uint32(shift + bits)) == prefix
                         if live:
                             cute.arch.atomic_add(zeroed.iterator + hist + digit, Int32(1))
-                cute.arch.sync_threads()
-                # Add this CTA's non-zero bins (thread t owns `per` consecutive bins) and its
-                # 32-bin group sums into every CTA's cluster histogram.
-                per = bins // threads
-                group_sum = Int32(0)
-                for j in cutlass.range_constexpr(per):
-                    b = tid * per + j
-                    count = zeroed[hist + b]
-                    group_sum = group_sum + count
-                    if count != 0:
-                        for i in cutlass.range_constexpr(ctas):
-                            dsmem_add(base_address + 4 * (SUMS + hist + b), (cta + i) % ctas, count)
-                span = 32 // per  # lanes sharing a group
-                for step in cutlass.range_constexpr(span.bit_length() - 1):
-                    group_sum = group_sum + cute.arch.shuffle_sync_bfly(group_sum, offset=1 << step)
-                if lane % span == 0 and group_sum != 0:
-                    for i in cutlass.range_constexpr(ctas):
-                        dsmem_add(base_address + 4 * (2 * SUMS + groups + tid * per // 32), (cta + i) % ctas, group_sum)
+                # Every CTA's histogram of this round is complete; then CTA c sums its
+                # slice of the bins over the cluster and stores the sums into every CTA.
                 cute.arch.cluster_arrive(aligned=True)
                 cute.arch.cluster_wait()
-                digit, above, count = self.find_bin(zeroed, SUMS + hist, 2 * SUMS + groups, bins, need, lane)
+                self.sum_histograms(base_address, hist, bins, tid, lane, cta)
+                cute.arch.cluster_arrive(aligned=True)
+                cute.arch.cluster_wait()
+                digit, above, count = self.find_bin(zeroed, SUMS, GROUPS, bins, need, lane)
                 prefix = (prefix << Uint32(bits)) | Uint32(digit)
                 need = need - above
                 threshold = prefix << Uint32(shift)
@@ -593,6 +648,39 @@ class ClusterTopK:
                     need = Int32(ALL)
                     done = Int32(1)
         return threshold, need
+
+    def quad(self, keys, stash, u: int, tid) -> list:
+        """The 4 keys of this thread's load u: registers, or its 16 bytes of the stash."""
+        if u < self.held:
+            return keys[4 * u : 4 * u + 4]
+        return [order_key(w) for w in P.ld_shared_u32x4(stash + 16 * (self.threads * (u - self.held) + tid))]
+
+    @cute.jit
+    def sum_histograms(self, base_address, hist: int, bins: int, tid, lane, cta):
+        """CTA c owns bins [c x bins / ctas, (c + 1) x bins / ctas) of the round's histogram at
+        `hist`: a thread per 4 owned bins reads them from every CTA's histogram (one 16-byte
+        distributed shared memory load per CTA), sums them, and stores the sums, and the sum of
+        each 32-bin group (8 lanes), into every CTA's summed histogram and group sums."""
+        ctas = self.ctas
+        owned = bins // ctas  # a multiple of 32: whole groups
+        quads = owned // 4
+        if tid // 32 * 32 < quads:  # whole warps (a warp past `quads` re-reads, stores nothing)
+            first = cta * owned + 4 * (tid % quads)
+            parts = []  # every load issued before any is summed
+            for i in cutlass.range_constexpr(ctas):
+                parts.append(dsmem_load4(base_address + 4 * (hist + first), (cta + i) % ctas))
+            sums = list(parts[0])
+            for i in cutlass.range_constexpr(1, ctas):
+                sums = [sums[j] + parts[i][j] for j in range(4)]
+            group = sums[0] + sums[1] + sums[2] + sums[3]
+            for offset in (1, 2, 4):
+                group = group + cute.arch.shuffle_sync_bfly(group, offset=offset)
+            if tid < quads:
+                for i in cutlass.range_constexpr(ctas):
+                    dsmem_store4(base_address + 4 * (SUMS + first), (cta + i) % ctas, sums)
+                if lane % 8 == 0:
+                    for i in cutlass.range_constexpr(ctas):
+                        dsmem_store1(base_address + 4 * (GROUPS + first // 32), (cta + i) % ctas, group)
 
     @cute.jit
     def find_bin(self, zeroed, hist: int, groups: int, bins: int, need, lane):
@@ -630,6 +718,7 @@ class ClusterTopK:
     def compact(
         self,
         keys,
+        stash,
         limit,
         threshold,
         need,
@@ -651,25 +740,28 @@ class ClusterTopK:
         the row) + min(kept keys == T before them, need)."""
         threads, ctas, loads = self.threads, self.ctas, self.loads
         warps = threads // 32
-        # this warp's counts per load, (above | at << 16): each at most per_cta < 2^15
+        # this warp's counts per load, (above | at << 16): each at most 128
         for u in cutlass.range_constexpr(loads):
             warp_count = Int32(0)
+            quad = self.quad(keys, stash, u, tid)
             for j in cutlass.range_constexpr(4):
                 valid = 4 * threads * u + j < limit
-                key = keys[4 * u + j]
+                key = quad[j]
                 warp_count = warp_count + cute.arch.popc(cute.arch.vote_ballot_sync(valid and key > threshold))
                 warp_count = warp_count + (cute.arch.popc(cute.arch.vote_ballot_sync(valid and key == threshold)) << 16)
             if lane == 0:
                 counts[u * warps + warp] = warp_count
         cute.arch.sync_threads()
         # this CTA's counts to every higher CTA of the cluster
-        cta_total = Int32(0)
+        lane_total = Int32(0)  # a warp's counts over the loads: each half at most 2048
         for u in cutlass.range_constexpr(loads):
-            cta_total = cta_total + P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
+            lane_total = lane_total + P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
+        cta_above, cta_at = lane_total & 0xFFFF, lane_total >> 16  # the CTA's: up to per_cta each
         for offset in (16, 8, 4, 2, 1):
-            cta_total = cta_total + cute.arch.shuffle_sync_bfly(cta_total, offset=offset)
+            cta_above = cta_above + cute.arch.shuffle_sync_bfly(cta_above, offset=offset)
+            cta_at = cta_at + cute.arch.shuffle_sync_bfly(cta_at, offset=offset)
         if tid > cta and tid < ctas:
-            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_total & 0xFFFF, cta_total >> 16)
+            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_above, cta_at)
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.cluster_wait()
         above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
@@ -686,9 +778,10 @@ class ClusterTopK:
             before = cute.arch.shuffle_sync(inclusive - count, offset=warp)
             total = cute.arch.shuffle_sync(inclusive, offset=31)
             above, at = [], []
+            quad = self.quad(keys, stash, u, tid)
             for j in cutlass.range_constexpr(4):
                 valid = 4 * threads * u + j < limit
-                key = keys[4 * u + j]
+                key = quad[j]
                 above.append(cute.arch.vote_ballot_sync(valid and key > threshold))
                 at.append(cute.arch.vote_ballot_sync(valid and key == threshold))
             lane_above = above_before + (before & 0xFFFF)
@@ -709,7 +802,7 @@ class ClusterTopK:
                         lane_above + cutlass.min(lane_at, need),
                         base + offset,
                         offset,
-                        keys[4 * u + j],
+                        quad[j],
                         error,
                         pool_pages,
                     )

@@ -458,20 +458,31 @@ def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, sp
         # the CTA's own histogram in shared memory; ballots and scans rank the kept scores
         assert "atom.shared.add" in entry and "bar.sync" in entry
         assert "vote.sync.ballot.b32" in entry and "shfl.sync.up.b32" in entry
-        # each round's bins, and the lower CTAs' counts, go to the other CTAs' shared memory
+        # each round, a CTA pulls its slice of the bins from every CTA's histogram (16-byte
+        # loads), and stores the sums and their 32-bin group sums into every CTA: no remote
+        # atomics; the lower CTAs' counts go to the higher CTAs' shared memory
         assert "mapa.shared::cluster.u32" in entry
-        assert "red.shared::cluster.add.u32" in entry and "st.shared::cluster.v2.b32" in entry
+        assert "ld.shared::cluster.v4.b32" in entry and "st.shared::cluster.v4.b32" in entry
+        assert "st.shared::cluster.b32" in entry and "st.shared::cluster.v2.b32" in entry
+        assert "red.shared::cluster" not in entry and "atom.shared::cluster" not in entry
         assert "%cluster_ctarank" in entry
-        # one cluster barrier after zeroing, one per radix round, one for the counts
-        assert entry.count("barrier.cluster.arrive.aligned;") == 1 + len(top_k.ROUNDS) + 1
-        assert entry.count("barrier.cluster.wait;") == 1 + len(top_k.ROUNDS) + 1
+        # one cluster barrier after zeroing, two per radix round (the CTAs' histograms are
+        # complete; the sums are stored), one for the counts
+        assert entry.count("barrier.cluster.arrive.aligned;") == 1 + 2 * len(top_k.ROUNDS) + 1
+        assert entry.count("barrier.cluster.wait;") == 1 + 2 * len(top_k.ROUNDS) + 1
         # the histograms are zeroed (no global reads) before the PDL wait; the cluster
-        # barrier that publishes them is waited on only after it
+        # barrier that arrives after it is waited on before any remote load
         wait = entry.index("griddepcontrol.wait;")
         assert entry.index("st.shared.v4.b32") < entry.index("barrier.cluster.arrive.aligned;") < wait
-        assert wait < entry.index("barrier.cluster.wait;") < entry.index("red.shared::cluster")
-        # the slice is read once, 16-byte loads predicated by the row's length
-        assert entry.count("@p ld.global.v4.b32") == split.loads
+        assert wait < entry.index("barrier.cluster.wait;") < entry.index("ld.shared::cluster")
+        # the slice is read once: 16-byte loads predicated by the row's length into
+        # registers, and (the stashed loads) 16-byte cp.async copies into shared memory,
+        # waited on before the first cluster barrier's wait and read back with 16-byte loads
+        assert entry.count("@p ld.global.v4.b32") == split.held
+        assert entry.count("cp.async.cg.shared.global") == split.stashed
+        if split.stashed:
+            assert entry.index("cp.async.wait_group 0;") < entry.index("barrier.cluster.wait;")
+            assert "ld.shared.v4.b32" in entry
     # DCP: positions and scores; a single rank: cache slots through the block table
     name = f"top_k_{split.name}"
     assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")

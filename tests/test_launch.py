@@ -261,12 +261,22 @@ def _top_k_setup(topology, context: int, batch: int):
 @pytest.mark.parametrize("topology", [Topology(tp=8), Topology(tp=8, dcp=2, rank=1)], ids=["tp8", "dcp2"])
 @pytest.mark.parametrize(
     "context, batch",
-    [(64, 1), (4096, 4), (8192, 64), (32768, 1), (32768, 16), (32768, 64), (131072, 4), (131072, 64), (262144, 2)],
+    [
+        (64, 1),
+        (4096, 4),
+        (8192, 64),
+        (32768, 1),
+        (32768, 16),
+        (32768, 64),
+        (131072, 4),
+        (131072, 16),
+        (131072, 64),
+        (262144, 2),
+    ],
 )
 def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch):
     """The launcher picks split_for(width, batch): a ClusterTopK of that split (its
-    compiled signature, its k / dcp / rank) or TopK (rows wider than every split, and wide
-    rows at large batch)."""
+    compiled signature, its k / dcp / rank) or TopK (rows wider than every split)."""
     kernels, args = _top_k_setup(topology, context, batch)
     split = top_k.split_for(context, batch)
     assert kernels.top_k_split(context, batch) == split
@@ -275,11 +285,11 @@ def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context
     assert (op.k, op.dcp, op.rank) == (2048, topology.dcp, topology.rank)
     if split is None:
         assert type(op) is top_k.TopK
-        assert context > max(s.capacity for s in top_k.SPLITS) or (context > 32768 and batch > 48)
+        assert context > max(s.capacity for s in top_k.SPLITS)
     else:
         assert split in top_k.SPLITS and split.capacity >= context
         assert type(op) is top_k.ClusterTopK
-        assert (op.ctas, op.threads, op.loads) == (split.ctas, split.threads, split.loads)
+        assert (op.ctas, op.threads, op.loads, op.stashed) == (split.ctas, split.threads, split.loads, split.stashed)
 
 
 @pytest.mark.parametrize("split", [*top_k.SPLITS, None], ids=lambda s: s.name if s else "one-cta")
@@ -289,7 +299,7 @@ def test_top_k_launches_any_split_that_holds_the_row(cpu_launches, split):
     assert cpu_launches == ["TopK" if split is None else "ClusterTopK"]
     if split is not None:
         op = Launch.ops[0]
-        assert (op.ctas, op.threads, op.loads) == (split.ctas, split.threads, split.loads)
+        assert (op.ctas, op.threads, op.loads, op.stashed) == (split.ctas, split.threads, split.loads, split.stashed)
 
 
 def test_top_k_refuses_a_split_too_small_for_the_row(cpu_launches):
@@ -307,10 +317,7 @@ def test_split_for_covers_every_width():
     for width in (64, 2048, 4096, 8192, 8256, 32768, 32832, 65536, 131072):
         for batch in (1, 4, 16, 32, 64, 256):
             split = top_k.split_for(width, batch)
-            if width > 32768 and batch > 48:  # one CTA per row beats waves of clusters there
-                assert split is None, (width, batch)
-            else:
-                assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
+            assert split in top_k.SPLITS and split.capacity >= width, (width, batch)
     widest = max(s.capacity for s in top_k.SPLITS)
     assert top_k.split_for(widest, 1) == top_k.SPLITS[-1]
     assert top_k.split_for(widest + 64, 1) is None
