@@ -95,6 +95,15 @@ PRODUCER = True  # the default for 64-row CTAs; False: partial_wgmma (256 thread
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
+# Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
+# "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
+# usual; "no_math": the consumers only wait for each block and release it.
+PROBES = ("", "no_loads", "no_math")
+PROBE = ""
+# The producer path's lookahead (plan A.2 step 4 without registers to spare: the consumers
+# keep 2 x 184): block b + 1's rows bulk-prefetched into L2 (one per row) before the producer
+# waits on block b's buffer, so its loads after the wait hit L2.
+PREFETCH = False
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -252,6 +261,10 @@ class SparseCore:
         self.wgmma = self.heads == WG_ROWS
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.producer = self.wgmma and (PRODUCER if producer is None else producer)
+        self.probe = PROBE if self.producer else ""
+        self.prefetch = self.producer and PREFETCH
+        if self.probe not in PROBES:
+            raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         self.threads = (
             (WS_THREADS if self.producer else WG_THREADS) if self.wgmma else self.heads // 16 * self.cols * 32
         )
@@ -283,6 +296,10 @@ class SparseCore:
             block=[self.threads, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
+            # the producer path: ptxas gives it the most registers a 384-thread CTA may have
+            # (168), the pool its setmaxnreg re-deals (left to itself it may take fewer, and
+            # the consumers' setmaxnreg.inc would wait forever)
+            min_blocks_per_mp=1 if self.producer else 0,
         )
         if cutlass.const_expr(self.splits > 1):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
@@ -709,11 +726,18 @@ class SparseCore:
         for b in range(blocks):
             s = b % 2
             buf = kv_s + s * TILE_BYTES
+            fetched = slot
+            if cutlass.const_expr(self.probe == "no_loads"):
+                fetched = [Int32(-1), Int32(-1)]
             # the next block's slots (past the CTA's last block: the last block's again, unused)
             upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if cutlass.const_expr(self.prefetch):  # by each row's chunk-0 thread, live rows only
+                for v in cutlass.range_constexpr(2):
+                    if maps[v][3] and b + 1 < blocks and P.in_range(upcoming[v], pool_slots):
+                        P.prefetch_l2(cache + Int64(upcoming[v]) * self.row_bytes, self.row_bytes)
             if cutlass.const_expr(self.mla_fp8):
                 staged = [
-                    self.fetch_rows(cache, slot[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
                     for v in range(2)
                 ]
                 if b >= 2:  # block b - 2's consumers are done with the buffer
@@ -727,7 +751,7 @@ class SparseCore:
                 if b >= 2:
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
                 for v in cutlass.range_constexpr(2):
-                    self.fetch_rows(cache, slot[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
                 P.cp_async_commit()
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
@@ -776,13 +800,9 @@ class SparseCore:
         barriers of the 256 threads. (The next block's P and row maxima need no third: a
         warpgroup writes them only after the other has arrived at the next block's first
         barrier, which it reaches after its P @ V over this block has completed.)"""
-        split, group, token = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        wg, w4 = warp // 4, warp % 4
-        g, t = lane // 4, lane % 4
-        block = self.block
-        half = block // 2
-        blocks = self.slots_per_cta // block
+        _, group, token = cute.arch.block_idx()
+        lane = tid % 32
+        blocks = self.slots_per_cta // self.block
         head0 = group * WG_ROWS
         self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
         P.cp_async_commit()
@@ -792,57 +812,72 @@ class SparseCore:
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
 
-        scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         acc_o = [Float32(0)] * 128
         row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
         row_sum = [Float32(0), Float32(0)]  # this thread's share
-        row0 = 16 * w4 + g
         for b in range(blocks):
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
-            sc = wgmma_scores(q_s, cur + wg * half * 16, half)
-            for j in cutlass.range_constexpr(half // 8):
-                for e in cutlass.range_constexpr(2):
-                    live = P.in_range(ids_s[s * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
-                    for rr in cutlass.range_constexpr(2):
-                        sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
-            for rr in cutlass.range_constexpr(2):
-                top = sc[2 * rr]
-                for j in cutlass.range_constexpr(half // 8):
-                    top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
-                if t == 0:
-                    red[wg * WG_ROWS + row0 + 8 * rr] = top
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # both halves' maxima
-            alpha = [Float32(0), Float32(0)]
-            use = [Float32(0), Float32(0)]
-            for rr in cutlass.range_constexpr(2):
-                top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
-                use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
-                alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
-                row_max[rr] = top
-                row_sum[rr] = row_sum[rr] * alpha[rr]
-            for j in cutlass.range_constexpr(half // 8):
-                p = [P.exp2_approx(sc[4 * j + q] - use[q // 2]) for q in range(4)]
-                row_sum[0] = row_sum[0] + p[0] + p[1]
-                row_sum[1] = row_sum[1] + p[2] + p[3]
-                at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
-                P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
-                P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
-            for i in cutlass.range_constexpr(128):
-                acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
-            P.fence_proxy_async()
-            cute.arch.barrier(
-                barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS
-            )  # the block's P is in shared memory
-            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+            if cutlass.const_expr(self.probe != "no_math"):
+                row_max, row_sum, acc_o = self.consume_block(
+                    q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                )
             if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
                 P.mbar_arrive(empty0 + 8 * s)
 
         self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+
+    @cute.jit
+    def consume_block(self, q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+        """One block of consume_blocks (buffer s at cur): scores of this warpgroup's half,
+        the row max over both (named barrier), P into shared memory (named barrier), P @ V
+        (completed on return)."""
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        block = self.block
+        half = block // 2
+        row0 = 16 * w4 + g
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        sc = wgmma_scores(q_s, cur + wg * half * 16, half)
+        for j in cutlass.range_constexpr(half // 8):
+            for e in cutlass.range_constexpr(2):
+                live = P.in_range(ids_s[s * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
+                for rr in cutlass.range_constexpr(2):
+                    sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
+        for rr in cutlass.range_constexpr(2):
+            top = sc[2 * rr]
+            for j in cutlass.range_constexpr(half // 8):
+                top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if t == 0:
+                red[wg * WG_ROWS + row0 + 8 * rr] = top
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # both halves' maxima
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for rr in cutlass.range_constexpr(2):
+            top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
+            use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+            row_max[rr] = top
+            row_sum[rr] = row_sum[rr] * alpha[rr]
+        for j in cutlass.range_constexpr(half // 8):
+            p = [P.exp2_approx(sc[4 * j + q] - use[q // 2]) for q in range(4)]
+            row_sum[0] = row_sum[0] + p[0] + p[1]
+            row_sum[1] = row_sum[1] + p[2] + p[3]
+            at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
+            P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+            P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        P.fence_proxy_async()
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # the block's P is in shared memory
+        acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+        return row_max, row_sum, acc_o
 
     @cute.jit
     def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots) -> list:

@@ -516,9 +516,9 @@ def _cubin_kernels(cubin: bytes) -> dict:
 
 
 def _cubin_attributes(cubin: bytes) -> dict:
-    """REGCOUNT and FRAME_SIZE of a one-kernel cubin."""
-    (found,) = _cubin_kernels(cubin).values()
-    return found
+    """REGCOUNT and FRAME_SIZE of a one-kernel cubin (the most over its functions)."""
+    found = _cubin_kernels(cubin).values()
+    return {key: max(f.get(key, 0) for f in found) for key in ("regs", "frame")}
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
@@ -609,6 +609,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, 
         # the re-dealt registers are what the launch gives the CTA (per 128 threads): the
         # most a 384-thread CTA may have, or the consumers' setmaxnreg.inc would never return
         assert found["regs"] == 168 and 2 * sparse_core.CONSUMER_REGS + sparse_core.PRODUCER_REGS == 3 * 168, found
+        assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
         assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
         assert "mbarrier.arrive.shared::cta.b64" in partial
         assert barriers.count(("0", "")) == 1, barriers  # before the loop only
@@ -630,3 +631,30 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     for shape in SHAPES.values():
         op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
         assert not op.wgmma and not op.producer
+
+
+@pytest.mark.parametrize("prefetch, probe", [(True, ""), (False, "no_loads"), (False, "no_math")])
+def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(
+    tmp_path, monkeypatch, prefetch, probe
+):
+    """The producer path's L2 lookahead (sparse_core.PREFETCH: one bulk prefetch per row of
+    the next block, by its chunk-0 thread) and its device probes keep the 168 registers the
+    setmaxnreg re-deal needs, without spills."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "PREFETCH", prefetch)
+    monkeypatch.setattr(sparse_core, "PROBE", probe)
+    variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
+    assert (variant.op.prefetch, variant.op.probe) == (prefetch, probe)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    kernels = _cubin_kernels(cubin.read_bytes())
+    (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, kernels
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == (2 if prefetch else 0)  # two rows a thread
+    assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
