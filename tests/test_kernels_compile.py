@@ -634,9 +634,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
 
 
 @pytest.mark.parametrize("prefetch, probe", [(True, ""), (False, "no_loads"), (False, "no_math")])
-def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(
-    tmp_path, monkeypatch, prefetch, probe
-):
+def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(tmp_path, monkeypatch, prefetch, probe):
     """The producer path's L2 lookahead (sparse_core.PREFETCH: one bulk prefetch per row of
     the next block, by its chunk-0 thread) and its device probes keep the 168 registers the
     setmaxnreg re-deal needs, without spills."""
