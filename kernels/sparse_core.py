@@ -91,7 +91,11 @@ TILE_CHUNKS = ROW // 8  # 72
 # partial_wgmma, warpgroup 2 loads and dequantizes the blocks. Registers by setmaxnreg: the
 # 384-thread launch gets 168 a thread (64,512 a CTA), re-dealt as 2 x 184 + 136 (a producer
 # of 120 spills its fp8 rows; consumers of 176 still fit).
-PRODUCER = True  # the default for 64-row CTAs; False: partial_wgmma (256 threads, no producer)
+# The default path of 64-row CTAs by cache format: True = partial_wgmma_ws, False = partial_wgmma
+# (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
+# / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
+# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64).
+PRODUCER = {"fp8": True, "bf16": False}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
@@ -101,9 +105,15 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
 # The producer path's lookahead (plan A.2 step 4 without registers to spare: the consumers
-# keep 2 x 184): block b + 1's rows bulk-prefetched into L2 (one per row) before the producer
-# waits on block b's buffer, so its loads after the wait hit L2.
+# keep 2 x 184). PREFETCH: block b + 1's rows bulk-prefetched into L2 (one per row) before the
+# producer waits on block b's buffer, so its loads after the wait hit L2 (H200, fp8 B = 64:
+# 119.8 us against 115.6 without; not used). LOOKAHEAD (fp8 rows): each 8-byte piece of block
+# b + 1 is loaded into the registers block b's piece leaves as soon as that one is stored, so
+# the next block's loads are in flight through the rest of the dequantization, the full
+# arrive and the empty wait, at no extra registers (not yet measured on the device).
 PREFETCH = False
+LOOKAHEAD = False
+AHEAD_GROUP = 2  # LOOKAHEAD: pieces stored and reloaded between bar.warp.sync fences
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -248,7 +258,7 @@ class SparseCore:
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
         producer: 64-row CTAs only: a producer warpgroup loads the rows (partial_wgmma_ws),
-        or every thread does (partial_wgmma); None: the module's PRODUCER."""
+        or every thread does (partial_wgmma); None: the module's PRODUCER for the cache."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -260,9 +270,10 @@ class SparseCore:
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.producer = self.wgmma and (PRODUCER if producer is None else producer)
+        self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
         self.probe = PROBE if self.producer else ""
         self.prefetch = self.producer and PREFETCH
+        self.lookahead = self.producer and mla_fp8 and LOOKAHEAD
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         self.threads = (
@@ -686,7 +697,14 @@ class SparseCore:
         cute.arch.griddepcontrol_launch_dependents()
         if warp >= 8:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce_blocks(slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots)
+            if cutlass.const_expr(self.lookahead):
+                self.produce_blocks_ahead(
+                    cache, slots, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
+                )
+            else:
+                self.produce_blocks(
+                    slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume_blocks(
@@ -763,6 +781,62 @@ class SparseCore:
             P.cp_async_wait(0)
             P.fence_proxy_async()
             P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
+
+    @cute.jit
+    def produce_blocks_ahead(self, cache, slots, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+        """produce_blocks for fp8 rows with a block of register lookahead (LOOKAHEAD): piece j
+        of block b + 1 is loaded into the registers piece j of block b leaves once stored (the
+        scales after the last), so block b + 1's loads are in flight through the rest of block
+        b's dequantization, its full arrive and the wait for block b + 1's buffer."""
+        block = self.block
+        blocks = self.slots_per_cta // block
+        groups = block // 8
+        pieces = (TILE_CHUNKS // 4 + 8 // groups - 1) // (8 // groups)
+        maps = []
+        for v in cutlass.range_constexpr(2):
+            vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
+            r, cg0, q4 = 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+            maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))
+        ids_row = slots + token * self.k + split * self.slots_per_cta
+        slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
+        # block b + 1's slot ids, loaded a block before its loads are issued (in block b)
+        upcoming = [P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+        staged = []
+        for v in cutlass.range_constexpr(2):  # block 0
+            fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else slot[v]
+            live = P.in_range(fetched, pool_slots)
+            src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
+            row = [P.load_f32x4_if(src + LATENT, live)]
+            for j in cutlass.range_constexpr(pieces):
+                row.append(self.fetch_piece(src, live, maps[v][1], maps[v][2], j))
+            staged.append(row)
+        for b in range(blocks):
+            s = b % 2
+            buf = kv_s + s * TILE_BYTES
+            later = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if b >= 2:  # block b - 2's consumers are done with the buffer
+                P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+            ahead = []
+            for v in cutlass.range_constexpr(2):
+                r, cg0, q4, _ = maps[v]
+                fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else upcoming[v]
+                live = P.in_range(fetched, pool_slots) & (b + 1 < blocks)
+                src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
+                at = buf + r * 16 + q4 * CHUNK
+                row = [None]
+                for j in cutlass.range_constexpr(pieces):
+                    self.store_piece(staged[v][1 + j], staged[v][0], at, cg0, j)
+                    row.append(self.fetch_piece(src, live, cg0, q4, j))
+                    if cutlass.const_expr(j % AHEAD_GROUP == AHEAD_GROUP - 1):
+                        cute.arch.sync_warp()  # keeps ptxas from sinking the loads below the stores
+                row[0] = P.load_f32x4_if(src + LATENT, live)  # block b's scales are used up
+                ahead.append(row)
+            self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+            P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+            P.mbar_arrive(full0 + 8 * s)
+            staged = ahead
+            slot = upcoming
+            upcoming = later
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
@@ -902,37 +976,51 @@ class SparseCore:
             src = cache + row
             staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
             for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-                c4 = cg0 + step * j
-                if cutlass.const_expr(step * (j + 1) <= LATENT // 32):  # latent: 8 e4m3 at 8 c
-                    staged.append(P.load_u32x2_if(src + 8 * (4 * c4 + q4), live))
-                else:  # rope: 16 bytes at 528 + 16 (c - 64)
-                    ok = live & (c4 < TILE_CHUNKS // 4)
-                    staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), ok))
+                staged.append(self.fetch_piece(src, live, cg0, q4, j))
         return staged
+
+    @cute.jit
+    def fetch_piece(self, src, live, cg0, q4, j: int):
+        """Piece j of fetch_rows' fp8 row at src: chunk 4 (cg0 + step j) + q4 of its 72 --
+        8 e4m3 of the latent (8 bytes at 8 c), or 8 bf16 of the rope (16 bytes at 528 + 16
+        (c - 64)); zeros where not live (or past the row's chunks)."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        words = None
+        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+            words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live)
+        else:
+            words = P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), live & (c4 < TILE_CHUNKS // 4))
+        return words
+
+    @cute.jit
+    def store_piece(self, words, scales, at, cg0, j: int):
+        """fetch_piece's words -> its bf16 chunk of block row `at` (dst + 16 r + q4 x CHUNK):
+        e4m3 x the chunk's 128-dim scale, rounded to bf16; the rope copied."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+            # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
+            # for every cg0 < step (step divides 4)
+            sc = scales[step * j // 4]
+            outw = []
+            for i in cutlass.range_constexpr(2):
+                f = P.unpack_e4m3x4(words[i])
+                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+            P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
+        elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
+            if c4 < TILE_CHUNKS // 4:
+                P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
 
     @cute.jit
     def store_rows(self, staged, dst, r, cg0, q4):
         """fetch_rows' fp8 registers -> bf16 chunks of block row r in dst: e4m3 x the chunk's
         128-dim scale, rounded to bf16; the rope copied."""
         step = 8 // (self.block // 8)
-        scales = staged[0]
         at = dst + r * 16 + q4 * CHUNK
         for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-            c4 = cg0 + step * j
-            words = staged[1 + j]
-            if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
-                # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
-                # for every cg0 < step (step divides 4)
-                sc = scales[step * j // 4]
-                outw = []
-                for i in cutlass.range_constexpr(2):
-                    f = P.unpack_e4m3x4(words[i])
-                    outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
-                    outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
-                P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
-            elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
-                if c4 < TILE_CHUNKS // 4:
-                    P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
+            self.store_piece(staged[1 + j], staged[0], at, cg0, j)
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid):

@@ -622,30 +622,45 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, 
 
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
-    """The plan's 64-row variants take sparse_core.PRODUCER's path; 16- and 32-row CTAs
-    have no producer warpgroup whatever it says."""
-    for shape in TP1.values():
+    """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
+    cache's the producer's: measured faster at every batch); 16- and 32-row CTAs have no
+    producer warpgroup whatever it says."""
+    assert sparse_core.PRODUCER["fp8"]
+    for name, shape in TP1.items():
         op = catalog.build(shape, "sparse_core", slots=2048).op
-        assert op.producer == sparse_core.PRODUCER
-        assert op.threads == (sparse_core.WS_THREADS if sparse_core.PRODUCER else sparse_core.WG_THREADS)
+        assert op.producer == sparse_core.PRODUCER[name.split("-")[1]]
+        assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
     for shape in SHAPES.values():
         op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
         assert not op.wgmma and not op.producer
 
 
-@pytest.mark.parametrize("prefetch, probe", [(True, ""), (False, "no_loads"), (False, "no_math")])
-def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(tmp_path, monkeypatch, prefetch, probe):
+@pytest.mark.parametrize(
+    "prefetch, lookahead, probe",
+    [
+        (True, False, ""),
+        (False, True, ""),
+        (False, True, "no_loads"),
+        (False, False, "no_loads"),
+        (False, False, "no_math"),
+    ],
+)
+def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(
+    tmp_path, monkeypatch, prefetch, lookahead, probe
+):
     """The producer path's L2 lookahead (sparse_core.PREFETCH: one bulk prefetch per row of
-    the next block, by its chunk-0 thread) and its device probes keep the 168 registers the
-    setmaxnreg re-deal needs, without spills."""
+    the next block, by its chunk-0 thread), its register lookahead (LOOKAHEAD: the next
+    block's loads issued piece by piece between this block's stores) and its device probes
+    keep the 168 registers the setmaxnreg re-deal needs, without spills."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     monkeypatch.setattr(sparse_core, "PREFETCH", prefetch)
+    monkeypatch.setattr(sparse_core, "LOOKAHEAD", lookahead)
     monkeypatch.setattr(sparse_core, "PROBE", probe)
     variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
-    assert (variant.op.prefetch, variant.op.probe) == (prefetch, probe)
+    assert (variant.op.prefetch, variant.op.lookahead, variant.op.probe) == (prefetch, lookahead, probe)
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -656,3 +671,7 @@ def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(tmp_path, 
     assert found == {"regs": 168, "frame": 0}, kernels
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == (2 if prefetch else 0)  # two rows a thread
     assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
+    if lookahead:  # in the loop, each block's stores and the next block's loads interleave
+        loop = ptx[ptx.index("mbarrier.try_wait.parity") :]
+        first_store = loop.index("st.shared.v4.b32")
+        assert loop.index("ld.global", first_store) < loop.rindex("st.shared.v4.b32")
