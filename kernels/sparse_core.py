@@ -8,6 +8,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
          docstring has the block's steps): shared Q, K and V operands in the no-swizzle
          canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
+         With the fp8 cache (PRODUCER) a third, producer warpgroup loads and dequantizes
+         the blocks behind full / empty mbarriers while the two compute
+         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136).
          16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
          (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
          fragments in registers. Per block:
@@ -47,7 +50,10 @@ left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialize
 is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
 math alone (no row copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one
 block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
-next was measured no better.
+next was measured no better. The producer warpgroup (fp8) takes B = 64 to 115.6 us; its
+probes: consumers with a producer that loads nothing 89.8 us, the producer alone 71.8 us,
+so neither side alone bounds it but their sum overlaps only in part (the producer's chain
+per block is load latency, then dequantization, in series: LOOKAHEAD is the next lever).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -110,7 +116,8 @@ PROBE = ""
 # 119.8 us against 115.6 without; not used). LOOKAHEAD (fp8 rows): each 8-byte piece of block
 # b + 1 is loaded into the registers block b's piece leaves as soon as that one is stored, so
 # the next block's loads are in flight through the rest of the dequantization, the full
-# arrive and the empty wait, at no extra registers (not yet measured on the device).
+# arrive and the empty wait, at no extra registers; the proxy fence moves to the consumers
+# (the producer's would wait for those loads). Not yet measured on the device.
 PREFETCH = False
 LOOKAHEAD = False
 AHEAD_GROUP = 2  # LOOKAHEAD: pieces stored and reloaded between bar.warp.sync fences
@@ -787,7 +794,10 @@ class SparseCore:
         """produce_blocks for fp8 rows with a block of register lookahead (LOOKAHEAD): piece j
         of block b + 1 is loaded into the registers piece j of block b leaves once stored (the
         scales after the last), so block b + 1's loads are in flight through the rest of block
-        b's dequantization, its full arrive and the wait for block b + 1's buffer."""
+        b's dequantization, its full arrive and the wait for block b + 1's buffer. The
+        generic-to-async proxy fence its stores need before the consumers' wgmma is the
+        consumers' (after their full wait, on the same causality path), since a producer
+        fence (MEMBAR.ALL.CTA) would wait for those loads."""
         block = self.block
         blocks = self.slots_per_cta // block
         groups = block // 8
@@ -832,7 +842,8 @@ class SparseCore:
                 row[0] = P.load_f32x4_if(src + LATENT, live)  # block b's scales are used up
                 ahead.append(row)
             self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-            P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+            # no proxy fence here: its MEMBAR would wait for block b + 1's loads in flight;
+            # the consumers fence after their full wait instead (consume_blocks)
             P.mbar_arrive(full0 + 8 * s)
             staged = ahead
             slot = upcoming
@@ -894,6 +905,8 @@ class SparseCore:
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
+            if cutlass.const_expr(self.lookahead):
+                P.fence_proxy_async()  # the producer's generic stores (unfenced there) -> wgmma
             if cutlass.const_expr(self.probe != "no_math"):
                 row_max, row_sum, acc_o = self.consume_block(
                     q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
