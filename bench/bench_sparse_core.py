@@ -2,6 +2,7 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
+        [--paths ws,nows] [--probes no_loads,no_math --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -9,6 +10,12 @@ own slot lists over a cache several times the L2, so every selected row comes fr
 times every slots-per-CTA variant within 4x of the plan's choice and prints the best.
 The launches are SparseCore's read-only variant (no q_out): the step's launch also copies
 the query rows it read to q_out and re-arms them (`publish`), not timed here.
+--paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
+warpgroup (partial_wgmma_ws), wspf = ws with its L2 lookahead (sparse_core.PREFETCH),
+wsla = ws with its register lookahead (sparse_core.LOOKAHEAD, fp8 rows), nows = every
+thread loads (partial_wgmma); default: the module's choice per cache (sparse_core.PRODUCER).
+--probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
+at --probe-batch.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -21,6 +28,7 @@ import sys
 
 import torch
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
+from graphstep.kernels import sparse_core
 
 from graphstep import formats
 from graphstep.floor import H200_COPY_BW
@@ -129,20 +137,43 @@ def main() -> int:
         help="only one eager launch per config and batch inside cudaProfilerStart/Stop: "
         "ncu --profile-from-start off python bench/bench_sparse_core.py --profile",
     )
+    parser.add_argument(
+        "--paths", default="", help="64-row CTA paths to compare: ws,wspf,wsla,nows (default: the module's)"
+    )
+    parser.add_argument("--probes", default="", help="producer-path probes: no_loads,no_math")
+    parser.add_argument("--probe-batch", default="64")
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batch.split(",")]
+    paths = [(p, "") for p in args.paths.split(",")] if args.paths else [("", "")]
+    paths += [("ws", probe) for probe in args.probes.split(",") if probe]
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
-        rows += bench_config(name, batches, args.sweep, args.profile)
+        for path, probe in paths:
+            if path not in ("", "ws", "wspf", "wsla", "nows") or probe not in sparse_core.PROBES:
+                parser.error(f"unknown path {path!r} or probe {probe!r}")
+            default = sparse_core.PRODUCER, sparse_core.PREFETCH, sparse_core.LOOKAHEAD
+            if path:
+                sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path.startswith("ws"))
+                sparse_core.PREFETCH, sparse_core.LOOKAHEAD = path == "wspf", path == "wsla"
+            sparse_core.PROBE = probe
+            try:
+                probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
+                found = bench_config(name, probe_batches, args.sweep, args.profile)
+            finally:
+                (sparse_core.PRODUCER, sparse_core.PREFETCH, sparse_core.LOOKAHEAD), sparse_core.PROBE = default, ""
+            for row in found:
+                row["path"] = (path or "default") + (f"+{probe}" if probe else "")
+            rows += found
     if args.profile:
         return 0
     headers = [
         "config",
+        "path",
         "B",
         "us",
         "slots/CTA",
@@ -160,6 +191,7 @@ def main() -> int:
         [
             [
                 r["config"],
+                r["path"],
                 r["batch"],
                 r["us"],
                 r["slots_per_cta"],

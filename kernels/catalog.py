@@ -149,9 +149,11 @@ def _dcp_merge(shape, pdl):
     return "dcp_merge", dcp_merge.DcpMerge(shape.model.index_topk, shape.topology.dcp, shape.topology.rank, pdl)
 
 
-def _sparse_core(shape, pdl, slots: int, publish: bool = True):
+def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | None = None):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
-    read-only variant is for callers outside the step (benchmarks, tests)."""
+    read-only variant is for callers outside the step (benchmarks, tests). producer (64-row
+    CTAs): a producer warpgroup or not; None: sparse_core.PRODUCER for the cache (the name says only a
+    choice other than None)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,
@@ -163,8 +165,10 @@ def _sparse_core(shape, pdl, slots: int, publish: bool = True):
         slots,
         pdl,
         publish,
+        producer,
     )
-    return f"sparse_core_s{slots}{'' if publish else '_read'}", op
+    path = "" if producer is None else ("_ws" if producer else "_nows")
+    return f"sparse_core_s{slots}{'' if publish else '_read'}{path}", op
 
 
 _BUILDERS = {

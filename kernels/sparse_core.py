@@ -8,6 +8,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
          docstring has the block's steps): shared Q, K and V operands in the no-swizzle
          canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
+         With the fp8 cache (PRODUCER) a third, producer warpgroup loads and dequantizes
+         the blocks behind full / empty mbarriers while the two compute
+         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136).
          16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
          (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
          fragments in registers. Per block:
@@ -47,7 +50,10 @@ left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialize
 is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
 math alone (no row copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one
 block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
-next was measured no better.
+next was measured no better. The producer warpgroup (fp8) takes B = 64 to 115.6 us; its
+probes: consumers with a producer that loads nothing 89.8 us, the producer alone 71.8 us,
+so neither side alone bounds it but their sum overlaps only in part (the producer's chain
+per block is load latency, then dequantization, in series: LOOKAHEAD is the next lever).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -87,6 +93,34 @@ WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
 CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
 TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
 TILE_CHUNKS = ROW // 8  # 72
+# 64-row CTAs with a producer warpgroup (partial_wgmma_ws): warpgroups 0 and 1 compute as in
+# partial_wgmma, warpgroup 2 loads and dequantizes the blocks. Registers by setmaxnreg: the
+# 384-thread launch gets 168 a thread (64,512 a CTA), re-dealt as 2 x 184 + 136 (a producer
+# of 120 spills its fp8 rows; consumers of 176 still fit).
+# The default path of 64-row CTAs by cache format: True = partial_wgmma_ws, False = partial_wgmma
+# (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
+# / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
+# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64).
+PRODUCER = {"fp8": True, "bf16": False}
+WS_THREADS = 3 * 128
+CONSUMER_REGS, PRODUCER_REGS = 184, 136
+CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
+# Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
+# "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
+# usual; "no_math": the consumers only wait for each block and release it.
+PROBES = ("", "no_loads", "no_math")
+PROBE = ""
+# The producer path's lookahead (plan A.2 step 4 without registers to spare: the consumers
+# keep 2 x 184). PREFETCH: block b + 1's rows bulk-prefetched into L2 (one per row) before the
+# producer waits on block b's buffer, so its loads after the wait hit L2 (H200, fp8 B = 64:
+# 119.8 us against 115.6 without; not used). LOOKAHEAD (fp8 rows): each 8-byte piece of block
+# b + 1 is loaded into the registers block b's piece leaves as soon as that one is stored, so
+# the next block's loads are in flight through the rest of the dequantization, the full
+# arrive and the empty wait, at no extra registers; the proxy fence moves to the consumers
+# (the producer's would wait for those loads). Not yet measured on the device.
+PREFETCH = False
+LOOKAHEAD = False
+AHEAD_GROUP = 2  # LOOKAHEAD: pieces stored and reloaded between bar.warp.sync fences
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -225,10 +259,13 @@ class SparseCore:
         slots_per_cta: int,
         pdl: bool = True,
         publish: bool = False,
+        producer: bool | None = None,
     ):
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
-        folded in here instead of a torch copy and fill after the launch."""
+        folded in here instead of a torch copy and fill after the launch.
+        producer: 64-row CTAs only: a producer warpgroup loads the rows (partial_wgmma_ws),
+        or every thread does (partial_wgmma); None: the module's PRODUCER for the cache."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -240,7 +277,15 @@ class SparseCore:
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.threads = WG_THREADS if self.wgmma else self.heads // 16 * self.cols * 32
+        self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
+        self.probe = PROBE if self.producer else ""
+        self.prefetch = self.producer and PREFETCH
+        self.lookahead = self.producer and mla_fp8 and LOOKAHEAD
+        if self.probe not in PROBES:
+            raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
+        self.threads = (
+            (WS_THREADS if self.producer else WG_THREADS) if self.wgmma else self.heads // 16 * self.cols * 32
+        )
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
@@ -269,6 +314,10 @@ class SparseCore:
             block=[self.threads, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
+            # the producer path: ptxas gives it the most registers a 384-thread CTA may have
+            # (168), the pool its setmaxnreg re-deals (left to itself it may take fewer, and
+            # the consumers' setmaxnreg.inc would wait forever)
+            min_blocks_per_mp=1 if self.producer else 0,
         )
         if cutlass.const_expr(self.splits > 1):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
@@ -291,7 +340,9 @@ class SparseCore:
         error: cute.Pointer,
         pool_slots: Int32,
     ):
-        if cutlass.const_expr(self.wgmma):
+        if cutlass.const_expr(self.producer):
+            self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+        elif cutlass.const_expr(self.wgmma):
             self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         else:
             self.partial_mma_sync(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
@@ -576,13 +627,29 @@ class SparseCore:
             P.fence_proxy_async()
             cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
 
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, False)
+
+    @cute.jit
+    def finish_wgmma(self, acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, named: bool):
+        """The end of a 64-row CTA (256 computing threads): its rows' sums over both
+        warpgroups, then out and lse (one split: normalized here) or the split's partials.
+        named: the computing threads meet at their named barrier, not the CTA's."""
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        head0 = group * WG_ROWS
+        row0 = 16 * w4 + g
         # the row sums over the 4 lanes of a row, then over the two warpgroups
         for rr in cutlass.range_constexpr(2):
             total = row_sum[rr] + cute.arch.shuffle_sync_bfly(row_sum[rr], offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             if t == 0:
                 sums[wg * WG_ROWS + row0 + 8 * rr] = total
-        cute.arch.sync_threads()
+        if cutlass.const_expr(named):
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        else:
+            cute.arch.sync_threads()
         item = token * self.splits + split
         for rr in cutlass.range_constexpr(2):
             head = head0 + row0 + 8 * rr
@@ -602,6 +669,302 @@ class SparseCore:
                     P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr], acc_o[4 * j + 2 * rr + 1])
                 if wg == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[rr], total)
+
+    @cute.jit
+    def partial_wgmma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """64-row CTAs with a producer warpgroup (384 threads). Warpgroup 2 (the producer) owns
+        the slot ids, their range guard and the cache rows: block b into bf16 buffer b % 2
+        (fp8 rows: loads issued, then the buffer's empty barrier, then dequantized into it;
+        bf16 rows: cp.async into it once empty, signalled a block later so two blocks are in
+        flight), its slot ids beside it, then it arrives on the buffer's full mbarrier.
+        Warpgroups 0 and 1 wait on full, compute the block as partial_wgmma does with named
+        barriers of their 256 threads (no CTA barrier in the loop) and release the buffer on
+        its empty mbarrier after their P @ V has completed. Shared memory as partial_wgmma,
+        plus the four mbarriers."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, group, token = cute.arch.block_idx()
+        warp = tid // 32
+        block = self.block
+        smem = cutlass.memory.SmemAllocator()
+        q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
+        kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(block // 8 * CHUNK), byte_alignment=128).iterator.toint()
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(4), byte_alignment=8).iterator.toint()
+        full0, empty0 = bars, bars + 16  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        if tid == 0:
+            for s in cutlass.range_constexpr(2):
+                P.mbar_init(full0 + 8 * s, 128)  # every producer thread, after its stores
+                P.mbar_init(empty0 + 8 * s, 8)  # lane 0 of each consumer warp, after its P @ V
+            P.mbar_init_fence()
+        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp >= 8:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if cutlass.const_expr(self.lookahead):
+                self.produce_blocks_ahead(
+                    cache, slots, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
+                )
+            else:
+                self.produce_blocks(
+                    slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume_blocks(
+                q_rows,
+                q_out,
+                out,
+                lse,
+                partial_o,
+                partial_ml,
+                q_s,
+                kv_s,
+                p_s,
+                ids_s,
+                red,
+                sums,
+                full0,
+                empty0,
+                tid,
+                pool_slots,
+            )
+
+    @cute.jit
+    def produce_blocks(self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+        """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
+        partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
+        the row and chunk maps are the same; the next block's slot ids load a block ahead."""
+        block = self.block
+        blocks = self.slots_per_cta // block
+        groups = block // 8
+        maps = []
+        for v in cutlass.range_constexpr(2):
+            vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
+            r, cg0, q4 = 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+            maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))  # the writer: chunk 0's thread
+        ids_row = slots + token * self.k + split * self.slots_per_cta
+        slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
+        for b in range(blocks):
+            s = b % 2
+            buf = kv_s + s * TILE_BYTES
+            fetched = slot
+            if cutlass.const_expr(self.probe == "no_loads"):
+                fetched = [Int32(-1), Int32(-1)]
+            # the next block's slots (past the CTA's last block: the last block's again, unused)
+            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if cutlass.const_expr(self.prefetch):  # by each row's chunk-0 thread, live rows only
+                for v in cutlass.range_constexpr(2):
+                    if maps[v][3] and b + 1 < blocks and P.in_range(upcoming[v], pool_slots):
+                        P.prefetch_l2(cache + Int64(upcoming[v]) * self.row_bytes, self.row_bytes)
+            if cutlass.const_expr(self.mla_fp8):
+                staged = [
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    for v in range(2)
+                ]
+                if b >= 2:  # block b - 2's consumers are done with the buffer
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.store_rows(staged[v], buf, maps[v][0], maps[v][1], maps[v][2])
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                P.mbar_arrive(full0 + 8 * s)
+            else:
+                if b >= 2:
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                P.cp_async_commit()
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
+                    P.cp_async_wait(1)
+                    P.fence_proxy_async()
+                    P.mbar_arrive(full0 + 8 * (1 - s))
+            slot = upcoming
+        if cutlass.const_expr(not self.mla_fp8):
+            P.cp_async_wait(0)
+            P.fence_proxy_async()
+            P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
+
+    @cute.jit
+    def produce_blocks_ahead(self, cache, slots, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+        """produce_blocks for fp8 rows with a block of register lookahead (LOOKAHEAD): piece j
+        of block b + 1 is loaded into the registers piece j of block b leaves once stored (the
+        scales after the last), so block b + 1's loads are in flight through the rest of block
+        b's dequantization, its full arrive and the wait for block b + 1's buffer. The
+        generic-to-async proxy fence its stores need before the consumers' wgmma is the
+        consumers' (after their full wait, on the same causality path), since a producer
+        fence (MEMBAR.ALL.CTA) would wait for those loads."""
+        block = self.block
+        blocks = self.slots_per_cta // block
+        groups = block // 8
+        pieces = (TILE_CHUNKS // 4 + 8 // groups - 1) // (8 // groups)
+        maps = []
+        for v in cutlass.range_constexpr(2):
+            vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
+            r, cg0, q4 = 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+            maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))
+        ids_row = slots + token * self.k + split * self.slots_per_cta
+        slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
+        # block b + 1's slot ids, loaded a block before its loads are issued (in block b)
+        upcoming = [P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+        staged = []
+        for v in cutlass.range_constexpr(2):  # block 0
+            fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else slot[v]
+            live = P.in_range(fetched, pool_slots)
+            src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
+            row = [P.load_f32x4_if(src + LATENT, live)]
+            for j in cutlass.range_constexpr(pieces):
+                row.append(self.fetch_piece(src, live, maps[v][1], maps[v][2], j))
+            staged.append(row)
+        for b in range(blocks):
+            s = b % 2
+            buf = kv_s + s * TILE_BYTES
+            later = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if b >= 2:  # block b - 2's consumers are done with the buffer
+                P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+            ahead = []
+            for v in cutlass.range_constexpr(2):
+                r, cg0, q4, _ = maps[v]
+                fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else upcoming[v]
+                live = P.in_range(fetched, pool_slots) & (b + 1 < blocks)
+                src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
+                at = buf + r * 16 + q4 * CHUNK
+                row = [None]
+                for j in cutlass.range_constexpr(pieces):
+                    self.store_piece(staged[v][1 + j], staged[v][0], at, cg0, j)
+                    row.append(self.fetch_piece(src, live, cg0, q4, j))
+                    if cutlass.const_expr(j % AHEAD_GROUP == AHEAD_GROUP - 1):
+                        cute.arch.sync_warp()  # keeps ptxas from sinking the loads below the stores
+                row[0] = P.load_f32x4_if(src + LATENT, live)  # block b's scales are used up
+                ahead.append(row)
+            self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+            # no proxy fence here: its MEMBAR would wait for block b + 1's loads in flight;
+            # the consumers fence after their full wait instead (consume_blocks)
+            P.mbar_arrive(full0 + 8 * s)
+            staged = ahead
+            slot = upcoming
+            upcoming = later
+
+    @cute.jit
+    def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
+        """The block's slot ids beside buffer s (the consumers' -inf mask), each by its row's
+        chunk-0 thread, which also records a slot outside the pool in the error word."""
+        for v in cutlass.range_constexpr(2):
+            r, _, _, writer = maps[v]
+            if writer:
+                ids_s[s * WG_ROWS + r] = slot[v]
+                if slot[v] != -1 and not P.in_range(slot[v], pool_slots):
+                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot[v])
+
+    @cute.jit
+    def consume_blocks(
+        self,
+        q_rows,
+        q_out,
+        out,
+        lse,
+        partial_o,
+        partial_ml,
+        q_s,
+        kv_s,
+        p_s,
+        ids_s,
+        red,
+        sums,
+        full0,
+        empty0,
+        tid,
+        pool_slots,
+    ):
+        """Warpgroups 0 and 1 (tid 0 .. 255): partial_wgmma's math per block, between the
+        buffer's full and empty mbarriers, the row max and P exchanged over two named
+        barriers of the 256 threads. (The next block's P and row maxima need no third: a
+        warpgroup writes them only after the other has arrived at the next block's first
+        barrier, which it reaches after its P @ V over this block has completed.)"""
+        _, group, token = cute.arch.block_idx()
+        lane = tid % 32
+        blocks = self.slots_per_cta // self.block
+        head0 = group * WG_ROWS
+        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        P.cp_async_commit()
+        P.cp_async_wait(0)
+        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
+
+        neg_inf = Float32(-math.inf)
+        acc_o = [Float32(0)] * 128
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
+        row_sum = [Float32(0), Float32(0)]  # this thread's share
+        for b in range(blocks):
+            s = b % 2
+            cur = kv_s + s * TILE_BYTES
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
+            if cutlass.const_expr(self.lookahead):
+                P.fence_proxy_async()  # the producer's generic stores (unfenced there) -> wgmma
+            if cutlass.const_expr(self.probe != "no_math"):
+                row_max, row_sum, acc_o = self.consume_block(
+                    q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                )
+            if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
+                P.mbar_arrive(empty0 + 8 * s)
+
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+
+    @cute.jit
+    def consume_block(self, q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+        """One block of consume_blocks (buffer s at cur): scores of this warpgroup's half,
+        the row max over both (named barrier), P into shared memory (named barrier), P @ V
+        (completed on return)."""
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        block = self.block
+        half = block // 2
+        row0 = 16 * w4 + g
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        sc = wgmma_scores(q_s, cur + wg * half * 16, half)
+        for j in cutlass.range_constexpr(half // 8):
+            for e in cutlass.range_constexpr(2):
+                live = P.in_range(ids_s[s * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
+                for rr in cutlass.range_constexpr(2):
+                    sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
+        for rr in cutlass.range_constexpr(2):
+            top = sc[2 * rr]
+            for j in cutlass.range_constexpr(half // 8):
+                top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if t == 0:
+                red[wg * WG_ROWS + row0 + 8 * rr] = top
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # both halves' maxima
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for rr in cutlass.range_constexpr(2):
+            top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
+            use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+            row_max[rr] = top
+            row_sum[rr] = row_sum[rr] * alpha[rr]
+        for j in cutlass.range_constexpr(half // 8):
+            p = [P.exp2_approx(sc[4 * j + q] - use[q // 2]) for q in range(4)]
+            row_sum[0] = row_sum[0] + p[0] + p[1]
+            row_sum[1] = row_sum[1] + p[2] + p[3]
+            at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
+            P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+            P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        P.fence_proxy_async()
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # the block's P is in shared memory
+        acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+        return row_max, row_sum, acc_o
 
     @cute.jit
     def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots) -> list:
@@ -626,37 +989,51 @@ class SparseCore:
             src = cache + row
             staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
             for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-                c4 = cg0 + step * j
-                if cutlass.const_expr(step * (j + 1) <= LATENT // 32):  # latent: 8 e4m3 at 8 c
-                    staged.append(P.load_u32x2_if(src + 8 * (4 * c4 + q4), live))
-                else:  # rope: 16 bytes at 528 + 16 (c - 64)
-                    ok = live & (c4 < TILE_CHUNKS // 4)
-                    staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), ok))
+                staged.append(self.fetch_piece(src, live, cg0, q4, j))
         return staged
+
+    @cute.jit
+    def fetch_piece(self, src, live, cg0, q4, j: int):
+        """Piece j of fetch_rows' fp8 row at src: chunk 4 (cg0 + step j) + q4 of its 72 --
+        8 e4m3 of the latent (8 bytes at 8 c), or 8 bf16 of the rope (16 bytes at 528 + 16
+        (c - 64)); zeros where not live (or past the row's chunks)."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        words = None
+        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+            words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live)
+        else:
+            words = P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), live & (c4 < TILE_CHUNKS // 4))
+        return words
+
+    @cute.jit
+    def store_piece(self, words, scales, at, cg0, j: int):
+        """fetch_piece's words -> its bf16 chunk of block row `at` (dst + 16 r + q4 x CHUNK):
+        e4m3 x the chunk's 128-dim scale, rounded to bf16; the rope copied."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+            # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
+            # for every cg0 < step (step divides 4)
+            sc = scales[step * j // 4]
+            outw = []
+            for i in cutlass.range_constexpr(2):
+                f = P.unpack_e4m3x4(words[i])
+                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+            P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
+        elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
+            if c4 < TILE_CHUNKS // 4:
+                P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
 
     @cute.jit
     def store_rows(self, staged, dst, r, cg0, q4):
         """fetch_rows' fp8 registers -> bf16 chunks of block row r in dst: e4m3 x the chunk's
         128-dim scale, rounded to bf16; the rope copied."""
         step = 8 // (self.block // 8)
-        scales = staged[0]
         at = dst + r * 16 + q4 * CHUNK
         for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-            c4 = cg0 + step * j
-            words = staged[1 + j]
-            if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
-                # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
-                # for every cg0 < step (step divides 4)
-                sc = scales[step * j // 4]
-                outw = []
-                for i in cutlass.range_constexpr(2):
-                    f = P.unpack_e4m3x4(words[i])
-                    outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
-                    outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
-                P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
-            elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
-                if c4 < TILE_CHUNKS // 4:
-                    P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
+            self.store_piece(staged[1 + j], staged[0], at, cg0, j)
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid):

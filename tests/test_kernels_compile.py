@@ -488,14 +488,23 @@ def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, sp
     assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")
 
 
-def _cubin_attributes(cubin: bytes) -> dict:
-    """REGCOUNT and FRAME_SIZE (local memory per thread: spills) of a one-kernel cubin, from
-    its ELF .nv.info attributes (EIATTR 0x2f and 0x11: [symbol, value] words)."""
+def _cubin_kernels(cubin: bytes) -> dict:
+    """{kernel symbol name: {"regs": REGCOUNT, "frame": FRAME_SIZE (local memory per thread:
+    spills)}} of a cubin, from its ELF .nv.info attributes (EIATTR 0x2f and 0x11: [symbol
+    index, value] words) and its symbol table."""
     assert cubin[:4] == b"\x7fELF"
     (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names = sections[shstrndx][4]
+    symbols = {}
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind == 2:  # SHT_SYMTAB: Elf64_Sym entries, names in the linked string table
+            strings = sections[link][4]
+            for i in range(size // entsize):
+                (name,) = struct.unpack_from("<I", cubin, offset + i * entsize)
+                end = cubin.index(b"\0", strings + name)
+                symbols[i] = cubin[strings + name : end].decode()
     found = {}
     for name, _, _, _, offset, size, *_ in sections:
         if not cubin[names + name :].startswith(b".nv.info"):
@@ -509,11 +518,18 @@ def _cubin_attributes(cubin: bytes) -> dict:
             )
             if fmt == 4:  # a sized value
                 if attribute in (0x2F, 0x11):
-                    found["regs" if attribute == 0x2F else "frame"] = struct.unpack_from("<I", cubin, offset + i + 8)[0]
+                    symbol, number = struct.unpack_from("<II", cubin, offset + i + 4)
+                    found.setdefault(symbols.get(symbol, symbol), {})["regs" if attribute == 0x2F else "frame"] = number
                 i += 4 + value
             else:
                 i += 4
     return found
+
+
+def _cubin_attributes(cubin: bytes) -> dict:
+    """REGCOUNT and FRAME_SIZE of a one-kernel cubin (the most over its functions)."""
+    found = _cubin_kernels(cubin).values()
+    return {key: max(f.get(key, 0) for f in found) for key in ("regs", "frame")}
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
@@ -561,19 +577,24 @@ TP1 = {
 }
 
 
+@pytest.mark.parametrize("producer", [False, True], ids=["nows", "ws"])
 @pytest.mark.parametrize("shape_name", TP1)
 @pytest.mark.parametrize("slots", [16, 32, 64, 128, 2048])
-def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, slots):
+def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, slots, producer):
     """64 query rows per CTA (TP 1): two warpgroups of wgmma (36 k steps of scores over half
     a block each, then P @ V over the block's slots in 16-slot steps, 256 dims), no mma.sync,
-    PDL, no local memory, and at most 255 registers a thread with no spills (256 threads)."""
+    PDL, no local memory, and no spills within the CTA's registers. With a producer
+    warpgroup (384 threads): setmaxnreg re-deals the launch's registers, the blocks pass by
+    full / empty mbarriers, and the loop has no CTA barrier: the one bar.sync 0 is before
+    it (the mbarriers' initialization), the consumers meet at the 256-thread named barrier."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     shape = TP1[shape_name]
-    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048)
-    assert variant.op.wgmma and variant.op.threads == sparse_core.WG_THREADS
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    threads = sparse_core.WS_THREADS if producer else sparse_core.WG_THREADS
+    assert variant.op.wgmma and variant.op.producer == producer and variant.op.threads == threads
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -588,5 +609,80 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, shape_name, 
     assert "griddepcontrol.wait;" in partial and "fence.proxy.async.shared::cta;" in partial
     assert ("cvt.rn.f16x2.e4m3x2" in partial) == (shape_name == "tp1-fp8")
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    found = _cubin_attributes(cubin.read_bytes())
-    assert found["frame"] == 0 and found["regs"] * sparse_core.WG_THREADS <= 65536, found
+    kernels = _cubin_kernels(cubin.read_bytes())
+    (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
+    assert all(v["frame"] == 0 for v in kernels.values()), kernels
+    assert found["regs"] * threads <= 65536, found
+    barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
+    if producer:
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.CONSUMER_REGS};" in partial
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.PRODUCER_REGS};" in partial
+        # the re-dealt registers are what the launch gives the CTA (per 128 threads): the
+        # most a 384-thread CTA may have, or the consumers' setmaxnreg.inc would never return
+        assert found["regs"] == 168 and 2 * sparse_core.CONSUMER_REGS + sparse_core.PRODUCER_REGS == 3 * 168, found
+        assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
+        assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
+        assert "mbarrier.arrive.shared::cta.b64" in partial
+        assert barriers.count(("0", "")) == 1, barriers  # before the loop only
+        assert ("1", "256") in barriers and all(b in (("0", ""), ("1", "256")) for b in barriers), barriers
+        wait = partial.index("mbarrier.try_wait.parity")
+        assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < wait
+    else:
+        assert "setmaxnreg" not in partial and "mbarrier" not in partial
+        assert barriers and all(b == ("0", "") for b in barriers), barriers
+
+
+def test_sparse_core_64_row_ctas_default_to_the_producer_path():
+    """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
+    cache's the producer's: measured faster at every batch); 16- and 32-row CTAs have no
+    producer warpgroup whatever it says."""
+    assert sparse_core.PRODUCER["fp8"]
+    for name, shape in TP1.items():
+        op = catalog.build(shape, "sparse_core", slots=2048).op
+        assert op.producer == sparse_core.PRODUCER[name.split("-")[1]]
+        assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
+    for shape in SHAPES.values():
+        op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
+        assert not op.wgmma and not op.producer
+
+
+@pytest.mark.parametrize(
+    "prefetch, lookahead, probe",
+    [
+        (True, False, ""),
+        (False, True, ""),
+        (False, True, "no_loads"),
+        (False, False, "no_loads"),
+        (False, False, "no_math"),
+    ],
+)
+def test_sparse_core_producer_lookahead_and_probes_keep_the_registers(
+    tmp_path, monkeypatch, prefetch, lookahead, probe
+):
+    """The producer path's L2 lookahead (sparse_core.PREFETCH: one bulk prefetch per row of
+    the next block, by its chunk-0 thread), its register lookahead (LOOKAHEAD: the next
+    block's loads issued piece by piece between this block's stores) and its device probes
+    keep the 168 registers the setmaxnreg re-deal needs, without spills."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "PREFETCH", prefetch)
+    monkeypatch.setattr(sparse_core, "LOOKAHEAD", lookahead)
+    monkeypatch.setattr(sparse_core, "PROBE", probe)
+    variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
+    assert (variant.op.prefetch, variant.op.lookahead, variant.op.probe) == (prefetch, lookahead, probe)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    kernels = _cubin_kernels(cubin.read_bytes())
+    (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, kernels
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == (2 if prefetch else 0)  # two rows a thread
+    assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
+    if lookahead:  # in the loop, each block's stores and the next block's loads interleave
+        loop = ptx[ptx.index("mbarrier.try_wait.parity") :]
+        first_store = loop.index("st.shared.v4.b32")
+        assert loop.index("ld.global", first_store) < loop.rindex("st.shared.v4.b32")
