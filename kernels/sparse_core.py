@@ -53,7 +53,11 @@ block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the bloc
 next was measured no better. The producer warpgroup (fp8) takes B = 64 to 115.6 us; its
 probes: consumers with a producer that loads nothing 89.8 us, the producer alone 71.8 us,
 so neither side alone bounds it but their sum overlaps only in part (the producer's chain
-per block is load latency, then dequantization, in series: LOOKAHEAD is the next lever).
+per block is load latency, then dequantization, in series). Neither an L2 prefetch of the
+next block by the producer (119.8 us) nor a register lookahead (the next block's loads
+issued into the registers each stored piece frees: 116.6 against 114.2) paid
+(bench/RESULTS.md, session 7); the next levers are the consumer reshape and the 2-CTA
+crossover (docs/levers.md A.2 steps 2 and 3).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -110,17 +114,6 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 # usual; "no_math": the consumers only wait for each block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# The producer path's lookahead (plan A.2 step 4 without registers to spare: the consumers
-# keep 2 x 184). PREFETCH: block b + 1's rows bulk-prefetched into L2 (one per row) before the
-# producer waits on block b's buffer, so its loads after the wait hit L2 (H200, fp8 B = 64:
-# 119.8 us against 115.6 without; not used). LOOKAHEAD (fp8 rows): each 8-byte piece of block
-# b + 1 is loaded into the registers block b's piece leaves as soon as that one is stored, so
-# the next block's loads are in flight through the rest of the dequantization, the full
-# arrive and the empty wait, at no extra registers; the proxy fence moves to the consumers
-# (the producer's would wait for those loads). Not yet measured on the device.
-PREFETCH = False
-LOOKAHEAD = False
-AHEAD_GROUP = 2  # LOOKAHEAD: pieces stored and reloaded between bar.warp.sync fences
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -279,8 +272,6 @@ class SparseCore:
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
         self.probe = PROBE if self.producer else ""
-        self.prefetch = self.producer and PREFETCH
-        self.lookahead = self.producer and mla_fp8 and LOOKAHEAD
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         self.threads = (
@@ -704,14 +695,7 @@ class SparseCore:
         cute.arch.griddepcontrol_launch_dependents()
         if warp >= 8:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if cutlass.const_expr(self.lookahead):
-                self.produce_blocks_ahead(
-                    cache, slots, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
-                )
-            else:
-                self.produce_blocks(
-                    slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots
-                )
+            self.produce_blocks(slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume_blocks(
@@ -756,10 +740,6 @@ class SparseCore:
                 fetched = [Int32(-1), Int32(-1)]
             # the next block's slots (past the CTA's last block: the last block's again, unused)
             upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-            if cutlass.const_expr(self.prefetch):  # by each row's chunk-0 thread, live rows only
-                for v in cutlass.range_constexpr(2):
-                    if maps[v][3] and b + 1 < blocks and P.in_range(upcoming[v], pool_slots):
-                        P.prefetch_l2(cache + Int64(upcoming[v]) * self.row_bytes, self.row_bytes)
             if cutlass.const_expr(self.mla_fp8):
                 staged = [
                     self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
@@ -788,66 +768,6 @@ class SparseCore:
             P.cp_async_wait(0)
             P.fence_proxy_async()
             P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
-
-    @cute.jit
-    def produce_blocks_ahead(self, cache, slots, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
-        """produce_blocks for fp8 rows with a block of register lookahead (LOOKAHEAD): piece j
-        of block b + 1 is loaded into the registers piece j of block b leaves once stored (the
-        scales after the last), so block b + 1's loads are in flight through the rest of block
-        b's dequantization, its full arrive and the wait for block b + 1's buffer. The
-        generic-to-async proxy fence its stores need before the consumers' wgmma is the
-        consumers' (after their full wait, on the same causality path), since a producer
-        fence (MEMBAR.ALL.CTA) would wait for those loads."""
-        block = self.block
-        blocks = self.slots_per_cta // block
-        groups = block // 8
-        pieces = (TILE_CHUNKS // 4 + 8 // groups - 1) // (8 // groups)
-        maps = []
-        for v in cutlass.range_constexpr(2):
-            vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
-            r, cg0, q4 = 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
-            maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))
-        ids_row = slots + token * self.k + split * self.slots_per_cta
-        slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
-        # block b + 1's slot ids, loaded a block before its loads are issued (in block b)
-        upcoming = [P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-        staged = []
-        for v in cutlass.range_constexpr(2):  # block 0
-            fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else slot[v]
-            live = P.in_range(fetched, pool_slots)
-            src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
-            row = [P.load_f32x4_if(src + LATENT, live)]
-            for j in cutlass.range_constexpr(pieces):
-                row.append(self.fetch_piece(src, live, maps[v][1], maps[v][2], j))
-            staged.append(row)
-        for b in range(blocks):
-            s = b % 2
-            buf = kv_s + s * TILE_BYTES
-            later = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
-            if b >= 2:  # block b - 2's consumers are done with the buffer
-                P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
-            ahead = []
-            for v in cutlass.range_constexpr(2):
-                r, cg0, q4, _ = maps[v]
-                fetched = Int32(-1) if cutlass.const_expr(self.probe == "no_loads") else upcoming[v]
-                live = P.in_range(fetched, pool_slots) & (b + 1 < blocks)
-                src = cache + Int64(P.select_i32(live, fetched, 0)) * FP8_ROW
-                at = buf + r * 16 + q4 * CHUNK
-                row = [None]
-                for j in cutlass.range_constexpr(pieces):
-                    self.store_piece(staged[v][1 + j], staged[v][0], at, cg0, j)
-                    row.append(self.fetch_piece(src, live, cg0, q4, j))
-                    if cutlass.const_expr(j % AHEAD_GROUP == AHEAD_GROUP - 1):
-                        cute.arch.sync_warp()  # keeps ptxas from sinking the loads below the stores
-                row[0] = P.load_f32x4_if(src + LATENT, live)  # block b's scales are used up
-                ahead.append(row)
-            self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-            # no proxy fence here: its MEMBAR would wait for block b + 1's loads in flight;
-            # the consumers fence after their full wait instead (consume_blocks)
-            P.mbar_arrive(full0 + 8 * s)
-            staged = ahead
-            slot = upcoming
-            upcoming = later
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
@@ -905,8 +825,6 @@ class SparseCore:
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
-            if cutlass.const_expr(self.lookahead):
-                P.fence_proxy_async()  # the producer's generic stores (unfenced there) -> wgmma
             if cutlass.const_expr(self.probe != "no_math"):
                 row_max, row_sum, acc_o = self.consume_block(
                     q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots

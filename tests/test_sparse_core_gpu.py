@@ -1,8 +1,7 @@
 """SparseCore (sparse MLA decode over the selected slots) on an sm_90 GPU against the
 reference: 8 (padded to 16), 16, 32, 64 and 128 query rows, both cache formats and both
 query formats, every slots-per-CTA variant, the plan's choice at B = 1, 3 and 64, and
-slot lists with holes, repeats, a short selection and none at all; the fp8 producer path's
-opt-in register lookahead (sparse_core.LOOKAHEAD). Outputs poisoned first."""
+slot lists with holes, repeats, a short selection and none at all. Outputs poisoned first."""
 
 import pytest
 import torch
@@ -136,14 +135,3 @@ def test_publish_copies_the_rows_read_and_rearms_them(case, slots_per_cta):
     assert (box1[:batch, : s.gathered] == formats.SENTINEL_BYTE).all(), "the rows read are re-armed"
     assert torch.equal(box1[:batch, s.gathered :], before[:batch, s.gathered :]), "pad rows untouched"
     assert torch.equal(box1[batch:], before[batch:]), "rows past the batch untouched"
-
-
-@pytest.mark.parametrize("batch, slots_per_cta", [(5, None), (64, None), (5, 64), (5, 512)])
-def test_producer_register_lookahead_matches_the_reference(monkeypatch, batch, slots_per_cta):
-    """sparse_core.LOOKAHEAD (opt-in, fp8 producer path): block b + 1's pieces loaded between
-    block b's stores, the proxy fence in the consumers after their full wait; the plan's
-    split at B = 5 and 64, and 32 / 4 splits."""
-    from graphstep.kernels import sparse_core
-
-    monkeypatch.setattr(sparse_core, "LOOKAHEAD", True)
-    _check("q128-tp1-fp8", batch, slots_per_cta)
