@@ -552,7 +552,6 @@ class SparseCore:
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
 
-        scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         acc_o = [Float32(0)] * 128
         row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
@@ -573,41 +572,11 @@ class SparseCore:
             # (not used before the next block: its load latency hides behind this block)
             upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
 
-            # scores of this warpgroup's half of the block
+            # scores of this warpgroup's half of the block, then P (both halves) in shared memory
             s = wgmma_scores(q_s, cur + wg * half * 16, half)
-            for j in cutlass.range_constexpr(half // 8):
-                for e in cutlass.range_constexpr(2):
-                    live = P.in_range(ids_s[(b % 2) * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
-                    for rr in cutlass.range_constexpr(2):
-                        s[4 * j + 2 * rr + e] = P.select(live, s[4 * j + 2 * rr + e] * scale, neg_inf)
-            for rr in cutlass.range_constexpr(2):
-                top = s[2 * rr]
-                for j in cutlass.range_constexpr(half // 8):
-                    top = cute.arch.fmax(top, cute.arch.fmax(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
-                if t == 0:
-                    red[wg * WG_ROWS + row0 + 8 * rr] = top
-            cute.arch.sync_threads()
-            alpha = [Float32(0), Float32(0)]
-            use = [Float32(0), Float32(0)]
-            for rr in cutlass.range_constexpr(2):
-                top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
-                use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
-                alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
-                row_max[rr] = top
-                row_sum[rr] = row_sum[rr] * alpha[rr]
-            for j in cutlass.range_constexpr(half // 8):
-                p = [P.exp2_approx(s[4 * j + q] - use[q // 2]) for q in range(4)]
-                row_sum[0] = row_sum[0] + p[0] + p[1]
-                row_sum[1] = row_sum[1] + p[2] + p[3]
-                at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
-                P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
-                P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
-            for i in cutlass.range_constexpr(128):
-                acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
-            P.fence_proxy_async()
-            cute.arch.sync_threads()  # the block's P (both halves) is in shared memory
+            row_max, row_sum, acc_o = self.block_softmax(
+                s, ids_s, b % 2, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, False
+            )
 
             # P @ V in flight while this thread dequantizes its share of the next block (fp8)
             acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
@@ -845,9 +814,26 @@ class SparseCore:
         block = self.block
         half = block // 2
         row0 = 16 * w4 + g
+        sc = wgmma_scores(q_s, cur + wg * half * 16, half)
+        row_max, row_sum, acc_o = self.block_softmax(
+            sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, True
+        )
+        acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def block_softmax(self, sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, named: bool):
+        """The online softmax of one block in the 64-row paths, from this warpgroup's half of
+        the scores (sc, wgmma_scores) to P in shared memory: slots outside the pool scored
+        -inf (the block's ids beside buffer s), each row's max over both halves exchanged
+        through `red`, the running max and sum and the output accumulators rescaled, P
+        stored as bf16 for P @ V. The two exchanges meet at the consumers' named barrier
+        (named: partial_wgmma_ws) or the CTA's (partial_wgmma). wg: this thread's
+        warpgroup, row0: its first row (16 w4 + g), t: its lane in the quad. Returns
+        (row_max, row_sum, acc_o)."""
+        half = self.block // 2
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
-        sc = wgmma_scores(q_s, cur + wg * half * 16, half)
         for j in cutlass.range_constexpr(half // 8):
             for e in cutlass.range_constexpr(2):
                 live = P.in_range(ids_s[s * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
@@ -861,7 +847,7 @@ class SparseCore:
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             if t == 0:
                 red[wg * WG_ROWS + row0 + 8 * rr] = top
-        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # both halves' maxima
+        self.consumers_meet(named)  # both halves' maxima
         alpha = [Float32(0), Float32(0)]
         use = [Float32(0), Float32(0)]
         for rr in cutlass.range_constexpr(2):
@@ -880,9 +866,15 @@ class SparseCore:
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         P.fence_proxy_async()
-        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)  # the block's P is in shared memory
-        acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+        self.consumers_meet(named)  # the block's P (both halves) is in shared memory
         return row_max, row_sum, acc_o
+
+    @cute.jit
+    def consumers_meet(self, named: bool):
+        if cutlass.const_expr(named):
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots) -> list:
