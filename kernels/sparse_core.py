@@ -42,22 +42,23 @@ its rows' only reader), else the combine (after every partial CTA) -- so no torc
 fill follow the launch.
 
 `plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
-wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep).
-At TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in
-half the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of
-every row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is
-left is the per-block CTA barriers of a one-CTA-per-SM kernel (a warp-specialized producer
-is the next lever). At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the
-math alone (no row copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one
-block of rows in flight per CTA, one CTA per SM; an L2 bulk prefetch of the block after
-next was measured no better. The producer warpgroup (fp8) takes B = 64 to 115.6 us; its
-probes: consumers with a producer that loads nothing 89.8 us, the producer alone 71.8 us,
-so neither side alone bounds it but their sum overlaps only in part (the producer's chain
-per block is load latency, then dequantization, in series). Neither an L2 prefetch of the
-next block by the producer (119.8 us) nor a register lookahead (the next block's loads
-issued into the registers each stored piece frees: 116.6 against 114.2) paid
-(bench/RESULTS.md, session 7); the next levers are the consumer reshape and the 2-CTA
-crossover (docs/levers.md A.2 steps 2 and 3).
+wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep). At
+TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in half
+the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of every
+row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is left
+is the per-block CTA barriers of a one-CTA-per-SM kernel (for its 16- and 32-row CTAs a
+warp-specialized producer, as the 64-row fp8 path has, is the next lever). At 64-row tiles
+(wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row copies or loads)
+takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
+CTA per SM; an L2 bulk prefetch of the block after next was measured no better. The
+producer warpgroup (fp8) takes B = 64 to 115.6 us; its probes: consumers with a producer
+that loads nothing 89.8 us, the producer alone 71.8 us, so neither side alone bounds it
+but their sum overlaps only in part (the producer's chain per block is load latency, then
+dequantization, in series). Neither an L2 prefetch of the next block by the producer
+(119.8 us) nor a register lookahead (the next block's loads issued into the registers each
+stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7); the next
+levers are the consumer reshape and the 2-CTA crossover (docs/levers.md A.2 steps 2 and
+3).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -662,9 +663,11 @@ class SparseCore:
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        if warp >= 8:
+        if warp >= WG_THREADS // 32:  # warpgroup 2
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce_blocks(slots, cache, kv_s, ids_s, full0, empty0, tid - 256, split, token, error, pool_slots)
+            self.produce_blocks(
+                slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
+            )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume_blocks(
@@ -771,9 +774,11 @@ class SparseCore:
     ):
         """Warpgroups 0 and 1 (tid 0 .. 255): partial_wgmma's math per block, between the
         buffer's full and empty mbarriers, the row max and P exchanged over two named
-        barriers of the 256 threads. (The next block's P and row maxima need no third: a
-        warpgroup writes them only after the other has arrived at the next block's first
-        barrier, which it reaches after its P @ V over this block has completed.)"""
+        barriers of the 256 threads. The next block needs no third barrier: a warpgroup
+        writes its next row maxima (`red`) after this block's second barrier, which the other
+        reaches only once it has read this block's; and its next P after the next block's
+        first barrier, which the other reaches only once its P @ V over this block has
+        completed."""
         _, group, token = cute.arch.block_idx()
         lane = tid % 32
         blocks = self.slots_per_cta // self.block

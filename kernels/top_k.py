@@ -347,8 +347,10 @@ SPLITS = (
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
-# that) and batch: per width, (the largest batch, split) in ascending batch, None for the
-# one-CTA-per-row TopK. Measured on the H200 with `bench/bench_indexer.py --top-k-sweep`
+# that) and batch: per width, (the largest batch or None for every larger one, split) in
+# ascending batch; a split of None would be the one-CTA-per-row TopK (no width picks it now:
+# it runs only rows wider than every split). Measured on the H200 with
+# `bench/bench_indexer.py --top-k-sweep`
 # (bench/RESULTS.md, 2026-12-02; 128K 2026-12-03, with the pull-reduced histograms): more
 # CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
 # and larger CTAs do (one wave of rows, fewer cluster barriers). 128K: 16 CTAs of 8K to
@@ -374,7 +376,7 @@ PICKS = (
 
 def split_for(width: int, batch: int) -> Split | None:
     """The split TopK uses for rows of `width` scores at this batch (PICKS); None: the
-    one-CTA-per-row kernel (TopK), also for rows wider than every split."""
+    one-CTA-per-row kernel (TopK), for rows wider than every split."""
     for widest, picks in PICKS:
         if width <= widest:
             return next(split for largest, split in picks if largest is None or batch <= largest)
@@ -386,7 +388,7 @@ HISTS = ((0, 2048), (2048, 2048), (4096, 1024))  # (offset of the CTA's histogra
 # sums are stored after a cluster barrier that every CTA passes only once done with round r's.
 SUMS = 5120
 GROUPS = SUMS + 2048
-ZEROED = GROUPS + 64  # the CTA's histograms (zeroed) | summed histogram | summed group counts
+HIST_WORDS = GROUPS + 64  # the CTA's histograms (zeroed each launch) | summed histogram | group sums
 
 
 def dsmem_load4(address, cta) -> tuple:
@@ -473,6 +475,12 @@ class ClusterTopK:
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
         if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
             raise ValueError(f"unsupported split {split}")
+        # sum_histograms: each CTA owns whole 32-bin groups of every round's bins, a thread
+        # per 4 of them
+        if split.ctas & (split.ctas - 1) or min(b for _, b in HISTS) // split.ctas % 32:
+            raise ValueError(f"unsupported split {split}: ctas must be a power of two up to 16")
+        if max(b for _, b in HISTS) // (4 * split.ctas) > split.threads:
+            raise ValueError(f"unsupported split {split}: fewer threads than 4-bin quads of a CTA's bins")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
         self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
         self.stashed, self.held = split.stashed, split.held
@@ -521,7 +529,7 @@ class ClusterTopK:
         cta = cute.arch.block_idx_in_cluster()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        zeroed = smem.allocate_tensor(Int32, cute.make_layout(ZEROED), byte_alignment=16)
+        hists = smem.allocate_tensor(Int32, cute.make_layout(HIST_WORDS), byte_alignment=16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
         offsets = smem.allocate_tensor(Int32, cute.make_layout(2 * ctas), byte_alignment=16)
         pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
@@ -530,10 +538,11 @@ class ClusterTopK:
             stash = smem.allocate_tensor(
                 Int32, cute.make_layout(4 * threads * self.stashed), byte_alignment=16
             ).iterator.toint()
-        base_address = zeroed.iterator.toint()
+        base_address = hists.iterator.toint()
         # Zero this CTA's histograms before the PDL wait (no global reads; the summed ones are
-        # stored whole). The cluster barrier this arrives on is waited on before any CTA reads
-        # another's shared memory.
+        # stored whole). The cluster barrier this arrives on, waited on below before the first
+        # histogram atomics, is what orders this CTA's zeroing before its own atomics (every
+        # exchange between CTAs has its own barriers in find_threshold and compact).
         for i in range(tid, SUMS // 4, threads):
             store_zero4(base_address + 16 * i)
         cute.arch.cluster_arrive(aligned=True)
@@ -567,7 +576,7 @@ class ClusterTopK:
         cute.arch.cluster_wait()
 
         if n > self.k:
-            threshold, need = self.find_threshold(keys, stash, limit, zeroed, base_address, tid, lane, cta)
+            threshold, need = self.find_threshold(keys, stash, limit, hists, base_address, tid, lane, cta)
             self.compact(
                 keys,
                 stash,
@@ -613,7 +622,7 @@ class ClusterTopK:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
     @cute.jit
-    def find_threshold(self, keys, stash, limit, zeroed, base_address, tid, lane, cta):
+    def find_threshold(self, keys, stash, limit, hists, base_address, tid, lane, cta):
         """(T, need) over the cluster's row: the k best are every key > T and the first
         `need` keys == T (need = ALL: every one). The row has more than k scores."""
         threads = self.threads
@@ -632,7 +641,7 @@ class ClusterTopK:
                         if cutlass.const_expr(r > 0):
                             live = live and (key >> Uint32(shift + bits)) == prefix
                         if live:
-                            cute.arch.atomic_add(zeroed.iterator + hist + digit, Int32(1))
+                            cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
                 # Every CTA's histogram of this round is complete; then CTA c sums its
                 # slice of the bins over the cluster and stores the sums into every CTA.
                 cute.arch.cluster_arrive(aligned=True)
@@ -640,7 +649,7 @@ class ClusterTopK:
                 self.sum_histograms(base_address, hist, bins, tid, lane, cta)
                 cute.arch.cluster_arrive(aligned=True)
                 cute.arch.cluster_wait()
-                digit, above, count = self.find_bin(zeroed, SUMS, GROUPS, bins, need, lane)
+                digit, above, count = self.find_bin(hists, SUMS, GROUPS, bins, need, lane)
                 prefix = (prefix << Uint32(bits)) | Uint32(digit)
                 need = need - above
                 threshold = prefix << Uint32(shift)
@@ -683,7 +692,7 @@ class ClusterTopK:
                         dsmem_store1(base_address + 4 * (GROUPS + first // 32), (cta + i) % ctas, group)
 
     @cute.jit
-    def find_bin(self, zeroed, hist: int, groups: int, bins: int, need, lane):
+    def find_bin(self, hists, hist: int, groups: int, bins: int, need, lane):
         """(the bin holding the need-th highest key, the count above it, its count) of the
         summed histogram at `hist` with its 32-bin group sums at `groups`; every warp on
         its own. Lanes take groups, then the chosen group's bins, in descending order."""
@@ -691,10 +700,10 @@ class ClusterTopK:
         high = Int32(0)
         own = Int32(0)
         if cutlass.const_expr(ngroups == 64):
-            high = zeroed[groups + 63 - 2 * lane]
-            own = high + zeroed[groups + 62 - 2 * lane]
+            high = hists[groups + 63 - 2 * lane]
+            own = high + hists[groups + 62 - 2 * lane]
         else:
-            high = zeroed[groups + 31 - lane]
+            high = hists[groups + 31 - lane]
             own = high
         inclusive = inclusive_scan(own, lane)
         chosen = lowest_lane(cute.arch.vote_ballot_sync(inclusive >= need))
@@ -708,7 +717,7 @@ class ClusterTopK:
                 above = above + chosen_high
         else:
             group = 31 - chosen
-        count = zeroed[hist + 32 * group + 31 - lane]
+        count = hists[hist + 32 * group + 31 - lane]
         inclusive = inclusive_scan(count, lane)
         chosen = lowest_lane(cute.arch.vote_ballot_sync(above + inclusive >= need))
         above = above + cute.arch.shuffle_sync(inclusive - count, offset=chosen)

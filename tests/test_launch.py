@@ -260,26 +260,29 @@ def _top_k_setup(topology, context: int, batch: int):
 
 @pytest.mark.parametrize("topology", [Topology(tp=8), Topology(tp=8, dcp=2, rank=1)], ids=["tp8", "dcp2"])
 @pytest.mark.parametrize(
-    "context, batch",
+    "context, batch, expect",
     [
-        (64, 1),
-        (4096, 4),
-        (8192, 64),
-        (32768, 1),
-        (32768, 16),
-        (32768, 64),
-        (131072, 4),
-        (131072, 16),
-        (131072, 64),
-        (262144, 2),
+        (64, 1, "c4x512x4"),
+        (4096, 4, "c4x512x4"),
+        (8192, 64, "c4x512x4"),
+        (32768, 1, "c8x512x8"),
+        (32768, 16, "c4x512x16"),
+        (32768, 64, "c2x1024x16"),
+        (131072, 4, "c16x1024x8"),
+        (131072, 16, "c4x1024x32"),
+        (131072, 32, "c8x1024x16"),
+        (131072, 64, "c2x1024x64"),
+        (262144, 2, "c16x1024x16"),  # wider than PICKS: the smallest split that holds the row
+        (262208, 1, "one-cta"),  # wider than every split
     ],
 )
-def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch):
-    """The launcher picks split_for(width, batch): a ClusterTopK of that split (its
-    compiled signature, its k / dcp / rank) or TopK (rows wider than every split)."""
+def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context, batch, expect):
+    """The launcher picks the measured PICKS split for the width and batch: a ClusterTopK
+    of that split (its compiled signature, its k / dcp / rank) or TopK (rows wider than
+    every split)."""
     kernels, args = _top_k_setup(topology, context, batch)
-    split = top_k.split_for(context, batch)
-    assert kernels.top_k_split(context, batch) == split
+    split = kernels.top_k_split(context, batch)
+    assert (split.name if split else "one-cta") == expect
     kernels.top_k(*args, batch)
     (op,) = Launch.ops
     assert (op.k, op.dcp, op.rank) == (2048, topology.dcp, topology.rank)

@@ -94,6 +94,17 @@ def test_sparse_core_plan_matches_the_reference(case, batch):
     _check(case, batch)
 
 
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
+def test_the_64_row_path_a_cache_does_not_default_to_matches_the_reference(monkeypatch, case, batch):
+    """sparse_core.PRODUCER flipped: the fp8 cache without the producer warpgroup, the bf16
+    cache with it (kept selectable for A/B runs: bench_sparse_core.py --paths)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "PRODUCER", {cache: not on for cache, on in sparse_core.PRODUCER.items()})
+    _check(case, batch)
+
+
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
