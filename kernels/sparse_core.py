@@ -125,13 +125,12 @@ def heads_per_cta(q_heads: int) -> int:
     raise ValueError(f"SparseCore needs q_heads % 16 == 0, got {q_heads}")
 
 
-def cols_for(heads: int) -> int:
-    """Column warps per 16-row M tile of the mma.sync path: 8 (64 latent dims each) up to 32
-    rows (64-row CTAs take the wgmma path and no column warps)."""
-    return 4 if heads == 64 else 8
+# Column warps per 16-row M tile of the mma.sync path (16- and 32-row CTAs), 64 latent dims
+# each; 64-row CTAs take the wgmma path and have none.
+COLS = 8
 
 
-def block_for(heads: int, slots_per_cta: int) -> int:
+def block_for(slots_per_cta: int) -> int:
     """Slots per shared-memory block: 64 (at most slots_per_cta)."""
     return min(64, slots_per_cta)
 
@@ -265,8 +264,8 @@ class SparseCore:
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
         self.softmax_scale, self.slots_per_cta, self.pdl, self.publish = softmax_scale, slots_per_cta, pdl, publish
         self.heads = heads_per_cta(q_heads)
-        self.cols = cols_for(self.heads)
-        self.block = block_for(self.heads, slots_per_cta)
+        self.cols = COLS
+        self.block = block_for(slots_per_cta)
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS

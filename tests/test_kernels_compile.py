@@ -434,7 +434,7 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         for name in names:
             op_slots = int(name.split("_s")[-1])
             heads = sparse_core.heads_per_cta(shape.q_heads)
-            block, cols = sparse_core.block_for(heads, op_slots), sparse_core.cols_for(heads)
+            block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
             text = ptx[(shape_name, name)]
             assert len(_entries(text)) == (2 if op_slots < shape.model.index_topk else 1)  # partial (+ combine)
             tiles = max(1, block // 8 // cols)  # QK slot tiles per warp: 36 k steps each
