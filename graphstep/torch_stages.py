@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from . import formats
 from . import reference as ref
 from .kernels import guards
+from .launch import guard_bounds
 from .state import LayerCaches, LayerState, StepInputs, local_lens
 
 
@@ -45,13 +46,12 @@ def guard_inputs(state: LayerState, inputs: StepInputs, record: torch.Tensor) ->
     """Record the inputs' out-of-range ids in `record` (the error word's int64 [1] view, a
     running minimum) as the kernels would, and make them safe in place (module docstring).
     Graph-capturable: elementwise ops and reductions over the batch, no synchronization."""
-    m, w, c, topo = state.shape.model, state.weights, state.caches, state.shape.topology
-    page = m.page_size
+    page, topo = state.shape.model.page_size, state.shape.topology
     lens, slots, tables = inputs.context_lens, inputs.slot_mapping, inputs.block_tables
-    index_pages = c.index_cache.shape[0]
-    index_slots, mla_slots = index_pages * page, c.mla_cache.shape[0] * c.mla_cache.shape[1]
-    index_rows = min(w.index_rope_cos.shape[0], w.index_rope_sin.shape[0])
-    mla_rows = min(w.rope_cos.shape[0], w.rope_sin.shape[0])
+    bounds = guard_bounds(state)  # the kernels' bounds: [lo, hi) per check
+    index_slots, mla_slots = bounds[guards.INDEX_KEY_SLOT][1], bounds[guards.MLA_QUERY_SLOT][1]
+    index_rows, mla_rows = bounds[guards.INDEX_KEY_LENGTH][1] - 1, bounds[guards.MLA_QUERY_LENGTH][1] - 1
+    index_pages = bounds[guards.DSA_INDEX_PAGE][1]
     index_ok = (slots >= 0) & (slots < index_slots)
     mla_ok = (slots >= 0) & (slots < mla_slots)
     # the pages DsaIndex reads: the used part of each table, by the raw lengths
