@@ -2,27 +2,25 @@
 
 Rank r is a DecodeStep of `shape.with_topology(dcp=d, rank=r)` holding the shard of ONE
 unsharded layer (`DcpGroup.unsharded`, LayerState.load_shard): Q_B and W_UK of its heads,
-the cached tokens at positions p % d == r. Each rank has its own mailbox and candidate
-buffers; they exchange through `GroupTransport`, and `combine_ranks` (graphstep.reference)
-turns the ranks' (out, lse) into the attention of the unsharded layer.
+the cached tokens at positions p % d == r. The ranks exchange their query rows and their
+top-k candidates every step, and `combine_ranks` (graphstep.reference) turns the ranks'
+(out, lse) into the attention of the unsharded layer. Two ways to exchange
+(docs/design.md section 4):
 
-A group step runs every rank's step eagerly, each in its own host thread, and the ranks
-meet at the two exchanges of a step (docs/design.md section 4, "The group protocol"):
-
-1. after its MlaQuery, each rank pushes its own query rows into every other rank's
-   mailbox (`share_query_rows`) and waits for the others' pushes;
-2. after its TopK, each rank pushes its candidates into every other rank's candidate
-   buffers (`publish_candidates`) and waits for the others'; then DcpMerge and the sparse
-   core run on this rank's own buffers only.
-
-Pushing, not pulling: a rank's buffers are written by the others and read, then re-armed,
-by their owner alone, so one meeting per exchange suffices (a pull would need a second,
-"every peer has copied my rows", before the owner may re-arm its own mailbox).
-
-The torch backend runs the serial data path (MlaQuery, then the indexer): with no
-streams and no poll, the rows exchange comes first and the transport itself checks the
-mailbox as QueryWait would. The cute backend runs fork: QueryWait polls after the pushes
-(CUDA events order each rank's stream after its peers' pushes).
+- cute backend, `PeerTransport`: the kernels themselves. MlaQuery stores each rank's rows
+  into every rank's mailbox (remote 16-byte stores), QueryWait polls the own mailbox,
+  CandidateSync sets a ready flag in every peer after TopK and waits for theirs, DcpMerge
+  reads the peers' candidates where their TopK left them. No host meeting and no copy:
+  each rank's step is one CUDA graph per size and step parity, and `DcpGroup.step`
+  launches every rank's on its own stream, then checks them all. The buffers the peers
+  write are doubled by the step's parity, because a rank may start step N + 1 while a
+  slower one still reads step N.
+- torch backend, `GroupTransport`: every rank's step runs eagerly in its own host thread
+  and the ranks meet at the two exchanges (a host condition), pushing their rows and
+  candidates into the others' buffers with copies; torch has no poll, so the transport
+  checks the mailbox as QueryWait would. Pushing, not pulling: a rank's buffers are
+  written by the others and read, then re-armed, by their owner alone, so one meeting per
+  exchange suffices.
 """
 
 from __future__ import annotations
@@ -37,21 +35,18 @@ import torch
 
 from . import formats
 from . import reference as ref
-from .launch import DEFAULT_BUDGET_NS, MailboxTimeout
+from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout
 from .shapes import RankShape
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
-from .transport import Transport, ValueCheck
+from .transport import Exchange, PeerCandidates, Transport, ValueCheck
 
-GROUP_POLICY = {"torch": "serial", "cute": "fork"}  # why: the module docstring
-
-
-class CandidatesTimeout(RuntimeError):
-    """Some ranks' top-k candidates never arrived (their step stopped between the two exchanges)."""
-
-    def __init__(self, rank: int, missing: list[int]):
-        super().__init__(f"DCP candidates: rank {rank} never received the candidates of ranks {missing}")
-        self.rank, self.missing = rank, missing
+# torch: the rows exchange before the indexer (no poll); cute: QueryWait polls on the side
+# stream while the indexer runs (serial and fork_poll would poll inside MlaQuery's grid, whose
+# many CTAs could hold the SMs a peer on the same GPU needs to publish)
+GROUP_POLICY = {"torch": "serial", "cute": "fork"}
+FLAG_WORDS = 32  # CandidateSync's flags per parity: one per rank (dcp <= 32)
+SPIN_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep's cycles per second at the H200's boost clock (delays)
 
 
 class Rendezvous:
@@ -132,9 +127,7 @@ class GroupTransport(Transport):
             if lost is not None:
                 raise MailboxTimeout(*lost, heads=self.shape.heads)
 
-    def publish_candidates(
-        self, positions: torch.Tensor, scores: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
         """Push this rank's candidates into row `rank` of every peer's buffers, meet, and
         return this rank's buffers; a rank that never came offers nothing (-1 / -inf) and
         is kept in lost_candidates (the group raises CandidatesTimeout)."""
@@ -145,7 +138,7 @@ class GroupTransport(Transport):
         for rank in self.lost_candidates:
             self.positions[:size, rank] = -1
             self.scores[:size, rank] = float("-inf")
-        return self.positions[:size], self.scores[:size]
+        return PeerCandidates(self.positions[:size], self.scores[:size])
 
     def arm(self, size: int) -> None:
         pass  # every peer rewrites its candidate rows each step; the sparse core re-arms the mailbox
@@ -164,23 +157,131 @@ class GroupTransport(Transport):
         return missing
 
 
+class PeerTransport(Transport):
+    """One rank's end of a DcpGroup whose kernels exchange through each other's memory.
+
+    Every rank holds one `memory` allocation of the same layout, so one byte offset per rank
+    (`mailbox_offsets[s]`: rank s's memory minus this rank's, 0 for this rank) addresses any
+    of rank s's buffers from the same buffer of this rank's:
+
+        mailbox    uint8 [2, max_batch, q_heads, 576 x q_bytes]  armed (0xFF)
+        positions  int32 [2, max_batch, topk]   this rank's TopK candidates (global positions)
+        scores     fp32  [2, max_batch, topk]   and their scores
+        flags      int32 [2, 32]                word s: rank s's candidates are complete
+
+    The leading 2 is the step's parity. Who writes and who re-arms (one writer, one
+    re-arming reader per word, as for a mailbox chunk):
+    - mailbox rows [r x H, (r + 1) x H): rank r's MlaQuery (remote stores); read by the
+      owner's QueryWait and sparse core, which re-arms them;
+    - positions / scores: the owner's TopK; read in place by every rank's DcpMerge; never
+      re-armed (rewritten every step of that parity);
+    - flag word r of rank s: rank r's CandidateSync sets it; rank s's re-arms it to 0.
+    Why two parities suffice: a rank finishes step N only after every rank published
+    step N's rows and candidates, which each did in stream order after finishing step
+    N - 1. So ranks are at most one step apart: while a slow rank reads half N % 2, a fast
+    one writes half (N + 1) % 2, and it writes half N % 2 again (step N + 2) only after the
+    slow one's step N + 1 published, i.e. after its step N read and re-armed everything.
+
+    On several GPUs the offsets point into the peers' memory over P2P (peer access is
+    enabled by `connect`); the kernels are the same."""
+
+    parities = 2
+
+    def __init__(self, shape: RankShape, mailbox: torch.Tensor, peers: list):
+        rows, q_heads, row_bytes = mailbox.shape
+        k, dev = shape.model.index_topk, mailbox.device
+        sizes = [2 * rows * q_heads * row_bytes, 2 * rows * k * 4, 2 * rows * k * 4, 2 * FLAG_WORDS * 4]
+        self.memory = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+        mailboxes, positions, scores, flags = torch.split(self.memory, sizes)
+        self.mailboxes = mailboxes.view(2, rows, q_heads, row_bytes)
+        self.positions = positions.view(torch.int32).view(2, rows, k)
+        self.scores = scores.view(torch.float32).view(2, rows, k)
+        self.flags = flags.view(torch.int32).view(2, FLAG_WORDS)
+        self.shape, self.peers, self.rank = shape, peers, shape.topology.rank
+        self.parity = 0  # the parity being issued (exchange())
+        self.rearm()
+        self.positions.fill_(-1)
+        self.scores.fill_(float("-inf"))
+        peers[self.rank] = self
+
+    def connect(self) -> None:
+        """Once every rank's transport exists: the offsets to the peers' memory (peer access
+        enabled where a peer is on another GPU). Before any warm-up or capture."""
+        if any(peer is None for peer in self.peers):
+            raise RuntimeError("PeerTransport.connect: not every rank's transport exists yet")
+        dev = self.memory.device
+        for peer in self.peers:
+            if peer.memory.device != dev:
+                enable_peer_access(dev, peer.memory.device)
+        offsets = [peer.memory.data_ptr() - self.memory.data_ptr() for peer in self.peers]
+        self.mailbox_offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
+
+    def rearm(self) -> None:
+        """Both halves armed: every mailbox chunk the sentinel, every flag 0."""
+        formats.arm(self.mailboxes)
+        self.flags.zero_()
+
+    def exchange(self, parity: int) -> Exchange:
+        """The buffers of `parity`; also selects it for publish_candidates."""
+        self.parity = parity
+        return Exchange(self.mailboxes[parity], self.positions[parity], self.scores[parity])
+
+    def check(self, peers: PeerInputs | None, batch: int) -> None:
+        if peers is not None:
+            raise ValueError("a DcpGroup rank takes no peers: the other ranks are real (DcpGroup.step)")
+
+    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
+        return []
+
+    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
+        pass  # nothing staged: the peers' kernels write during the step
+
+    def publish_query_rows(self, size: int) -> None:
+        pass  # the peers' MlaQuery stores their rows here
+
+    def share_query_rows(self, size: int) -> None:
+        pass  # this rank's MlaQuery stored its rows into every mailbox (mailbox_offsets)
+
+    def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
+        """Launches nothing itself: the step runs CandidateSync on the flags returned, then
+        DcpMerge reads the peers' lists `mailbox_offsets` bytes from this rank's."""
+        k = self.shape.model.index_topk
+        return PeerCandidates(positions, scores, self.mailbox_offsets, k, self.flags[self.parity])
+
+
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Let `device`'s kernels address `peer`'s memory (P2P); ValueError where the GPUs cannot.
+    Not exercised on a single-GPU machine."""
+    if not torch.cuda.can_device_access_peer(device.index, peer.index):
+        raise ValueError(f"{device} cannot access {peer}'s memory (no P2P between them): a DcpGroup needs it")
+    from cuda.bindings import runtime
+
+    with torch.cuda.device(device):
+        (status,) = runtime.cudaDeviceEnablePeerAccess(peer.index, 0)
+    if status not in (runtime.cudaError_t.cudaSuccess, runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+        raise RuntimeError(f"cudaDeviceEnablePeerAccess({device} -> {peer}): {status}")
+
+
 class DcpGroup:
     """The dcp ranks of one DCP group in this process, each a DecodeStep on its own shard of
-    one unsharded layer, run eagerly (graph capture needs the in-kernel publishes: issue 12).
+    one unsharded layer (the module docstring: how they exchange).
 
     Arguments:
         shape: RankShape of a rank (its tp; its dcp is replaced by `dcp`). tp must be a
             multiple of dcp: the unsharded layer has dcp x heads-per-rank heads.
-        dcp: int >= 2, the group's size.
+        dcp: int, 2 <= dcp <= 32, the group's size.
         devices: one torch device for every rank, or a list of one per rank (None: "cpu"
-            for the torch backend, the current CUDA device for cute).
+            for the torch backend, the current CUDA device for cute). Ranks on different
+            GPUs need P2P between them (cute).
         capture_sizes, backend, max_context, seed, budget_ns: as DecodeStep's; the seed
-            draws the unsharded layer.
-        wait_s: how long a rank waits at an exchange for the others.
+            draws the unsharded layer; budget_ns bounds each rank's waits for the others.
+        wait_s: torch backend: how long a rank waits at an exchange for the others.
 
     Attributes: unsharded (the LayerState every rank's shard comes from, on the first
-    device), steps (the ranks' DecodeSteps), times (seconds of each rank's last step,
-    None for an absent rank) and group_time (of the last group step)."""
+    device), steps (the ranks' DecodeSteps), transports, steps_run (group steps so far: the
+    parity of the next is steps_run % 2), times (seconds of each rank's last step: GPU time
+    from its launch to its end for cute, host time for torch; None for an absent rank) and
+    group_time (host seconds of the last group step, launch to the last rank's end)."""
 
     def __init__(
         self,
@@ -195,8 +296,8 @@ class DcpGroup:
         wait_s: float = 10.0,
     ):
         topo = shape.topology
-        if not isinstance(dcp, int) or dcp < 2:
-            raise ValueError(f"a DCP group needs dcp >= 2, got {dcp!r}")
+        if not isinstance(dcp, int) or not 2 <= dcp <= FLAG_WORDS:
+            raise ValueError(f"a DCP group needs 2 <= dcp <= {FLAG_WORDS}, got {dcp!r}")
         if topo.tp % dcp:
             raise ValueError(f"tp {topo.tp} must be a multiple of dcp {dcp}: the unsharded layer has tp / dcp")
         if backend not in GROUP_POLICY:
@@ -207,13 +308,16 @@ class DcpGroup:
         if len(devices) != dcp:
             raise ValueError(f"devices: one for every rank or one per rank ({dcp}), got {len(devices)}")
         self.devices = [self._device(d) for d in devices]
-        self.dcp = dcp
+        self.dcp, self.backend = dcp, backend
         unsharded = RankShape(shape.model, replace(topo, tp=topo.tp // dcp, dcp=1, rank=0, split=False))
         sizes = sorted(set(capture_sizes))
         self.unsharded = LayerState(unsharded, sizes[-1], max_context, seed, self.devices[0])
         self.rendezvous = Rendezvous(dcp, wait_s)
-        self.transports: list[GroupTransport | None] = [None] * dcp
-        check_rows = backend == "torch"
+        self.transports: list[Transport | None] = [None] * dcp
+        if backend == "cute":
+            make_transport = lambda s, mailbox: PeerTransport(s, mailbox, self.transports)
+        else:
+            make_transport = lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous, True)
         self.steps: list[DecodeStep] = []
         for rank, device in enumerate(self.devices):
             rank_shape = shape.with_topology(dcp=dcp, rank=rank)
@@ -228,12 +332,19 @@ class DcpGroup:
                 max_context=max_context,
                 seed=seed,
                 budget_ns=budget_ns,
-                transport=lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous, check_rows),
+                transport=make_transport,
                 state=state,
             )
-            step.stages.warm(step.sizes)  # a compile inside a step would hold the peers past wait_s
+            if device.type == "cuda":
+                step.side = torch.cuda.Stream(device)  # a shared side stream would queue a rank behind its peer
             self.steps.append(step)
+        for transport in self.transports:
+            if isinstance(transport, PeerTransport):
+                transport.connect()
+        for step in self.steps:
+            step.stages.warm(step.sizes)  # a compile inside a step would hold the peers past their wait
         self.streams = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in self.devices]
+        self.steps_run = 0
         self.times: list[float | None] = [None] * dcp
         self.group_time: float | None = None
 
@@ -255,16 +366,85 @@ class DcpGroup:
             ranks.append(StepInputs(inputs.qkv.to(dev), lens, state.new_token_slots(lens, tables), tables))
         return ranks
 
-    def step(self, inputs: StepInputs, absent: Collection[int] = ()) -> list[StepOutputs | None]:
-        """One decode step of every rank, each in its own thread; returns each rank's outputs
-        (views of its buffers, valid until the next step). inputs: the unsharded layer's
+    def capture(self) -> None:
+        """cute: capture every rank's graphs (each size, both parities). Each graph's stages
+        first run once eagerly on every rank together (a rank alone would wait for its peers
+        in vain), which also loads the modules and warms the allocator."""
+        if self.backend != "cute":
+            raise RuntimeError("a DcpGroup captures graphs with the cute backend only (torch runs eagerly)")
+        for size, mode, parity in self.steps[0].plan():
+            for rank, step in enumerate(self.steps):
+                with self._on(rank):
+                    step.run_stages(size, mode, parity)
+            self._finish(range(self.dcp))
+        for rank, step in enumerate(self.steps):
+            with self._on(rank):
+                step.capture(warm_up=False)
+
+    def step(
+        self, inputs: StepInputs, absent: Collection[int] = (), eager: bool = False, delays: dict | None = None
+    ) -> list[StepOutputs | None]:
+        """One decode step of every rank; returns each rank's outputs (views of its buffers,
+        valid until the next step; None for an absent rank). inputs: the unsharded layer's
         (self.unsharded.inputs(...)). absent: ranks that do not run (a fault: the others'
-        steps then raise MailboxTimeout naming it). A failed step re-arms every mailbox
-        before it raises, so the next step starts clean."""
+        steps then raise MailboxTimeout or CandidatesTimeout naming it). A failed step
+        re-arms every rank's exchange buffers before it raises, so the next step starts
+        clean. cute only: eager issues the stages instead of replaying the graphs (capture()
+        first otherwise); delays: {rank: seconds} of GPU spin before that rank's step."""
         ranks = self.rank_inputs(inputs)
         for step, stream in zip(self.steps, self.streams):  # the ranks' inputs were made on this stream
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(step.device))
+        if self.backend == "cute":
+            return self._step_kernels(ranks, set(absent), eager, delays or {})
+        if eager is False and delays:
+            raise ValueError("delays: cute backend only")
+        return self._step_threads(ranks, set(absent))
+
+    def _step_kernels(self, ranks: list[StepInputs], absent: set[int], eager: bool, delays: dict):
+        """cute: load every present rank, launch each on its stream (graphs or eager stages,
+        of this step's parity), then wait for all and raise the first rank's error."""
+        present = [rank for rank in range(self.dcp) if rank not in absent]
+        parity = self.steps_run % 2
+        sizes = {}
+        for rank in present:
+            with self._on(rank):
+                sizes[rank] = self.steps[rank].load(ranks[rank])
+        events = {}
+        started = time.perf_counter()
+        for rank in present:
+            with self._on(rank):
+                if rank in delays:
+                    torch.cuda._sleep(int(delays[rank] * SPIN_CYCLES_PER_S))
+                events[rank] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[rank][0].record()
+                self.steps[rank].launch(sizes[rank], eager, parity)
+                events[rank][1].record()
+        self.steps_run += 1
+        errors = self._finish(present, rearm=bool(absent))
+        self.group_time = time.perf_counter() - started
+        self.times = [events[r][0].elapsed_time(events[r][1]) / 1e3 if r in events else None for r in range(self.dcp)]
+        if errors:
+            raise errors[0]
+        return [self.steps[r].outputs(ranks[r].batch) if r in events else None for r in range(self.dcp)]
+
+    def _finish(self, ranks, rearm: bool = False) -> list[Exception]:
+        """Wait for these ranks' steps and collect what their error words hold (own errors
+        first: the others' timeouts are their consequence); after a failure or with `rearm`,
+        re-arm every rank's exchange buffers."""
+        errors = []
+        for rank in ranks:
+            try:
+                self.steps[rank].check()
+            except (MailboxTimeout, CandidatesTimeout, ValueError) as error:
+                errors.append(error)
+        errors.sort(key=lambda error: isinstance(error, MailboxTimeout | CandidatesTimeout))
+        if errors or rearm:
+            self._rearm()
+        return errors
+
+    def _step_threads(self, ranks: list[StepInputs], absent: set[int]) -> list[StepOutputs | None]:
+        """torch: every present rank's step eagerly in its own thread, meeting at the exchanges."""
         self.rendezvous.reset()
         outputs: list[StepOutputs | None] = [None] * self.dcp
         errors: list[Exception | None] = [None] * self.dcp
@@ -288,6 +468,7 @@ class DcpGroup:
         for thread in threads:
             thread.join()
         self.group_time = time.perf_counter() - started
+        self.steps_run += 1
         # a rank's own error first: the others' timeouts are its consequence
         failed = [error for error in errors if error is not None]
         failed.sort(key=lambda error: isinstance(error, MailboxTimeout | CandidatesTimeout))
@@ -309,11 +490,19 @@ class DcpGroup:
         return stack
 
     def _rearm(self) -> None:
-        """Every mailbox armed again (a failed step left pushed rows no sparse core re-armed)."""
+        """Every rank's exchange buffers armed again (a failed step left rows and flags that
+        no owner read and re-armed), after every rank's work is done."""
+        for device in dict.fromkeys(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         for step in self.steps:
-            formats.arm(step.caches.mailbox)
-            if step.device.type == "cuda":
-                torch.cuda.synchronize(step.device)
+            if isinstance(step.transport, PeerTransport):
+                step.transport.rearm()
+            else:
+                formats.arm(step.caches.mailbox)
+        for device in dict.fromkeys(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def combine(self, outputs: list[StepOutputs]) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranks' attention combined (reference.combine_ranks) on the first device: out

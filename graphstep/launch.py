@@ -34,6 +34,7 @@ def _cutlass_dtype(dtype: torch.dtype):
         torch.bfloat16: cutlass.BFloat16,
         torch.float32: cutlass.Float32,
         torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
         torch.uint8: cutlass.Uint8,
     }
     try:
@@ -74,6 +75,19 @@ class MailboxTimeout(RuntimeError):
         self.rank = None if heads is None else row // heads
 
 
+class CandidatesTimeout(RuntimeError):
+    """Some ranks' top-k candidates never arrived (their step stopped, or never ran, between
+    TopK and the exchange). rank: the rank that waited (None: unknown); missing: the ranks
+    it waited for in vain (CandidateSync names the lowest one)."""
+
+    def __init__(self, rank: int | None, missing: list[int]):
+        who = "this rank" if rank is None else f"rank {rank}"
+        super().__init__(
+            f"DCP candidates: {who} never received the candidates of ranks {missing} (the step's outputs are invalid)"
+        )
+        self.rank, self.missing = rank, missing
+
+
 class InputRangeError(ValueError):
     """A kernel met an id from the step's inputs out of its range (a step run with
     check_values=False): it wrote nothing for it, read it as a hole or clamped a RoPE row,
@@ -96,14 +110,16 @@ class InputRangeError(ValueError):
         self.bounds = bounds
 
 
-# the cleared word: no poll gave up (flag 0, index INT32_MAX), no range record (int64 2**63 - 1)
-_CLEAR = [0, INT32_MAX, -1, INT32_MAX]
+# the cleared word: no poll gave up (flag 0, index INT32_MAX), no range record (int64 2**63 - 1),
+# no candidate wait gave up (flag 0, rank INT32_MAX)
+_CLEAR = [0, INT32_MAX, -1, INT32_MAX, 0, INT32_MAX]
 
 
 @dataclass
 class ErrorWord:
-    """int32 [4] on the device: the polls' (flag, lowest missing linear chunk index), then
-    the range guards' record, one int64 in words 2-3 (kernels/guards.py)."""
+    """int32 [6] on the device: the mailbox polls' (flag, lowest missing linear chunk index),
+    the range guards' record, one int64 in words 2-3 (kernels/guards.py), then
+    CandidateSync's (flag, lowest rank whose candidates never came) in words 4-5."""
 
     word: torch.Tensor
 
@@ -128,13 +144,17 @@ class ErrorWord:
         heads: int | None = None,
         bounds: dict | None = None,
         words: list[int] | None = None,
+        rank: int | None = None,
     ) -> None:
         """Raise InputRangeError if a kernel met an id out of range, else MailboxTimeout if
-        a poll gave up (reading the word synchronizes with the device), resetting the word
-        either way. heads: head rows per rank, to name the rank that never published;
-        bounds: {check: (lo, hi)} for the message (guard_bounds); words: the word's four
-        values if the caller already read them (no second transfer)."""
-        flag, index, low, high = self.word.tolist() if words is None else words
+        a poll gave up, else CandidatesTimeout if a candidate wait did (reading the word
+        synchronizes with the device), resetting the word in each case. heads: head rows
+        per rank, to name the rank that never published; bounds: {check: (lo, hi)} for the
+        message (guard_bounds); words: the word's six values if the caller already read them
+        (no second transfer); rank: this rank, for CandidatesTimeout's message."""
+        words = self.word.tolist() if words is None else list(words)
+        # a 4-word tensor (graphstep.ops' error argument) has no candidate pair
+        flag, index, low, high, candidates, missing = words + _CLEAR[len(words) :]
         found = guards.unpack((high << 32) | (low & 0xFFFFFFFF))
         if found is not None:
             self.reset()
@@ -144,6 +164,9 @@ class ErrorWord:
             self.reset()
             token, rest = divmod(index, gathered * row_chunks)
             raise MailboxTimeout(token, rest // row_chunks, rest % row_chunks, heads)
+        if candidates:
+            self.reset()
+            raise CandidatesTimeout(rank, [missing])
 
 
 def pool_slots(cache: torch.Tensor, page_size: int) -> int:
@@ -204,6 +227,7 @@ class Kernels:
         self.w_uk_t = None if weights is None else weights.w_uk.transpose(1, 2).contiguous()
         self.eps = shape.model.rms_eps
         self._sinks: dict[torch.device, ErrorWord] = {}  # error words of launches given none
+        self._stacked: dict[torch.device, torch.Tensor] = {}  # DcpMerge's offsets of stacked candidates
 
     def _error(self, error: ErrorWord | None, like: torch.Tensor) -> ErrorWord:
         """`error`, or this launcher's own word on `like`'s device (created at its first
@@ -260,21 +284,22 @@ class Kernels:
             torch.empty(n, s.q_heads, 2, device=device),
         )
 
-    def variants(self, batches, width: int | None = None, polls=(False, True)) -> list:
+    def variants(self, batches, width: int | None = None, polls=(False, True), group: bool = False) -> list:
         """The catalog's variants this rank launches for steps of these batch sizes over block
-        tables of `width` scores (None: every TopK split)."""
+        tables of `width` scores (None: every TopK split); group: as a rank of a DCP group
+        exchanging through peer memory."""
         from .kernels import catalog
 
         norms = sorted({self.tiled(b) for b in batches})
         widths = None if width is None else (width,)
-        return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls)
+        return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls, group)
 
-    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True)) -> None:
+    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False) -> None:
         """Compile every variant `variants` lists (no launches); by default those of batches
         1 .. 64 with every TopK split."""
         from .kernels import catalog
 
-        for variant in self.variants(batches, width, polls):
+        for variant in self.variants(batches, width, polls, group):
             catalog.compile_op(variant.op, variant.args)
 
     # -- how a launch passes its arguments: CuTe DSL values (TvmFfiKernels: plain ones) --
@@ -332,6 +357,7 @@ class Kernels:
         store_qc: bool,
         poll: bool,
         budget_ns: int = DEFAULT_BUDGET_NS,
+        mailbox_offsets: torch.Tensor | None = None,
     ) -> None:
         """MlaQuery, three PDL-chained kernels: q_a RMSNorm, then Q_B with the kv_a RMSNorm,
         RoPE and the new tokens' MLA cache rows, then the W_UK absorption into this rank's
@@ -353,9 +379,12 @@ class Kernels:
         error: the ErrorWord a poll that gives up writes (token, row, chunk) to, and the range
             guards a slot outside the cache or a length outside [1, rope rows].
         batch: B >= 1. store_qc, poll: as above (poll: the fork_poll and serial DCP modes).
-        budget_ns: how long a poll waits for one chunk before it gives up."""
+        budget_ns: how long a poll waits for one chunk before it gives up.
+        mailbox_offsets: int64 [dcp] or None. In a DCP group, rank s's mailbox minus
+            `q_rows` in bytes (0 for this rank; peer memory of this GPU or, over P2P, of
+            another): the rows are stored into every rank's mailbox. None: `q_rows` only."""
         w = self.weights
-        op = self.compiled("mla_query", tiled=self.tiled(batch), poll=poll)
+        op = self.compiled("mla_query", tiled=self.tiled(batch), poll=poll, remote=mailbox_offsets is not None)
         op(
             self._ptr(qkv),
             self._ptr(w.gamma_q),
@@ -369,6 +398,7 @@ class Kernels:
             self._ptr(qc if store_qc else qc_private),
             self._ptr(workspace),
             self._ptr(q_rows),
+            self._ptr(error.word.view(torch.int64) if mailbox_offsets is None else mailbox_offsets, 8),  # (unread)
             self._ptr(mla_cache.view(torch.uint8)),
             self._ptr(error.word, 8),
             self._i32(batch),
@@ -572,20 +602,29 @@ class Kernels:
         batch: int,
         error: ErrorWord | None = None,
         pool_pages: int = INT32_MAX,
+        peer_offsets: torch.Tensor | None = None,
+        token_stride: int | None = None,
     ) -> None:
         """DcpMerge (DCP): every rank's candidates -> this rank's share of the global top-k
         (the same set the index_topk best over all ranks would be) as local cache slots.
 
         own_positions: int32 [>= B, topk], TopK's global positions (ascending, -1 padded).
         own_scores: fp32 [>= B, topk], their scores (-inf padded).
-        peer_positions: int32 [>= B, dcp, topk], every rank's candidates as the transport
-            returns them (this rank's row [:, rank] is not read).
-        peer_scores: fp32 [>= B, dcp, topk], their scores.
+        peer_positions: int32, every rank's candidates: [>= B, dcp, topk] (this rank's row
+            [:, rank] is not read), or, with peer_offsets, where rank r's [>= B, topk] list
+            lies peer_offsets[r] bytes away (a DCP group: the peers' own TopK outputs).
+        peer_scores: fp32, their scores, laid out alike.
+        peer_offsets, token_stride: int64 [dcp] or None: rank r's lists start peer_offsets[r] bytes from
+            peer_positions / peer_scores, token_stride elements apart per token (None: the
+            [>= B, dcp, topk] layout, offsets r x topk x 4 and stride dcp x topk).
         block_tables: int32 [>= B, pages_per_seq], maps this rank's local indices to slots.
         out: int32 [>= B, topk], written: this rank's slots, compacted to the front, -1 padded.
         batch: B >= 1.
         error, pool_pages: a kept candidate past the block table or whose page is outside
             [0, pool_pages) becomes slot -1, recorded in `error`."""
+        k, dcp = self.shape.model.index_topk, self.shape.topology.dcp
+        if peer_offsets is None:
+            peer_offsets, token_stride = self.stacked_offsets(peer_positions.device), dcp * k
         self.compiled("dcp_merge")(
             self._ptr(own_positions, 4),
             self._ptr(own_scores, 4),
@@ -597,7 +636,34 @@ class Kernels:
             self._i32(block_tables.shape[1]),
             self._ptr(self._error(error, out).word, 8),
             self._i32(min(pool_pages, INT32_MAX)),
+            self._ptr(peer_offsets, 8),
+            self._i32(token_stride),
             self._stream(),
+        )
+
+    def stacked_offsets(self, device) -> torch.Tensor:
+        """DcpMerge's peer_offsets for candidates stacked [B, dcp, topk]: r x topk x 4 bytes
+        (made at the first call per device: before any capture, as warm() and the step's
+        transports do)."""
+        device = torch.device(device)
+        if device not in self._stacked:
+            k, dcp = self.shape.model.index_topk, self.shape.topology.dcp
+            self._stacked[device] = torch.arange(dcp, dtype=torch.int64, device=device) * (k * 4)
+        return self._stacked[device]
+
+    def candidate_sync(
+        self, flags: torch.Tensor, offsets: torch.Tensor, error: ErrorWord, budget_ns: int = DEFAULT_BUDGET_NS
+    ) -> None:
+        """CandidateSync (a DCP group, after TopK): this rank's flag set in every other rank's
+        `flags`, then a bounded wait for every other rank's flag in its own, re-armed to 0.
+
+        flags: int32 [>= dcp], this rank's flags of the step's parity (word s: rank s's
+            candidates are complete); rank s's flags lie offsets[s] bytes away.
+        offsets: int64 [dcp], rank s's exchange memory minus this rank's, in bytes.
+        error, budget_ns: a rank whose flag never came within budget_ns is recorded in
+            error's words 4-5 (the lowest such rank) and the kernel exits."""
+        self.compiled("candidate_sync")(
+            self._ptr(flags, 4), self._ptr(offsets, 8), self._ptr(error.word, 8), self._i64(budget_ns), self._stream()
         )
 
     def sparse_core(
@@ -717,8 +783,8 @@ class TvmFfiKernels(Kernels):
             function = self._by_choice[key] = self._function(catalog.build(self.shape, kernel, self.pdl, **choice))
         return function
 
-    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True)) -> None:
-        for variant in self.variants(batches, width, polls):
+    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False) -> None:
+        for variant in self.variants(batches, width, polls, group):
             self._function(variant)
 
     def _ptr(self, tensor: torch.Tensor, align: int = 16) -> int:

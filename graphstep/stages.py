@@ -20,6 +20,7 @@ from . import formats, torch_stages
 from . import reference as ref
 from .launch import ErrorWord, Kernels
 from .state import LayerState, StepInputs
+from .transport import PeerCandidates, Transport
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Stages(ABC):
         """error: the word the polls report a lost chunk in; budget_ns: how long a poll waits;
         pdl: chain the stages with Programmatic Dependent Launch (backends that launch kernels)."""
         self.state, self.buffers, self.error, self.budget_ns = state, buffers, error, budget_ns
+        self.transport: Transport | None = None  # the step's (DecodeStep sets it)
 
     @abstractmethod
     def warm(self, sizes) -> None:
@@ -122,11 +124,15 @@ class Stages(ABC):
         """The index_topk best of b.scores: cache slots in b.slots, or under DCP this rank's
         candidates in b.own_positions (global positions) and b.own_scores."""
 
+    def candidate_sync(self, peers: PeerCandidates, size: int) -> None:
+        """A DCP group exchanging through peer memory: tell the peers this rank's candidates
+        are complete and wait for theirs (peers.flags, the transport's offsets)."""
+        raise RuntimeError(f"the {type(self).__name__} backend cannot exchange candidates through peer memory")
+
     @abstractmethod
-    def dcp_merge(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> None:
-        """DCP: b.own_positions / b.own_scores and every rank's candidates (positions int32,
-        scores fp32 [size, dcp, topk], from the transport) -> this rank's share of the
-        global top-k as cache slots in b.slots."""
+    def dcp_merge(self, peers: PeerCandidates, size: int) -> None:
+        """DCP: b.own_positions / b.own_scores and every rank's candidates (from the
+        transport) -> this rank's share of the global top-k as cache slots in b.slots."""
 
     @abstractmethod
     def mla_query(self, size: int, store_qc: bool, poll: bool) -> None:
@@ -157,7 +163,10 @@ class CuteStages(Stages):
 
     def warm(self, sizes) -> None:
         shape = self.state.shape
-        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size)
+        group = self.transport is not None and self.transport.mailbox_offsets is not None
+        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, group=group)
+        if shape.topology.dcp > 1:
+            self.kernels.stacked_offsets(self.state.device)  # DcpMerge's, made before any capture
 
     def guard(self, size: int) -> None:
         pass  # each kernel guards its own reads and writes and records (kernels/guards.py)
@@ -188,11 +197,24 @@ class CuteStages(Stages):
             b.scores, b.block_tables, b.context_lens, out, b.own_scores, size, error=self.error, pool_pages=pages
         )
 
-    def dcp_merge(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> None:
+    def candidate_sync(self, peers: PeerCandidates, size: int) -> None:
+        self.kernels.candidate_sync(peers.flags, peers.offsets, self.error, self.budget_ns)
+
+    def dcp_merge(self, peers: PeerCandidates, size: int) -> None:
         b = self.buffers
         pages = self.state.caches.index_cache.shape[0]
         self.kernels.dcp_merge(
-            b.own_positions, b.own_scores, positions, scores, b.block_tables, b.slots, size, self.error, pages
+            b.own_positions,
+            b.own_scores,
+            peers.positions,
+            peers.scores,
+            b.block_tables,
+            b.slots,
+            size,
+            self.error,
+            pages,
+            peers.offsets,
+            peers.token_stride,
         )
 
     def mla_query(self, size: int, store_qc: bool, poll: bool) -> None:
@@ -211,6 +233,7 @@ class CuteStages(Stages):
             store_qc,
             poll,
             self.budget_ns,
+            self.transport.mailbox_offsets if self.transport is not None else None,
         )
 
     def query_wait(self, size: int) -> None:
@@ -275,10 +298,12 @@ class TorchStages(Stages):
         own = ref.candidates_at(scores, local, s.topology.dcp, s.topology.rank)
         b.own_positions[:size], b.own_scores[:size] = own.positions, own.scores
 
-    def dcp_merge(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> None:
+    def dcp_merge(self, peers: PeerCandidates, size: int) -> None:
+        if peers.offsets is not None:
+            raise RuntimeError("the torch backend reads stacked candidates [size, dcp, topk] only")
         b = self.buffers
         own = ref.Candidates(b.own_positions[:size], b.own_scores[:size])
-        b.slots[:size] = ref.merge_ranks(self.state, own, positions, scores, b.block_tables[:size])
+        b.slots[:size] = ref.merge_ranks(self.state, own, peers.positions, peers.scores, b.block_tables[:size])
 
     def mla_query(self, size: int, store_qc: bool, poll: bool) -> None:
         """poll is moot: torch cannot wait on a chunk, and the transport's rows are in place

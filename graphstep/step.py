@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -141,7 +141,12 @@ class DecodeStep:
         self.stages: Stages = BACKENDS[backend](self.state, self.buffers, self.error, budget_ns, pdl)
         make_transport = transport or (SimulatedPeers if topo.dcp > 1 else SingleRank)
         self.transport: Transport = make_transport(shape, self.caches.mailbox)
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.stages.transport = self.transport
+        self._use_exchange(0)  # a transport's parity-0 buffers are the step's own between issues
+        # the query side stream (fork modes): shared by every step of a device, unless a caller
+        # whose steps wait on each other's kernels (a DcpGroup on one GPU) gives each its own
+        self.side = side_stream(self.device.index) if self.device.type == "cuda" else None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
         self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
 
@@ -160,10 +165,33 @@ class DecodeStep:
 
     # -- the data path of one captured size ----------------------------------------------------
 
-    def run_stages(self, size: int, mode: str) -> None:
-        """Issue one step of `size` rows in `mode` on the current stream (what a graph holds)."""
+    def _use_exchange(self, parity: int) -> None:
+        """Point the mailbox and the own-candidate buffers at the transport's of `parity`
+        (nothing for a transport without exchange buffers)."""
+        exchange = self.transport.exchange(parity)
+        if exchange is not None:
+            self.state.caches.mailbox = exchange.mailbox
+            self.buffers.own_positions, self.buffers.own_scores = exchange.positions, exchange.scores
+
+    @contextmanager
+    def _parity(self, parity: int):
+        if not 0 <= parity < self.transport.parities:
+            raise ValueError(f"parity {parity}: this step's transport has {self.transport.parities}")
+        self._use_exchange(parity)
+        try:
+            yield
+        finally:
+            self._use_exchange(0)
+
+    def run_stages(self, size: int, mode: str, parity: int = 0) -> None:
+        """Issue one step of `size` rows in `mode` on the current stream (what a graph holds);
+        parity: which of the transport's exchange buffers (a DCP group's step count % 2)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        with self._parity(parity):
+            self._issue(size, mode)
+
+    def _issue(self, size: int, mode: str) -> None:
         stages, dcp = self.stages, self.shape.topology.dcp > 1
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         stages.guard(size)
@@ -174,7 +202,7 @@ class DecodeStep:
             self.transport.share_query_rows(size)
             self._indexer(size)
         else:
-            side = side_stream(self.device.index) if main is not None else None
+            side = self.side if main is not None else None
             if side is not None:
                 side.wait_stream(main)
             stages.index_key(size)
@@ -198,59 +226,89 @@ class DecodeStep:
         stages.index_scores(size)
         stages.top_k(size)
         if self.shape.topology.dcp > 1:
-            positions, scores = self.transport.publish_candidates(b.own_positions, b.own_scores, size)
-            stages.dcp_merge(positions, scores, size)
+            peers = self.transport.publish_candidates(b.own_positions, b.own_scores, size)
+            if peers.flags is not None:
+                stages.candidate_sync(peers, size)
+            stages.dcp_merge(peers, size)
 
     # -- capture and replay ------------------------------------------------------------------
 
-    def capture(self, modes: tuple[str, ...] | None = None, keep_graph: bool = False) -> None:
-        """Compile and warm every kernel, then capture one graph per size (and per extra mode
-        in `modes`), largest first, into one memory pool, with garbage collection paused."""
-        if self.device.type != "cuda":
-            raise RuntimeError("graph capture needs a CUDA device; on the CPU use step(..., eager=True)")
+    def plan(self, modes: tuple[str, ...] | None = None) -> list[tuple[int, str, int]]:
+        """What capture() captures: (size, mode, parity) per graph, largest size first."""
         for mode in modes or ():
             if mode not in MODES:
                 raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        self.stages.warm(self.sizes)
-        plan = [
-            (size, mode) for size in reversed(self.sizes) for mode in dict.fromkeys([self.modes[size], *(modes or ())])
+        return [
+            (size, mode, parity)
+            for size in reversed(self.sizes)
+            for mode in dict.fromkeys([self.modes[size], *(modes or ())])
+            for parity in range(self.transport.parities)
         ]
-        warm = torch.cuda.Stream(self.device)
-        warm.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(warm):
-            for size, mode in plan:
-                self.run_stages(size, mode)  # module loads, cuBLAS handles, allocator warm-up
-        torch.cuda.current_stream(self.device).wait_stream(warm)
-        torch.cuda.synchronize(self.device)
-        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, bounds=self.bounds)
+
+    def capture(self, modes: tuple[str, ...] | None = None, keep_graph: bool = False, warm_up: bool = True) -> None:
+        """Compile and warm every kernel, then capture one graph per size (and per extra mode
+        in `modes`, and per parity of the transport), largest first, into one memory pool,
+        with garbage collection paused. warm_up=False: the caller has run every graph's
+        stages eagerly once already (a DcpGroup, whose ranks must run them together)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("graph capture needs a CUDA device; on the CPU use step(..., eager=True)")
+        plan = self.plan(modes)
+        self.stages.warm(self.sizes)
+        if warm_up:
+            warm = torch.cuda.Stream(self.device)
+            warm.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(warm):
+                for size, mode, parity in plan:
+                    self.run_stages(size, mode, parity)  # module loads, cuBLAS handles, allocator warm-up
+            torch.cuda.current_stream(self.device).wait_stream(warm)
+            torch.cuda.synchronize(self.device)
+            self._raise_recorded()
         pool = torch.cuda.graph_pool_handle()
         gc.collect()
         gc.disable()  # a compiled kernel's finalizer unloads its module: none may run mid-capture
         try:
-            for size, mode in plan:
+            for size, mode, parity in plan:
                 graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
                 with torch.cuda.graph(graph, pool=pool):
-                    self.run_stages(size, mode)
-                self.graphs[(size, mode)] = graph
+                    self.run_stages(size, mode, parity)
+                self.graphs[(size, mode) if parity == 0 else (size, mode, parity)] = graph
         finally:
             gc.enable()
         torch.cuda.synchronize(self.device)
         self._captured_pointers = self._pointers()
 
-    def graph(self, size: int, mode: str | None = None) -> torch.cuda.CUDAGraph:
-        """The captured graph of `size` in `mode` (default: the policy's mode for the size)."""
+    def graph(self, size: int, mode: str | None = None, parity: int = 0) -> torch.cuda.CUDAGraph:
+        """The captured graph of `size` in `mode` (default: the policy's mode for the size);
+        parity 1: a DCP group's odd steps (key (size, mode, 1))."""
         mode = mode or self.modes.get(size)
-        if (size, mode) not in self.graphs:
+        key = (size, mode) if parity == 0 else (size, mode, parity)
+        if key not in self.graphs:
             raise RuntimeError(
-                f"no graph captured for batch {size} in mode {mode!r}: "
-                f"captured {sorted(self.graphs)} (call capture() first)"
+                f"no graph captured for batch {size} in mode {mode!r}"
+                + (f" at parity {parity}" if parity else "")
+                + f": captured {sorted(self.graphs, key=str)} (call capture() first)"
             )
-        return self.graphs[(size, mode)]
+        return self.graphs[key]
 
-    def replay(self, size: int, mode: str | None = None) -> None:
+    def replay(self, size: int, mode: str | None = None, parity: int = 0) -> None:
         """Replay a captured graph on the static buffers as they are (benchmarks)."""
         self._check_pointers()
-        self.graph(size, mode).replay()
+        self.graph(size, mode, parity).replay()
+
+    def launch(self, size: int, eager: bool = False, parity: int = 0) -> None:
+        """Run the step of the loaded size on the current stream without waiting for it:
+        replay its graph, or (eager) issue its stages. A DcpGroup launches every rank so
+        before it checks any (check())."""
+        if eager:
+            self.run_stages(size, self.modes[size], parity)
+        else:
+            self.replay(size, parity=parity)
+
+    def outputs(self, batch: int) -> StepOutputs:
+        """Views of the last step's outputs for its `batch` real rows (valid until the next step)."""
+        b = self.buffers
+        q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
+        return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
 
     def _check_pointers(self) -> None:
         if self._captured_pointers is None:
@@ -306,15 +364,10 @@ class DecodeStep:
         if not eager:
             self._check_pointers()
         size = self.load(inputs, peers, check_values)
-        if eager:
-            self.run_stages(size, self.modes[size])
-        else:
-            self.graph(size).replay()
+        self.launch(size, eager)
         if self.shape.topology.dcp > 1:
-            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, self.shape.heads, self.bounds)
-        batch, b = inputs.batch, self.buffers
-        q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
-        return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
+            self._raise_recorded()
+        return self.outputs(inputs.batch)
 
     def check(self) -> None:
         """Synchronize with the device and raise what the steps so far left in the error word:
@@ -323,8 +376,14 @@ class DecodeStep:
         the next step runs normally. Costs one synchronization: call it when you choose."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        heads = self.shape.heads if self.shape.topology.dcp > 1 else None
-        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds)
+        self._raise_recorded()
+
+    def _raise_recorded(self, words: list[int] | None = None) -> None:
+        """Raise what the error word holds (ErrorWord.check) and reset it; words: its values
+        if already read."""
+        dcp = self.shape.topology.dcp > 1
+        heads, rank = (self.shape.heads, self.shape.topology.rank) if dcp else (None, None)
+        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds, words, rank)
 
     def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
         m = self.shape.model
@@ -368,10 +427,10 @@ class DecodeStep:
         stacked = torch.stack(checks + [bad for bad, _ in transport_checks]).to(self.error.word.device)
         # the one sync: the flags and the error word the steps before this one left
         read = torch.cat([stacked.flatten().int(), self.error.word]).tolist()
-        flags = [[bool(v) for v in read[i : i + inputs.batch]] for i in range(0, len(read) - 4, inputs.batch)]
+        word = read[len(read) - self.error.word.numel() :]
+        flags = [[bool(v) for v in read[i : i + inputs.batch]] for i in range(0, len(read) - len(word), inputs.batch)]
         # an earlier unchecked step's range error first (the word is reset: the next call runs)
-        heads = self.shape.heads if topo.dcp > 1 else None
-        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds, read[-4:])
+        self._raise_recorded(word)
         if any(flags[0]):
             row = flags[0].index(True)
             raise ValueError(

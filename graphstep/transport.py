@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,10 +33,50 @@ from .state import PeerInputs, check_tensors
 ValueCheck = tuple[torch.Tensor, Callable[[int], None]]  # (flags [batch] bool, raise for a flagged row)
 
 
+@dataclass
+class PeerCandidates:
+    """Every rank's TopK candidates of a step as DcpMerge reads them (what
+    Transport.publish_candidates returns).
+
+    positions int32 / scores fp32: stacked [size, dcp, topk] (row r rank r's; offsets None),
+    or, in a group exchanging through peer memory, this rank's own lists [>= size, topk]
+    with rank r's `offsets[r]` bytes away and `token_stride` elements per token.
+    flags: int32 [>= dcp], the ready flags CandidateSync sets in the peers and waits on
+    here before DcpMerge (None: the candidates are in place already)."""
+
+    positions: torch.Tensor
+    scores: torch.Tensor
+    offsets: torch.Tensor | None = None
+    token_stride: int | None = None
+    flags: torch.Tensor | None = None
+
+
+@dataclass
+class Exchange:
+    """The buffers a transport's peers write into, for one step parity: they replace the
+    step's mailbox and own-candidate buffers while the step of that parity is issued."""
+
+    mailbox: torch.Tensor  # uint8 [max_batch, q_heads, 576 x q_bytes], armed
+    positions: torch.Tensor  # int32 [max_batch, topk]: this rank's TopK candidates
+    scores: torch.Tensor  # fp32 [max_batch, topk]
+
+
 class Transport(ABC):
     """This rank's end of the DCP exchanges. The host-side methods run in DecodeStep.load()
     and step(); the others are called while the step's stages are issued (eager or under
-    graph capture) on the stream named in each docstring, and must not synchronize."""
+    graph capture) on the stream named in each docstring, and must not synchronize.
+
+    parities: how many copies of its exchange buffers the transport alternates between
+    (2: a DCP group whose ranks may be one step apart; the step captures a graph per size
+    and parity). mailbox_offsets: int64 [dcp] or None; given, MlaQuery stores this rank's
+    rows into every rank's mailbox itself (rank s's mailbox_offsets[s] bytes away)."""
+
+    parities = 1
+    mailbox_offsets: torch.Tensor | None = None
+
+    def exchange(self, parity: int) -> Exchange | None:
+        """The buffers of this parity the step must use instead of its own (None: its own)."""
+        return None
 
     # -- host side: what step() was given for the other ranks --------------------------------
 
@@ -76,14 +117,12 @@ class Transport(ABC):
         (dcp_group.GroupTransport) does it here."""
 
     @abstractmethod
-    def publish_candidates(
-        self, positions: torch.Tensor, scores: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
         """Hand this rank's TopK candidates (global positions int32, scores fp32 [>= size,
         topk], ascending position, -1 / -inf padded) to the other ranks and return every
-        rank's as DcpMerge reads them: positions int32 and scores fp32 [size, dcp, topk]
-        (this rank's row is not read). Called under DCP only, on the main stream, after TopK
-        and before DcpMerge; the tensors returned must stay where they are across replays."""
+        rank's as DcpMerge reads them (PeerCandidates; this rank's row is not read). Called
+        under DCP only, on the main stream, after TopK and before DcpMerge; the tensors
+        returned must stay where they are across replays."""
 
     def arm(self, size: int) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Re-arm what this transport's exchanges need for the next step, besides the query
@@ -118,9 +157,7 @@ class SingleRank(Transport):
     def share_query_rows(self, size: int) -> None:
         pass  # no other rank
 
-    def publish_candidates(
-        self, positions: torch.Tensor, scores: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
         raise RuntimeError("a step without DCP exchanges no candidates: its TopK writes the slots")
 
 
@@ -206,9 +243,7 @@ class SimulatedPeers(Transport):
     def share_query_rows(self, size: int) -> None:
         pass  # the simulated peers need nothing of this rank's
 
-    def publish_candidates(
-        self, positions: torch.Tensor, scores: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
         """Launches nothing: the peers' candidates were staged by load(), and DcpMerge reads
         this rank's own from `positions` / `scores` directly."""
-        return self.positions[:size], self.scores[:size]
+        return PeerCandidates(self.positions[:size], self.scores[:size])

@@ -20,12 +20,34 @@ import cutlass.cute as cute
 from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_fake_stream
 
-from . import dcp_merge, dsa_index, index_key, index_query, mla_query, query_norm, query_wait, sparse_core, top_k
+from . import (
+    candidate_sync,
+    dcp_merge,
+    dsa_index,
+    index_key,
+    index_query,
+    mla_query,
+    query_norm,
+    query_wait,
+    sparse_core,
+    top_k,
+)
 
 _CACHE: dict[tuple, object] = {}
 KERNELS = {
     module.__name__.rsplit(".", 1)[-1]: module
-    for module in (query_norm, mla_query, query_wait, index_key, index_query, dsa_index, top_k, dcp_merge, sparse_core)
+    for module in (
+        query_norm,
+        mla_query,
+        query_wait,
+        index_key,
+        index_query,
+        dsa_index,
+        top_k,
+        candidate_sync,
+        dcp_merge,
+        sparse_core,
+    )
 }
 
 
@@ -86,7 +108,8 @@ def _query_norm(shape, pdl, tiled: bool):
     return f"query_norm_{_rows_or_tiled(tiled)}", query_norm.QueryNorm(tiled, shape.model.packed_width, pdl)
 
 
-def _mla_query(shape, pdl, tiled: bool, poll: bool):
+def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False):
+    """remote: store the rows into every rank's mailbox of a DCP group (peer memory)."""
     topo = shape.topology
     op = mla_query.MlaQuery(
         shape.heads,
@@ -100,8 +123,9 @@ def _mla_query(shape, pdl, tiled: bool, poll: bool):
         topo.mla_cache == "fp8",
         pdl,
         shape.model.fp8_scale_format == "ue8m0",
+        topo.dcp if remote else 1,
     )
-    return f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}", op
+    return f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}{'_remote' if remote else ''}", op
 
 
 def _query_wait(shape, pdl):
@@ -145,6 +169,10 @@ def _top_k(shape, pdl, split):
     return f"top_k_{split.name}", top_k.ClusterTopK(k, topo.dcp, topo.rank, split, pdl)
 
 
+def _candidate_sync(shape, pdl):
+    return "candidate_sync", candidate_sync.CandidateSync(shape.topology.dcp, shape.topology.rank, pdl)
+
+
 def _dcp_merge(shape, pdl):
     return "dcp_merge", dcp_merge.DcpMerge(shape.model.index_topk, shape.topology.dcp, shape.topology.rank, pdl)
 
@@ -179,6 +207,7 @@ _BUILDERS = {
     "index_query": _index_query,
     "dsa_index": _dsa_index,
     "top_k": _top_k,
+    "candidate_sync": _candidate_sync,
     "dcp_merge": _dcp_merge,
     "sparse_core": _sparse_core,
 }
@@ -186,7 +215,7 @@ _BUILDERS = {
 
 def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
-    launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll;
+    launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll, remote;
     index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA), publish; the others none."""
     if kernel not in _BUILDERS:
@@ -196,19 +225,26 @@ def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
 
 
 def variants(
-    shape, pdl: bool = True, batches=range(1, 65), norms=(False, True), widths=None, polls=(False, True)
+    shape,
+    pdl: bool = True,
+    batches=range(1, 65),
+    norms=(False, True),
+    widths=None,
+    polls=(False, True),
+    group: bool = False,
 ) -> list[Variant]:
     """The variants a step of `shape` can launch for these batch sizes. norms: the
     QueryNorm / MlaQuery variants (tiled or not: the caller's choice for these batches);
     widths: the block tables' widths in scores, for TopK's split (None: TopK and every
-    split); polls: MlaQuery's polling variants under DCP."""
+    split); polls: MlaQuery's polling variants under DCP; group: a rank of a DCP group
+    whose kernels exchange through peer memory (MlaQuery's remote stores, CandidateSync)."""
     check(shape)
     dcp = shape.topology.dcp > 1
     out = []
     for tiled in norms:
         out.append(build(shape, "query_norm", pdl, tiled=tiled))
         for poll in polls if dcp else (False,):
-            out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll))
+            out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll, remote=group))
     out.append(build(shape, "index_key", pdl))
     for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
         out.append(build(shape, "index_query", pdl, tokens=tokens))
@@ -224,6 +260,8 @@ def variants(
     if dcp:
         out.append(build(shape, "dcp_merge", pdl))
         out.append(build(shape, "query_wait", pdl))
+    if group:
+        out.append(build(shape, "candidate_sync", pdl))
     return out
 
 

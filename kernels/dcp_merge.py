@@ -2,14 +2,18 @@
 top-k, as cache slots.
 
 Each rank's TopK gives k candidates in ascending global position (local x dcp + rank) with
-their scores (-inf padded). The global top-k is the k best of the dcp x k candidates
-(equal scores: lower global position first), found with TopK's radix threshold search
-(kernels/top_k.py, one CTA of 1024 threads per token). This rank keeps the selected
-candidates that are its own, and its own list is already in ascending position, so the
-output is a compaction of that list (warp ballots, one block scan): local slots in
-ascending position, -1 padded, as graphstep.reference.local_slots gives them. Guards
-(kernels/guards.py): a kept candidate whose local index is outside the block table's
-width, or whose page is outside [0, pool_pages), becomes slot -1 (a hole), recorded.
+their scores (-inf padded). Rank r's list of a token is read at `peer_offsets[r]` bytes from
+peer_positions / peer_scores, then `token_stride` elements per token: rows of one [B, dcp,
+k] tensor (offsets r x k x 4, stride dcp x k), or in a DCP group the peers' own TopK outputs
+[B, k] in their memory (offsets between the ranks' buffers, stride k). The global top-k is
+the k best of the dcp x k candidates (equal scores: lower global position first), found with
+TopK's radix threshold search (kernels/top_k.py, one CTA of 1024 threads per token). This
+rank keeps the selected candidates that are its own, and its own list is already in
+ascending position, so the output is a compaction of that list (warp ballots, one block
+scan): local slots in ascending position, -1 padded, as graphstep.reference.local_slots
+gives them. Guards (kernels/guards.py): a kept candidate whose local index is outside the
+block table's width, or whose page is outside [0, pool_pages), becomes slot -1 (a hole),
+recorded.
 
 A candidate whose score equals the threshold is taken outright when the search took
 its bin whole (need = ALL: every candidate at the threshold is selected). Only when more
@@ -28,7 +32,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from . import guards
 from . import primitives as P
@@ -58,10 +62,22 @@ class DcpMerge(RadixSelect):
         pages_per_seq: Int32,
         error: cute.Pointer,
         pool_pages: Int32,
+        peer_offsets: cute.Pointer,
+        token_stride: Int32,
         stream: cuda.CUstream,
     ):
         self.dcp_merge(
-            own_positions, own_scores, peer_positions, peer_scores, block_tables, out, pages_per_seq, error, pool_pages
+            own_positions,
+            own_scores,
+            peer_positions,
+            peer_scores,
+            peer_offsets,
+            token_stride,
+            block_tables,
+            out,
+            pages_per_seq,
+            error,
+            pool_pages,
         ).launch(grid=[batch, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -71,6 +87,8 @@ class DcpMerge(RadixSelect):
         own_scores: cute.Pointer,
         peer_positions: cute.Pointer,
         peer_scores: cute.Pointer,
+        peer_offsets: cute.Pointer,
+        token_stride: Int32,
         block_tables: cute.Pointer,
         out: cute.Pointer,
         pages_per_seq: Int32,
@@ -79,7 +97,8 @@ class DcpMerge(RadixSelect):
     ):
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
-        source = (token, own_scores, peer_scores, own_positions, peer_positions)
+        peers = (peer_scores, peer_positions, peer_offsets, token_stride)
+        source = (token, own_scores, own_positions, peers)
         count = self.dcp * self.k
         threshold, need = self.find_threshold(source, count, self.k, hist, scratch, chosen, tid, lane, warp)
 
@@ -144,7 +163,7 @@ class DcpMerge(RadixSelect):
     def segment(self, source, start, warp, lane, own_only: bool = False) -> tuple:
         """A lane's candidates of the chunk at `start` over [rank 0's k | rank 1's k | ...]
         (or the own list alone), as score words, and which are real (not -inf padding)."""
-        token, own_scores, peer_scores, _, _ = source
+        token, own_scores, _, peers = source
         count = self.k if own_only else self.dcp * self.k
         words, valids = [], []
         for u in cutlass.range_constexpr(LOADS):
@@ -155,7 +174,7 @@ class DcpMerge(RadixSelect):
             else:
                 rank, i = c // self.k, c % self.k
                 mine = P.load_u32x4_if(own_scores + token * self.k + i, rank == self.rank)
-                theirs = P.load_u32x4_if(peer_scores + (token * self.dcp + rank) * self.k + i, rank != self.rank)
+                theirs = P.load_u32x4_if(self.peer_row(peers, 0, token, rank) + i, rank != self.rank)
                 vector = [mine[j] | theirs[j] for j in range(4)]
             for j in cutlass.range_constexpr(4):
                 word = vector[j]
@@ -166,7 +185,7 @@ class DcpMerge(RadixSelect):
     @cute.jit
     def tied_before(self, source, position, word, count):
         """How many candidates of any rank have this score and a lower global position."""
-        token, own_scores, peer_scores, own_positions, peer_positions = source
+        token, own_scores, own_positions, peers = source
         tied = Int32(0)
         for c in range(count):
             rank, i = c // self.k, c % self.k
@@ -175,12 +194,19 @@ class DcpMerge(RadixSelect):
                 other = P.load_u32(own_scores + token * self.k + i)
                 at = P.load_i32(own_positions + token * self.k + i)
             else:
-                other = P.load_u32(peer_scores + (token * self.dcp + rank) * self.k + i)
-                at = P.load_i32(peer_positions + (token * self.dcp + rank) * self.k + i)
+                other = P.load_u32(self.peer_row(peers, 0, token, rank) + i)
+                at = P.load_i32(self.peer_row(peers, 1, token, rank) + i)
             tied = tied + P.select_i32(other == word and at < position, 1, 0)
         return tied
+
+    @cute.jit
+    def peer_row(self, peers, which: int, token, rank):
+        """Where rank `rank`'s scores (which 0) or positions (1) of `token` start."""
+        base = peers[which]
+        return base + P.load_i64(peers[2] + rank) // 4 + token * peers[3]
 
 
 def compile_args():
     i32, f32 = P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4)
-    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1))
+    i64 = P.gmem_ptr(Int64, align=8)
+    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1), i64, Int32(1))

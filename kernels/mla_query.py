@@ -18,7 +18,10 @@ mla_query_absorb
          W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
          [H, 512, 128] so K is contiguous), interleaved RoPE of the 64 rope dims, and the
          query rows written in whole 16-byte chunks (bf16 or e4m3) at head rows
-         head_base + h of q_rows: under DCP that is the mailbox publish. With poll, every
+         head_base + h of q_rows: under DCP that is the mailbox publish. In a DCP group
+         (`targets` = dcp) each chunk is also stored at the same place of every other
+         rank's mailbox, `mailbox_offsets` bytes away (peer memory: another tensor of this
+         GPU, or another GPU's over P2P). With poll, every
          thread then polls a share of the peers' head rows (its own rank's rows are
          written by this very grid, whose CTAs need not all be resident).
 
@@ -100,11 +103,14 @@ class MlaQuery:
         mla_fp8: bool,
         pdl: bool = True,
         ue8m0: bool = False,
+        targets: int = 1,
     ):
-        """ue8m0: the fp8 MLA cache's scales rounded up to powers of two."""
+        """ue8m0: the fp8 MLA cache's scales rounded up to powers of two. targets: the
+        mailboxes each chunk is stored into (1: this rank's; dcp: every rank's of a group)."""
         self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl, self.ue8m0 = q_fp8, mla_fp8, pdl, ue8m0
+        self.targets = targets
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
         self.norm = QueryNorm(tiled, row_stride, pdl)
@@ -124,6 +130,7 @@ class MlaQuery:
         qc: cute.Pointer,
         workspace: cute.Pointer,
         q_rows: cute.Pointer,
+        mailbox_offsets: cute.Pointer,
         mla_cache: cute.Pointer,
         error: cute.Pointer,
         batch: Int32,
@@ -160,7 +167,7 @@ class MlaQuery:
         )
         absorb_ctas = self.heads * LATENT_SLICES
         self.mla_query_absorb(
-            w_uk_t, cos, sin, context_lens, workspace, q_rows, error, batch, budget_ns, rope_rows
+            w_uk_t, cos, sin, context_lens, workspace, q_rows, mailbox_offsets, error, batch, budget_ns, rope_rows
         ).launch(
             grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
             block=[THREADS, 1, 1],
@@ -307,6 +314,7 @@ class MlaQuery:
         context_lens: cute.Pointer,
         workspace: cute.Pointer,
         q_rows: cute.Pointer,
+        mailbox_offsets: cute.Pointer,
         error: cute.Pointer,
         batch: Int32,
         budget_ns: Int64,
@@ -325,6 +333,11 @@ class MlaQuery:
             P.prefetch_l2(slice_base, 64 * 128 * 2)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        # where each chunk goes: this rank's mailbox, or every rank's of a group (rank s's
+        # mailbox_offsets[s] bytes from this one's; 0 for this rank)
+        mailboxes = [q_rows]
+        if cutlass.const_expr(self.targets > 1):
+            mailboxes = [q_rows + P.load_i64(mailbox_offsets + s) for s in range(self.targets)]
 
         column = lambda c: 32 * c + 8 * t
         lo, hi = held_rows(slice_base + warp * 16 * 128, 128, 4, column, g)  # this warp's 16 latent rows, all of K
@@ -340,7 +353,7 @@ class MlaQuery:
             row = tile * BATCH_TILE + token
             if token < BATCH_TILE and row < batch:
                 self.publish(
-                    cos, sin, context_lens, workspace, q_rows, error, out, row, token, chunk, head, part, rope_rows
+                    cos, sin, context_lens, workspace, mailboxes, error, out, row, token, chunk, head, part, rope_rows
                 )
             cute.arch.sync_threads()  # the next tile reuses `out`
 
@@ -365,19 +378,21 @@ class MlaQuery:
         return P.pack_words(list(P.load_f32x4(src)) + list(P.load_f32x4(src + 4)), False)
 
     @cute.jit
-    def publish(self, cos, sin, context_lens, workspace, q_rows, error, out, row, token, chunk, head, part, rope_rows):
-        """One whole 16-byte chunk of a query row: this slice's latent and, in slice 0, the rope."""
+    def publish(self, cos, sin, context_lens, workspace, mailboxes, error, out, row, token, chunk, head, part, rows):
+        """One whole 16-byte chunk of a query row into every mailbox: this slice's latent
+        and, in slice 0, the rope."""
         per_chunk = 16 // self.q_bytes
-        dst = q_rows + ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
-        latent = [out[token * 68 + chunk * per_chunk + e] for e in range(per_chunk)]
-        P.store_u32x4(dst + (part * 64 + chunk * per_chunk) * self.q_bytes, P.pack_words(latent, self.q_fp8))
+        at = ((row * self.q_heads + self.head_base + head) * 576) * self.q_bytes
+        latent = P.pack_words([out[token * 68 + chunk * per_chunk + e] for e in range(per_chunk)], self.q_fp8)
+        for i in cutlass.range_constexpr(self.targets):
+            P.store_u32x4(mailboxes[i] + at + (part * 64 + chunk * per_chunk) * self.q_bytes, latent)
         if part == 0:
             src = workspace + (row * self.heads + head) * 192 + 128 + chunk * per_chunk
             raw = []
             for i in cutlass.range_constexpr(per_chunk // 4):
                 raw += list(P.load_f32x4(src + 4 * i))
             length = P.load_i32(context_lens + row)
-            row_ok = P.in_range(length - 1, rope_rows)
+            row_ok = P.in_range(length - 1, rows)
             if head == 0 and chunk == 0 and not row_ok:  # one record per token
                 P.record_range(error, guards.MLA_QUERY_LENGTH, row, length)
             pos = P.select_i32(row_ok, length - 1, 0)
@@ -392,7 +407,9 @@ class MlaQuery:
                 c, s = cs[p // 4][0][p % 4], cs[p // 4][1][p % 4]
                 even, odd = raw[2 * p], raw[2 * p + 1]
                 rope += [even * c - odd * s, even * s + odd * c]
-            P.store_u32x4(dst + (512 + chunk * per_chunk) * self.q_bytes, P.pack_words(rope, self.q_fp8))
+            rope = P.pack_words(rope, self.q_fp8)
+            for i in cutlass.range_constexpr(self.targets):
+                P.store_u32x4(mailboxes[i] + at + (512 + chunk * per_chunk) * self.q_bytes, rope)
 
 
 def compile_args():
@@ -412,6 +429,7 @@ def compile_args():
         bf16,
         f32,
         P.gmem_ptr(Uint8),
+        P.gmem_ptr(Int64, align=8),
         P.gmem_ptr(Uint8),
         P.gmem_ptr(Int32, align=8),
         Int32(1),

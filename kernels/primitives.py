@@ -149,6 +149,24 @@ def load_i32(ptr) -> Int32:
     return cute.arch.inline_ptx("ld.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr])
 
 
+def load_i64(ptr) -> Int64:
+    return cute.arch.inline_ptx("ld.global.s64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[ptr])
+
+
+def load_acquire_i32(ptr) -> Int32:
+    """A load that orders every later read of this thread after it, system-wide: the
+    reader's side of a ready flag another rank (maybe another GPU) stores with store_release."""
+    return cute.arch.inline_ptx(
+        "ld.acquire.sys.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr]
+    )
+
+
+def store_release_i32(ptr, value):
+    """A store ordered after every write this thread has seen, system-wide (the writer's
+    side of a ready flag: a completed kernel's writes before it are seen with it)."""
+    cute.arch.inline_ptx("st.release.sys.global.s32 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
 # -- packing ---------------------------------------------------------------------------------
 
 

@@ -134,7 +134,8 @@ def test_a_group_rank_takes_no_peer_inputs():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(dcp=1), "dcp >= 2"),
+        (dict(dcp=1), r"2 <= dcp <= 32, got 1"),
+        (dict(dcp=64), r"2 <= dcp <= 32, got 64"),
         (dict(dcp=3), "multiple of dcp"),
         (dict(dcp=2, devices=["cpu"] * 3), "one per rank"),
         (dict(dcp=2, backend="triton"), "backend 'triton'"),

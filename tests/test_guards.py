@@ -98,7 +98,7 @@ def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monk
         "IndexQuery": [4, 200, 0],  # rows, RoPE rows, the launch's first token
         "DsaIndex": lambda s: s[:2] == [4, pps] and s[3:] == [index_pages],
         "ClusterTopK": [4, pps, index_pages],
-        "DcpMerge": [4, pps, index_pages],
+        "DcpMerge": [4, pps, index_pages, topology.dcp * shape.model.index_topk],  # stacked: dcp x k per token
         "SparseCore": [4, mla_slots],
     }
     seen = set()

@@ -210,7 +210,8 @@ def test_every_kernel_declares_the_sizes_it_supports():
 
     assert set(catalog.KERNELS) == set(catalog._BUILDERS)
     for name, module in catalog.KERNELS.items():
-        assert module.SUPPORTED, name
+        # CandidateSync touches only flags: no ModelShape size is built into it
+        assert module.SUPPORTED or name == "candidate_sync", name
         for field, supported in module.SUPPORTED.items():
             assert field in ModelShape.__dataclass_fields__, (name, field)
             assert isinstance(supported, tuple) and supported, (name, field)

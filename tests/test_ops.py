@@ -268,7 +268,7 @@ def test_every_kernel_compiles_with_the_tvm_ffi_abi():
     pytest.importorskip("tvm_ffi")
     shape = SHAPES["kimi-dcp2-fp8"]
     kernels = {}
-    for variant in catalog.variants(shape, batches=(1, 64), norms=(True,), widths=(4096,), polls=(True,)):
+    for variant in catalog.variants(shape, batches=(1, 64), norms=(True,), widths=(4096,), polls=(True,), group=True):
         kernels.setdefault(type(variant.op).__name__, variant)
     assert len(kernels) == len(catalog.KERNELS)  # one variant of each kernel (TopK: a cluster split)
     for name, variant in kernels.items():
@@ -288,7 +288,7 @@ def test_every_kernel_takes_under_tvm_ffi_what_tvm_ffi_kernels_passes():
 
     shape = SHAPES["kimi-dcp2-fp8"]
     seen = set()
-    for variant in catalog.variants(shape, batches=(1, 64), widths=(4096,)):
+    for variant in catalog.variants(shape, batches=(1, 64), widths=(4096,), group=True):
         signature = inspect.signature(variant.op.__call__)
         params, _, _ = _tvm_ffi_args_spec_converter(variant.name, signature, [*variant.args, make_fake_stream()], {})
         kinds = [type(p).__name__ if type(p).__name__ != "Var" else str(p.dtype) for p in params]

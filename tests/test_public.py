@@ -83,6 +83,7 @@ LAUNCHERS = [
     "index_query",
     "dsa_index",
     "top_k",
+    "candidate_sync",
     "dcp_merge",
     "sparse_core",
 ]

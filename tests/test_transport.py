@@ -10,7 +10,7 @@ from graphstep import formats
 from graphstep.shapes import RankShape, Topology
 from graphstep.stages import Stages
 from graphstep.step import BACKENDS, DecodeStep
-from graphstep.transport import SimulatedPeers, SingleRank, Transport
+from graphstep.transport import PeerCandidates, SimulatedPeers, SingleRank, Transport
 
 DCP = Topology(tp=4, dcp=2, rank=1)  # SMALL: 4 heads per rank, 8 gathered rows, rank 1 owns rows 4..8
 
@@ -52,9 +52,11 @@ def test_publish_writes_the_other_ranks_rows_of_the_steps_tokens_only():
 def test_publish_candidates_hands_dcp_merge_the_staged_buffers_without_copying():
     peers = _step().transport
     own = torch.zeros(4, SMALL.index_topk, dtype=torch.int32)
-    positions, scores = peers.publish_candidates(own, own.float(), 3)
-    assert positions.shape == scores.shape == (3, 2, SMALL.index_topk)
-    assert positions.data_ptr() == peers.positions.data_ptr() and scores.data_ptr() == peers.scores.data_ptr()
+    got = peers.publish_candidates(own, own.float(), 3)
+    assert got.positions.shape == got.scores.shape == (3, 2, SMALL.index_topk)
+    assert got.positions.data_ptr() == peers.positions.data_ptr()
+    assert got.scores.data_ptr() == peers.scores.data_ptr()
+    assert got.offsets is None and got.flags is None  # stacked; nothing to wait for
 
 
 def test_single_rank_exchanges_nothing():
@@ -136,7 +138,7 @@ class Loopback(Transport):
         pass
 
     def publish_candidates(self, positions, scores, size):
-        return self.given.positions[:size], self.given.scores[:size]
+        return PeerCandidates(self.given.positions[:size], self.given.scores[:size])
 
     def arm(self, size):
         formats.arm(self.mailbox[:size])
