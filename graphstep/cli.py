@@ -25,11 +25,15 @@ def sm90_device() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8) -> None:
-    """The shape and topology flags every command shares (`rank_shape` reads them back)."""
+def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8, dcps: bool = False) -> None:
+    """The shape and topology flags every command shares (`rank_shape` reads them back).
+    dcps: --dcp takes a comma-separated list (bench: one table per size)."""
     parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS), help="model shapes")
     parser.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (heads per rank = heads / tp)")
-    parser.add_argument("--dcp", type=int, default=1, help="decode context-parallel size")
+    if dcps:
+        parser.add_argument("--dcp", type=dcp_sizes, default=[1], help="decode context-parallel sizes, e.g. 2,4")
+    else:
+        parser.add_argument("--dcp", type=int, default=1, help="decode context-parallel size")
     parser.add_argument("--rank", type=int, default=0, help="the DCP rank simulated")
     parser.add_argument("--wide", action="store_true", help="TP1's split query")
     parser.add_argument("--split", action="store_true", help="the split query under DCP")
@@ -41,7 +45,7 @@ def rank_shape(args) -> RankShape:
     """The RankShape the shape flags of `add_shape_args` name."""
     topology = Topology(
         tp=args.tp,
-        dcp=args.dcp,
+        dcp=args.dcp[0] if isinstance(args.dcp, list) else args.dcp,
         wide=args.wide,
         split=args.split,
         rank=args.rank,
@@ -140,6 +144,17 @@ def batches(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return values
+
+
+def dcp_sizes(text: str) -> list[int]:
+    """Parse a --dcp list ("2,4") into positive ints; argparse reports a bad one."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated DCP sizes, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"DCP sizes must be positive, got {text!r}")
     return values
 
 
@@ -264,9 +279,9 @@ def cmd_run(args) -> int:
             setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
         check_policy(args, rank_shape(args))
         _check_device_memory(args, rank_shape(args), max(args.batch))
-        from .timing import run_gpu
+        from .timing import run_gpu, run_group
 
-        return run_gpu(args, rank_shape(args))
+        return (run_group if args.dcp > 1 else run_gpu)(args, rank_shape(args))
     given = _given(args, RUN_GPU_DEFAULTS)
     if given:
         why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
@@ -321,11 +336,17 @@ def cmd_serve(args) -> int:
 
 def cmd_bench(args) -> int:
     """`graphstep bench`: the backends and modes per batch against the floor
-    (graphstep.timing.bench)."""
+    (graphstep.timing.bench), per --dcp size (into --out/dcp<d> when there are several)."""
     _needs_gpu("bench", args)
     from .timing import bench
 
-    return bench(args, rank_shape(args))
+    for dcp in args.dcp:
+        one = argparse.Namespace(**vars(args))
+        one.dcp = dcp
+        if len(args.dcp) > 1:
+            one.out = str(Path(args.out) / f"dcp{dcp}")
+        bench(one, rank_shape(one))
+    return 0
 
 
 def cmd_tune(args) -> int:
@@ -505,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str, tp: int = 8) -> argparse.ArgumentParser:
         verb = sub.add_parser(name, help=help, description=help, formatter_class=Formatter)
-        add_shape_args(verb, tp)
+        add_shape_args(verb, tp, dcps=name == "bench")
         return verb
 
     info = command("info", "shapes, per-stage bytes and floors")
@@ -614,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
+    for dcp in args.dcp if isinstance(args.dcp, list) else ():  # bench: every size of the list
+        rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
     if args.command in ("ptx", "bench"):
         writable_dir(args.out, "--out")
     if args.command == "serve":

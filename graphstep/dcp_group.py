@@ -428,6 +428,44 @@ class DcpGroup:
             raise errors[0]
         return [self.steps[r].outputs(ranks[r].batch) if r in events else None for r in range(self.dcp)]
 
+    def load(self, inputs: StepInputs) -> int:
+        """Load the unsharded layer's inputs into every rank's buffers without checking their
+        values (benchmarks); returns the captured size they run at."""
+        sizes = set()
+        for rank, (step, rank_inputs) in enumerate(zip(self.steps, self.rank_inputs(inputs))):
+            with self._on(rank):
+                sizes.add(step.load(rank_inputs, check_values=False))
+        self._sync()
+        return sizes.pop()
+
+    def replay(self, size: int) -> tuple[torch.cuda.Event, torch.cuda.Event, list]:
+        """Replay every rank's graph of `size` on the buffers as they are (benchmarks), each on
+        its stream, without waiting or checking. Returns CUDA events: the group's start and
+        end (on the current stream: after the last rank's end) and each rank's (start, end)."""
+        parity = self.steps_run % 2
+        self.steps_run += 1
+        main = torch.cuda.current_stream(self.devices[0])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        ranks = []
+        for rank, step in enumerate(self.steps):
+            with self._on(rank):
+                torch.cuda.current_stream().wait_event(start)
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
+                step.replay(size, parity=parity)
+                events[1].record()
+                ranks.append(events)
+        for _, rank_end in ranks:
+            main.wait_event(rank_end)
+        end.record(main)
+        return start, end, ranks
+
+    def _sync(self) -> None:
+        for device in dict.fromkeys(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
     def _finish(self, ranks, rearm: bool = False) -> list[Exception]:
         """Wait for these ranks' steps and collect what their error words hold (own errors
         first: the others' timeouts are their consequence); after a failure or with `rearm`,
@@ -492,17 +530,13 @@ class DcpGroup:
     def _rearm(self) -> None:
         """Every rank's exchange buffers armed again (a failed step left rows and flags that
         no owner read and re-armed), after every rank's work is done."""
-        for device in dict.fromkeys(self.devices):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        self._sync()
         for step in self.steps:
             if isinstance(step.transport, PeerTransport):
                 step.transport.rearm()
             else:
                 formats.arm(step.caches.mailbox)
-        for device in dict.fromkeys(self.devices):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        self._sync()
 
     def combine(self, outputs: list[StepOutputs]) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranks' attention combined (reference.combine_ranks) on the first device: out

@@ -253,6 +253,9 @@ def bench(args, shape: RankShape) -> int:
         "no-PDL/fork",
     ]
     text = table(headers, rows, markdown=True) + "\n\n" + alone_line(smallest, alone_us, default_us, sizes)
+    if shape.topology.dcp > 1:  # the rows above: rank 0 with simulated peers; now the real group
+        del steps, alone
+        text += "\n\n" + bench_group(args, shape)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,3 +347,82 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# -- a DCP group of real ranks on one GPU (graphstep.dcp_group) --------------------------------
+
+
+def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> tuple[list[float], list[list[float]]]:
+    """Per group step (us): from the launch of every rank's graph to the last rank's end,
+    and each rank's own time (its launch to its end, waits for its peers included)."""
+    for _ in range(warmup):
+        group.replay(size)
+    runs = [group.replay(size) for _ in range(replays)]
+    torch.cuda.synchronize()
+    whole = [start.elapsed_time(end) * 1e3 for start, end, _ in runs]
+    ranks = [[r[0].elapsed_time(r[1]) * 1e3 for _, _, rs in runs for r in [rs[rank]]] for rank in range(group.dcp)]
+    return whole, ranks
+
+
+def _group(shape: RankShape, dcp: int, sizes, context: int, seed: int):
+    from .dcp_group import DcpGroup
+
+    group = DcpGroup(shape, dcp, capture_sizes=sizes, backend="cute", max_context=context, seed=seed)
+    group.capture()
+    return group
+
+
+def run_group(args, shape: RankShape) -> int:
+    """`graphstep run --dcp d` on a GPU: a DcpGroup of d ranks on it (their kernels exchange
+    through each other's memory), one checked group step per size, then timed replays."""
+    device = torch.cuda.get_device_name()
+    print(
+        f"graphstep run: {shape.model.name} {shape.topology.name}, a DCP group of {args.dcp} ranks on one GPU, "
+        f"context {args.context}, sizes {args.batch} ({device})",
+        flush=True,
+    )
+    started = time.perf_counter()
+    group = _group(shape, args.dcp, args.batch, args.context, args.seed)
+    graphs = sum(len(step.graphs) for step in group.steps)
+    print(f"built and captured {graphs} graphs ({args.dcp} ranks) in {time.perf_counter() - started:.1f} s")
+    rows, records = [], []
+    for size in group.steps[0].sizes:
+        inputs = group.unsharded.inputs(size, context_lens=args.context, seed=args.seed + 1)
+        outputs = group.step(inputs)  # checked: every rank's error word read
+        picked = [int((out.slots >= 0).sum()) for out in outputs]
+        whole, ranks = group_replay_us(group, group.load(inputs), args.replays)
+        rank_p50 = [statistics.median(times) for times in ranks]
+        records.append(dict(batch=size, group_p50_us=statistics.median(whole), rank_p50_us=rank_p50, slots=picked))
+        rows.append([size, statistics.median(whole), percentile(whole, 99), " / ".join(f"{t:.1f}" for t in rank_p50)])
+    if args.json:
+        meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
+        print(json.dumps(dict(meta, dcp=args.dcp, context=args.context, replays=args.replays, sizes=records), indent=1))
+    else:
+        print(table(["batch", "group p50 us", "group p99 us", "per rank p50 us"], rows))
+        print("each rank: its graph's launch to its end on its own stream, waits for its peers included")
+    return 0
+
+
+def bench_group(args, shape: RankShape) -> str:
+    """`graphstep bench --dcp d`'s group table: per batch, the group step of d real ranks on
+    one GPU, each rank's step, and the step of one rank without DCP over the same context
+    (the ranks share the SMs here: the multi-GPU figures are another issue's)."""
+    group = _group(shape, shape.topology.dcp, args.batch, args.context, args.seed)
+    single = DecodeStep(
+        shape.with_topology(dcp=1, rank=0), capture_sizes=args.batch, max_context=args.context, seed=args.seed
+    )
+    single.capture()
+    rows = []
+    for size in args.batch:
+        group.step(group.unsharded.inputs(size, context_lens=args.context, seed=args.seed + 1))  # checked once
+        whole, ranks = group_replay_us(group, size, args.replays)
+        load_batch(single, size, args.context, args.seed)
+        alone = statistics.median(replay_us(single, size, replays=args.replays))
+        group_us = statistics.median(whole)
+        rows.append([size, group_us, *[statistics.median(times) for times in ranks], alone, group_us / alone])
+        print(f"  group batch {size} done", file=sys.stderr, flush=True)
+    headers = ["batch", "group", *[f"rank {r}" for r in range(group.dcp)], "one rank, no DCP", "group/one"]
+    return (
+        f"DCP group of {group.dcp} ranks on one GPU, context {args.context} (us, median of {args.replays}):\n\n"
+        + table(headers, rows, markdown=True)
+    )

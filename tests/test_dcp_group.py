@@ -9,10 +9,11 @@ import torch
 from conftest import SMALL, rel_err
 from graphstep import formats
 from graphstep import reference as ref
-from graphstep.dcp_group import CandidatesTimeout, DcpGroup, GroupTransport
-from graphstep.launch import MailboxTimeout
+from graphstep.dcp_group import CandidatesTimeout, DcpGroup, GroupTransport, PeerTransport
+from graphstep.launch import INT32_MAX, ErrorWord, MailboxTimeout
 from graphstep.shapes import RankShape, Topology
 from graphstep.step import DecodeStep
+from graphstep.transport import Exchange, SimulatedPeers
 
 CONTEXT, SIZES = 300, (2, 4)  # SMALL: 4 heads per rank at tp 4; 300 tokens span 5 pages unsharded
 
@@ -214,3 +215,122 @@ def test_a_rank_pushes_its_own_rows_of_the_steps_tokens_into_every_peer_and_noth
         assert torch.equal(mailbox[:2, 4:8], rows), rank
         armed = formats.SENTINEL_BYTE
         assert (mailbox[:2, :4] == armed).all() and (mailbox[:2, 8:] == armed).all() and (mailbox[2:] == armed).all()
+
+
+# -- the GPU group's protocol (PeerTransport) on the CPU: layout, parity, flags ----------------
+
+
+def _peer_transports(dcp, rows=4):
+    """dcp PeerTransports of SMALL ranks over CPU memory (the offsets are addresses alike)."""
+    peers = [None] * dcp
+    for rank in range(dcp):
+        shape = RankShape(SMALL, Topology(tp=4, dcp=dcp, rank=rank))
+        mailbox = torch.empty(rows, shape.q_heads, SMALL.query_row * shape.q_bytes, dtype=torch.uint8)
+        PeerTransport(shape, mailbox, peers)
+    for transport in peers:
+        transport.connect()
+    return peers
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_one_offset_per_rank_addresses_every_buffer_of_that_rank(dcp):
+    peers = _peer_transports(dcp)
+    for me in peers:
+        offsets = me.mailbox_offsets.tolist()
+        assert offsets[me.rank] == 0
+        for rank, peer in enumerate(peers):
+            for parity in (0, 1):
+                for mine, theirs in [
+                    (me.mailboxes[parity], peer.mailboxes[parity]),
+                    (me.positions[parity], peer.positions[parity]),
+                    (me.scores[parity], peer.scores[parity]),
+                    (me.flags[parity], peer.flags[parity]),
+                ]:
+                    assert mine.data_ptr() + offsets[rank] == theirs.data_ptr(), (me.rank, rank, parity)
+                    assert mine.data_ptr() % 16 == 0
+
+
+def test_the_exchange_starts_armed_and_rearm_arms_both_parities():
+    me = _peer_transports(2)[0]
+    assert (me.mailboxes == formats.SENTINEL_BYTE).all() and (me.flags == 0).all()
+    assert (me.positions == -1).all() and (me.scores == float("-inf")).all()
+    me.mailboxes[1, 0, 0, :16] = 7  # a row a peer published, then a step failed
+    me.flags[0, 1] = 1
+    me.rearm()
+    assert (me.mailboxes == formats.SENTINEL_BYTE).all() and (me.flags == 0).all()
+
+
+def test_the_candidates_dcp_merge_reads_are_the_issued_paritys():
+    me = _peer_transports(2)[1]
+    for parity in (1, 0):
+        exchange = me.exchange(parity)
+        assert exchange.mailbox.data_ptr() == me.mailboxes[parity].data_ptr()
+        got = me.publish_candidates(exchange.positions, exchange.scores, 3)
+        assert got.positions.data_ptr() == me.positions[parity].data_ptr()
+        assert got.flags.data_ptr() == me.flags[parity].data_ptr()
+        assert got.offsets is me.mailbox_offsets and got.token_stride == SMALL.index_topk
+    with pytest.raises(ValueError, match="takes no peers"):
+        me.check(object(), 1)
+
+
+def test_connect_needs_every_rank():
+    peers = [None, None]
+    PeerTransport(RankShape(SMALL, Topology(tp=4, dcp=2, rank=0)), torch.empty(2, 8, SMALL.query_row * 2), peers)
+    with pytest.raises(RuntimeError, match="not every rank"):
+        peers[0].connect()
+
+
+class ParityPeers(SimulatedPeers):
+    """SimulatedPeers whose mailbox and own candidates are doubled by parity, as
+    PeerTransport's: what DecodeStep does with a two-parity transport, on the CPU."""
+
+    parities = 2
+
+    def __init__(self, shape, mailbox):
+        super().__init__(shape, mailbox)
+        k = shape.model.index_topk
+        self.mailboxes = formats.arm(torch.empty((2, *mailbox.shape), dtype=torch.uint8))
+        self.positions_2 = torch.full((2, mailbox.shape[0], k), -1, dtype=torch.int32)
+        self.scores_2 = torch.full((2, mailbox.shape[0], k), float("-inf"))
+
+    def exchange(self, parity):
+        return Exchange(self.mailboxes[parity], self.positions_2[parity], self.scores_2[parity])
+
+
+def test_a_two_parity_transport_gets_a_graph_plan_per_parity_and_its_buffers_per_step():
+    shape = RankShape(SMALL, Topology(tp=4, dcp=2, rank=1))
+    step = DecodeStep(
+        shape,
+        capture_sizes=SIZES,
+        policy="serial",
+        backend="torch",
+        device="cpu",
+        max_context=CONTEXT,
+        transport=ParityPeers,
+    )
+    t = step.transport
+    assert step.plan() == [(4, "serial", 0), (4, "serial", 1), (2, "serial", 0), (2, "serial", 1)]
+    assert step.caches.mailbox.data_ptr() == t.mailboxes[0].data_ptr(), "parity 0's buffers between steps"
+    inputs = step.state.inputs(2, seed=3)
+    step.load(inputs, step.state.peer_inputs(inputs, seed=4))
+    step.run_stages(2, "serial", parity=1)
+    assert (t.positions_2[1, :2] >= -1).all() and (t.positions_2[1, :2] != -1).any(), "TopK wrote parity 1's"
+    assert (t.positions_2[0] == -1).all(), "parity 0's untouched"
+    assert step.caches.mailbox.data_ptr() == t.mailboxes[0].data_ptr(), "parity 0's again after the step"
+    assert step.buffers.own_positions.data_ptr() == t.positions_2[0].data_ptr()
+    with pytest.raises(ValueError, match="parity 2: this step's transport has 2"):
+        step.run_stages(2, "serial", parity=2)
+
+
+def test_the_error_words_candidate_pair_raises_candidates_timeout_naming_the_rank():
+    error = ErrorWord.new("cpu")
+    assert error.word.numel() == 6
+    error.word[4], error.word[5] = 1, 3  # CandidateSync of rank 0 gave up on rank 3
+    with pytest.raises(CandidatesTimeout, match=r"rank 0 never received the candidates of ranks \[3\]") as lost:
+        error.check(16, 72, heads=16, rank=0)
+    assert lost.value.missing == [3] and error.word.tolist() == ErrorWord.new("cpu").word.tolist()
+    error.word[0], error.word[1], error.word[4], error.word[5] = 1, 72, 1, 1  # both: the rows are named first
+    with pytest.raises(MailboxTimeout, match=r"token 0, head row 1"):
+        error.check(16, 72, heads=16, rank=0)
+    four = ErrorWord(torch.tensor([0, INT32_MAX, -1, INT32_MAX], dtype=torch.int32))  # graphstep.ops' word
+    four.check(16, 72)  # nothing recorded: no error

@@ -1,47 +1,54 @@
-"""DcpGroup on an sm_90 GPU with the cute kernels: d = 2 and 4 ranks on one GPU, each rank
-in its own thread on its own stream, eager (graphs need the in-kernel publishes of issue 12).
-
-The group runs the fork data path: on the side stream MlaQuery (no poll), then the rank's
-pushes of its rows into the peers' mailboxes and the wait on the peers' pushes (CUDA
-events), then QueryWait, which polls the mailbox and, for a rank that never came, records
-the missing chunk in the error word (step() raises MailboxTimeout). Serial and fork_poll
-cannot run a group without remote stores: MlaQuery polls for the peers' rows before it
-returns, so a copy issued after it would come too late."""
+"""DcpGroup on an sm_90 GPU with the cute kernels: d = 2 and 4 real ranks on one GPU whose
+kernels exchange through each other's memory (PeerTransport): MlaQuery stores every rank's
+rows into every mailbox, CandidateSync sets and waits on ready flags, DcpMerge reads the
+peers' candidates in place. Each rank's step is one CUDA graph per size and step parity,
+launched on its own stream; nothing on the host meets or copies between the ranks."""
 
 import pytest
 import torch
 
 from conftest import rel_err
 from graphstep import reference as ref
-from graphstep.dcp_group import DcpGroup
+from graphstep.dcp_group import DcpGroup, PeerTransport
 from graphstep.launch import MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
 
 pytestmark = pytest.mark.gpu
-SHAPE = RankShape(preset("deepseek-v3.2"), Topology(tp=8))  # 16 heads per rank
 CONTEXT = 8192  # past index_topk x dcp: the global top-k takes some of each rank's candidates
+BUDGET_NS = 20_000_000  # a lost rank fails a step within 20 ms
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def group(request):
-    return DcpGroup(
-        SHAPE,
-        request.param,
+def _group(dcp, split=False):
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8, split=split))  # 16 heads per rank
+    group = DcpGroup(
+        shape,
+        dcp,
         devices="cuda",
         capture_sizes=(4, 8),
         backend="cute",
         max_context=CONTEXT,
         seed=11,
-        budget_ns=20_000_000,
-        wait_s=1.0,
+        budget_ns=BUDGET_NS,
     )
+    group.capture()
+    return group
+
+
+@pytest.fixture(scope="module", params=[(2, False), (4, False), (2, True)], ids=["dcp2", "dcp4", "dcp2-split"])
+def group(request):
+    return _group(*request.param)
+
+
+def _candidates(group, batch):
+    """Every rank's TopK candidates of the last step (in its own exchange memory)."""
+    parity = (group.steps_run - 1) % 2
+    return [ref.Candidates(t.positions[parity, :batch], t.scores[parity, :batch]) for t in group.transports]
 
 
 def _global_positions(group, outputs, batch):
     """The global positions each rank attended (its slots through its block tables), -1 padded."""
-    positions = []
+    positions, page = [], group.steps[0].shape.model.page_size
     for rank, (step, out) in enumerate(zip(group.steps, outputs)):
-        page = SHAPE.model.page_size
         tables = step.state.caches.block_tables[:batch].long()
         local = torch.arange(tables.shape[1] * page, device=tables.device)
         slots = tables[:, local // page] * page + local % page  # [batch, local positions]
@@ -53,57 +60,89 @@ def _global_positions(group, outputs, batch):
     return torch.cat(positions, dim=1)
 
 
-def test_every_rank_holds_its_share_of_the_merge_and_the_combine_is_the_unsharded_attention(group):
-    inputs = group.unsharded.inputs(7, context_lens=[CONTEXT, 6000, 4097, 2049, 300, 64, 1], seed=3)
-    outputs = group.step(inputs)
-    # the candidates every rank received are the others' TopK outputs; its slots their merge
-    candidates = [ref.Candidates(s.buffers.own_positions[:7], s.buffers.own_scores[:7]) for s in group.steps]
-    merged = ref.dcp_merge(candidates, SHAPE.model.index_topk)
+def _check_merge(group, outputs, batch):
+    k = group.steps[0].shape.model.index_topk
+    merged = ref.dcp_merge(_candidates(group, batch), k)
     for rank, (step, out) in enumerate(zip(group.steps, outputs)):
-        for peer in range(group.dcp):
-            if peer != rank:
-                assert torch.equal(step.transport.positions[:7, peer], candidates[peer].positions), (rank, peer)
-        tables = step.state.caches.block_tables[:7]
+        tables = step.state.caches.block_tables[:batch]
         assert torch.equal(out.slots, ref.local_slots(merged, tables, 64, group.dcp, rank)), rank
         assert torch.equal(out.q_rows, outputs[0].q_rows), "every rank attended the same gathered rows"
+    return merged
+
+
+def test_the_ranks_exchange_through_peer_memory():
+    group = _group(2)
+    assert all(isinstance(t, PeerTransport) for t in group.transports)
+    first, second = (t.memory.data_ptr() for t in group.transports)
+    assert group.transports[0].mailbox_offsets.tolist() == [0, second - first]
+    assert set(group.steps[0].graphs) == {(8, "fork"), (8, "fork", 1), (4, "fork"), (4, "fork", 1)}
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_every_rank_holds_its_share_of_the_merge_and_the_combine_is_the_unsharded_attention(group, eager):
+    inputs = group.unsharded.inputs(7, context_lens=[CONTEXT, 6000, 4097, 2049, 300, 64, 1], seed=3)
+    outputs = group.step(inputs, eager=eager)
+    merged = _check_merge(group, outputs, 7)
     # the combine against the unsharded layer's attention over the same positions
     out, lse = group.combine(outputs)
     ref.kv_insert(group.unsharded, inputs, group.unsharded.caches)
     positions = _global_positions(group, outputs, 7)  # [7, dcp x topk], -1 padded
-    k = SHAPE.model.index_topk
+    k = group.steps[0].shape.model.index_topk
     assert torch.equal(positions.sort(1).values[:, -k:], merged.long().sort(1).values), "the ranks attend the merge"
     slots = ref.to_slots(merged, inputs.block_tables, 64)
     q = outputs[0].q_rows.float()
     expect_out, expect_lse = ref.sparse_attention(group.unsharded, group.unsharded.caches, q, slots)
     assert rel_err(out, expect_out) < 2e-3 and rel_err(lse, expect_lse) < 2e-3
-    assert all(t is not None for t in group.times) and group.group_time > 0
+    # the gathered rows are every rank's own MlaQuery rows (the reference's per rank)
+    heads = group.steps[0].shape.heads
+    for rank, step in enumerate(group.steps):
+        rank_inputs = group.rank_inputs(inputs)[rank]
+        own = ref.mla_query(step.state, rank_inputs, ref.query_norm(step.state, rank_inputs))  # [B, heads, 576]
+        got = outputs[0].q_rows[:, rank * heads : (rank + 1) * heads].float()
+        assert rel_err(got, own) < 1e-2, rank
+    assert all(t is not None and t > 0 for t in group.times) and group.group_time > 0
 
 
 def test_a_rank_that_is_not_run_times_the_others_out_and_the_group_recovers(group):
     inputs = group.unsharded.inputs(4, context_lens=4000, seed=4)
     missing = group.dcp - 1
+    heads = group.steps[0].shape.heads
     with pytest.raises(MailboxTimeout) as lost:
         group.step(inputs, absent=[missing])
-    assert (lost.value.rank, lost.value.token, lost.value.row, lost.value.chunk) == (missing, 0, 16 * missing, 0)
-    outputs = group.step(inputs)
-    candidates = [ref.Candidates(s.buffers.own_positions[:4], s.buffers.own_scores[:4]) for s in group.steps]
-    merged = ref.dcp_merge(candidates, SHAPE.model.index_topk)
-    for rank, (step, out) in enumerate(zip(group.steps, outputs)):
-        tables = step.state.caches.block_tables[:4]
-        assert torch.equal(out.slots, ref.local_slots(merged, tables, 64, group.dcp, rank)), rank
-        assert torch.isfinite(out.out).all()
+    assert (lost.value.rank, lost.value.token, lost.value.row, lost.value.chunk) == (missing, 0, heads * missing, 0)
+    for step in group.steps:  # every error word was read and reset, every exchange re-armed
+        assert step.error.word.tolist() == type(step.error).new("cuda").word.tolist()
+    for _ in range(3):  # both parities work again
+        outputs = group.step(inputs)
+        _check_merge(group, outputs, 4)
+        assert all(torch.isfinite(out.out).all() for out in outputs)
 
 
-def test_a_rank_delayed_on_the_gpu_gives_the_same_results(group, monkeypatch):
+def test_a_rank_delayed_on_the_gpu_gives_the_same_results(group):
     inputs = group.unsharded.inputs(4, context_lens=5000, seed=5)
     expect = [(out.slots.clone(), out.out.clone()) for out in group.step(inputs)]
-    late = group.steps[-1].stages
-    index_key = late.index_key
+    for delayed in range(group.dcp):
+        outputs = group.step(inputs, delays={delayed: 0.001})  # a spin of about 1 ms before its step
+        for out, (slots, attention) in zip(outputs, expect):
+            assert torch.equal(out.slots, slots) and torch.equal(out.out, attention), delayed
 
-    def delayed(size):
-        torch.cuda._sleep(2_000_000)  # a spin kernel of about 1 ms ahead of the rank's step
-        index_key(size)
 
-    monkeypatch.setattr(late, "index_key", delayed)
-    for out, (slots, attention) in zip(group.step(inputs), expect):
-        assert torch.equal(out.slots, slots) and torch.equal(out.out, attention)
+def test_a_thousand_group_steps_of_varying_batch_are_bit_identical_to_eager():
+    group = _group(2)
+    gen = torch.Generator().manual_seed(8)
+    batches = [1, 2, 3, 4, 5, 6, 7, 8]
+    inputs = {
+        b: group.unsharded.inputs(b, context_lens=torch.randint(1, CONTEXT + 1, (b,), generator=gen).tolist(), seed=b)
+        for b in batches
+    }
+    expect = {}
+    for b in batches:  # eager, each batch once (the cache inserts repeat the same rows)
+        outputs = group.step(inputs[b], eager=True)
+        expect[b] = [(o.slots.clone(), o.out.clone(), o.lse.clone(), o.q_rows.clone()) for o in outputs]
+    order = torch.randint(0, len(batches), (1000,), generator=gen).tolist()
+    for i, pick in enumerate(order):
+        b = batches[pick]
+        outputs = group.step(inputs[b])
+        for rank, (out, want) in enumerate(zip(outputs, expect[b])):
+            got = (out.slots, out.out, out.lse, out.q_rows)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), (i, b, rank)

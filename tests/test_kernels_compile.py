@@ -668,3 +668,52 @@ def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, p
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
     assert found == {"regs": 168, "frame": 0}, kernels
     assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
+
+
+@pytest.fixture(scope="module")
+def group_ptx(tmp_path_factory):
+    """The variants only a rank of a DCP group exchanging through peer memory launches."""
+    shape = SHAPES["kimi-dcp2-fp8"]
+    out = {}
+    base = {v.name for v in catalog.variants(shape, batches=(1, 64))}
+    for variant in catalog.variants(shape, batches=(1, 64), group=True):
+        if variant.name in base:
+            continue
+        folder = tmp_path_factory.mktemp(variant.name)
+        catalog.compile_op(variant.op, variant.args, "sm_90a", str(folder))
+        out[variant.name] = next(p for p in folder.iterdir() if p.suffix == ".ptx").read_text()
+    return out
+
+
+def test_a_group_rank_adds_remote_mla_query_variants_and_candidate_sync(group_ptx, ptx):
+    assert set(group_ptx) == {
+        "mla_query_rows_remote",
+        "mla_query_tiled_remote",
+        "mla_query_rows_poll_remote",
+        "mla_query_tiled_poll_remote",
+        "candidate_sync",
+    }
+    for name in ("mla_query_rows", "mla_query_tiled"):
+        local = _entries(ptx[("kimi-dcp2-fp8", name)])[2]  # the absorb kernel: the publish
+        remote = _entries(group_ptx[f"{name}_remote"])[2]
+        # every chunk stored into both ranks' mailboxes, each at a loaded byte offset, after the wait
+        assert remote.count("st.global.v4.b32") == 2 * local.count("st.global.v4.b32") > 0, name
+        assert remote.count("ld.global.s64") == 2 and "ld.global.s64" not in local, name
+        assert remote.index("griddepcontrol.wait") < remote.index("ld.global.s64"), name
+        assert [short(n) for n in re.findall(r"\.entry (\w+)\(", group_ptx[f"{name}_remote"])] == [
+            f"cute:{stage}" for stage in _stages(name, 2048)
+        ]
+
+
+def test_candidate_sync_releases_after_the_wait_and_spins_bounded_with_acquire(group_ptx):
+    text = group_ptx["candidate_sync"]
+    assert [short(n) for n in re.findall(r"\.entry (\w+)\(", text)] == ["cute:candidate_sync"]
+    wait = text.index("griddepcontrol.wait;")
+    assert wait < text.index("st.release.sys.global.s32") < text.index("ld.acquire.sys.global.s32")
+    assert "%globaltimer" in text and "red.global.min.s32" in text and "griddepcontrol.launch_dependents;" in text
+    assert ".local" not in text
+
+
+def test_dcp_merge_reads_each_ranks_candidates_at_its_offset(ptx):
+    text = ptx[("kimi-dcp2-fp8", "dcp_merge")]
+    assert "ld.global.s64" in text and text.index("griddepcontrol.wait") < text.index("ld.global.s64")
