@@ -376,7 +376,9 @@ class DcpGroup:
             for rank, step in enumerate(self.steps):
                 with self._on(rank):
                     step.run_stages(size, mode, parity)
-            self._finish(range(self.dcp))
+            errors = self._finish(range(self.dcp))
+            if errors:
+                raise errors[0]
         for rank, step in enumerate(self.steps):
             with self._on(rank):
                 step.capture(warm_up=False)

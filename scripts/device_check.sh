@@ -18,7 +18,7 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
 }
-if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench bench_tp1 bench_dcp2 serve nsys nsys_eager trace
+if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests graph run bench bench_tp1 bench_dcp2 serve nsys nsys_eager trace group_tests run_group bench_group
   only=" $* "            # kernels indexer sparse topk pybench sanitize sanitize_all ops_tests ops)
 else
   only=" gpu_tests graph run bench serve nsys trace kernels "
@@ -47,3 +47,7 @@ want pybench && TAIL=30 step pybench 150 python3 -m pytest bench/test_step_bench
   --benchmark-only --benchmark-columns=median,iqr,rounds --benchmark-json "$out/pybench.json"
 want sanitize && SANITIZE_LOGS="$out/sanitize" TAIL=12 step sanitize 330 bash scripts/sanitize.sh --quick
 want sanitize_all && SANITIZE_LOGS="$out/sanitize" TAIL=12 step sanitize_all 590 bash scripts/sanitize.sh
+want group_tests && step group_tests 300 python3 -m pytest -q -m gpu tests/test_dcp_group_gpu.py -p no:cacheprovider
+want run_group && step run_group 120 graphstep run --dcp 2 --batch 1,4,16 --context 8192 --replays 30
+want bench_group && TAIL=30 step bench_group 420 graphstep bench --dcp 2,4 --batch 1,4,16,64 --context 32768 \
+  --replays 30 --out "$out/group"
