@@ -24,10 +24,10 @@ becomes slot -1 (a hole SparseCore skips) and is recorded (kernels/guards.py).
 Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
 16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
 over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
-its slice in registers, so the row is read from global memory once and every round and the
-compaction work on registers (the larger splits keep part of the slice in shared memory);
-the CTAs sum their histograms and exchange their counts through distributed shared memory
-(see its docstring). The host picks the variant with
+its slice in registers (the larger splits keep part of it in shared memory), so the row is
+read from global memory once; after round 0 a CTA lists the scores that can be kept, and
+the later rounds and the compaction read only that list; the CTAs sum their histograms and
+exchange their counts through distributed shared memory (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
 kernels/catalog.py. TopK runs rows wider than every split.
@@ -640,13 +640,38 @@ class ClusterTopK:
                 self.compact(keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
             elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
                 self.compact_list(
-                    hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args, tid, lane, warp, cta
+                    hists,
+                    base_address,
+                    threshold,
+                    need,
+                    counts,
+                    sizes,
+                    scratch,
+                    offsets,
+                    fill,
+                    out_args,
+                    tid,
+                    lane,
+                    warp,
+                    cta,
                 )
             else:
                 if listed:
                     self.compact_list(
-                        hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args,
-                        tid, lane, warp, cta,
+                        hists,
+                        base_address,
+                        threshold,
+                        need,
+                        counts,
+                        sizes,
+                        scratch,
+                        offsets,
+                        fill,
+                        out_args,
+                        tid,
+                        lane,
+                        warp,
+                        cta,
                     )
                 else:
                     self.compact(again, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
@@ -658,7 +683,16 @@ class ClusterTopK:
                     offset = 4 * (threads * u + tid) + j
                     if 4 * threads * u + j < limit:
                         self.write(
-                            out, out_scores, pages, token, base + offset, base + offset, offset, quad[j], error, pool_pages
+                            out,
+                            out_scores,
+                            pages,
+                            token,
+                            base + offset,
+                            base + offset,
+                            offset,
+                            quad[j],
+                            error,
+                            pool_pages,
                         )
         for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
             P.store_i32(out + token * self.k + i, Int32(-1))
@@ -674,7 +708,9 @@ class ClusterTopK:
         threshold, need = Uint32(0), Int32(self.k)
         prefix, done = Uint32(0), Int32(0)
         self.histogram(keys, stash, limit, hists, 0, prefix, tid)
-        threshold, need, prefix, done = self.choose_bin(0, hists, base_address, threshold, need, prefix, done, tid, lane, cta)
+        threshold, need, prefix, done = self.choose_bin(
+            0, hists, base_address, threshold, need, prefix, done, tid, lane, cta
+        )
         listed, fill = cutlass.Boolean(False), Int32(0)
         if cutlass.const_expr(self.entries > 0):
             fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
@@ -685,10 +721,10 @@ class ClusterTopK:
                 if cutlass.const_expr(self.entries == 0):
                     self.histogram(keys, stash, limit, hists, r, prefix, tid)
                 elif cutlass.const_expr(self.entries == 128 * self.loads):  # the list holds every candidate
-                    self.histogram_list(hists, r, prefix, fill, lane, warp)
+                    self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
                 else:
                     if listed:
-                        self.histogram_list(hists, r, prefix, fill, lane, warp)
+                        self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
                     else:
                         self.histogram(again, stash, limit, hists, r, prefix, tid)
                 threshold, need, prefix, done = self.choose_bin(
@@ -714,15 +750,16 @@ class ClusterTopK:
                     cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
 
     @cute.jit
-    def histogram_list(self, hists, r: int, prefix, fill, lane, warp):
+    def histogram_list(self, hists, base_address, r: int, prefix, fill, lane, warp):
         """This CTA's histogram of round r over its candidate list (each warp its own part)."""
         shift, bits = ROUNDS[r]
         hist = HISTS[r][0]
         first = LIST + 2 * self.entries * warp
         for i in range(lane, fill, 32):
-            key = Uint32(hists[first + 2 * i])
+            key, _ = P.ld_shared_u32x2(base_address + 4 * (first + 2 * i))
             if (key >> Uint32(shift + bits)) == prefix:
-                cute.arch.atomic_add(hists.iterator + hist + Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1)), Int32(1))
+                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
 
     @cute.jit
     def choose_bin(self, r: int, hists, base_address, threshold, need, prefix, done, tid, lane, cta):
@@ -868,7 +905,21 @@ class ClusterTopK:
 
     @cute.jit
     def compact_list(
-        self, hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args, tid, lane, warp, cta
+        self,
+        hists,
+        base_address,
+        threshold,
+        need,
+        counts,
+        sizes,
+        scratch,
+        offsets,
+        fill,
+        out_args,
+        tid,
+        lane,
+        warp,
+        cta,
     ):
         """Write the kept candidates of the list at their places: (kept keys > T before them
         in the row) + min(kept keys == T before them, need). A group's candidates (one
@@ -926,7 +977,7 @@ class ClusterTopK:
     def compact(self, keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
         the row) + min(kept keys == T before them, need), from its whole slice."""
-        threads, ctas, loads = self.threads, self.ctas, self.loads
+        threads, loads = self.threads, self.loads
         warps = threads // 32
         # this warp's counts per load, (above | at << 16): each at most 128
         for u in cutlass.range_constexpr(loads):
