@@ -349,18 +349,18 @@ SPLITS = (
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch or None for every larger one, split) in
 # ascending batch; a split of None would be the one-CTA-per-row TopK (no width picks it now:
-# it runs only rows wider than every split). Measured on the H200 with
-# `bench/bench_indexer.py --top-k-sweep`
-# (bench/RESULTS.md, 2026-12-02; 128K 2026-12-03, with the pull-reduced histograms): more
+# it runs only rows wider than every split). Measured on the H200 (2026-12-03, with the
+# candidate list: every split in one process, on DsaIndex's scores; bench/RESULTS.md): more
 # CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
-# and larger CTAs do (one wave of rows, fewer cluster barriers). 128K: 16 CTAs of 8K to
-# B = 4 (12.8 us; about 7 such clusters fit at once), 8 of 16K to B = 12 (15.7; B = 16
-# takes a second wave), 4 of 32K to B = 24 (24.3), 8 of 16K at B = 32 (37.7: the 4-CTA
-# clusters take a second wave there, 40.6), 2 of 64K above (44.6 at B = 48, 45.9 at 64,
-# where one CTA per row took 69.4).
+# and larger CTAs do (one wave of rows, fewer cluster barriers). 32K: 8 CTAs of 4K to B = 8
+# (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
+# 128K: 16 CTAs of 8K to B = 4 (10.1 at 4; 12.1 at 1, where 8 of 16K took 12.0), 8 of 16K to
+# B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
+# 24), 8 of 16K at B = 32 (30.8; 4 of 32K 31.4), 4 of 32K to B = 48 (two waves, 34.4),
+# 2 of 64K above (43.3 at 64, where 4 of 32K took 48.7).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
-    (32768, ((8, Split(8, 512, 2)), (16, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
+    (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
     (
         131072,
         (
@@ -368,6 +368,7 @@ PICKS = (
             (12, Split(8, 1024, 4)),
             (24, Split(4, 1024, 8, 4)),
             (32, Split(8, 1024, 4)),
+            (48, Split(4, 1024, 8, 4)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),
