@@ -504,14 +504,16 @@ class ClusterTopK:
     Only two passes read the whole slice (a pass costs each thread a few instructions per
     score it holds, which bounds the kernel). Round 0 histograms every score. The second
     pass appends every score at or above round 0's bin (each one that can be kept: a few
-    thousand of a row's scores) to its warp's part of a candidate list in shared memory,
-    in index order, and histograms round 1 over that bin's scores. Round 2 and the
-    compaction then read only the list: count the kept candidates of each (load, warp)
-    group, one CTA scan of those counts, and each warp writes its kept candidates. Where a
-    warp's candidates overflow its part of the list (ties, equal scores; only splits whose
-    stash leaves less than a list of the whole slice), the CTA runs round 2 and the
-    compaction over its whole slice instead: ballots and a scan of per-(load, warp) counts.
-    Either way a CTA's kept scores are offset by the lower CTAs' counts, exchanged through
+    thousand of a row's scores) with its offset to its warp's part of a candidate list in
+    shared memory, in index order (load, lane, word). Rounds 1 and 2 histogram the list,
+    and the compaction reads only the list: count the kept candidates of each (load, warp)
+    group, one CTA scan of those counts, and each warp writes its kept candidates. A
+    warp's part holds all its scores (the list never overflows) except where a split's
+    stash leaves too little shared memory (list_entries): there, where a warp's candidates
+    overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
+    over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
+    held loads from global memory; a split with no room for a list (list_entries 0) always
+    runs them over its slice, from its registers and stash. Either way a CTA's kept scores are offset by the lower CTAs' counts, exchanged through
     distributed shared memory (one more cluster barrier). Rows of at most k scores keep
     every score at its own index (no search, no exchange)."""
 
