@@ -513,9 +513,10 @@ class ClusterTopK:
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
     over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
     held loads from global memory; a split with no room for a list (list_entries 0) always
-    runs them over its slice, from its registers and stash. Either way a CTA's kept scores are offset by the lower CTAs' counts, exchanged through
-    distributed shared memory (one more cluster barrier). Rows of at most k scores keep
-    every score at its own index (no search, no exchange)."""
+    runs them over its slice, from its registers and stash. Either way a CTA's kept scores
+    are offset by the lower CTAs' counts, exchanged through distributed shared memory (one
+    more cluster barrier). Rows of at most k scores keep every score at its own index (no
+    search, no exchange)."""
 
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
         if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
