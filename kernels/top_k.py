@@ -24,10 +24,10 @@ becomes slot -1 (a hole SparseCore skips) and is recorded (kernels/guards.py).
 Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams the row in
 16K chunks once per round (DcpMerge shares its RadixSelect). `ClusterTopK` splits a row
 over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
-its slice in registers, so the row is read from global memory once and every round and the
-compaction work on registers (the larger splits keep part of the slice in shared memory);
-the CTAs sum their histograms and exchange their counts through distributed shared memory
-(see its docstring). The host picks the variant with
+its slice in registers (the larger splits keep part of it in shared memory), so the row is
+read from global memory once; after round 0 a CTA lists the scores that can be kept, and
+the later rounds and the compaction read only that list; the CTAs sum their histograms and
+exchange their counts through distributed shared memory (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
 kernels/catalog.py. TopK runs rows wider than every split.
@@ -349,18 +349,18 @@ SPLITS = (
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch or None for every larger one, split) in
 # ascending batch; a split of None would be the one-CTA-per-row TopK (no width picks it now:
-# it runs only rows wider than every split). Measured on the H200 with
-# `bench/bench_indexer.py --top-k-sweep`
-# (bench/RESULTS.md, 2026-12-02; 128K 2026-12-03, with the pull-reduced histograms): more
+# it runs only rows wider than every split). Measured on the H200 (2026-12-03, with the
+# candidate list: every split in one process, on DsaIndex's scores; bench/RESULTS.md): more
 # CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
-# and larger CTAs do (one wave of rows, fewer cluster barriers). 128K: 16 CTAs of 8K to
-# B = 4 (12.8 us; about 7 such clusters fit at once), 8 of 16K to B = 12 (15.7; B = 16
-# takes a second wave), 4 of 32K to B = 24 (24.3), 8 of 16K at B = 32 (37.7: the 4-CTA
-# clusters take a second wave there, 40.6), 2 of 64K above (44.6 at B = 48, 45.9 at 64,
-# where one CTA per row took 69.4).
+# and larger CTAs do (one wave of rows, fewer cluster barriers). 32K: 8 CTAs of 4K to B = 8
+# (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
+# 128K: 16 CTAs of 8K to B = 4 (10.1 at 4; 12.1 at 1, where 8 of 16K took 12.0), 8 of 16K to
+# B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
+# 24), 8 of 16K at B = 32 (30.8; 4 of 32K 31.4), 4 of 32K to B = 48 (two waves, 34.4),
+# 2 of 64K above (43.3 at 64, where 4 of 32K took 48.7).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
-    (32768, ((8, Split(8, 512, 2)), (16, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
+    (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
     (
         131072,
         (
@@ -368,6 +368,7 @@ PICKS = (
             (12, Split(8, 1024, 4)),
             (24, Split(4, 1024, 8, 4)),
             (32, Split(8, 1024, 4)),
+            (48, Split(4, 1024, 8, 4)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),
@@ -383,12 +384,39 @@ def split_for(width: int, batch: int) -> Split | None:
     return next((s for s in SPLITS if s.capacity >= width), None)
 
 
-HISTS = ((0, 2048), (2048, 2048), (4096, 1024))  # (offset of the CTA's histogram, bins) per round
-# The cluster-summed histogram and its 32-bin group sums, one for every round: round r + 1's
-# sums are stored after a cluster barrier that every CTA passes only once done with round r's.
-SUMS = 5120
+# Shared words of the histograms, in order: the cluster-summed histogram (one for every round:
+# round r + 1's sums are stored after a cluster barrier that every CTA passes only once done
+# with round r's) and its 32-bin group sums; then, zeroed each launch, the CTA's own
+# histograms of rounds 1 and 2, the list's overflow flag and round 0's histogram, whose
+# words (free once round 0 is summed) begin the candidate list.
+SUMS = 0
 GROUPS = SUMS + 2048
-HIST_WORDS = GROUPS + 64  # the CTA's histograms (zeroed each launch) | summed histogram | group sums
+HISTS = ((GROUPS + 64 + 2048 + 1024 + 4, 2048), (GROUPS + 64, 2048), (GROUPS + 64 + 2048, 1024))  # (offset, bins)
+OVERFLOW = GROUPS + 64 + 2048 + 1024  # and the CTA's kept count in the next word
+LIST = HISTS[0][0]
+ZEROED = (HISTS[1][0], LIST + HISTS[0][1])  # [from, to)
+SMEM_PER_SM = 233472  # sm_90: 228 KB, of which 1 KB per resident CTA is reserved
+ROW_SLACK = 256  # bytes of alignment padding the allocator may add
+
+
+def list_entries(split: Split) -> int:
+    """Candidates per warp the CTA's list holds (8 bytes each: key and offset): the warp's
+    own scores where shared memory allows (the list never overflows), else as many as fit
+    beside the stash at the split's residency (one CTA per SM at 1024 threads, two at 512);
+    0 (no list: every round and the compaction pass over the whole slice) where that is
+    less than a quarter of the warp's scores, which a row's candidates would often overflow."""
+    warps = split.threads // 32
+    groups = split.loads * warps
+    fixed = (
+        4 * LIST
+        + 4 * (2 * groups + warps + 2 * split.ctas + split.per_cta // PAGE)
+        + 16 * split.threads * split.stashed
+        + ROW_SLACK
+    )
+    budget = SMEM_PER_SM // (65536 // (64 * split.threads)) - 1024
+    own = 128 * split.loads
+    entries = min(own, (budget - fixed) // (8 * warps) // 32 * 32)
+    return entries if 4 * entries >= own else 0
 
 
 def dsmem_load4(address, cta) -> tuple:
@@ -434,6 +462,11 @@ def store_zero4(address):
     )
 
 
+def store_entry(address, key, offset):
+    """A list entry, (key, offset), at shared address `address` (8-byte aligned)."""
+    cute.arch.inline_ptx("st.shared.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[address, key, offset])
+
+
 def word_of(key) -> Uint32:
     """order_key's inverse: the fp32 bits of a key."""
     flip = Uint32(cutlass.select_((key >> Uint32(31)) == Uint32(1), Uint32(0x80000000), Uint32(0xFFFFFFFF)))
@@ -466,11 +499,24 @@ class ClusterTopK:
     a second cluster barrier every warp finds the bin holding the need-th key on its own
     (32-bin groups, then the group's bins: two warp scans, no CTA barrier). This pull
     moves bins / 4 16-byte loads and stores per CTA and round, where adding each non-zero
-    bin into every CTA (`red.shared::cluster`) cost up to bins x ctas remote atomics. The
-    compaction ranks a CTA's kept scores with ballots and a
-    scan of per-(load, warp) counts, and offsets them by the lower CTAs' counts, exchanged
-    through distributed shared memory (one more cluster barrier). Rows of at most k scores
-    keep every score at its own index (no search, no exchange)."""
+    bin into every CTA (`red.shared::cluster`) cost up to bins x ctas remote atomics.
+
+    Only two passes read the whole slice (a pass costs each thread a few instructions per
+    score it holds, which bounds the kernel). Round 0 histograms every score. The second
+    pass appends every score at or above round 0's bin (each one that can be kept: a few
+    thousand of a row's scores) with its offset to its warp's part of a candidate list in
+    shared memory, in index order (load, lane, word). Rounds 1 and 2 histogram the list,
+    and the compaction reads only the list: count the kept candidates of each (load, warp)
+    group, one CTA scan of those counts, and each warp writes its kept candidates. A
+    warp's part holds all its scores (the list never overflows) except where a split's
+    stash leaves too little shared memory (list_entries): there, where a warp's candidates
+    overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
+    over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
+    held loads from global memory; a split with no room for a list (list_entries 0) always
+    runs them over its slice, from its registers and stash. Either way a CTA's kept scores
+    are offset by the lower CTAs' counts, exchanged through distributed shared memory (one
+    more cluster barrier). Rows of at most k scores keep every score at its own index (no
+    search, no exchange)."""
 
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
         if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
@@ -484,6 +530,10 @@ class ClusterTopK:
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
         self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
         self.stashed, self.held = split.stashed, split.held
+        self.entries = list_entries(split)
+        # the list's scan packs a group's (above, at) counts in one word: a CTA's sums < 2^16
+        if self.entries and split.per_cta >= 1 << 16:
+            raise ValueError(f"unsupported split {split}: a listed CTA holds fewer than 2^16 scores")
 
     @cute.jit
     def __call__(
@@ -529,8 +579,14 @@ class ClusterTopK:
         cta = cute.arch.block_idx_in_cluster()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        hists = smem.allocate_tensor(Int32, cute.make_layout(HIST_WORDS), byte_alignment=16)
+        list_words = max(HISTS[0][1], 2 * self.entries * warps)  # 2 words per candidate
+        hists = smem.allocate_tensor(Int32, cute.make_layout(LIST + list_words), byte_alignment=16)
         counts = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
+        sizes = counts  # the list's groups' sizes, and the scan's per-warp scratch
+        scratch = counts
+        if cutlass.const_expr(self.entries > 0):
+            sizes = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
+            scratch = smem.allocate_tensor(Int32, cute.make_layout(warps), byte_alignment=16)
         offsets = smem.allocate_tensor(Int32, cute.make_layout(2 * ctas), byte_alignment=16)
         pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
         stash = Int32(0)
@@ -539,12 +595,13 @@ class ClusterTopK:
                 Int32, cute.make_layout(4 * threads * self.stashed), byte_alignment=16
             ).iterator.toint()
         base_address = hists.iterator.toint()
-        # Zero this CTA's histograms before the PDL wait (no global reads; the summed ones are
-        # stored whole). The cluster barrier this arrives on, waited on below before the first
-        # histogram atomics, is what orders this CTA's zeroing before its own atomics (every
-        # exchange between CTAs has its own barriers in find_threshold and compact).
-        for i in range(tid, SUMS // 4, threads):
-            store_zero4(base_address + 16 * i)
+        # Zero this CTA's histograms and the overflow flag before the PDL wait (no global
+        # reads; the summed ones are stored whole). The cluster barrier this arrives on,
+        # waited on below before the first histogram atomics, is what orders this CTA's
+        # zeroing before its own atomics (every exchange between CTAs has its own barriers in
+        # find_threshold and the compaction).
+        for i in range(tid, (ZEROED[1] - ZEROED[0]) // 4, threads):
+            store_zero4(base_address + 4 * ZEROED[0] + 16 * i)
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
@@ -576,27 +633,52 @@ class ClusterTopK:
         cute.arch.cluster_wait()
 
         if n > self.k:
-            threshold, need = self.find_threshold(keys, stash, limit, hists, base_address, tid, lane, cta)
-            self.compact(
-                keys,
-                stash,
-                limit,
-                threshold,
-                need,
-                counts,
-                offsets,
-                pages,
-                out,
-                out_scores,
-                token,
-                base,
-                tid,
-                lane,
-                warp,
-                cta,
-                error,
-                pool_pages,
+            # where the list overflows, the later passes re-read the held loads from global
+            # memory (rare: so the keys need not stay in registers past the list's pass)
+            again = (row, in_row)
+            threshold, need, listed, fill = self.find_threshold(
+                keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta
             )
+            out_args = (out, out_scores, pages, token, base, error, pool_pages)
+            if cutlass.const_expr(self.entries == 0):
+                self.compact(keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
+            elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
+                self.compact_list(
+                    hists,
+                    base_address,
+                    threshold,
+                    need,
+                    counts,
+                    sizes,
+                    scratch,
+                    offsets,
+                    fill,
+                    out_args,
+                    tid,
+                    lane,
+                    warp,
+                    cta,
+                )
+            else:
+                if listed:
+                    self.compact_list(
+                        hists,
+                        base_address,
+                        threshold,
+                        need,
+                        counts,
+                        sizes,
+                        scratch,
+                        offsets,
+                        fill,
+                        out_args,
+                        tid,
+                        lane,
+                        warp,
+                        cta,
+                    )
+                else:
+                    self.compact(again, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
             for u in cutlass.range_constexpr(loads):
@@ -622,46 +704,132 @@ class ClusterTopK:
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
 
     @cute.jit
-    def find_threshold(self, keys, stash, limit, hists, base_address, tid, lane, cta):
-        """(T, need) over the cluster's row: the k best are every key > T and the first
-        `need` keys == T (need = ALL: every one). The row has more than k scores."""
-        threads = self.threads
+    def find_threshold(self, keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta):
+        """(T, need, listed, fill) over the cluster's row: the k best are every key > T and
+        the first `need` keys == T (need = ALL: every one); listed: whether the candidate
+        list holds every key >= round 0's bin (this CTA's), and fill this warp's count of
+        them. The row has more than k scores."""
         threshold, need = Uint32(0), Int32(self.k)
         prefix, done = Uint32(0), Int32(0)
-        for r in cutlass.range_constexpr(len(ROUNDS)):
-            shift, bits = ROUNDS[r]
-            hist, bins = HISTS[r]
+        self.histogram(keys, stash, limit, hists, 0, prefix, tid)
+        threshold, need, prefix, done = self.choose_bin(
+            0, hists, base_address, threshold, need, prefix, done, tid, lane, cta
+        )
+        listed, fill = cutlass.Boolean(False), Int32(0)
+        if cutlass.const_expr(self.entries > 0):
+            fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
+            cute.arch.sync_threads()  # the list and its overflow flag
+            listed = hists[OVERFLOW] == 0
+        for r in cutlass.range_constexpr(1, len(ROUNDS)):
             if done == 0:
-                for u in cutlass.range_constexpr(self.loads):
-                    quad = self.quad(keys, stash, u, tid)
-                    for j in cutlass.range_constexpr(4):
-                        key = quad[j]
-                        digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                        live = 4 * threads * u + j < limit
-                        if cutlass.const_expr(r > 0):
-                            live = live and (key >> Uint32(shift + bits)) == prefix
-                        if live:
-                            cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
-                # Every CTA's histogram of this round is complete; then CTA c sums its
-                # slice of the bins over the cluster and stores the sums into every CTA.
-                cute.arch.cluster_arrive(aligned=True)
-                cute.arch.cluster_wait()
-                self.sum_histograms(base_address, hist, bins, tid, lane, cta)
-                cute.arch.cluster_arrive(aligned=True)
-                cute.arch.cluster_wait()
-                digit, above, count = self.find_bin(hists, SUMS, GROUPS, bins, need, lane)
-                prefix = (prefix << Uint32(bits)) | Uint32(digit)
-                need = need - above
-                threshold = prefix << Uint32(shift)
-                if count == need:  # the bin is taken whole: every key >= its lowest
-                    need = Int32(ALL)
-                    done = Int32(1)
-        return threshold, need
+                if cutlass.const_expr(self.entries == 0):
+                    self.histogram(keys, stash, limit, hists, r, prefix, tid)
+                elif cutlass.const_expr(self.entries == 128 * self.loads):  # the list holds every candidate
+                    self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
+                else:
+                    if listed:
+                        self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
+                    else:
+                        self.histogram(again, stash, limit, hists, r, prefix, tid)
+                threshold, need, prefix, done = self.choose_bin(
+                    r, hists, base_address, threshold, need, prefix, done, tid, lane, cta
+                )
+        return threshold, need, listed, fill
+
+    @cute.jit
+    def histogram(self, keys, stash, limit, hists, r: int, prefix, tid):
+        """This CTA's histogram of round r over its whole slice: the keys that share the
+        higher rounds' digits `prefix`."""
+        shift, bits = ROUNDS[r]
+        hist = HISTS[r][0]
+        for u in cutlass.range_constexpr(self.loads):
+            quad = self.quad(keys, stash, u, tid)
+            for j in cutlass.range_constexpr(4):
+                key = quad[j]
+                live = 4 * self.threads * u + j < limit
+                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                if cutlass.const_expr(r > 0):
+                    live = live and (key >> Uint32(shift + bits)) == prefix
+                if live:
+                    cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
+
+    @cute.jit
+    def histogram_list(self, hists, base_address, r: int, prefix, fill, lane, warp):
+        """This CTA's histogram of round r over its candidate list (each warp its own part)."""
+        shift, bits = ROUNDS[r]
+        hist = HISTS[r][0]
+        first = LIST + 2 * self.entries * warp
+        for i in range(lane, fill, 32):
+            key, _ = P.ld_shared_u32x2(base_address + 4 * (first + 2 * i))
+            if (key >> Uint32(shift + bits)) == prefix:
+                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
+
+    @cute.jit
+    def choose_bin(self, r: int, hists, base_address, threshold, need, prefix, done, tid, lane, cta):
+        """Round r's exchange: sum the CTAs' histograms over the cluster and find the bin
+        holding the need-th key. -> (threshold, need, prefix, done)."""
+        shift, bits = ROUNDS[r]
+        hist, bins = HISTS[r]
+        # Every CTA's histogram of this round is complete; then CTA c sums its slice of the
+        # bins over the cluster and stores the sums into every CTA.
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+        self.sum_histograms(base_address, hist, bins, tid, lane, cta)
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+        digit, above, count = self.find_bin(hists, SUMS, GROUPS, bins, need, lane)
+        prefix = (prefix << Uint32(bits)) | Uint32(digit)
+        need = need - above
+        threshold = prefix << Uint32(shift)
+        if count == need:  # the bin is taken whole: every key >= its lowest
+            need = Int32(ALL)
+            done = Int32(1)
+        return threshold, need, prefix, done
+
+    @cute.jit
+    def collect(self, keys, stash, limit, counts, sizes, base_address, low, tid, lane, warp):
+        """The second pass over the slice: every key >= `low` (round 0's bin's lowest: the
+        keys that can be kept) and its offset go to this warp's part of the list, in index
+        order (load, lane, word), each load's group counted in `sizes`. A warp whose
+        candidates exceed its part stops writing them and sets the CTA's overflow flag.
+        -> this warp's count of candidates."""
+        threads, warps = self.threads, self.threads // 32
+        first = LIST + 2 * self.entries * warp
+        lower_lanes = (Int32(1) << lane) - Int32(1)
+        fill = Int32(0)
+        for u in cutlass.range_constexpr(self.loads):
+            quad = self.quad(keys, stash, u, tid)
+            taken = []
+            for j in cutlass.range_constexpr(4):
+                taken.append(cute.arch.vote_ballot_sync(4 * threads * u + j < limit and quad[j] >= low))
+            total = cute.arch.popc(taken[0])
+            place = fill + cute.arch.popc(taken[0] & lower_lanes)
+            for j in cutlass.range_constexpr(1, 4):
+                total = total + cute.arch.popc(taken[j])
+                place = place + cute.arch.popc(taken[j] & lower_lanes)
+            if fill + total <= self.entries:
+                for j in cutlass.range_constexpr(4):
+                    if (taken[j] >> lane) & 1 == 1:
+                        store_entry(base_address + 4 * (first + 2 * place), quad[j], 4 * (threads * u + tid) + j)
+                        place = place + 1
+            if lane == 0:
+                sizes[u * warps + warp] = total
+                counts[u * warps + warp] = 0
+            fill = fill + total
+        if lane == 0 and fill > self.entries:
+            P.st_shared_u32(base_address + 4 * OVERFLOW, Uint32(1))
+        return fill
 
     def quad(self, keys, stash, u: int, tid) -> list:
-        """The 4 keys of this thread's load u: registers, or its 16 bytes of the stash."""
+        """The 4 keys of this thread's load u: registers (keys: a list), or its 16 bytes of
+        the stash; keys (row, in_row): the held loads read again from global memory."""
         if u < self.held:
-            return keys[4 * u : 4 * u + 4]
+            if isinstance(keys, list):
+                return keys[4 * u : 4 * u + 4]
+            row, in_row = keys
+            live = 4 * self.threads * u < in_row
+            return [order_key(w) for w in P.load_u32x4_if(row + 4 * (self.threads * u + tid), live)]
         return [order_key(w) for w in P.ld_shared_u32x4(stash + 16 * (self.threads * (u - self.held) + tid))]
 
     @cute.jit
@@ -724,30 +892,96 @@ class ClusterTopK:
         return 32 * group + 31 - chosen, above, cute.arch.shuffle_sync(count, offset=chosen)
 
     @cute.jit
-    def compact(
+    def lower_ctas(self, cta_above, cta_at, offsets, tid, lane, cta) -> tuple:
+        """(kept keys > T, == T) of the lower CTAs of the cluster, from this CTA's counts:
+        each CTA stores its counts into every higher CTA (one cluster barrier)."""
+        ctas = self.ctas
+        if tid > cta and tid < ctas:
+            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_above, cta_at)
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+        above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
+        at_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas) + 1], 0)
+        for offset in (16, 8, 4, 2, 1):
+            above_before = above_before + cute.arch.shuffle_sync_bfly(above_before, offset=offset)
+            at_before = at_before + cute.arch.shuffle_sync_bfly(at_before, offset=offset)
+        return above_before, at_before
+
+    @cute.jit
+    def compact_list(
         self,
-        keys,
-        stash,
-        limit,
+        hists,
+        base_address,
         threshold,
         need,
         counts,
+        sizes,
+        scratch,
         offsets,
-        pages,
-        out,
-        out_scores,
-        token,
-        base,
+        fill,
+        out_args,
         tid,
         lane,
         warp,
         cta,
-        error,
-        pool_pages,
     ):
+        """Write the kept candidates of the list at their places: (kept keys > T before them
+        in the row) + min(kept keys == T before them, need). A group's candidates (one
+        load of one warp) are in index order, and the groups' counts are scanned in index
+        order (load, warp)."""
+        threads, loads = self.threads, self.loads
+        warps = threads // 32
+        groups = loads * warps
+        first = LIST + 2 * self.entries * warp
+        # each kept candidate counted in its group (its offset / 128: load x warps + warp)
+        for i in range(lane, fill, 32):
+            key, offset = P.ld_shared_u32x2(base_address + 4 * (first + 2 * i))
+            if key >= threshold:
+                cute.arch.atomic_add(
+                    counts.iterator + Int32(offset >> Uint32(7)), P.select_i32(key == threshold, 1 << 16, 1)
+                )
+        cute.arch.sync_threads()
+        # the groups' counts before each (above | at << 16: each sum below 2^16), and the CTA's
+        count = P.select_i32(tid < groups, counts[cutlass.min(tid, groups - 1)], 0)
+        before = P.block_exclusive_sum(count, scratch, lane, warp, warps)
+        if tid < groups:
+            counts[tid] = before
+        if tid == threads - 1:
+            hists[OVERFLOW + 1] = before + count
+        cute.arch.sync_threads()
+        total = hists[OVERFLOW + 1]
+        above_before, at_before = self.lower_ctas(total & 0xFFFF, total >> 16, offsets, tid, lane, cta)
+
+        lower_lanes = (Int32(1) << lane) - Int32(1)
+        start = Int32(0)
+        for u in cutlass.range_constexpr(loads):
+            size = sizes[u * warps + warp]
+            before = counts[u * warps + warp]
+            lane_above = above_before + (before & 0xFFFF)
+            lane_at = at_before + (before >> 16)
+            for c in range(0, size, 32):
+                live = c + lane < size
+                i = start + cutlass.min(c + lane, size - 1)
+                key, offset = P.ld_shared_u32x2(base_address + 4 * (first + 2 * i))
+                above = cute.arch.vote_ballot_sync(live and key > threshold)
+                at = cute.arch.vote_ballot_sync(live and key == threshold)
+                mine_at = lane_at + cute.arch.popc(at & lower_lanes)
+                if (above >> lane) & 1 == 1 or ((at >> lane) & 1 == 1 and mine_at < need):
+                    self.place(
+                        out_args,
+                        lane_above + cute.arch.popc(above & lower_lanes) + cutlass.min(mine_at, need),
+                        Int32(offset),
+                        key,
+                    )
+                lane_above = lane_above + cute.arch.popc(above)
+                lane_at = lane_at + cute.arch.popc(at)
+            start = start + size
+
+    @cute.jit
+    def compact(self, keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
-        the row) + min(kept keys == T before them, need)."""
-        threads, ctas, loads = self.threads, self.ctas, self.loads
+        the row) + min(kept keys == T before them, need), from its whole slice."""
+        threads, loads = self.threads, self.loads
         warps = threads // 32
         # this warp's counts per load, (above | at << 16): each at most 128
         for u in cutlass.range_constexpr(loads):
@@ -769,15 +1003,7 @@ class ClusterTopK:
         for offset in (16, 8, 4, 2, 1):
             cta_above = cta_above + cute.arch.shuffle_sync_bfly(cta_above, offset=offset)
             cta_at = cta_at + cute.arch.shuffle_sync_bfly(cta_at, offset=offset)
-        if tid > cta and tid < ctas:
-            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_above, cta_at)
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-        above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
-        at_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas) + 1], 0)
-        for offset in (16, 8, 4, 2, 1):
-            above_before = above_before + cute.arch.shuffle_sync_bfly(above_before, offset=offset)
-            at_before = at_before + cute.arch.shuffle_sync_bfly(at_before, offset=offset)
+        above_before, at_before = self.lower_ctas(cta_above, cta_at, offsets, tid, lane, cta)
 
         lower_lanes = (Int32(1) << lane) - Int32(1)
         for u in cutlass.range_constexpr(loads):
@@ -802,23 +1028,17 @@ class ClusterTopK:
                 mine_above = (above[j] >> lane) & 1
                 mine_at = (at[j] >> lane) & 1
                 if mine_above == 1 or (mine_at == 1 and lane_at < need):
-                    offset = 4 * (threads * u + tid) + j
-                    self.write(
-                        out,
-                        out_scores,
-                        pages,
-                        token,
-                        lane_above + cutlass.min(lane_at, need),
-                        base + offset,
-                        offset,
-                        quad[j],
-                        error,
-                        pool_pages,
-                    )
+                    self.place(out_args, lane_above + cutlass.min(lane_at, need), 4 * (threads * u + tid) + j, quad[j])
                 lane_above = lane_above + mine_above
                 lane_at = lane_at + mine_at
             above_before = above_before + (total & 0xFFFF)
             at_before = at_before + (total >> 16)
+
+    @cute.jit
+    def place(self, out_args, position, offset, key):
+        """Score `offset` of this CTA's slice (order key `key`) kept at `position`."""
+        out, out_scores, pages, token, base, error, pool_pages = out_args
+        self.write(out, out_scores, pages, token, position, base + offset, offset, key, error, pool_pages)
 
     @cute.jit
     def write(self, out, out_scores, pages, token, position, index, offset, key, error, pool_pages):

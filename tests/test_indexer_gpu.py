@@ -466,6 +466,32 @@ def test_top_k_ties_minus_zero_with_plus_zero(split):
     assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
 
 
+LISTED = [split for split in top_k_kernels.SPLITS if top_k_kernels.list_entries(split)]
+
+
+@pytest.mark.parametrize("split", LISTED, ids=_variant_id)
+def test_top_k_ties_that_fill_one_warps_candidate_list(split):
+    """Row c: continuous scores, but every score one warp of CTA c holds equals the row's
+    1000th highest, so the threshold falls among those ties (round 2 runs, and the lower
+    indices among them are kept). The warp's part of the candidate list takes them all
+    where the list holds every score; where it cannot (top_k.list_entries), that CTA
+    overflows it and runs the later passes over its whole slice while the other CTAs use
+    their lists."""
+    width = _variant_width(split)
+    ctas = width // split.per_cta
+    scores = torch.randn(ctas, width, device="cuda")
+    warps = split.threads // 32
+    for c in range(ctas):
+        warp = (5 * c + 3) % warps
+        held = torch.arange(split.loads, device="cuda")[:, None] * 4 * split.threads + 128 * warp
+        own = c * split.per_cta + (held + torch.arange(128, device="cuda")[None]).flatten()
+        scores[c, own] = scores[c].sort(descending=True).values[999]
+    lens = torch.full((ctas,), width, dtype=torch.int32, device="cuda")
+    tables = _tables(ctas, width, seed=5)
+    out, _ = _run_variant(split, scores, tables, lens)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
 @pytest.mark.parametrize("dcp, rank", [(2, 1), (4, 2)])
 @pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
 @pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)

@@ -267,11 +267,15 @@ def _top_k_setup(topology, context: int, batch: int):
         (4096, 4, "c4x512x4"),
         (8192, 64, "c4x512x4"),
         (32768, 1, "c8x512x8"),
+        (32768, 8, "c8x512x8"),
         (32768, 16, "c4x512x16"),
+        (32768, 32, "c4x512x16"),
         (32768, 64, "c2x1024x16"),
         (131072, 4, "c16x1024x8"),
+        (131072, 12, "c8x1024x16"),
         (131072, 16, "c4x1024x32"),
         (131072, 32, "c8x1024x16"),
+        (131072, 48, "c4x1024x32"),
         (131072, 64, "c2x1024x64"),
         (262144, 2, "c16x1024x16"),  # wider than PICKS: the smallest split that holds the row
         (262208, 1, "one-cta"),  # wider than every split
