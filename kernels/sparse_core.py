@@ -10,7 +10,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
          With the fp8 cache (PRODUCER) a third, producer warpgroup loads and dequantizes
          the blocks behind full / empty mbarriers while the two compute
-         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136).
+         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
+         two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
+         scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
          16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
          (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
          fragments in registers. Per block:
@@ -56,9 +58,12 @@ that loads nothing 89.8 us, the producer alone 71.8 us, so neither side alone bo
 but their sum overlaps only in part (the producer's chain per block is load latency, then
 dequantization, in series). Neither an L2 prefetch of the next block by the producer
 (119.8 us) nor a register lookahead (the next block's loads issued into the registers each
-stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7); the next
-levers are the consumer reshape and the 2-CTA crossover (docs/levers.md A.2 steps 2 and
-3).
+stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7). The consumer
+reshape (docs/levers.md A.2 step 2, FlashMLA's consumer shape) takes the consumers alone
+from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it runs only
+where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
+the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
+dequantization).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -110,16 +115,20 @@ PRODUCER = {"fp8": True, "bf16": False}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
-# The producer path's consumer shape. RESHAPE (FlashMLA's): warpgroup 0 scores the whole
-# block (m64n(block)k16), keeps the softmax to itself and does P @ V on dims 0 .. 255 with P
-# from its registers (wgmma RS); warpgroup 1 only does P @ V on dims 256 .. 511 (P and the
-# rows' rescale factors from shared memory). No row max crosses warpgroups. Otherwise each
-# warpgroup scores half the block and both exchange row maxima (two named barriers).
-# setmaxnreg 200 (scorer) / 160 (values) / 144 (producer): 3 x 168 a thread, as before. The
-# scorer needs ~196 (at 192 ptxas spills 2), the values warpgroup 152 (ptxas ignores a
-# setmaxnreg of 152 there); the producer, at 136 spill-free in the other shape, keeps a few
-# loop scalars in local memory here at any count up to 168 (ptxas, sm_90a).
-RESHAPE = True
+# The producer path's consumers by a CTA's blocks: FlashMLA's shape (consume_reshaped) for at
+# most RESHAPE_BLOCKS blocks, else the half-block scorers (consume_blocks). FlashMLA's:
+# warpgroup 0 scores whole blocks (m64n(block)k16), keeps the softmax to itself and does
+# P @ V on dims 0 .. 255 with P from its registers (wgmma RS); warpgroup 1 only does P @ V on
+# dims 256 .. 511 (P and the rows' rescale factors from shared memory): no row max crosses
+# warpgroups. H200, TP 1 fp8 cache, same run (bench/RESULTS.md, 2026-12-03): B = 1 / 4 (64 /
+# 128 slots a CTA: 1 / 2 blocks) 13.1 / 21.5 us against 13.5 / 23.0; B = 16 / 64 (8 / 32
+# blocks) 51.1 / 123.5 against 49.6 / 115.8 -- alone its consumers are faster (77.3 us at
+# B = 64 with a producer that loads nothing, against 89.8) but they overlap the producer less.
+# setmaxnreg 200 (scorer) / 160 (values) / 144 (producer): 3 x 168 a thread, as the other
+# shape. The scorer needs ~196 (at 192 ptxas spills 2), the values warpgroup 152 (ptxas
+# ignores a setmaxnreg of 152 there); the producer, at 136 spill-free in the other shape,
+# keeps a few loop scalars in local memory here at any count up to 168 (ptxas, sm_90a).
+RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 # Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
@@ -283,7 +292,7 @@ class SparseCore:
         self.wgmma = self.heads == WG_ROWS
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
-        self.reshape = self.producer and RESHAPE
+        self.reshape = self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
         self.probe = PROBE if self.producer else ""
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
@@ -871,7 +880,7 @@ class SparseCore:
         pool_slots,
         role: int,
     ):
-        """RESHAPE's consumers (tid 0 .. 255), warpgroup `role`: 0 scores each block whole
+        """FlashMLA's consumer shape (RESHAPE_BLOCKS; tid 0 .. 255), warpgroup `role`: 0 scores each block whole
         and does P @ V on dims 0 .. 255 (score_block), 1 does P @ V on dims 256 .. 511
         (values_block_half) -- between the buffer's full and empty mbarriers, P and the rows'
         rescale factors (`red`, 64 words) handed over by named barriers: P_READY (0 arrives

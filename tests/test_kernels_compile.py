@@ -579,7 +579,7 @@ TP1 = {
 }
 
 
-@pytest.mark.parametrize("path", ["nows", "ws", "wsh"])
+@pytest.mark.parametrize("path", ["nows", "wsh", "wsr"])
 @pytest.mark.parametrize("shape_name", TP1)
 @pytest.mark.parametrize("slots", [16, 32, 64, 128, 2048])
 def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch, shape_name, slots, path):
@@ -589,7 +589,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     producer warpgroup (384 threads) setmaxnreg re-deals the launch's registers, the blocks
     pass by full / empty mbarriers and the loop has no CTA barrier: the one bar.sync 0 is
     before it (the mbarriers' initialization). wsh: the consumers score half a block each
-    and meet at one 256-thread named barrier. ws (sparse_core.RESHAPE): warpgroup 0 scores
+    and meet at one 256-thread named barrier. wsr (FlashMLA's shape): warpgroup 0 scores
     whole blocks (m64n(block)k16) and does P @ V on its dims with P from registers, warpgroup
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
@@ -600,12 +600,12 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     from cutlass.cute.runtime import make_fake_stream
 
     producer = path != "nows"
-    monkeypatch.setattr(sparse_core, "RESHAPE", path == "ws")
+    monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if path == "wsr" else 0)
     shape = TP1[shape_name]
     variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
     threads = sparse_core.WS_THREADS if producer else sparse_core.WG_THREADS
     assert variant.op.wgmma and variant.op.producer == producer and variant.op.threads == threads
-    assert variant.op.reshape == (path == "ws")
+    assert variant.op.reshape == (path == "wsr")
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -615,7 +615,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     partial = next(e for e in entries if "sparse_core_partial" in e.split("(")[0])
     block = min(64, slots)
     values = "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"
-    if path == "ws":
+    if path == "wsr":
         assert partial.count(f"wgmma.mma_async.sync.aligned.m64n{block}k16.f32.bf16.bf16") == 36
         # P @ V: warpgroup 0's with P in registers ({4 words}, then the descriptor), 1's SS
         from_registers = re.findall(values + r" \{[^}]*\}, \{[^}]*\}, b,", partial)
@@ -630,7 +630,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
-    assert all(v["frame"] <= (32 if path == "ws" else 0) for v in kernels.values()), kernels
+    assert all(v["frame"] <= (32 if path == "wsr" else 0) for v in kernels.values()), kernels
     assert found["regs"] * threads <= 65536, found
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     arrives = re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)?\s+(\d+),\s*(\d+);", partial)
@@ -640,13 +640,13 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert found["regs"] == 168, found
         regs = (
             (sparse_core.SCORER_REGS, sparse_core.VALUES_REGS, sparse_core.RESHAPE_PRODUCER_REGS)
-            if path == "ws"
+            if path == "wsr"
             else (sparse_core.CONSUMER_REGS, sparse_core.CONSUMER_REGS, sparse_core.PRODUCER_REGS)
         )
         assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[0]};" in partial
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[2]};" in partial
-        if path == "ws":
+        if path == "wsr":
             assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[1]};" in partial
         assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
         assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
@@ -654,7 +654,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert barriers.count(("0", "")) == 1, barriers  # before the loop only
         # P_FREE only where a CTA has a second block to wait for
         handover = {("2", "256")} | ({("3", "256")} if slots > 64 else set())
-        named = {("1", "256")} | (handover if path == "ws" else set())
+        named = {("1", "256")} | (handover if path == "wsr" else set())
         assert set(barriers) - {("0", "")} == named, barriers
         assert set(arrives) == (named - {("1", "256")}), arrives
         wait = partial.index("mbarrier.try_wait.parity")
@@ -666,13 +666,20 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
-    cache's the producer's: measured faster at every batch); 16- and 32-row CTAs have no
-    producer warpgroup whatever it says."""
+    cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
+    shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
+    slower at 16 and 64); 16- and 32-row CTAs have no producer warpgroup whatever they say."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
+    assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
         op = catalog.build(shape, "sparse_core", slots=2048).op
-        assert op.producer == name.endswith("fp8")
+        assert op.producer == name.endswith("fp8") and not op.reshape
         assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
+        for batch, reshaped in ((1, True), (4, True), (16, False), (64, False)):
+            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
+            assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
+            op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
+            assert op.reshape == reshaped
     for shape in SHAPES.values():
         op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
         assert not op.wgmma and not op.producer
