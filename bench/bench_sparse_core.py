@@ -2,7 +2,7 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
-        [--paths ws,nows] [--probes no_loads,no_math --probe-batch 64]
+        [--paths ws,wsh,wsr,nows] [--probes no_loads,no_math --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -11,7 +11,9 @@ times every slots-per-CTA variant within 4x of the plan's choice and prints the 
 The launches are SparseCore's read-only variant (no q_out): the step's launch also copies
 the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
-warpgroup (partial_wgmma_ws), nows = every thread loads (partial_wgmma); default: the
+warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
+(sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
+in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); default: the
 module's choice per cache (sparse_core.PRODUCER).
 --probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
 at --probe-batch.
@@ -136,7 +138,9 @@ def main() -> int:
         help="only one eager launch per config and batch inside cudaProfilerStart/Stop: "
         "ncu --profile-from-start off python bench/bench_sparse_core.py --profile",
     )
-    parser.add_argument("--paths", default="", help="64-row CTA paths to compare: ws,nows (default: the module's)")
+    parser.add_argument(
+        "--paths", default="", help="64-row CTA paths to compare: ws,wsh,wsr,nows (default: the module's)"
+    )
     parser.add_argument("--probes", default="", help="producer-path probes: no_loads,no_math")
     parser.add_argument("--probe-batch", default="64")
     args = parse_args(parser)
@@ -151,17 +155,19 @@ def main() -> int:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
         for path, probe in paths:
-            if path not in ("", "ws", "nows") or probe not in sparse_core.PROBES:
+            if path not in ("", "ws", "wsh", "wsr", "nows") or probe not in sparse_core.PROBES:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
-            default = sparse_core.PRODUCER
+            default, reshape = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS
             if path:
-                sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path == "ws")
+                sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
+            if path in ("wsh", "wsr"):
+                sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
             sparse_core.PROBE = probe
             try:
                 probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
-                sparse_core.PRODUCER, sparse_core.PROBE = default, ""
+                sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
             for row in found:
                 row["path"] = (path or "default") + (f"+{probe}" if probe else "")
             rows += found

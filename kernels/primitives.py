@@ -517,6 +517,34 @@ def mma_bf16_16816(a, b, c) -> list:
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
+def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:
+    """Warpgroup MMA with A in registers: acc[64 rows, 2 len(acc)] += A x B, bf16, FP32
+    accumulators (acc in wgmma's C layout, returned updated). a: 4 bf16x2 words per k step
+    of 16, mma.sync m16n8k16's A fragment of the warp's 16 rows -- so an m64nN FP32 C
+    fragment converts in place, word i = its elements 2i, 2i + 1. B in shared memory:
+    descriptor bits b_layout over the 32-bit address b_addr, k step s at b_addr + s x
+    b_step bytes, K-major or MN-major (transposed). Issued and committed; wait=False leaves
+    it in flight (wgmma.wait_group before acc is read)."""
+    count, steps = len(acc), len(a) // 4
+    d = ", ".join(f"{{$w{i}}}" for i in range(count))
+    lines = ["{", ".reg .b64 b0, b;", ".reg .pred more;"]
+    lines += [f"cvt.u64.u32 b0, {{$r{count + len(a)}}};", "shr.u64 b0, b0, 4;", f"or.b64 b0, b0, {b_layout:#018x};"]
+    lines += ["setp.eq.b32 more, 0, 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    lines += ["wgmma.fence.sync.aligned;"]
+    for s in range(steps):
+        words = ", ".join(f"{{$r{count + 4 * s + i}}}" for i in range(4))
+        lines.append(f"add.s64 b, b0, {s * b_step >> 4};")
+        lines.append(
+            f"wgmma.mma_async.sync.aligned.m64n{2 * count}k16.f32.bf16.bf16 {{{d}}}, {{{words}}}, b, more, 1, 1, "
+            f"{int(b_mn_major)};"
+        )
+    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    out = cute.arch.inline_ptx(
+        "\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc) + list(a) + [b_addr]
+    )
+    return list(out)
+
+
 # -- shared memory, asynchronous copies, ldmatrix --------------------------------------------
 # Shared-memory pointers (a smem tensor's `.iterator` plus a byte offset) lower to 32-bit
 # `.shared` addresses in PTX.

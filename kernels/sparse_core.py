@@ -10,7 +10,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
          With the fp8 cache (PRODUCER) a third, producer warpgroup loads and dequantizes
          the blocks behind full / empty mbarriers while the two compute
-         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136).
+         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
+         two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
+         scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
          16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
          (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
          fragments in registers. Per block:
@@ -56,9 +58,12 @@ that loads nothing 89.8 us, the producer alone 71.8 us, so neither side alone bo
 but their sum overlaps only in part (the producer's chain per block is load latency, then
 dequantization, in series). Neither an L2 prefetch of the next block by the producer
 (119.8 us) nor a register lookahead (the next block's loads issued into the registers each
-stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7); the next
-levers are the consumer reshape and the 2-CTA crossover (docs/levers.md A.2 steps 2 and
-3).
+stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7). The consumer
+reshape (docs/levers.md A.2 step 2, FlashMLA's consumer shape) takes the consumers alone
+from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it runs only
+where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
+the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
+dequantization).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -110,6 +115,22 @@ PRODUCER = {"fp8": True, "bf16": False}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
+# The producer path's consumers by a CTA's blocks: FlashMLA's shape (consume_reshaped) for at
+# most RESHAPE_BLOCKS blocks, else the half-block scorers (consume_blocks). FlashMLA's:
+# warpgroup 0 scores whole blocks (m64n(block)k16), keeps the softmax to itself and does
+# P @ V on dims 0 .. 255 with P from its registers (wgmma RS); warpgroup 1 only does P @ V on
+# dims 256 .. 511 (P and the rows' rescale factors from shared memory): no row max crosses
+# warpgroups. H200, TP 1 fp8 cache, same run (bench/RESULTS.md, 2026-12-03): B = 1 / 4 (64 /
+# 128 slots a CTA: 1 / 2 blocks) 13.1 / 21.5 us against 13.5 / 23.0; B = 16 / 64 (8 / 32
+# blocks) 51.1 / 123.5 against 49.6 / 115.8 -- alone its consumers are faster (77.3 us at
+# B = 64 with a producer that loads nothing, against 89.8) but they overlap the producer less.
+# setmaxnreg 200 (scorer) / 160 (values) / 144 (producer): 3 x 168 a thread, as the other
+# shape. The scorer needs ~196 (at 192 ptxas spills 2), the values warpgroup 152 (ptxas
+# ignores a setmaxnreg of 152 there); the producer, at 136 spill-free in the other shape,
+# keeps a few loop scalars in local memory here at any count up to 168 (ptxas, sm_90a).
+RESHAPE_BLOCKS = 2
+SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
+P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 # Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual; "no_math": the consumers only wait for each block and release it.
@@ -271,6 +292,7 @@ class SparseCore:
         self.wgmma = self.heads == WG_ROWS
         self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
+        self.reshape = self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
         self.probe = PROBE if self.producer else ""
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
@@ -662,7 +684,37 @@ class SparseCore:
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        if warp >= WG_THREADS // 32:  # warpgroup 2
+        consumers = (
+            q_rows,
+            q_out,
+            out,
+            lse,
+            partial_o,
+            partial_ml,
+            q_s,
+            kv_s,
+            p_s,
+            ids_s,
+            red,
+            sums,
+            full0,
+            empty0,
+            tid,
+            pool_slots,
+        )
+        if cutlass.const_expr(self.reshape):
+            if warp < 4:
+                cute.arch.setmaxregister_increase(SCORER_REGS)
+                self.consume_reshaped(*consumers, 0)
+            elif warp < 8:
+                cute.arch.setmaxregister_decrease(VALUES_REGS)
+                self.consume_reshaped(*consumers, 1)
+            else:
+                cute.arch.setmaxregister_decrease(RESHAPE_PRODUCER_REGS)
+                self.produce_blocks(
+                    slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
+                )
+        elif warp >= WG_THREADS // 32:  # warpgroup 2
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce_blocks(
                 slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
@@ -806,6 +858,133 @@ class SparseCore:
                 P.mbar_arrive(empty0 + 8 * s)
 
         self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+
+    @cute.jit
+    def consume_reshaped(
+        self,
+        q_rows,
+        q_out,
+        out,
+        lse,
+        partial_o,
+        partial_ml,
+        q_s,
+        kv_s,
+        p_s,
+        ids_s,
+        red,
+        sums,
+        full0,
+        empty0,
+        tid,
+        pool_slots,
+        role: int,
+    ):
+        """FlashMLA's consumer shape (RESHAPE_BLOCKS; tid 0 .. 255), warpgroup `role`: 0 scores each block whole
+        and does P @ V on dims 0 .. 255 (score_block), 1 does P @ V on dims 256 .. 511
+        (values_block_half) -- between the buffer's full and empty mbarriers, P and the rows'
+        rescale factors (`red`, 64 words) handed over by named barriers: P_READY (0 arrives
+        once they are in shared memory, 1 waits) and P_FREE (1 arrives once its P @ V over
+        them has completed, 0 waits before it writes the next block's). Only warpgroup 0
+        keeps row maxima and sums; 1's sums are zeros in finish_wgmma."""
+        _, group, token = cute.arch.block_idx()
+        lane = tid % 32
+        blocks = self.slots_per_cta // self.block
+        head0 = group * WG_ROWS
+        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        P.cp_async_commit()
+        P.cp_async_wait(0)
+        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
+
+        neg_inf = Float32(-math.inf)
+        acc_o = [Float32(0)] * 128
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units (warpgroup 0)
+        row_sum = [Float32(0), Float32(0)]  # this thread's share (warpgroup 0)
+        for b in range(blocks):
+            s = b % 2
+            cur = kv_s + s * TILE_BYTES
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
+            if cutlass.const_expr(self.probe != "no_math"):
+                if cutlass.const_expr(role == 0):
+                    row_max, row_sum, acc_o = self.score_block(
+                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots, b > 0
+                    )
+                else:
+                    acc_o = self.values_block_half(cur, p_s, red, acc_o, tid, b < blocks - 1)
+            if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
+                P.mbar_arrive(empty0 + 8 * s)
+
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+
+    @cute.jit
+    def score_block(self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free):
+        """Warpgroup 0 of consume_reshaped, one block (buffer s at cur): S = Q x K^T over all
+        its slots (m64n(block)k16), holes -inf, the online softmax in registers, P as bf16
+        words -- the A fragments of P @ V -- and the rows' factors 2^(old max - new max) into
+        shared memory for warpgroup 1 (after P_FREE when wait_free: it has read the last
+        block's), then O[:, 0 .. 255] += P x V with P from registers (completed on return)."""
+        lane, w4 = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        block = self.block
+        row0 = 16 * w4 + g
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        sc = wgmma_scores(q_s, cur, block)
+        for j in cutlass.range_constexpr(block // 8):
+            for e in cutlass.range_constexpr(2):
+                live = P.in_range(ids_s[s * WG_ROWS + 8 * j + 2 * t + e], pool_slots)
+                for rr in cutlass.range_constexpr(2):
+                    sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for rr in cutlass.range_constexpr(2):
+            top = row_max[rr]
+            for j in cutlass.range_constexpr(block // 8):
+                top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+            row_max[rr] = top
+            row_sum[rr] = row_sum[rr] * alpha[rr]
+        words = []  # word i = 2 j + rr: row row0 + 8 rr, slots 8 j + 2 t, + 1
+        for i in cutlass.range_constexpr(block // 4):
+            p0 = P.exp2_approx(sc[2 * i] - use[i % 2])
+            p1 = P.exp2_approx(sc[2 * i + 1] - use[i % 2])
+            row_sum[i % 2] = row_sum[i % 2] + p0 + p1
+            words.append(P.pack_bf16x2(p0, p1))
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        if wait_free:
+            cute.arch.barrier(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+        for i in cutlass.range_constexpr(block // 4):
+            P.st_shared_u32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t, words[i])
+        if t == 0:
+            for rr in cutlass.range_constexpr(2):
+                factors[row0 + 8 * rr] = alpha[rr]
+        P.fence_proxy_async()  # P -> warpgroup 1's wgmma
+        cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        acc_o = P.wgmma_bf16_rs(acc_o, words, cur, DESC_V, 16 * 16, True)
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free):
+        """Warpgroup 1 of consume_reshaped, one block: once P_READY, O[:, 256 .. 511] rescaled
+        by the rows' factors, += P x V (P from shared memory; completed on return), then
+        P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
+        lane, w4 = tid % 32, tid // 32 - 4
+        row0 = 16 * w4 + lane // 4
+        cute.arch.barrier(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        alpha = [factors[row0], factors[row0 + 8]]
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        acc_o = wgmma_values(acc_o, p_s, cur + (LATENT // 2 // 8) * CHUNK, self.block // 16)
+        if arrive_free:
+            cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+        return acc_o
 
     @cute.jit
     def consume_block(self, q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):

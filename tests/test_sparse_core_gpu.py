@@ -105,6 +105,33 @@ def test_the_64_row_path_a_cache_does_not_default_to_matches_the_reference(monke
     _check(case, batch)
 
 
+@pytest.mark.parametrize("slots_per_cta", [None, 64, 128])
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
+def test_the_producer_path_with_half_block_scorers_matches_the_reference(monkeypatch, case, batch, slots_per_cta):
+    """The producer warpgroup's consumers scoring half a block each and exchanging row maxima
+    at every block count (the default past RESHAPE_BLOCKS; bench_sparse_core.py --paths wsh)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
+    monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 0)
+    _check(case, batch, slots_per_cta)
+
+
+@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("case", ["q128-tp1-bf16", "q64-kimi-tp1-fp8cache"])
+def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """The producer path with FlashMLA's consumer shape at every block count (the default up
+    to RESHAPE_BLOCKS; bench_sparse_core.py --paths wsr), whatever the cache's default: the
+    bf16 cache's cp.async producer, bf16 query rows, 64 gathered heads (one block: no
+    P_FREE wait; 16 and 32 slots: blocks narrower than 64)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
+    monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30)
+    _check(case, 5, slots_per_cta)
+
+
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
