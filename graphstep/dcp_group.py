@@ -347,6 +347,25 @@ class DcpGroup:
         self.steps_run = 0
         self.times: list[float | None] = [None] * dcp
         self.group_time: float | None = None
+        if backend == "cute":
+            self._load_modules()
+
+    def _load_modules(self) -> None:
+        """Launch every kernel of every rank once, each rank alone with a zero wait budget,
+        then re-arm. CUDA loads a kernel lazily at its first launch, and that load may wait
+        for the device to go idle: in a group, behind a peer's kernel spinning for this
+        rank's rows, which then gives up (MailboxTimeout) before they come."""
+        for rank, step in enumerate(self.steps):
+            budget, step.stages.budget_ns = step.stages.budget_ns, 0
+            try:
+                with self._on(rank):
+                    for size, mode in dict.fromkeys((size, mode) for size, mode, _ in step.plan()):
+                        step.run_stages(size, mode)
+                    torch.cuda.current_stream().synchronize()
+            finally:
+                step.stages.budget_ns = budget
+            step.error.reset()  # the waits gave up, as meant
+        self._rearm()
 
     @staticmethod
     def _device(device) -> torch.device:

@@ -31,11 +31,11 @@ the query-row mailbox, the error word) are declared in `mutates_args`. Byte form
 Range guards: every op that addresses memory with a slot, a block-table page or a RoPE row
 at context_lens - 1 holds it to the tensors' bounds (an out-of-range id writes nothing, is
 read as a hole, or reads RoPE row 0) and records (check, token, value) in `error`, an
-int32 [4] error word (launch.ErrorWord; `ErrorWord(error).check(...)` raises
-InputRangeError). Every op that guards takes `error` as a required argument, just before
-`shape`: an optional mutated argument trips torch's in-place view tracking
-(ADInplaceOrView) when a caller leaves it out.
-"""
+int32 [4] error word, or launch.ErrorWord's [6] (`ErrorWord.new(device).word`; the ops
+write words 0-3 only; `ErrorWord(error).check(...)` raises InputRangeError). Every op that
+guards takes `error` as a required argument, just before `shape`: an optional mutated
+argument trips torch's in-place view tracking (ADInplaceOrView) when a caller leaves it
+out."""
 
 from __future__ import annotations
 
@@ -52,6 +52,12 @@ from .shapes import ModelShape, RankShape, RopeScaling, Topology
 
 BF16, FP32, I32, U8 = torch.bfloat16, torch.float32, torch.int32, torch.uint8
 ANY = None  # a dim check_args does not hold to a size
+
+
+def _error_arg(error):
+    """check_args' spec of an `error` argument: int32 [4], or a whole ErrorWord's [6]."""
+    words = error.numel() if isinstance(error, Tensor) and error.dim() == 1 and error.numel() == 6 else 4
+    return (error, I32, (words,))
 
 
 def shape_key(shape: RankShape) -> str:
@@ -237,7 +243,7 @@ def _mla_query_check(
         rope_sin=(rope_sin, FP32, (ANY, m.qk_rope_dim // 2)),
         q_rows=(q_rows, U8, (ANY, s.q_heads, m.query_row * s.q_bytes)),
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
     _at_least("mla_query", "q_rows", q_rows, b)
 
@@ -366,7 +372,7 @@ def _(
 def _query_wait_check(q_rows, error, batch, shape):
     s = rank_shape(shape)
     check_args(
-        "query_wait", q_rows=(q_rows, U8, (ANY, s.q_heads, s.model.query_row * s.q_bytes)), error=(error, I32, (4,))
+        "query_wait", q_rows=(q_rows, U8, (ANY, s.q_heads, s.model.query_row * s.q_bytes)), error=_error_arg(error)
     )
     if batch < 1:
         raise ValueError(f"graphstep.query_wait: batch must be >= 1, got {batch}")
@@ -412,7 +418,7 @@ def _index_key_check(
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
 
 
@@ -504,7 +510,7 @@ def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, s
         wq_b_index=(wq_b_index, BF16, (m.index_heads * m.index_dim, m.q_lora_rank)),
         index_rope_cos=(rope_cos, FP32, (ANY, m.index_rope_dim // 2)),
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
 
 
@@ -565,7 +571,7 @@ def _dsa_index_check(q, head_w, index_cache, block_tables, context_lens, pages_p
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
     if pages_per_cta is not None and pages_per_cta < 1:
         raise ValueError(f"graphstep.dsa_index: pages_per_cta must be >= 1 or None, got {pages_per_cta}")
@@ -622,7 +628,7 @@ def _top_k_check(scores, block_tables, context_lens, shape, error):
         scores=(scores, FP32, (ANY, block_tables.shape[-1] * m.page_size)),
         block_tables=(block_tables, I32, (b, ANY)),
         context_lens=(context_lens, I32, (b,)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
 
 
@@ -692,7 +698,7 @@ def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, blo
         peer_positions=(peer_positions, I32, (b, dcp, k)),
         peer_scores=(peer_scores, FP32, (b, dcp, k)),
         block_tables=(block_tables, I32, (b, ANY)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
 
 
@@ -757,7 +763,7 @@ def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error):
         q_rows=(q_rows, U8, (ANY, s.q_heads, m.query_row * s.q_bytes)),
         slots=(slots, I32, (ANY, m.index_topk)),
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
-        error=(error, I32, (4,)),
+        error=_error_arg(error),
     )
     _at_least("sparse_core", "q_rows", q_rows, b)
     if slots_per_cta is not None and (slots_per_cta < 1 or m.index_topk % slots_per_cta):
