@@ -365,6 +365,9 @@ class DcpGroup:
             finally:
                 step.stages.budget_ns = budget
             step.error.reset()  # the waits gave up, as meant
+        for rank in range(self.dcp):
+            with self._on(rank):
+                torch.cuda._sleep(1)  # step(delays=...)'s spin kernel, loaded too
         self._rearm()
 
     @staticmethod
