@@ -601,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--replays", type=positive_int, default=100, help="timed replays per size and variant")
     bench.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
+    bench.add_argument(
+        "--group-only", action="store_true", help="with --dcp > 1: only the table of the DCP group of real ranks"
+    )
     bench.set_defaults(func=cmd_bench)
 
     tune = command("tune", "time every overlap mode per captured size and print the policy table")
@@ -637,6 +640,10 @@ def check_args(args) -> None:
     shape = rank_shape(args)  # topology errors (ValueError)
     for dcp in args.dcp if isinstance(args.dcp, list) else ():  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
+        if dcp > 1 and args.tp % dcp:  # bench runs the DCP group of real ranks (graphstep.dcp_group)
+            raise ValueError(f"--dcp {dcp}: --tp {args.tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
+    if getattr(args, "group_only", False) and max(args.dcp) == 1:
+        raise ValueError("--group-only: needs --dcp sizes above 1 (the group of real ranks)")
     if args.command in ("ptx", "bench"):
         writable_dir(args.out, "--out")
     if args.command == "serve":

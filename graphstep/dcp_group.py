@@ -462,14 +462,18 @@ class DcpGroup:
         self._sync()
         return sizes.pop()
 
-    def replay(self, size: int) -> tuple[torch.cuda.Event, torch.cuda.Event, list]:
+    def replay(self, size: int, gate_s: float = 0.0) -> tuple[torch.cuda.Event, torch.cuda.Event, list]:
         """Replay every rank's graph of `size` on the buffers as they are (benchmarks), each on
         its stream, without waiting or checking. Returns CUDA events: the group's start and
-        end (on the current stream: after the last rank's end) and each rank's (start, end)."""
+        end (on the current stream: after the last rank's end) and each rank's (start, end).
+        gate_s: a GPU spin of that long before the start, so that every rank's graph is
+        launched before any begins (one host thread launches them one after the other)."""
         parity = self.steps_run % 2
         self.steps_run += 1
         main = torch.cuda.current_stream(self.devices[0])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if gate_s:
+            torch.cuda._sleep(int(gate_s * SPIN_CYCLES_PER_S))
         start.record(main)
         ranks = []
         for rank, step in enumerate(self.steps):

@@ -195,7 +195,17 @@ def alone_line(size: int, alone_us: float, default_us: float, sizes: list[int]) 
 
 def bench(args, shape: RankShape) -> int:
     """Per batch: cute fork, cute serial, cute fork without PDL, the torch backend, the floor;
-    then the smallest batch's graph of a step that captured only that size beside the default's."""
+    then the smallest batch's graph of a step that captured only that size beside the default's.
+    Under DCP (rank 0, its peers simulated) then the group of real ranks (bench_group);
+    args.group_only: that group table alone."""
+    if shape.topology.dcp > 1 and getattr(args, "group_only", False):
+        text = bench_group(args, shape)
+        print(text)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.md").write_text(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{text}\n")
+        print(f"wrote {out / 'bench.md'}")
+        return 0
     sizes = args.batch
     common = dict(capture_sizes=sizes, max_context=args.context, seed=args.seed)
     steps = {
@@ -352,12 +362,19 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
 # -- a DCP group of real ranks on one GPU (graphstep.dcp_group) --------------------------------
 
 
+GROUP_GATE_S = 0.0005  # longer than one host thread takes to launch every rank's graph
+
+
 def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> tuple[list[float], list[list[float]]]:
-    """Per group step (us): from the launch of every rank's graph to the last rank's end,
-    and each rank's own time (its launch to its end, waits for its peers included)."""
+    """Per group step (us): from the start of every rank's graph (all launched behind a GPU
+    gate, so they start together as on separate GPUs) to the last rank's end, and each
+    rank's own time (its start to its end, waits for its peers included)."""
     for _ in range(warmup):
-        group.replay(size)
-    runs = [group.replay(size) for _ in range(replays)]
+        group.replay(size, GROUP_GATE_S)
+    runs = []
+    for _ in range(replays):
+        runs.append(group.replay(size, GROUP_GATE_S))
+        torch.cuda.synchronize()  # the next gate must not open behind this step
     torch.cuda.synchronize()
     whole = [start.elapsed_time(end) * 1e3 for start, end, _ in runs]
     ranks = [[r[0].elapsed_time(r[1]) * 1e3 for _, _, rs in runs for r in [rs[rank]]] for rank in range(group.dcp)]
@@ -399,7 +416,10 @@ def run_group(args, shape: RankShape) -> int:
         print(json.dumps(dict(meta, dcp=args.dcp, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(table(["batch", "group p50 us", "group p99 us", "per rank p50 us"], rows))
-        print("each rank: its graph's launch to its end on its own stream, waits for its peers included")
+        print(
+            "group: every rank's graph launched behind one GPU gate, from the gate to the last rank's end; "
+            "each rank: from the gate to its own end (waits for its peers included)"
+        )
     return 0
 
 

@@ -55,6 +55,8 @@ def test_gpu_commands_say_they_need_a_gpu(capsys):
         (["graph", "--mode", "bogus"], "invalid choice: 'bogus'"),
         (["serve", "--steps", "-3"], "--steps: expected a positive integer"),
         (["run", "--cpu-batch", "x"], "--cpu-batch: expected a positive integer"),
+        (["bench", "--dcp", "2,x"], "--dcp: expected comma-separated DCP sizes"),
+        (["bench", "--dcp", "0"], "--dcp: DCP sizes must be positive"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):
@@ -222,3 +224,8 @@ def test_cpu_run_dcp_runs_the_group(capsys):
     # each rank picks the selected positions it holds: together every position of both tokens (< top-k)
     assert sum(r["slots_picked"] for r in record["ranks"]) == sum(t["context"] for t in record["tokens"])
     assert record["group_seconds"] > 0 and all(r["seconds"] > 0 for r in record["ranks"])
+
+
+def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
+    assert "--dcp 3: --tp 8 must be a multiple of it" in _error(["bench", "--tp", "8", "--dcp", "2,3"], capsys)
+    assert "--group-only: needs --dcp sizes above 1" in _error(["bench", "--group-only"], capsys)

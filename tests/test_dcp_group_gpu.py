@@ -4,6 +4,8 @@ rows into every mailbox, CandidateSync sets and waits on ready flags, DcpMerge r
 peers' candidates in place. Each rank's step is one CUDA graph per size and step parity,
 launched on its own stream; nothing on the host meets or copies between the ranks."""
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from graphstep import reference as ref
 from graphstep.dcp_group import DcpGroup, PeerTransport
 from graphstep.launch import MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
+from graphstep.state import StepInputs
 
 pytestmark = pytest.mark.gpu
 CONTEXT = 8192  # past index_topk x dcp: the global top-k takes some of each rank's candidates
@@ -19,7 +22,7 @@ BUDGET_NS = 20_000_000  # a lost rank fails a step within 20 ms
 
 
 def _group(dcp, split=False):
-    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8, split=split))  # 16 heads per rank
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, split=split))  # 16 heads per rank
     group = DcpGroup(
         shape,
         dcp,
@@ -131,10 +134,11 @@ def test_a_thousand_group_steps_of_varying_batch_are_bit_identical_to_eager():
     group = _group(2)
     gen = torch.Generator().manual_seed(8)
     batches = [1, 2, 3, 4, 5, 6, 7, 8]
-    inputs = {
-        b: group.unsharded.inputs(b, context_lens=torch.randint(1, CONTEXT + 1, (b,), generator=gen).tolist(), seed=b)
-        for b in batches
-    }
+    # the first b tokens of one batch of 8: every step inserts a token's own KV row at its own
+    # position, whatever the order, so every step's outputs are those of its batch alone
+    lens = torch.randint(1, CONTEXT + 1, (8,), generator=gen).tolist()
+    full = group.unsharded.inputs(8, context_lens=lens, seed=8)
+    inputs = {b: StepInputs(*(getattr(full, f.name)[:b] for f in fields(StepInputs))) for b in batches}
     expect = {}
     for b in batches:  # eager, each batch once (the cache inserts repeat the same rows)
         outputs = group.step(inputs[b], eager=True)
