@@ -49,7 +49,6 @@ class CandidateSync:
     def candidate_sync(self, flags: cute.Pointer, offsets: cute.Pointer, error: cute.Pointer, budget_ns: Int64):
         lane, _, _ = cute.arch.thread_idx()
         cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
         if lane < self.dcp and lane != self.rank:
             # this rank's word in rank `lane`'s flags (offsets in bytes, flags int32)
             P.store_release_i32(flags + P.load_i64(offsets + lane) // 4 + self.rank, Int32(1))
@@ -61,6 +60,10 @@ class CandidateSync:
                 P.store_i32(flags + lane, Int32(0))
             else:
                 P.report_missing(error + CANDIDATE_FLAG, lane)
+        # only now: DcpMerge's 1024-thread CTAs, launched early, would sit on the SMs that
+        # the ranks this one waits for need to finish their TopK (on one GPU: a deadlock
+        # until the budget ran out, seen at B = 64)
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 def compile_args():
