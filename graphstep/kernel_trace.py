@@ -27,6 +27,7 @@ from .report import table
 STAGES = (
     ("sparse_core", "SparseCore"),
     ("dcp_merge", "DcpMerge"),
+    ("candidate_sync", "CandidateSync"),
     ("query_wait", "QueryWait"),
     ("top_k", "TopK"),
     ("dsa_index", "DsaIndex"),

@@ -381,6 +381,30 @@ def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> t
     return whole, ranks
 
 
+def group_wait_us(group, size: int, replays: int = 10) -> dict[str, float]:
+    """Mean GPU time per rank and step of the group's two waits (QueryWait, CandidateSync)
+    over `replays` gated group replays under torch.profiler: how much of a rank's step is
+    spent waiting for its peers (on one GPU, also for the SMs they hold)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .kernel_trace import gpu_events, stage_of
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays):
+            group.replay(size, GROUP_GATE_S)
+            torch.cuda.synchronize()
+    path = Path(f"/tmp/graphstep-group-{size}.json")
+    profiler.export_chrome_trace(str(path))
+    events = gpu_events(json.loads(path.read_text()))
+    path.unlink()
+    waits = {"QueryWait": 0.0, "CandidateSync": 0.0}
+    for event in events:
+        stage = stage_of(event.name)
+        if stage in waits:
+            waits[stage] += event.duration
+    return {stage: total / (replays * group.dcp) for stage, total in waits.items()}
+
+
 def _group(shape: RankShape, dcp: int, sizes, context: int, seed: int):
     from .dcp_group import DcpGroup
 
@@ -439,10 +463,17 @@ def bench_group(args, shape: RankShape) -> str:
         load_batch(single, size, args.context, args.seed)
         alone = statistics.median(replay_us(single, size, replays=args.replays))
         group_us = statistics.median(whole)
-        rows.append([size, group_us, *[statistics.median(times) for times in ranks], alone, group_us / alone])
+        rank_us = [statistics.median(times) for times in ranks]
+        waits = group_wait_us(group, size)
+        mean_rank = statistics.mean(rank_us)
+        shares = [waits["QueryWait"] / mean_rank, waits["CandidateSync"] / mean_rank]
+        rows.append([size, group_us, *rank_us, alone, group_us / alone, *shares])
         print(f"  group batch {size} done", file=sys.stderr, flush=True)
     headers = ["batch", "group", *[f"rank {r}" for r in range(group.dcp)], "one rank, no DCP", "group/one"]
+    headers += ["QueryWait share", "CandidateSync share"]
     return (
-        f"DCP group of {group.dcp} ranks on one GPU, context {args.context} (us, median of {args.replays}):\n\n"
-        + table(headers, rows, markdown=True)
+        f"DCP group of {group.dcp} ranks on one GPU, context {args.context} (us, median of {args.replays}; "
+        "each rank from the common start to its end; the waits' shares: their kernels' mean GPU time per rank "
+        "(torch.profiler, 10 steps; under PDL from their early launch, so their own predecessor's tail is in it) "
+        "over the mean rank time):\n\n" + table(headers, rows, markdown=True)
     )
