@@ -74,17 +74,17 @@ class Rendezvous:
 
 
 class GroupTransport(Transport):
-    """One rank's end of the group's exchanges: pushes into the other ranks' buffers, then
-    meets them (Rendezvous). peers: every rank's GroupTransport, by rank (filled as the
-    ranks are built). check_rows: check the mailbox after the rows exchange and raise
-    MailboxTimeout (backends without a poll: torch).
+    """One rank's end of a torch-backend group's exchanges: pushes into the other ranks'
+    buffers, then meets them (Rendezvous), then checks the mailbox as QueryWait would (torch
+    has no poll) and raises MailboxTimeout. peers: every rank's GroupTransport, by rank
+    (filled as the ranks are built).
 
     positions int32 / scores fp32 [max_batch, dcp, topk]: every rank's candidates as
     DcpMerge reads them, row r written by rank r (this rank's row unused)."""
 
-    def __init__(self, shape: RankShape, mailbox: torch.Tensor, peers: list, rendezvous: Rendezvous, check_rows: bool):
+    def __init__(self, shape: RankShape, mailbox: torch.Tensor, peers: list, rendezvous: Rendezvous):
         self.shape, self.mailbox, self.peers, self.rendezvous = shape, mailbox, peers, rendezvous
-        self.rank, self.check_rows = shape.topology.rank, check_rows
+        self.rank = shape.topology.rank
         rows, dev, k = mailbox.shape[0], mailbox.device, shape.model.index_topk
         self.positions = torch.full((rows, shape.topology.dcp, k), -1, dtype=torch.int32, device=dev)
         self.scores = torch.full((rows, shape.topology.dcp, k), float("-inf"), device=dev)
@@ -116,16 +116,15 @@ class GroupTransport(Transport):
         pass  # the peers push theirs after their MlaQuery (share_query_rows)
 
     def share_query_rows(self, size: int) -> None:
-        """Push this rank's rows into every peer's mailbox, meet, then (check_rows) raise
-        MailboxTimeout for the first chunk of this mailbox that never landed."""
+        """Push this rank's rows into every peer's mailbox, meet, then raise MailboxTimeout
+        for the first chunk of this mailbox that never landed."""
         own = self.own
         for peer in self.others():
             peer.mailbox[:size, own].copy_(self.mailbox[:size, own], non_blocking=True)
         self._meet("rows")
-        if self.check_rows:
-            lost = formats.first_missing(self.mailbox, size, self.shape.gathered)
-            if lost is not None:
-                raise MailboxTimeout(*lost, heads=self.shape.heads)
+        lost = formats.first_missing(self.mailbox, size, self.shape.gathered)
+        if lost is not None:
+            raise MailboxTimeout(*lost, heads=self.shape.heads)
 
     def publish_candidates(self, positions: torch.Tensor, scores: torch.Tensor, size: int) -> PeerCandidates:
         """Push this rank's candidates into row `rank` of every peer's buffers, meet, and
@@ -317,7 +316,7 @@ class DcpGroup:
         if backend == "cute":
             make_transport = lambda s, mailbox: PeerTransport(s, mailbox, self.transports)
         else:
-            make_transport = lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous, True)
+            make_transport = lambda s, mailbox: GroupTransport(s, mailbox, self.transports, self.rendezvous)
         self.steps: list[DecodeStep] = []
         for rank, device in enumerate(self.devices):
             rank_shape = shape.with_topology(dcp=dcp, rank=rank)
