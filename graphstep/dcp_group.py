@@ -397,9 +397,7 @@ class DcpGroup:
             for rank, step in enumerate(self.steps):
                 with self._on(rank):
                     step.run_stages(size, mode, parity)
-            errors = self._finish(range(self.dcp))
-            if errors:
-                raise errors[0]
+            self._raise(self._finish(range(self.dcp)))
         for rank, step in enumerate(self.steps):
             with self._on(rank):
                 step.capture(warm_up=False)
@@ -447,8 +445,7 @@ class DcpGroup:
         errors = self._finish(present, rearm=bool(absent))
         self.group_time = time.perf_counter() - started
         self.times = [events[r][0].elapsed_time(events[r][1]) / 1e3 if r in events else None for r in range(self.dcp)]
-        if errors:
-            raise errors[0]
+        self._raise(errors)
         return [self.steps[r].outputs(ranks[r].batch) if r in events else None for r in range(self.dcp)]
 
     def load(self, inputs: StepInputs) -> int:
@@ -492,6 +489,18 @@ class DcpGroup:
         for device in dict.fromkeys(self.devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
+    def check(self) -> None:
+        """Wait for every rank and raise what their error words hold (after replays, which
+        check nothing): the first rank's own error, else its timeout; every rank's in
+        `.group_errors`."""
+        self._raise(self._finish(range(self.dcp)))
+
+    @staticmethod
+    def _raise(errors: list[Exception]) -> None:
+        if errors:
+            errors[0].group_errors = errors  # every rank's, for the post-mortem
+            raise errors[0]
 
     def _finish(self, ranks, rearm: bool = False) -> list[Exception]:
         """Wait for these ranks' steps and collect what their error words hold (own errors

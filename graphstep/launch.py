@@ -130,7 +130,7 @@ class ErrorWord:
 
     def reset(self) -> None:
         """Clear the word (no chunk missing, no range record) for the next step."""
-        self.word.copy_(torch.tensor(_CLEAR, dtype=torch.int32))
+        self.word.copy_(torch.tensor(_CLEAR[: self.word.numel()], dtype=torch.int32))  # ops' words: 4
 
     @property
     def record(self) -> torch.Tensor:
@@ -647,6 +647,8 @@ class Kernels:
         transports do)."""
         device = torch.device(device)
         if device not in self._stacked:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("DcpMerge's stacked offsets are made eagerly: launch it once before a capture")
             k, dcp = self.shape.model.index_topk, self.shape.topology.dcp
             self._stacked[device] = torch.arange(dcp, dtype=torch.int64, device=device) * (k * 4)
         return self._stacked[device]

@@ -70,7 +70,8 @@ def overlap_for(
 
 @cache
 def side_stream(device_index: int):
-    """The query side stream of a device: one per device, shared by every step."""
+    """The query side stream of a device: one per device, shared by every step (a DcpGroup
+    gives each of its ranks its own: their steps wait on each other's kernels)."""
     import torch
 
     return torch.cuda.Stream(device=device_index)

@@ -164,7 +164,8 @@ class CuteStages(Stages):
     def warm(self, sizes) -> None:
         shape = self.state.shape
         group = self.transport is not None and self.transport.mailbox_offsets is not None
-        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, group=group)
+        polls = (False,) if group else (False, True)  # a group runs fork only (dcp_group.GROUP_POLICY)
+        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, polls, group)
         if shape.topology.dcp > 1:
             self.kernels.stacked_offsets(self.state.device)  # DcpMerge's, made before any capture
 

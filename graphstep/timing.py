@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -371,10 +372,12 @@ def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> t
     rank's own time (its start to its end, waits for its peers included)."""
     for _ in range(warmup):
         group.replay(size, GROUP_GATE_S)
+    group.check()  # a timed-out wait would leave a flag set and skew every later step
     runs = []
     for _ in range(replays):
         runs.append(group.replay(size, GROUP_GATE_S))
         torch.cuda.synchronize()  # the next gate must not open behind this step
+    group.check()
     torch.cuda.synchronize()
     whole = [start.elapsed_time(end) * 1e3 for start, end, _ in runs]
     ranks = [[r[0].elapsed_time(r[1]) * 1e3 for _, _, rs in runs for r in [rs[rank]]] for rank in range(group.dcp)]
@@ -393,10 +396,11 @@ def group_wait_us(group, size: int, replays: int = 10) -> dict[str, float]:
         for _ in range(replays):
             group.replay(size, GROUP_GATE_S)
             torch.cuda.synchronize()
-    path = Path(f"/tmp/graphstep-group-{size}.json")
-    profiler.export_chrome_trace(str(path))
-    events = gpu_events(json.loads(path.read_text()))
-    path.unlink()
+    group.check()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "group.json"
+        profiler.export_chrome_trace(str(path))
+        events = gpu_events(json.loads(path.read_text()))
     waits = {"QueryWait": 0.0, "CandidateSync": 0.0}
     for event in events:
         stage = stage_of(event.name)

@@ -14,8 +14,9 @@ A `Transport` is this rank's end of both exchanges. `DecodeStep` calls it at fix
 of its data path (see each method), with the same calls in eager runs and graph captures,
 so whatever a transport launches is captured into the step's graphs. `SimulatedPeers`
 plays the other ranks on this rank's GPU from inputs loaded before the step; `SingleRank`
-is the transport of a step without DCP; `dcp_group.GroupTransport` exchanges with the
-other ranks of a `DcpGroup` in this process.
+is the transport of a step without DCP; in a `DcpGroup` (graphstep.dcp_group),
+`PeerTransport` lets the kernels exchange through the ranks' memory (cute) and
+`GroupTransport` copies between host threads that meet (torch).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Transport(ABC):
         rows: those the sparse core re-arms itself, as their last reader (in its kernel: no
         copy or fill launch ends the step). Called last in the step, on the main stream.
         Nothing by default: SingleRank and SimulatedPeers have nothing else to re-arm; a
-        transport whose exchange buffers carry a sentinel (e.g. remote candidates) overrides it."""
+        transport whose exchange buffers need a re-arm no kernel does overrides it (PeerTransport
+        needs none: CandidateSync re-arms its flags)."""
 
 
 class SingleRank(Transport):

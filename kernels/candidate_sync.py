@@ -13,7 +13,8 @@ The spin is bounded like QueryWait's: a flag still 0 when the global timer passe
 budget_ns is recorded in the error word's candidate pair (int32 words 4-5: flag, lowest
 missing rank; graphstep.launch.ErrorWord) and the kernel exits, so a lost rank fails the
 step on the host instead of hanging it. One warp on one SM: a waiting rank leaves the rest
-of the GPU to the ranks it waits for (on one GPU they share the SMs).
+of the GPU to the ranks it waits for (on one GPU they share the SMs); for the same reason
+its dependent (DcpMerge) launches only when it has completed (no explicit trigger).
 
 The flags are doubled by step parity (graphstep.dcp_group): a fast rank writes the next
 step's half while a slow one still reads this step's.
@@ -50,7 +51,10 @@ class CandidateSync:
         lane, _, _ = cute.arch.thread_idx()
         cute.arch.griddepcontrol_wait()
         if lane < self.dcp and lane != self.rank:
-            # this rank's word in rank `lane`'s flags (offsets in bytes, flags int32)
+            # this rank's word in rank `lane`'s flags (offsets in bytes, flags int32); the
+            # fence makes TopK's writes (another grid's, seen through griddepcontrol.wait)
+            # cumulative with the flag at system scope
+            P.fence_acq_rel_sys()
             P.store_release_i32(flags + P.load_i64(offsets + lane) // 4 + self.rank, Int32(1))
             deadline = P.globaltimer() + budget_ns
             ready = P.load_acquire_i32(flags + lane) == 1
@@ -60,10 +64,10 @@ class CandidateSync:
                 P.store_i32(flags + lane, Int32(0))
             else:
                 P.report_missing(error + CANDIDATE_FLAG, lane)
-        # only now: DcpMerge's 1024-thread CTAs, launched early, would sit on the SMs that
-        # the ranks this one waits for need to finish their TopK (on one GPU: a deadlock
-        # until the budget ran out, seen at B = 64)
-        cute.arch.griddepcontrol_launch_dependents()
+        # No explicit launch_dependents: DcpMerge launches when this grid completes. Early,
+        # its 1024-thread CTAs would sit on SMs the ranks this one waits for may need (on one
+        # GPU), and the first lane to trigger counts, so a trigger after the spin would still
+        # depend on the warp reconverging before it.
 
 
 def compile_args():

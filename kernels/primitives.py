@@ -161,6 +161,11 @@ def load_acquire_i32(ptr) -> Int32:
     )
 
 
+def fence_acq_rel_sys():
+    """Order this thread's earlier-observed writes before its later ones, system-wide."""
+    cute.arch.inline_ptx("fence.acq_rel.sys;")
+
+
 def store_release_i32(ptr, value):
     """A store ordered after every write this thread has seen, system-wide (the writer's
     side of a ready flag: a completed kernel's writes before it are seen with it)."""

@@ -11,7 +11,8 @@ missing linear chunk index, see graphstep.step) and the kernel exits, so a lost
 publisher fails the step on the host instead of hanging the process.
 
 The kernel first waits (griddepcontrol) for the MlaQuery before it, so when the main
-stream joins after QueryWait the KV insert is complete too.
+stream joins after QueryWait the KV insert is complete too. It lets its dependents launch
+only after its poll (a CTA barrier first), never while it waits.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class QueryWait:
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
         P.poll_mailbox(
             mailbox,
             error,
@@ -71,6 +71,10 @@ class QueryWait:
             0,
             0,
         )
+        # only once every thread of the CTA is done polling: an early-launched dependent
+        # (the sparse core after the join) would hold SMs a peer on this GPU needs to publish
+        cute.arch.sync_threads()
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 def compile_args():

@@ -334,3 +334,7 @@ def test_the_error_words_candidate_pair_raises_candidates_timeout_naming_the_ran
         error.check(16, 72, heads=16, rank=0)
     four = ErrorWord(torch.tensor([0, INT32_MAX, -1, INT32_MAX], dtype=torch.int32))  # graphstep.ops' word
     four.check(16, 72)  # nothing recorded: no error
+    four.word[0], four.word[1] = 1, 73  # a chunk a poll gave up on: raised, then the 4 words cleared
+    with pytest.raises(MailboxTimeout, match=r"token 0, head row 1, chunk 1"):
+        four.check(16, 72)
+    assert four.word.tolist() == [0, INT32_MAX, -1, INT32_MAX]

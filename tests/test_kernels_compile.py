@@ -251,6 +251,9 @@ def test_polling_is_volatile_and_bounded(ptx):
         text = ptx[("kimi-dcp2-fp8", name)]
         assert "ld.volatile.global.v4.b32" in text and "%globaltimer" in text and "red.global.min.s32" in text
     assert "ld.volatile" not in ptx[("kimi-dcp2-fp8", "mla_query_rows")]
+    # QueryWait lets its dependents launch only after its poll (never while it spins)
+    text = ptx[("kimi-dcp2-fp8", "query_wait")]
+    assert text.rindex("ld.volatile.global.v4.b32") < text.index("griddepcontrol.launch_dependents;")
 
 
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
@@ -756,8 +759,9 @@ def test_candidate_sync_releases_after_the_wait_and_spins_bounded_with_acquire(g
     wait = text.index("griddepcontrol.wait;")
     assert wait < text.index("st.release.sys.global.s32") < text.index("ld.acquire.sys.global.s32")
     assert "%globaltimer" in text and "red.global.min.s32" in text
-    # DcpMerge launches only once the wait is over (its CTAs would hold SMs the peers need)
-    assert text.rindex("ld.acquire.sys.global.s32") < text.index("griddepcontrol.launch_dependents;")
+    assert text.index("fence.acq_rel.sys;") < text.index("st.release.sys.global.s32")
+    # DcpMerge launches only when CandidateSync completes (its CTAs would hold SMs the peers need)
+    assert "griddepcontrol.launch_dependents" not in text
     assert ".local" not in text
 
 
