@@ -136,26 +136,26 @@ def check_fits(
         )
 
 
-def batches(text: str) -> list[int]:
-    """Parse a --batch list ("1,4,16") into positive ints; argparse reports a bad one."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
-    return values
+def positive_ints(what: str):
+    """An argparse type: a comma-separated list ("1,4,16") of positive ints, `what` naming
+    them in its errors."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"{what} must be positive, got {text!r}")
+        return values
+
+    parse.__name__ = what.replace(" ", "_")
+    parse.__doc__ = f"Parse a list of {what} into positive ints; argparse reports a bad one."
+    return parse
 
 
-def dcp_sizes(text: str) -> list[int]:
-    """Parse a --dcp list ("2,4") into positive ints; argparse reports a bad one."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated DCP sizes, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"DCP sizes must be positive, got {text!r}")
-    return values
+batches = positive_ints("batch sizes")  # --batch
+dcp_sizes = positive_ints("DCP sizes")  # bench --dcp
 
 
 def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tbs: float) -> dict:

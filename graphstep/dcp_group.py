@@ -73,7 +73,22 @@ class Rendezvous:
             return sorted(set(range(self.dcp)) - arrived)
 
 
-class GroupTransport(Transport):
+class GroupRank(Transport):
+    """What every transport of a DcpGroup rank shares: the other ranks are real, so a step
+    takes no `peers` and nothing is staged before it."""
+
+    def check(self, peers: PeerInputs | None, batch: int) -> None:
+        if peers is not None:
+            raise ValueError("a DcpGroup rank takes no peers: the other ranks are real (DcpGroup.step)")
+
+    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
+        return []
+
+    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
+        pass  # the peers write during the step
+
+
+class GroupTransport(GroupRank):
     """One rank's end of a torch-backend group's exchanges: pushes into the other ranks'
     buffers, then meets them (Rendezvous), then checks the mailbox as QueryWait would (torch
     has no poll) and raises MailboxTimeout. peers: every rank's GroupTransport, by rank
@@ -101,16 +116,6 @@ class GroupTransport(Transport):
     def others(self) -> list[GroupTransport]:
         """The other ranks' transports, in rank order (whom this rank pushes to)."""
         return [peer for rank, peer in enumerate(self.peers) if rank != self.rank]
-
-    def check(self, peers: PeerInputs | None, batch: int) -> None:
-        if peers is not None:
-            raise ValueError("a DcpGroup rank takes no peers: the other ranks are real (DcpGroup.step)")
-
-    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
-        return []
-
-    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
-        pass  # nothing staged: the peers push during the step
 
     def publish_query_rows(self, size: int) -> None:
         pass  # the peers push theirs after their MlaQuery (share_query_rows)
@@ -156,7 +161,7 @@ class GroupTransport(Transport):
         return missing
 
 
-class PeerTransport(Transport):
+class PeerTransport(GroupRank):
     """One rank's end of a DcpGroup whose kernels exchange through each other's memory.
 
     Every rank holds one `memory` allocation of the same layout, so one byte offset per rank
@@ -224,16 +229,6 @@ class PeerTransport(Transport):
         """The buffers of `parity`; also selects it for publish_candidates."""
         self.parity = parity
         return Exchange(self.mailboxes[parity], self.positions[parity], self.scores[parity])
-
-    def check(self, peers: PeerInputs | None, batch: int) -> None:
-        if peers is not None:
-            raise ValueError("a DcpGroup rank takes no peers: the other ranks are real (DcpGroup.step)")
-
-    def value_checks(self, peers: PeerInputs | None, context_lens: torch.Tensor) -> list[ValueCheck]:
-        return []
-
-    def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
-        pass  # nothing staged: the peers' kernels write during the step
 
     def publish_query_rows(self, size: int) -> None:
         pass  # the peers' MlaQuery stores their rows here

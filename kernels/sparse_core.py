@@ -115,8 +115,8 @@ PRODUCER = {"fp8": True, "bf16": False}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
-# The producer path's consumers by a CTA's blocks: FlashMLA's shape (consume_reshaped) for at
-# most RESHAPE_BLOCKS blocks, else the half-block scorers (consume_blocks). FlashMLA's:
+# The producer path's consumers by a CTA's blocks: FlashMLA's shape (consume_blocks' roles 0
+# and 1) for at most RESHAPE_BLOCKS blocks, else the half-block scorers (role None). FlashMLA's:
 # warpgroup 0 scores whole blocks (m64n(block)k16), keeps the softmax to itself and does
 # P @ V on dims 0 .. 255 with P from its registers (wgmma RS); warpgroup 1 only does P @ V on
 # dims 256 .. 511 (P and the rows' rescale factors from shared memory): no row max crosses
@@ -705,10 +705,10 @@ class SparseCore:
         if cutlass.const_expr(self.reshape):
             if warp < 4:
                 cute.arch.setmaxregister_increase(SCORER_REGS)
-                self.consume_reshaped(*consumers, 0)
+                self.consume_blocks(*consumers, 0)
             elif warp < 8:
                 cute.arch.setmaxregister_decrease(VALUES_REGS)
-                self.consume_reshaped(*consumers, 1)
+                self.consume_blocks(*consumers, 1)
             else:
                 cute.arch.setmaxregister_decrease(RESHAPE_PRODUCER_REGS)
                 self.produce_blocks(
@@ -721,24 +721,7 @@ class SparseCore:
             )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume_blocks(
-                q_rows,
-                q_out,
-                out,
-                lse,
-                partial_o,
-                partial_ml,
-                q_s,
-                kv_s,
-                p_s,
-                ids_s,
-                red,
-                sums,
-                full0,
-                empty0,
-                tid,
-                pool_slots,
-            )
+            self.consume_blocks(*consumers)
 
     @cute.jit
     def produce_blocks(self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
@@ -822,14 +805,25 @@ class SparseCore:
         empty0,
         tid,
         pool_slots,
+        role: int | None = None,
     ):
-        """Warpgroups 0 and 1 (tid 0 .. 255): partial_wgmma's math per block, between the
-        buffer's full and empty mbarriers, the row max and P exchanged over two named
-        barriers of the 256 threads. The next block needs no third barrier: a warpgroup
-        writes its next row maxima (`red`) after this block's second barrier, which the other
-        reaches only once it has read this block's; and its next P after the next block's
-        first barrier, which the other reaches only once its P @ V over this block has
-        completed."""
+        """The consumer warpgroups (tid 0 .. 255) between each buffer's full and empty
+        mbarriers, in one of two shapes (RESHAPE_BLOCKS):
+
+        role None: partial_wgmma's math per block (consume_block), each warpgroup scoring half
+        the block, the row max and P exchanged over two named barriers of the 256 threads.
+        The next block needs no third barrier: a warpgroup writes its next row maxima (`red`)
+        after this block's second barrier, which the other reaches only once it has read this
+        block's; and its next P after the next block's first barrier, which the other reaches
+        only once its P @ V over this block has completed.
+
+        role 0 / 1: FlashMLA's shape, this thread's warpgroup: 0 scores each block whole and
+        does P @ V on dims 0 .. 255 (score_block), 1 does P @ V on dims 256 .. 511
+        (values_block_half); P and the rows' rescale factors (`red`, 64 words) handed over by
+        named barriers: P_READY (0 arrives once they are in shared memory, 1 waits) and P_FREE
+        (1 arrives once its P @ V over them has completed, 0 waits before it writes the next
+        block's). Only warpgroup 0 keeps row maxima and sums; 1's sums are zeros in
+        finish_wgmma."""
         _, group, token = cute.arch.block_idx()
         lane = tid % 32
         blocks = self.slots_per_cta // self.block
@@ -844,71 +838,18 @@ class SparseCore:
 
         neg_inf = Float32(-math.inf)
         acc_o = [Float32(0)] * 128
-        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
-        row_sum = [Float32(0), Float32(0)]  # this thread's share
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units (role 1: unused)
+        row_sum = [Float32(0), Float32(0)]  # this thread's share (role 1: unused)
         for b in range(blocks):
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
             if cutlass.const_expr(self.probe != "no_math"):
-                row_max, row_sum, acc_o = self.consume_block(
-                    q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
-                )
-            if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
-                P.mbar_arrive(empty0 + 8 * s)
-
-        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
-
-    @cute.jit
-    def consume_reshaped(
-        self,
-        q_rows,
-        q_out,
-        out,
-        lse,
-        partial_o,
-        partial_ml,
-        q_s,
-        kv_s,
-        p_s,
-        ids_s,
-        red,
-        sums,
-        full0,
-        empty0,
-        tid,
-        pool_slots,
-        role: int,
-    ):
-        """FlashMLA's consumer shape (RESHAPE_BLOCKS; tid 0 .. 255), warpgroup `role`: 0 scores each block whole
-        and does P @ V on dims 0 .. 255 (score_block), 1 does P @ V on dims 256 .. 511
-        (values_block_half) -- between the buffer's full and empty mbarriers, P and the rows'
-        rescale factors (`red`, 64 words) handed over by named barriers: P_READY (0 arrives
-        once they are in shared memory, 1 waits) and P_FREE (1 arrives once its P @ V over
-        them has completed, 0 waits before it writes the next block's). Only warpgroup 0
-        keeps row maxima and sums; 1's sums are zeros in finish_wgmma."""
-        _, group, token = cute.arch.block_idx()
-        lane = tid % 32
-        blocks = self.slots_per_cta // self.block
-        head0 = group * WG_ROWS
-        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
-        P.cp_async_commit()
-        P.cp_async_wait(0)
-        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
-        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
-        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
-            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
-
-        neg_inf = Float32(-math.inf)
-        acc_o = [Float32(0)] * 128
-        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units (warpgroup 0)
-        row_sum = [Float32(0), Float32(0)]  # this thread's share (warpgroup 0)
-        for b in range(blocks):
-            s = b % 2
-            cur = kv_s + s * TILE_BYTES
-            P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
-            if cutlass.const_expr(self.probe != "no_math"):
-                if cutlass.const_expr(role == 0):
+                if cutlass.const_expr(role is None):
+                    row_max, row_sum, acc_o = self.consume_block(
+                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    )
+                elif cutlass.const_expr(role == 0):
                     row_max, row_sum, acc_o = self.score_block(
                         q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots, b > 0
                     )
@@ -921,7 +862,7 @@ class SparseCore:
 
     @cute.jit
     def score_block(self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free):
-        """Warpgroup 0 of consume_reshaped, one block (buffer s at cur): S = Q x K^T over all
+        """Warpgroup 0 of consume_blocks' FlashMLA shape, one block (buffer s at cur): S = Q x K^T over all
         its slots (m64n(block)k16), holes -inf, the online softmax in registers, P as bf16
         words -- the A fragments of P @ V -- and the rows' factors 2^(old max - new max) into
         shared memory for warpgroup 1 (after P_FREE when wait_free: it has read the last
@@ -972,7 +913,7 @@ class SparseCore:
 
     @cute.jit
     def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free):
-        """Warpgroup 1 of consume_reshaped, one block: once P_READY, O[:, 256 .. 511] rescaled
+        """Warpgroup 1 of consume_blocks' FlashMLA shape, one block: once P_READY, O[:, 256 .. 511] rescaled
         by the rows' factors, += P x V (P from shared memory; completed on return), then
         P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
         lane, w4 = tid % 32, tid // 32 - 4

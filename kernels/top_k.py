@@ -640,43 +640,14 @@ class ClusterTopK:
                 keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta
             )
             out_args = (out, out_scores, pages, token, base, error, pool_pages)
+            list_args = (hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args)
             if cutlass.const_expr(self.entries == 0):
                 self.compact(keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
             elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
-                self.compact_list(
-                    hists,
-                    base_address,
-                    threshold,
-                    need,
-                    counts,
-                    sizes,
-                    scratch,
-                    offsets,
-                    fill,
-                    out_args,
-                    tid,
-                    lane,
-                    warp,
-                    cta,
-                )
+                self.compact_list(*list_args, tid, lane, warp, cta)
             else:
                 if listed:
-                    self.compact_list(
-                        hists,
-                        base_address,
-                        threshold,
-                        need,
-                        counts,
-                        sizes,
-                        scratch,
-                        offsets,
-                        fill,
-                        out_args,
-                        tid,
-                        lane,
-                        warp,
-                        cta,
-                    )
+                    self.compact_list(*list_args, tid, lane, warp, cta)
                 else:
                     self.compact(again, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
         else:  # every score is kept, at its own index
