@@ -226,8 +226,9 @@ def describe(summary: TraceSummary) -> str:
 
 
 def record(graph, replays: int, path: Path, warmup: int = 10) -> dict:
-    """Replay a captured torch.cuda.CUDAGraph `replays` times under torch.profiler (CUDA activity),
-    write the Chrome trace to `path` and return it. One more replay runs first under the
+    """Replay a captured torch.cuda.CUDAGraph (or anything with a `replay()`: a DcpGroup's
+    gated step) `replays` times under torch.profiler (CUDA activity), write the Chrome trace
+    to `path` and return it. One more replay runs first under the
     profiler: the first one's kernel events can come back incomplete while CUPTI starts
     (seen on an H100), and `summarize` keeps only the replays with every event."""
     import torch

@@ -386,27 +386,26 @@ def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> t
 
 def group_wait_us(group, size: int, replays: int = 10) -> dict[str, float]:
     """Mean GPU time per rank and step of the group's two waits (QueryWait, CandidateSync)
-    over `replays` gated group replays under torch.profiler: how much of a rank's step is
-    spent waiting for its peers (on one GPU, also for the SMs they hold)."""
-    from torch.profiler import ProfilerActivity, profile
+    over gated group replays recorded by kernel_trace.record (replays + 1 of them): how much
+    of a rank's step is spent waiting for its peers (on one GPU, also for the SMs they hold)."""
+    from types import SimpleNamespace
 
-    from .kernel_trace import gpu_events, stage_of
+    from .kernel_trace import gpu_events, record, stage_of
 
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        for _ in range(replays):
-            group.replay(size, GROUP_GATE_S)
-            torch.cuda.synchronize()
-    group.check()
+    def one_step() -> None:
+        group.replay(size, GROUP_GATE_S)
+        torch.cuda.synchronize()  # the next gate must not open behind this step
+
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "group.json"
-        profiler.export_chrome_trace(str(path))
-        events = gpu_events(json.loads(path.read_text()))
+        trace = record(SimpleNamespace(replay=one_step), replays, Path(folder) / "group.json", warmup=0)
+    group.check()
+    events = gpu_events(trace)
     waits = {"QueryWait": 0.0, "CandidateSync": 0.0}
     for event in events:
         stage = stage_of(event.name)
         if stage in waits:
             waits[stage] += event.duration
-    return {stage: total / (replays * group.dcp) for stage, total in waits.items()}
+    return {stage: total / ((replays + 1) * group.dcp) for stage, total in waits.items()}
 
 
 def _group(shape: RankShape, dcp: int, sizes, context: int, seed: int):
