@@ -186,50 +186,72 @@ class DecodeStep:
     def run_stages(self, size: int, mode: str, parity: int = 0) -> None:
         """Issue one step of `size` rows in `mode` on the current stream (what a graph holds);
         parity: which of the transport's exchange buffers (a DCP group's step count % 2)."""
+        for phase in self.phases(size, mode, parity):
+            phase()
+
+    def phases(self, size: int, mode: str, parity: int = 0) -> list:
+        """One step's launches as three callables, each issuing on the current stream (and on
+        the side stream, joined inside them): produce (the indexer to TopK, MlaQuery with its
+        publish), exchange (the waits on the peers: CandidateSync, QueryWait), consume
+        (DcpMerge, the join, the sparse core). run_stages calls them in order. A DcpGroup on
+        one GPU issues each phase for every rank before the next phase of any: its streams may
+        share a hardware queue, where a launch waiting for its stream holds back every launch
+        behind it, and in this order no rank's wait is queued ahead of what a peer must run."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        with self._parity(parity):
-            self._issue(size, mode)
+        stages, transport, b = self.stages, self.transport, self.buffers
+        dcp, fork = self.shape.topology.dcp > 1, mode != "serial"
+        side = self.side if fork and self.device.type == "cuda" else None
+        peers = []
 
-    def _issue(self, size: int, mode: str) -> None:
-        stages, dcp = self.stages, self.shape.topology.dcp > 1
-        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        stages.guard(size)
-        self.transport.publish_query_rows(size)
-        if mode == "serial":
-            stages.index_key(size)
-            stages.mla_query(size, store_qc=True, poll=dcp)
-            self.transport.share_query_rows(size)
-            self._indexer(size)
-        else:
-            side = self.side if main is not None else None
-            if side is not None:
-                side.wait_stream(main)
-            stages.index_key(size)
-            stages.query_norm(size)
-            self._indexer(size)
-            with torch.cuda.stream(side) if side is not None else nullcontext():
-                stages.mla_query(size, store_qc=False, poll=dcp and mode == "fork_poll")
-                self.transport.share_query_rows(size)
-                if dcp and mode == "fork":
+        def on_side():
+            return torch.cuda.stream(side) if side is not None else nullcontext()
+
+        def produce():
+            stages.guard(size)
+            transport.publish_query_rows(size)
+            if not fork:
+                stages.index_key(size)
+                stages.mla_query(size, store_qc=True, poll=dcp)
+                transport.share_query_rows(size)
+            else:
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                stages.index_key(size)
+                stages.query_norm(size)
+            stages.index_query(size)
+            stages.index_scores(size)
+            stages.top_k(size)
+            if fork:
+                with on_side():
+                    stages.mla_query(size, store_qc=False, poll=dcp and mode == "fork_poll")
+                    transport.share_query_rows(size)
+
+        def exchange():
+            if dcp:
+                peers.append(transport.publish_candidates(b.own_positions, b.own_scores, size))
+                if peers[0].flags is not None:
+                    stages.candidate_sync(peers[0], size)
+            if dcp and mode == "fork":
+                with on_side():
                     stages.query_wait(size)
-            if side is not None:
-                main.wait_stream(side)
-        stages.sparse_core(size)  # the query rows' last reader: it also copies them to q_out and re-arms them
-        self.transport.arm(size)
 
-    def _indexer(self, size: int) -> None:
-        """After the key insert and q_c, on the current stream: wq_b, scoring, top-k and,
-        under DCP, the merge with the other ranks' candidates -> buffers.slots."""
-        stages, b = self.stages, self.buffers
-        stages.index_query(size)
-        stages.index_scores(size)
-        stages.top_k(size)
-        if self.shape.topology.dcp > 1:
-            peers = self.transport.publish_candidates(b.own_positions, b.own_scores, size)
-            if peers.flags is not None:
-                stages.candidate_sync(peers, size)
-            stages.dcp_merge(peers, size)
+        def consume():
+            if dcp:
+                stages.dcp_merge(peers[0], size)  # under DCP the indexer ends in the merge -> buffers.slots
+            if side is not None:
+                torch.cuda.current_stream(self.device).wait_stream(side)
+            stages.sparse_core(size)  # the query rows' last reader: it also copies them to q_out and re-arms them
+            transport.arm(size)
+
+        def at_parity(phase):
+            def issue():
+                with self._parity(parity):
+                    phase()
+
+            return issue
+
+        return [at_parity(phase) for phase in (produce, exchange, consume)]
 
     # -- capture and replay ------------------------------------------------------------------
 
@@ -295,15 +317,6 @@ class DecodeStep:
         self._check_pointers()
         self.graph(size, mode, parity).replay()
 
-    def launch(self, size: int, eager: bool = False, parity: int = 0) -> None:
-        """Run the step of the loaded size on the current stream without waiting for it:
-        replay its graph, or (eager) issue its stages. A DcpGroup launches every rank so
-        before it checks any (check())."""
-        if eager:
-            self.run_stages(size, self.modes[size], parity)
-        else:
-            self.replay(size, parity=parity)
-
     def outputs(self, batch: int) -> StepOutputs:
         """Views of the last step's outputs for its `batch` real rows (valid until the next step)."""
         b = self.buffers
@@ -362,7 +375,10 @@ class DecodeStep:
         there and recorded: check() raises InputRangeError for it; so does the next step
         with check_values=True (before it runs; under DCP, this step itself)."""
         size = self.load(inputs, peers, check_values)
-        self.launch(size, eager)  # a replay checks the buffers' addresses once, there
+        if eager:
+            self.run_stages(size, self.modes[size])
+        else:
+            self.replay(size)  # checks the buffers' addresses once
         if self.shape.topology.dcp > 1:
             self._raise_recorded()
         return self.outputs(inputs.batch)

@@ -338,3 +338,18 @@ def test_the_error_words_candidate_pair_raises_candidates_timeout_naming_the_ran
     with pytest.raises(MailboxTimeout, match=r"token 0, head row 1, chunk 1"):
         four.check(16, 72)
     assert four.word.tolist() == [0, INT32_MAX, -1, INT32_MAX]
+
+
+def test_an_eager_group_step_issues_each_phase_for_every_rank_before_the_next(group, monkeypatch):
+    """On one GPU the ranks' streams may share a hardware queue: no rank's wait on its peers
+    (exchange) may be issued before a peer's produce, nor a consume before every exchange."""
+    issued = []
+    for rank, step in enumerate(group.steps):
+        phases = lambda size, mode, parity, rank=rank: [  # noqa: E731
+            lambda phase=phase: issued.append((phase, rank, size, mode, parity))
+            for phase in ("produce", "exchange", "consume")
+        ]
+        monkeypatch.setattr(step, "phases", phases)
+    ranks = range(group.dcp)
+    group._issue({rank: (4, "fork") for rank in ranks}, parity=1)
+    assert issued == [(phase, rank, 4, "fork", 1) for phase in ("produce", "exchange", "consume") for rank in ranks]

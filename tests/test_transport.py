@@ -83,17 +83,19 @@ STAGES = ["index_key", "query_norm", "index_query", "index_scores", "top_k", "dc
 STAGES += ["query_wait", "sparse_core"]
 EXCHANGES = ["publish_query_rows", "share_query_rows", "publish_candidates", "arm"]
 SHARE = ["mla_query", "share_query_rows"]  # a transport's copies of the rows follow MlaQuery
-INDEXER = ["index_query", "index_scores", "top_k", "publish_candidates", "dcp_merge"]
+INDEXER = ["index_query", "index_scores", "top_k"]
+MERGE = ["publish_candidates", "dcp_merge"]  # the indexer's end under DCP
+FORK = ["publish_query_rows", "index_key", "query_norm", *INDEXER, *SHARE]  # phases: produce, exchange, consume
 
 
 @pytest.mark.parametrize(
     "topology, mode, expect",
     [
-        (DCP, "fork", ["publish_query_rows", "index_key", "query_norm", *INDEXER, *SHARE, "query_wait"]),
-        (DCP, "fork_poll", ["publish_query_rows", "index_key", "query_norm", *INDEXER, *SHARE]),
-        (DCP, "serial", ["publish_query_rows", "index_key", *SHARE, *INDEXER]),
-        (Topology(tp=4), "fork", ["publish_query_rows", "index_key", "query_norm", *INDEXER[:3], *SHARE]),
-        (Topology(tp=4), "serial", ["publish_query_rows", "index_key", *SHARE, *INDEXER[:3]]),
+        (DCP, "fork", [*FORK, "publish_candidates", "query_wait", "dcp_merge"]),
+        (DCP, "fork_poll", [*FORK, *MERGE]),
+        (DCP, "serial", ["publish_query_rows", "index_key", *SHARE, *INDEXER, *MERGE]),
+        (Topology(tp=4), "fork", FORK),
+        (Topology(tp=4), "serial", ["publish_query_rows", "index_key", *SHARE, *INDEXER]),
     ],
 )
 def test_the_step_calls_the_stages_and_the_transport_in_data_path_order(topology, mode, expect):
