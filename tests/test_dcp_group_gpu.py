@@ -12,7 +12,7 @@ import torch
 from conftest import rel_err
 from graphstep import reference as ref
 from graphstep.dcp_group import DcpGroup, PeerTransport
-from graphstep.launch import MailboxTimeout
+from graphstep.launch import CandidatesTimeout, MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import StepInputs
 
@@ -119,6 +119,35 @@ def test_a_rank_that_is_not_run_times_the_others_out_and_the_group_recovers(grou
         outputs = group.step(inputs)
         _check_merge(group, outputs, 4)
         assert all(torch.isfinite(out.out).all() for out in outputs)
+
+
+def test_a_rank_that_publishes_its_rows_but_not_its_candidates_times_the_others_out(group):
+    """The candidate exchange alone: the last rank issues only its produce phase (its rows
+    reach every mailbox, its TopK runs) and never its CandidateSync, so every other rank's
+    QueryWait passes and its CandidateSync gives up naming that rank."""
+    inputs = group.unsharded.inputs(4, context_lens=4000, seed=6)
+    silent = group.dcp - 1
+    sizes = {}
+    for rank, rank_inputs in enumerate(group.rank_inputs(inputs)):
+        with group._on(rank):
+            sizes[rank] = group.steps[rank].load(rank_inputs)
+    parity = group.steps_run % 2
+    phases = {
+        rank: group.steps[rank].phases(size, group.steps[rank].modes[size], parity) for rank, size in sizes.items()
+    }
+    for rank in phases:
+        with group._on(rank):
+            phases[rank][0]()
+    for phase in (1, 2):
+        for rank in range(silent):
+            with group._on(rank):
+                phases[rank][phase]()
+    errors = group._finish(range(group.dcp), rearm=True)
+    assert len(errors) == silent and all(isinstance(error, CandidatesTimeout) for error in errors)
+    assert sorted(error.rank for error in errors) == list(range(silent))
+    assert all(error.missing == [silent] for error in errors)
+    outputs = group.step(inputs)  # re-armed: the next step runs normally
+    _check_merge(group, outputs, 4)
 
 
 def test_a_rank_delayed_on_the_gpu_gives_the_same_results(group):
