@@ -84,7 +84,16 @@ class IndexKey:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tid % 32
-        token = cta * WARPS + tid // 32
+        self.key_row(
+            qkv, weight, bias, cos, sin, context_lens, slots, cache, error, batch, pool_slots, rope_rows,
+            cta * WARPS + tid // 32, lane,
+        )  # fmt: skip
+
+    @cute.jit
+    def key_row(
+        self, qkv, weight, bias, cos, sin, context_lens, slots, cache, error, batch, pool_slots, rope_rows, token, lane
+    ):
+        """Token `token`'s key by one warp (this thread: lane `lane`), as the module says."""
         gamma = P.unpack_bf16x2(P.load_u32_nc(weight + 4 * lane)) + P.unpack_bf16x2(
             P.load_u32_nc(weight + 4 * lane + 2)
         )

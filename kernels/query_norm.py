@@ -49,21 +49,30 @@ class QueryNorm:
     ):
         if cutlass.const_expr(self.tiled):
             self.query_norm_tiled(qkv, gamma, qc, batch, eps).launch(
-                grid=[(batch + 7) // 8, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+                grid=[self.ctas(batch), 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
             )
         else:
             self.query_norm_rows(qkv, gamma, qc, batch, eps).launch(
-                grid=[batch, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+                grid=[self.ctas(batch), 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
             )
+
+    def ctas(self, batch):
+        """The CTAs of `threads` threads a launch of `batch` rows takes."""
+        return (batch + 7) // 8 if cutlass.const_expr(self.tiled) else batch
 
     @cute.kernel
     def query_norm_rows(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
-        """One row per CTA: 8 columns per thread, a sequential FMA chain, warp partials in order."""
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
         partials = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
+        self.norm_row(qkv, gamma, qc, eps, row, tid, partials)
+
+    @cute.jit
+    def norm_row(self, qkv, gamma, qc, eps, row, tid, partials):
+        """One row per CTA: 8 columns per thread, a sequential FMA chain, warp partials (8
+        fp32 of shared memory) in order."""
+        lane, warp = tid % 32, tid // 32
         weights = P.unpack_bf16x8(P.load_u32x4_nc(gamma + (tid % 192) * 8))
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
@@ -87,9 +96,13 @@ class QueryNorm:
 
     @cute.kernel
     def query_norm_tiled(self, qkv: cute.Pointer, gamma: cute.Pointer, qc: cute.Pointer, batch: Int32, eps: Float32):
-        """One row per warp: 48 columns per lane in packed pairs."""
         tid, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
+        self.norm_tile(qkv, gamma, qc, batch, eps, tile, tid)
+
+    @cute.jit
+    def norm_tile(self, qkv, gamma, qc, batch, eps, tile, tid):
+        """One row per warp, 8 rows per CTA: 48 columns per lane in packed pairs."""
         lane, warp = tid % 32, tid // 32
         row = tile * 8 + warp
         g = []
