@@ -25,6 +25,7 @@ from .report import table
 # kernel_cutlass_<method>_graphstepkernels<module><Class>_object_at_<arguments>_<n>, so both
 # the method (top_k_cluster, sparse_core_partial, ...) and the module (top_k, sparse_core, ...) match.
 STAGES = (
+    ("key_and_norm", "IndexKey+QueryNorm"),  # one launch of both (kernels/key_and_norm.py)
     ("sparse_core", "SparseCore"),
     ("dcp_merge", "DcpMerge"),
     ("candidate_sync", "CandidateSync"),

@@ -462,6 +462,31 @@ class Kernels:
             self._stream(),
         )
 
+    def key_and_query_norm(
+        self, qkv, qc, context_lens, slots, index_cache, batch: int, error: ErrorWord | None = None
+    ) -> None:
+        """IndexKey and QueryNorm in one launch (kernels/key_and_norm.py): the arguments and
+        outputs of index_key and query_norm, bit-identical to theirs."""
+        w = self.weights
+        self.compiled("key_and_norm", tiled=self.tiled(batch))(
+            self._ptr(qkv),
+            self._ptr(w.gamma_q),
+            self._ptr(qc),
+            self._ptr(w.index_norm_weight),
+            self._ptr(w.index_norm_bias),
+            self._ptr(w.index_rope_cos),
+            self._ptr(w.index_rope_sin),
+            self._ptr(context_lens, 4),
+            self._ptr(slots, 4),
+            self._ptr(index_cache),
+            self._ptr(self._error(error, qkv).word, 8),
+            self._i32(batch),
+            self._f32(self.eps),
+            self._i32(pool_slots(index_cache, self.shape.model.page_size)),
+            self._i32(rope_rows(w.index_rope_cos, w.index_rope_sin)),
+            self._stream(),
+        )
+
     def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int, error: ErrorWord | None = None) -> None:
         """IndexQuery: wq_b, NeoX RoPE, the Hadamard rotation (index_rotation), per-head e4m3
         quantization and the folded head weights, in one kernel. One launch of the variant

@@ -109,6 +109,12 @@ class Stages(ABC):
     def query_norm(self, size: int) -> None:
         """q_a RMSNorm: b.qkv -> b.qc (the indexer's q_c)."""
 
+    def key_and_query_norm(self, size: int) -> None:
+        """index_key, then query_norm: how the fork modes open the main stream (a backend may
+        run both at once: neither reads what the other writes)."""
+        self.index_key(size)
+        self.query_norm(size)
+
     @abstractmethod
     def index_query(self, size: int) -> None:
         """wq_b, RoPE, the Hadamard rotation, e4m3 and the folded head weights: b.qc, b.qkv ->
@@ -178,6 +184,11 @@ class CuteStages(Stages):
 
     def query_norm(self, size: int) -> None:
         self.kernels.query_norm(self.buffers.qkv, self.buffers.qc, size)
+
+    def key_and_query_norm(self, size: int) -> None:
+        b = self.buffers  # one launch (kernels/key_and_norm.py): IndexQuery's weight loads start a kernel earlier
+        cache = self.state.caches.index_cache
+        self.kernels.key_and_query_norm(b.qkv, b.qc, b.context_lens, b.slot_mapping, cache, size, self.error)
 
     def index_query(self, size: int) -> None:
         b = self.buffers

@@ -217,8 +217,7 @@ class DecodeStep:
             else:
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream(self.device))
-                stages.index_key(size)
-                stages.query_norm(size)
+                stages.key_and_query_norm(size)
             stages.index_query(size)
             stages.index_scores(size)
             stages.top_k(size)

@@ -26,6 +26,7 @@ from . import (
     dsa_index,
     index_key,
     index_query,
+    key_and_norm,
     mla_query,
     query_norm,
     query_wait,
@@ -41,6 +42,7 @@ KERNELS = {
         mla_query,
         query_wait,
         index_key,
+        key_and_norm,
         index_query,
         dsa_index,
         top_k,
@@ -145,6 +147,12 @@ def _index_key(shape, pdl):
     return "index_key", op
 
 
+def _key_and_norm(shape, pdl, tiled: bool):
+    _, key = _index_key(shape, pdl)
+    _, norm = _query_norm(shape, pdl, tiled)
+    return f"key_and_norm_{_rows_or_tiled(tiled)}", key_and_norm.KeyAndNorm(key, norm, pdl)
+
+
 def _index_query(shape, pdl, tokens: int):
     m = shape.model
     op = index_query.IndexQuery(
@@ -204,6 +212,7 @@ _BUILDERS = {
     "mla_query": _mla_query,
     "query_wait": _query_wait,
     "index_key": _index_key,
+    "key_and_norm": _key_and_norm,
     "index_query": _index_query,
     "dsa_index": _dsa_index,
     "top_k": _top_k,
@@ -215,7 +224,7 @@ _BUILDERS = {
 
 def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
-    launches for the launch-time `choice`: query_norm: tiled; mla_query: tiled, poll, remote;
+    launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote;
     index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA), publish; the others none."""
     if kernel not in _BUILDERS:
@@ -243,6 +252,7 @@ def variants(
     out = []
     for tiled in norms:
         out.append(build(shape, "query_norm", pdl, tiled=tiled))
+        out.append(build(shape, "key_and_norm", pdl, tiled=tiled))
         for poll in polls if dcp else (False,):
             out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll, remote=group))
     out.append(build(shape, "index_key", pdl))

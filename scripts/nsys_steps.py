@@ -21,6 +21,7 @@ from graphstep.timing import load_batch
 # Kernels' launchers -> the stage each NVTX range is named after
 STAGE_LAUNCHERS = {
     "index_key": "IndexKey",
+    "key_and_query_norm": "IndexKey+QueryNorm",
     "query_norm": "QueryNorm",
     "mla_query": "MlaQuery",
     "query_wait": "QueryWait",

@@ -65,8 +65,8 @@ def test_a_size_1_replay_launches_and_touches_one_row_whatever_the_largest_size(
 
     names = [name for name, _ in recorded]
     expect = {
-        "fork": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "MlaQuery", "QueryWait", "DcpMerge"],
-        "fork_poll": ["IndexKey", "QueryNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "MlaQuery", "DcpMerge"],
+        "fork": ["KeyAndNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "MlaQuery", "QueryWait", "DcpMerge"],
+        "fork_poll": ["KeyAndNorm", "IndexQuery", "DsaIndex", "ClusterTopK", "MlaQuery", "DcpMerge"],
         "serial": ["IndexKey", "MlaQuery", "IndexQuery", "DsaIndex", "ClusterTopK", "DcpMerge"],
     }[mode]
     assert names == expect + ["SparseCore"]

@@ -81,19 +81,21 @@ class Recorder:
         Recorder.calls.append((type(self.op).__name__, pointers, scalars))
 
 
+@pytest.mark.parametrize("mode", ["serial", "fork"])
 @pytest.mark.parametrize("topology", [Topology(tp=4), DCP], ids=["tp4", "dcp2"])
-def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monkeypatch, topology):
+def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monkeypatch, topology, mode):
     launch_on_cpu(monkeypatch, lambda op, args: Recorder(op))
     Recorder.calls = []
     shape = RankShape(replace(SMALL, index_heads=64), topology)  # the kernels' indexer geometry
     step = DecodeStep(shape, capture_sizes=(4,), backend="torch", device="cpu", max_context=200)
     step.stages = CuteStages(step.state, step.buffers, step.error, DEFAULT_BUDGET_NS)
-    step.run_stages(4, "serial")
+    step.run_stages(4, mode)
     st, c = step.state, step.caches
     index_pages, mla_slots, pps = c.index_cache.shape[0], c.mla_cache.shape[0] * 64, st.pages_per_seq
     assert index_pages == mla_slots // 64 == st.trash_page + 1
     expect = {
         "IndexKey": [4, index_pages * 64, 200],
+        "KeyAndNorm": [4, shape.model.rms_eps, index_pages * 64, 200],  # fork: IndexKey and QueryNorm in one
         "MlaQuery": [4, shape.model.rms_eps, DEFAULT_BUDGET_NS, mla_slots, 200],
         "IndexQuery": [4, 200, 0],  # rows, RoPE rows, the launch's first token
         "DsaIndex": lambda s: s[:2] == [4, pps] and s[3:] == [index_pages],
@@ -110,7 +112,8 @@ def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monk
         want = expect[name]
         assert want(scalars) if callable(want) else scalars == pytest.approx(want), (name, scalars)
         assert (step.error.word.data_ptr(), 8) in pointers, name
-    assert seen == set(expect) - ({"DcpMerge"} if topology.dcp == 1 else set())
+    unused = {"KeyAndNorm" if mode == "serial" else "IndexKey"} | ({"DcpMerge"} if topology.dcp == 1 else set())
+    assert seen == set(expect) - unused
     # bounds the step's messages quote are the ones passed
     assert step.bounds[guards.DSA_INDEX_PAGE] == (0, index_pages)
     assert step.bounds[guards.SPARSE_CORE_SLOT] == (0, mla_slots)

@@ -80,6 +80,38 @@ def test_index_key_writes_exactly_the_new_slots(model):
         assert (torch.frexp(scales[slots]).mantissa == 0.5).all(), "powers of two"
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 40, 64])
+def test_key_and_norm_is_index_key_and_query_norm_in_one_launch(batch):
+    """KeyAndNorm's keys, scales and q_c equal IndexKey's and QueryNorm's bit for bit, for
+    the row and the tiled QueryNorm variant and key CTAs that are partly empty; it writes
+    nothing else (poisoned cache and q_c rows past the batch); a slot out of the cache is
+    recorded as IndexKey records it."""
+    state = _state(Topology(tp=8), max_batch=batch + 2)
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(batch)
+    inputs.slot_mapping[batch // 2] = -1  # a pad row
+    caches = [torch.full_like(state.caches.index_cache, 0xFF) for _ in range(2)]
+    q_cs = [torch.full((batch + 2, state.shape.model.q_lora_rank), float("nan"), dtype=torch.bfloat16, device="cuda")]
+    q_cs.append(q_cs[0].clone())
+    errors = [ErrorWord.new("cuda") for _ in range(2)]
+    kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, caches[0], batch, errors[0])
+    kernels.query_norm(inputs.qkv, q_cs[0], batch)
+    kernels.key_and_query_norm(
+        inputs.qkv, q_cs[1], inputs.context_lens, inputs.slot_mapping, caches[1], batch, errors[1]
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(caches[1], caches[0]) and torch.equal(q_cs[1], q_cs[0])
+    assert torch.isnan(q_cs[1][batch:].float()).all() and not torch.isnan(q_cs[1][:batch].float()).any()
+    assert (caches[1] != 0xFF).any()
+    assert torch.equal(errors[1].word, errors[0].word)  # nothing out of range: nothing recorded
+    bad = inputs.slot_mapping.clone()
+    bad[batch - 1] = caches[1].shape[0] * 64  # one past the cache
+    kernels.key_and_query_norm(inputs.qkv, q_cs[1], inputs.context_lens, bad, caches[1], batch, errors[1])
+    kernels.index_key(inputs.qkv, inputs.context_lens, bad, caches[0], batch, errors[0])
+    torch.cuda.synchronize()
+    assert torch.equal(errors[1].word, errors[0].word) and not torch.equal(errors[1].word, ErrorWord.new("cuda").word)
+
+
 def _index_query(batch, tokens=None, model="deepseek-v3.2"):
     """IndexQuery of `batch` tokens into poisoned outputs with 3 spare rows (through the
     launcher, or the variant holding `tokens` rows launched directly) -> (q, w, expected)."""

@@ -41,6 +41,8 @@ def test_every_variant_compiled(ptx):
     assert {
         "query_norm_rows",
         "query_norm_tiled",
+        "key_and_norm_rows",
+        "key_and_norm_tiled",
         "mla_query_rows",
         "mla_query_tiled",
         "query_wait",
@@ -50,7 +52,7 @@ def test_every_variant_compiled(ptx):
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
     assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
     # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, every TopK split
-    assert len(ptx) == (8 + 6 + 2) + (12 + 6 + 2) + 2 * len(top_k.SPLITS)
+    assert len(ptx) == (10 + 6 + 2) + (14 + 6 + 2) + 2 * len(top_k.SPLITS)
 
 
 def _stages(variant: str, k: int) -> list[str]:
@@ -60,6 +62,8 @@ def _stages(variant: str, k: int) -> list[str]:
         return [f"query_norm_{norm}", "mla_query_project", "mla_query_absorb"]
     if variant.startswith("index_query_"):
         return ["index_query"]
+    if variant.startswith("key_and_norm_"):
+        return ["key_and_query_norm"]
     if variant.startswith("top_k_"):
         return ["top_k_cluster"]
     if variant.startswith("sparse_core_s"):
@@ -73,6 +77,7 @@ def _stages(variant: str, k: int) -> list[str]:
         "query_norm",
         "mla_query",
         "index_key",
+        "key_and_norm",
         "index_query",
         "dsa_index",
         "top_k",
@@ -117,6 +122,7 @@ BEFORE_WAIT = {
         "cp.async.bulk.prefetch.L2.global",
     },  # Q_B / W_UK slices into L2 (no data reaches the SM)
     "index_key": {"ld.global.nc.b32"},  # the LayerNorm weight and bias
+    "key_and_norm": {"ld.global.nc.v4.b32", "ld.global.nc.b32"},  # QueryNorm's gamma, IndexKey's weights
     "index_query": {
         "cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
         "prefetch.global.L2",  # test_index_query_streams_once_in_one_fused_kernel)
@@ -199,7 +205,7 @@ def test_wide_global_accesses_and_no_local_memory(ptx):
     for (shape, name), text in ptx.items():
         assert re.search(r"ld\.(volatile\.)?global(\.nc)?\.v4\.", text), (shape, name)
         assert ".local" not in text, (shape, name)
-        if name.startswith(("query_norm", "mla_query")):  # whole 16-byte chunks of q_c and query rows
+        if name.startswith(("query_norm", "key_and_norm", "mla_query")):  # whole 16-byte chunks of q_c, query rows
             assert "st.global.v4.b32" in text, (shape, name)
 
 
@@ -223,6 +229,22 @@ def test_query_norm_uses_the_order_models_ieee_ops(ptx):
     for variant in ("query_norm_rows", "query_norm_tiled"):
         text = ptx[("tp8", variant)]
         assert text.index("ld.global.nc.v4") < text.index("griddepcontrol.wait")
+
+
+def test_key_and_norm_runs_both_parts_each_behind_its_own_wait(ptx):
+    """One entry, two branches: QueryNorm's IEEE ops and IndexKey's e4m3 keys and guards,
+    each part loading its weights before its wait and the step's inputs after it."""
+    for tiled in ("rows", "tiled"):
+        text = ptx[("tp8", f"key_and_norm_{tiled}")]
+        (entry,) = _entries(text)
+        assert entry.count("griddepcontrol.wait;") == 2 and entry.count("griddepcontrol.launch_dependents;") == 2
+        for op in ("fma.rn.f32", "add.rn.f32", "mul.rn.f32", "cvt.rn.bf16x2.f32", "st.global.v4.b32"):
+            assert op in entry, (tiled, op)  # QueryNorm's part
+        part = ptx[("tp8", "index_key")]
+        for op in ("cvt.rn.satfinite.e4m3x2.f32", "red.global.min.s64", "rsqrt.approx"):
+            assert (op in part) and (op in entry), (tiled, op)  # IndexKey's part
+        if tiled == "rows":
+            assert "bar.sync" in entry  # the row variant's warp partials
 
 
 def test_mla_query_streams_weights_on_tensor_cores(ptx):
@@ -264,6 +286,7 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         "dsa_index.sm_90a.ptx",
         "index_key.sm_90a.ptx",
         "index_query_16.sm_90a.ptx",
+        "key_and_norm_rows.sm_90a.ptx",
         "mla_query_rows.sm_90a.ptx",
         "query_norm_rows.sm_90a.ptx",
         "sparse_core_s64.sm_90a.ptx",
@@ -271,7 +294,7 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         *splits,
     ]
     out = capsys.readouterr().out
-    assert f"{7 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
+    assert f"{8 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
 
 
 def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):
@@ -567,7 +590,7 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
 
 # Every kernel that addresses memory with an id from the inputs records an out-of-range one
 # (kernels/guards.py), after its PDL wait; QueryNorm and QueryWait take no such id.
-GUARDED = ("mla_query", "index_key", "index_query", "dsa_index", "top_k", "dcp_merge", "sparse_core")
+GUARDED = ("mla_query", "index_key", "key_and_norm", "index_query", "dsa_index", "top_k", "dcp_merge", "sparse_core")
 
 
 def test_guarded_kernels_record_by_atomic_min_after_the_wait(ptx):

@@ -82,6 +82,7 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
         poll=poll,
     )
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
+    kernels.key_and_query_norm(inputs.qkv, qc, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
     kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, f32(b, m.index_heads), b)
     kernels.dsa_index(q8, f32(b, m.index_heads), c.index_cache, inputs.block_tables, inputs.context_lens, scores, b)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, i32(b, m.index_topk), f32(b, m.index_topk), b)
@@ -96,7 +97,16 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
         b,
         q_out=torch.zeros(b, s.gathered, c.mailbox.shape[-1], dtype=torch.uint8),
     )
-    launched = ["QueryNorm", "MlaQuery", "IndexKey", "IndexQuery", "DsaIndex", "ClusterTopK", "SparseCore"]
+    launched = [
+        "QueryNorm",
+        "MlaQuery",
+        "IndexKey",
+        "KeyAndNorm",
+        "IndexQuery",
+        "DsaIndex",
+        "ClusterTopK",
+        "SparseCore",
+    ]
     if dcp > 1:
         kernels.query_wait(c.mailbox, error, b)
         kernels.dcp_merge(
