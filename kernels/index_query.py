@@ -2,12 +2,16 @@
 head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
-         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
-         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
-         kernel's CTAs can already sit beside it and issue their own loads).
+         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 288 threads
+         (8 consumer warps + a producer warp), one CTA per SM; the 16- and 32-token
+         variants take about 105 KB of shared memory and <= 113 registers, so the next
+         kernel's CTAs can already sit beside them and issue their own loads; the 64-token
+         variant (114 registers, which two CTAs would not fit) takes the whole SM for a
+         deeper ring (CTAS_PER_SM).
 project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
-         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
-         stages' weight copies go out before griddepcontrol.wait, q_c after it.
+         128-column stages (the producer warp's bulk copies into full / empty mbarriers;
+         ldmatrix, mma.sync with the tokens as N); every slot's weight copies go out
+         before griddepcontrol.wait, q_c after it.
 finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
          token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
          |max| over the 16 threads, the two CTAs swap their halves' maxima through
@@ -36,7 +40,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 
 from . import guards
 from . import primitives as P
@@ -45,7 +49,8 @@ from . import projection as J
 HEADS, DIM, ROPE = 64, 128, 64
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
-RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
+RING = {16: 5, 32: 4, 64: 6}  # slots per variant: 108.8 / 104.4 / 208.9 KB of shared memory
+CTAS_PER_SM = {16: 2, 32: 2, 64: 1}  # what the variant's registers and shared memory allow
 TOKENS = tuple(sorted(RING))
 
 
@@ -130,11 +135,11 @@ class IndexQuery:
             qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, error, batch, rope_rows, first_token
         ).launch(
             grid=[2 * HEADS, 1, 1],
-            block=[J.THREADS, 1, 1],
+            block=[J.CTA_THREADS, 1, 1],
             cluster=[2, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=2,
+            min_blocks_per_mp=CTAS_PER_SM[self.tokens],
             preferred_smem_carveout=100,
         )
 
@@ -157,48 +162,81 @@ class IndexQuery:
         tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         smem = cutlass.memory.SmemAllocator()
         slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
+        bars = smem.allocate_tensor(Uint8, cute.make_layout(J.barrier_bytes(ring)), byte_alignment=8)
+        peer_amax = None
         if cutlass.const_expr(not self.hadamard):
-            peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
-        s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
+            peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16).iterator.toint()
+        base, bars0 = slots.iterator.toint(), bars.iterator.toint()
+        if tid == 0:
+            J.init_barriers(bars0, ring)
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
-
-        # Weights never change within a step: every slot is filled before the wait, and the
-        # next AHEAD stages are requested into L2.
-        weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
-        for stage in cutlass.range_constexpr(ring):
-            s.issue_weights(weights, stage)
-            cute.arch.cp_async_commit_group()
-        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
-            s.prefetch_weights(weights, stage)
-        cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
         ntok = cutlass.min(batch, tokens)
-        for stage in cutlass.range_constexpr(ring):
-            s.issue_tokens(qc, ntok, stage)
-            cute.arch.cp_async_commit_group()
+        if tid // 32 == J.WARPS:
+            self.produce(base, bars0, tid, wq_b + cta * J.ROWS * J.K, qc, ntok)  # cta = 2 head + rank
+        else:
+            self.consume(base, bars0, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax)
 
-        # Commit groups: W0 .. W(ring-1), T0 .. T(ring-1), then one per iteration it >= 1
-        # holding stage it - 1 + ring, so stage `it` is complete once at most ring - 1
-        # (it = 0: T1 .. T(ring-1)) or ring - 2 (later) newer groups are pending.
+    @cute.jit
+    def produce(self, base, bars, tid, weights, qc, ntok):
+        """The producer warp: every slot's weights before griddepcontrol.wait (they never
+        change within a step), q_c after it, then each stage once its slot is released."""
+        ring = RING[self.tokens]
+        s = J.Stream(self.tokens, ring, base, bars, tid, tid // 32, tid % 32)
+        for stage in cutlass.range_constexpr(ring):
+            self.copy_weights(s, weights, stage)
+        cute.arch.griddepcontrol_wait()  # q_c comes from an earlier kernel
+        cute.arch.griddepcontrol_launch_dependents()
+        for stage in cutlass.range_constexpr(ring):
+            self.copy_tokens(s, qc, ntok, stage)
+        for stage in cutlass.range_constexpr(ring, J.STAGES):
+            s.acquire(stage)
+            self.copy_weights(s, weights, stage)
+            self.copy_tokens(s, qc, ntok, stage)
+
+    @cute.jit
+    def copy_weights(self, s: J.Stream, weights, stage: int):
+        bar = s.full(stage)
+        if s.lane == 0:
+            P.mbar_expect(bar, Int32(J.ROWS * J.CHUNK))
+        cute.arch.sync_warp()
+        for dst, src in s.weight_copies(weights, stage):
+            P.bulk_copy_g2s(dst, src, Int32(J.CHUNK), bar)
+
+    @cute.jit
+    def copy_tokens(self, s: J.Stream, qc, ntok, stage: int):
+        bar = s.full(stage)
+        if s.lane == 0:
+            P.mbar_expect(bar, ntok * J.CHUNK)
+        cute.arch.sync_warp()
+        for token, dst, src in s.token_copies(qc, stage):
+            if token < ntok:
+                P.bulk_copy_g2s(dst, src, Int32(J.CHUNK), bar)
+
+    @cute.jit
+    def consume(self, base, bars, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax):
+        """The 8 consumer warps: the projection stage by stage, then the epilogue."""
+        tokens, lane = self.tokens, tid % 32
+        s = J.Stream(tokens, RING[tokens], base, bars, tid, tid // 32, lane)
+        cta, _, _ = cute.arch.block_idx()
+        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
+        zero = Uint32(0)
+        words, start, per_slot = s.zero_rows(ntok)
+        for i in range(tid, words, J.THREADS):
+            P.st_shared_u32x4(J.zero_addr(i, start, per_slot, tokens), (zero, zero, zero, zero))
+        J.consumer_sync()  # the zero rows written before any warp reads them
+        cute.arch.griddepcontrol_wait()  # context_lens and qkv come from earlier kernels
+        cute.arch.griddepcontrol_launch_dependents()
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
-            cute.arch.cp_async_wait_group(ring - 1 if it == 0 else ring - 2)
-            cute.arch.sync_threads()  # stage `it` visible to every warp; the slot of it - 1 free
-            if cutlass.const_expr(it >= 1):
-                nxt = it - 1 + ring
-                if cutlass.const_expr(nxt < J.STAGES):
-                    s.issue_weights(weights, nxt)
-                    s.issue_tokens(qc, ntok, nxt)
-                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
-                    s.prefetch_weights(weights, nxt + J.AHEAD)
-                cute.arch.cp_async_commit_group()
+            s.wait_full(it)
             acc = s.compute(it, acc)
-        cute.arch.sync_threads()  # every copy landed and every warp is done with the ring
+            if cutlass.const_expr(it + s.ring < J.STAGES):  # the producer refills the slot
+                s.release(it)
+        J.consumer_sync()  # every warp is done with the ring (the result tile reuses it)
 
         # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
         out = s.base
@@ -206,11 +244,11 @@ class IndexQuery:
         if s.khalf == 1:
             for i in cutlass.range_constexpr(len(addrs)):
                 P.st_shared_f32(addrs[i], acc[i // 4][i % 4])
-        cute.arch.sync_threads()
+        J.consumer_sync()
         if s.khalf == 0:
             for i in cutlass.range_constexpr(len(addrs)):
                 P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
-        cute.arch.sync_threads()
+        J.consumer_sync()
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
         j, row0 = tid % 16, tid // 16
@@ -264,11 +302,10 @@ class IndexQuery:
                 values[p] = mine
                 amaxes.append(amax)
         else:
-            peer_base = peer_amax.iterator.toint()
             cluster_wait()  # the peer CTA is running: its shared memory may be written
             if j == 0:
                 for p in cutlass.range_constexpr(tokens // 16):
-                    st_peer_f32(peer_base + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
+                    st_peer_f32(peer_amax + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
             cluster_arrive()
             cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 
@@ -277,7 +314,7 @@ class IndexQuery:
             v = values[p]
             amax = amaxes[p]
             if cutlass.const_expr(not self.hadamard):
-                amax = cute.arch.fmax(amax, P.ld_shared_f32(peer_base + 4 * token))
+                amax = cute.arch.fmax(amax, P.ld_shared_f32(peer_amax + 4 * token))
             scale = P.e4m3_scale(amax, self.ue8m0)
             word = P.pack_e4m3x4(v[0] / scale, v[1] / scale, v[2] / scale, v[3] / scale)
             if token < ntok:
