@@ -1,7 +1,8 @@
-"""IndexQuery's projection core on the CPU: its per-thread copy, ldmatrix and accumulator
-addresses (kernels/projection.py `Stream`, evaluated with plain ints) driven through a
-model of cp.async, ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments,
-stage by stage, must give W . q_c^T for the CTA's 64 rows, tokens past the batch aside."""
+"""IndexQuery's projection core on the CPU: its producer lanes' bulk copies, the consumers'
+zeroed token rows, ldmatrix and accumulator addresses (kernels/projection.py `Stream`,
+evaluated with plain ints) driven through a model of cp.async.bulk, ldmatrix.x4 and
+mma.m16n8k16 as the PTX ISA defines their fragments, stage by stage, must give W . q_c^T
+for the CTA's 64 rows, tokens past the batch aside."""
 
 import numpy as np
 import pytest
@@ -67,25 +68,33 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
             )
 
 
-@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     rng = np.random.default_rng(tokens)
     ring, batch = index_query.RING[tokens], tokens - 3
     weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
     smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)  # one entry per bf16 element
 
-    def cp_async(dst, src, live=True):
-        assert dst % 16 == 0
-        smem[dst // 2 : dst // 2 + 8] = src.array[src.offset : src.offset + 8] if live else 0
+    def bulk_copy(dst, src):
+        assert dst % 16 == 0 and src.offset * 2 % 16 == 0
+        smem[dst // 2 : dst // 2 + J.CHUNK // 2] = src.array[src.offset : src.offset + J.CHUNK // 2]
 
-    monkeypatch.setattr(J.P, "cp_async_16", cp_async)
     monkeypatch.setattr(J.cutlass, "min", min)
-    streams = [J.Stream(tokens, ring, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
+    streams = [J.Stream(tokens, ring, 0, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
+    producer = [J.Stream(tokens, ring, 0, 0, J.THREADS + lane, J.WARPS, lane) for lane in range(32)]
+    for s in streams:  # the token rows no copy writes, zeroed once
+        words, start, per_slot = s.zero_rows(batch)
+        for i in range(s.tid, words, J.THREADS):
+            addr = J.zero_addr(i, start, per_slot, tokens)
+            smem[addr // 2 : addr // 2 + 8] = 0
     accs = [{} for _ in range(J.WARPS)]
     for stage in range(J.STAGES):  # (the slot stage % ring, filled just before use)
-        for s in streams:
-            s.issue_weights(Elements(weights), stage)
-            s.issue_tokens(Elements(qc), batch, stage)
+        for p in producer:
+            for dst, src in p.weight_copies(Elements(weights), stage):
+                bulk_copy(dst, src)
+            for token, dst, src in p.token_copies(Elements(qc), stage):
+                if token < batch:
+                    bulk_copy(dst, src)
         for warp in range(J.WARPS):
             _warp_compute(streams[32 * warp : 32 * warp + 32], stage, smem, accs[warp], monkeypatch)
     tile = np.full(J.ring_bytes(tokens, ring) // 4, np.nan)
