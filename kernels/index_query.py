@@ -178,7 +178,22 @@ class IndexQuery:
         if tid // 32 == J.WARPS:
             self.produce(base, bars0, tid, wq_b + cta * J.ROWS * J.K, qc, ntok)  # cta = 2 head + rank
         else:
-            self.consume(base, bars0, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax)
+            self.consume(
+                base,
+                bars0,
+                tid,
+                qkv,
+                cos,
+                sin,
+                context_lens,
+                q_out,
+                w_out,
+                error,
+                ntok,
+                rope_rows,
+                first_token,
+                peer_amax,
+            )
 
     @cute.jit
     def produce(self, base, bars, tid, weights, qc, ntok):
@@ -217,7 +232,9 @@ class IndexQuery:
                 P.bulk_copy_g2s(dst, src, Int32(J.CHUNK), bar)
 
     @cute.jit
-    def consume(self, base, bars, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax):
+    def consume(
+        self, base, bars, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax
+    ):
         """The 8 consumer warps: the projection stage by stage, then the epilogue."""
         tokens, lane = self.tokens, tid % 32
         s = J.Stream(tokens, RING[tokens], base, bars, tid, tid // 32, lane)

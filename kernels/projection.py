@@ -28,9 +28,8 @@ results do not depend on scheduling (the same order as the cp.async version: bit
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from . import primitives as P
 

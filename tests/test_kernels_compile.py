@@ -327,7 +327,7 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     (entry,) = _entries(text)  # projection, RoPE, e4m3 and head weights in one kernel
     wait = entry.index("griddepcontrol.wait;")  # the producer's
     ring = index_query.RING[tokens]
-    copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes \[%r\d+\], \[%rd\d+\], 256, \[%r\d+\];"
+    copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes \[%r\d+\], \[%rd\d+\], 256, "
     # every weight byte once: 12 stages x 64 rows in 256-byte bulk copies (two rows per
     # producer lane), the whole ring's worth before the wait; q_c's rows after it (a lane's
     # tokens: lane, lane + 32 below `tokens`)
