@@ -2,16 +2,12 @@
 head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
-         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 288 threads
-         (8 consumer warps + a producer warp), one CTA per SM; the 16- and 32-token
-         variants take about 105 KB of shared memory and <= 113 registers, so the next
-         kernel's CTAs can already sit beside them and issue their own loads; the 64-token
-         variant (114 registers, which two CTAs would not fit) takes the whole SM for a
-         deeper ring (CTAS_PER_SM).
+         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
+         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
+         kernel's CTAs can already sit beside it and issue their own loads).
 project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
-         128-column stages (the producer warp's bulk copies into full / empty mbarriers;
-         ldmatrix, mma.sync with the tokens as N); every slot's weight copies go out
-         before griddepcontrol.wait, q_c after it.
+         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
+         stages' weight copies go out before griddepcontrol.wait, q_c after it.
 finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
          token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
          |max| over the 16 threads, the two CTAs swap their halves' maxima through
@@ -40,18 +36,21 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+from cutlass import BFloat16, Float32, Int32, Uint8
 
 from . import guards
 from . import primitives as P
 from . import projection as J
+from . import projection_rows as R
 
 HEADS, DIM, ROPE = 64, 128, 64
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
-RING = {16: 5, 32: 4, 64: 6}  # slots per variant: 108.8 / 104.4 / 208.9 KB of shared memory
-CTAS_PER_SM = {16: 2, 32: 2, 64: 1}  # what the variant's registers and shared memory allow
-TOKENS = tuple(sorted(RING))
+# The 16-token variant streams whole weight rows (kernels/projection_rows.py: 193 KB of shared
+# memory, one CTA per SM); the 32- and 64-token ones 128-column stages through a ring of
+# RING slots (kernels/projection.py: 104.4 KB each, two CTAs per SM).
+RING = {32: 4, 64: 3}
+TOKENS = (R.TOKENS, *RING)
 
 
 def launches(batch: int) -> list[tuple[int, int, int]]:
@@ -107,9 +106,9 @@ class IndexQuery:
         ue8m0: bool = False,
     ):
         """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
-        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens;
+        it; tokens: token rows (one of TOKENS); launch with batch <= tokens;
         hadamard: rotate each head before quantizing it; ue8m0: power-of-two scales."""
-        if tokens not in RING:
+        if tokens not in TOKENS:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
         self.hadamard, self.ue8m0 = hadamard, ue8m0
@@ -135,11 +134,11 @@ class IndexQuery:
             qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, error, batch, rope_rows, first_token
         ).launch(
             grid=[2 * HEADS, 1, 1],
-            block=[J.CTA_THREADS, 1, 1],
+            block=[R.CTA_THREADS if self.tokens == R.TOKENS else J.THREADS, 1, 1],
             cluster=[2, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=CTAS_PER_SM[self.tokens],
+            min_blocks_per_mp=1 if self.tokens == R.TOKENS else 2,
             preferred_smem_carveout=100,
         )
 
@@ -159,101 +158,115 @@ class IndexQuery:
         rope_rows: Int32,
         first_token: Int32,
     ):
-        tokens, ring = self.tokens, RING[self.tokens]
+        tokens = self.tokens
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
-        slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
-        bars = smem.allocate_tensor(Uint8, cute.make_layout(J.barrier_bytes(ring)), byte_alignment=8)
         peer_amax = None
         if cutlass.const_expr(not self.hadamard):
             peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16).iterator.toint()
-        base, bars0 = slots.iterator.toint(), bars.iterator.toint()
-        if tid == 0:
-            J.init_barriers(bars0, ring)
+        ntok = cutlass.min(batch, tokens)
+        weights = wq_b + cta * J.ROWS * J.K  # cta = 2 head + rank
+        finish = (qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax)
+        if cutlass.const_expr(tokens == R.TOKENS):
+            slab = smem.allocate_tensor(Uint8, cute.make_layout(R.SLAB_BYTES), byte_alignment=128).iterator.toint()
+            bars = smem.allocate_tensor(Uint8, cute.make_layout(8 * R.STAGES), byte_alignment=8).iterator.toint()
+            if tid == 0:
+                R.init_barriers(bars)
+            if cutlass.const_expr(not self.hadamard):
+                cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
+            cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+            if tid // 32 == R.WARPS:
+                self.produce_rows(slab, bars, tid % 32, weights)
+            else:
+                self.consume_rows(slab, bars, tid, qc, ntok)
+                self.finish(slab, tid, *finish)
+        else:
+            ring = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, RING[tokens])), byte_alignment=128)
+            out = self.stream_k(ring.iterator.toint(), qc, weights, ntok, tid)
+            self.finish(out, tid, *finish)
+
+    @cute.jit
+    def produce_rows(self, slab, bars, lane, weights):
+        """The producer warp of the 16-token variant: all 64 weight rows, 8 per mbarrier, one
+        bulk copy each (lanes 0-7); weights never change within a step, so no PDL wait."""
+        for stage in cutlass.range_constexpr(R.STAGES):
+            bar = bars + 8 * stage
+            if lane == 0:
+                P.mbar_expect(bar, Int32(R.STAGE_ROWS * R.ROW_BYTES))
+            cute.arch.sync_warp()
+            if lane < R.STAGE_ROWS:
+                dst, src = R.row_copy(slab, weights, stage, lane)
+                P.bulk_copy_g2s(dst, src, Int32(R.ROW_BYTES), bar)
+
+    @cute.jit
+    def consume_rows(self, slab, bars, tid, qc, ntok):
+        """The 8 consumer warps of the 16-token variant (kernels/projection_rows.py): q_c's A
+        fragments after the wait, each 8-row stage as it lands, then the warps' partial
+        sums in order into the fp32 [token][row] tile at slab."""
+        warp, lane = tid // 32, tid % 32
+        cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
+        cute.arch.griddepcontrol_launch_dependents()
+        a = R.load_a(qc, ntok, warp, lane)
+        sums = []
+        for stage in cutlass.range_constexpr(R.STAGES):
+            P.mbar_wait(bars + 8 * stage, 0)
+            sums.append(R.compute(slab, stage, a, warp, lane))
+        R.consumer_sync()  # every warp is done with the slab: the partials and the tile reuse it
+        for stage in cutlass.range_constexpr(R.STAGES):
+            addrs = R.partial_addrs(slab, stage, warp, lane)
+            for q in cutlass.range_constexpr(4):
+                P.st_shared_f32(addrs[q], sums[stage][q])
+        R.consumer_sync()
+        parts, tile = R.sum_addrs(slab, tid)
+        total = list(P.ld_shared_f32x4(parts[0]))
+        for w in cutlass.range_constexpr(1, R.WARPS):
+            v = P.ld_shared_f32x4(parts[w])
+            total = [P.add_rn(total[q], v[q]) for q in range(4)]
+        for q in cutlass.range_constexpr(4):
+            P.st_shared_f32(tile + 4 * q, total[q])
+        R.consumer_sync()
+
+    @cute.jit
+    def stream_k(self, base, qc, weights, ntok, tid):
+        """The 32- and 64-token variants' projection (kernels/projection.py) through the ring
+        at `base` -> the fp32 [token][row] tile's shared address."""
+        tokens, ring = self.tokens, RING[self.tokens]
+        lane, warp = tid % 32, tid // 32
+        s = J.Stream(tokens, ring, base, tid, warp, lane)
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
-        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
-        ntok = cutlass.min(batch, tokens)
-        if tid // 32 == J.WARPS:
-            self.produce(base, bars0, tid, wq_b + cta * J.ROWS * J.K, qc, ntok)  # cta = 2 head + rank
-        else:
-            self.consume(
-                base,
-                bars0,
-                tid,
-                qkv,
-                cos,
-                sin,
-                context_lens,
-                q_out,
-                w_out,
-                error,
-                ntok,
-                rope_rows,
-                first_token,
-                peer_amax,
-            )
 
-    @cute.jit
-    def produce(self, base, bars, tid, weights, qc, ntok):
-        """The producer warp: every slot's weights before griddepcontrol.wait (they never
-        change within a step), q_c after it, then each stage once its slot is released."""
-        ring = RING[self.tokens]
-        s = J.Stream(self.tokens, ring, base, bars, tid, tid // 32, tid % 32)
+        # Weights never change within a step: every slot is filled before the wait, and the
+        # next AHEAD stages are requested into L2.
         for stage in cutlass.range_constexpr(ring):
-            self.copy_weights(s, weights, stage)
-        cute.arch.griddepcontrol_wait()  # q_c comes from an earlier kernel
+            s.issue_weights(weights, stage)
+            cute.arch.cp_async_commit_group()
+        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
+            s.prefetch_weights(weights, stage)
+        cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         for stage in cutlass.range_constexpr(ring):
-            self.copy_tokens(s, qc, ntok, stage)
-        for stage in cutlass.range_constexpr(ring, J.STAGES):
-            s.acquire(stage)
-            self.copy_weights(s, weights, stage)
-            self.copy_tokens(s, qc, ntok, stage)
+            s.issue_tokens(qc, ntok, stage)
+            cute.arch.cp_async_commit_group()
 
-    @cute.jit
-    def copy_weights(self, s: J.Stream, weights, stage: int):
-        bar = s.full(stage)
-        if s.lane == 0:
-            P.mbar_expect(bar, Int32(J.ROWS * J.CHUNK))
-        cute.arch.sync_warp()
-        for dst, src in s.weight_copies(weights, stage):
-            P.bulk_copy_g2s(dst, src, Int32(J.CHUNK), bar)
-
-    @cute.jit
-    def copy_tokens(self, s: J.Stream, qc, ntok, stage: int):
-        bar = s.full(stage)
-        if s.lane == 0:
-            P.mbar_expect(bar, ntok * J.CHUNK)
-        cute.arch.sync_warp()
-        for token, dst, src in s.token_copies(qc, stage):
-            if token < ntok:
-                P.bulk_copy_g2s(dst, src, Int32(J.CHUNK), bar)
-
-    @cute.jit
-    def consume(
-        self, base, bars, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax
-    ):
-        """The 8 consumer warps: the projection stage by stage, then the epilogue."""
-        tokens, lane = self.tokens, tid % 32
-        s = J.Stream(tokens, RING[tokens], base, bars, tid, tid // 32, lane)
-        cta, _, _ = cute.arch.block_idx()
-        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
-        zero = Uint32(0)
-        words, start, per_slot = s.zero_rows(ntok)
-        for i in range(tid, words, J.THREADS):
-            P.st_shared_u32x4(J.zero_addr(i, start, per_slot, tokens), (zero, zero, zero, zero))
-        J.consumer_sync()  # the zero rows written before any warp reads them
-        cute.arch.griddepcontrol_wait()  # context_lens and qkv come from earlier kernels
-        cute.arch.griddepcontrol_launch_dependents()
+        # Commit groups: W0 .. W(ring-1), T0 .. T(ring-1), then one per iteration it >= 1
+        # holding stage it - 1 + ring, so stage `it` is complete once at most ring - 1
+        # (it = 0: T1 .. T(ring-1)) or ring - 2 (later) newer groups are pending.
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
-            s.wait_full(it)
+            cute.arch.cp_async_wait_group(ring - 1 if it == 0 else ring - 2)
+            cute.arch.sync_threads()  # stage `it` visible to every warp; the slot of it - 1 free
+            if cutlass.const_expr(it >= 1):
+                nxt = it - 1 + ring
+                if cutlass.const_expr(nxt < J.STAGES):
+                    s.issue_weights(weights, nxt)
+                    s.issue_tokens(qc, ntok, nxt)
+                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
+                    s.prefetch_weights(weights, nxt + J.AHEAD)
+                cute.arch.cp_async_commit_group()
             acc = s.compute(it, acc)
-            if cutlass.const_expr(it + s.ring < J.STAGES):  # the producer refills the slot
-                s.release(it)
-        J.consumer_sync()  # every warp is done with the ring (the result tile reuses it)
+        cute.arch.sync_threads()  # every copy landed and every warp is done with the ring
 
         # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
         out = s.base
@@ -261,13 +274,22 @@ class IndexQuery:
         if s.khalf == 1:
             for i in cutlass.range_constexpr(len(addrs)):
                 P.st_shared_f32(addrs[i], acc[i // 4][i % 4])
-        J.consumer_sync()
+        cute.arch.sync_threads()
         if s.khalf == 0:
             for i in cutlass.range_constexpr(len(addrs)):
                 P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
-        J.consumer_sync()
+        cute.arch.sync_threads()
+        return out
 
-        # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
+    @cute.jit
+    def finish(
+        self, out, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax
+    ):
+        """The epilogue over the fp32 [token][row] tile at `out` (256 threads): 16 threads per
+        token, thread j holds rows 4 j .. 4 j + 3 (the module docstring)."""
+        tokens = self.tokens
+        cta, _, _ = cute.arch.block_idx()
+        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         j, row0 = tid % 16, tid // 16
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):

@@ -3,47 +3,41 @@ weight rows (half of one head, 192 KB of bf16) over the whole K = 1536 and compu
 out[row, token] = W[row, :] . q_c[token, :] for up to `tokens` tokens on the tensor cores.
 
 The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns:
-each stage holds the 64 rows' 256-byte chunks (16 KB) and the tokens' matching chunks in
-rows of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct
-16-byte bank groups. A producer warp (warp WARPS) fills the stages with one 256-byte
-`cp.async.bulk` per row (the bulk copy engine: no registers, no per-thread request
-tracking), each stage completing on its `full` mbarrier (two arrivals: the weights', then
-the tokens', each with its bytes); the 8 consumer warps wait on `full`, compute the stage
-and release it on its `empty` mbarrier, so no CTA barrier stands between stages and the
-producer refills a slot as soon as its last reader is done. Weights do not depend on the
-previous kernel, so the producer issues every slot's weights before
-`griddepcontrol.wait`; the q_c chunks come after it. Token rows past the batch are zeroed
-once (the producer never writes them).
-
-Why per-row bulk copies and not cp.async (the version before): with every thread issuing
-16-byte cp.async and a CTA barrier per stage the kernel ran latency bound at 51% of
-4.3 TB/s (ncu: 0.09 eligible warps per scheduler, 6% issue slots; bench/RESULTS.md).
+each stage holds the 64 rows' 256-byte chunks (16 KB) and the tokens' matching chunks,
+copied by every thread with 16-byte `cp.async.cg` (L2 only, no registers held) into rows
+of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct 16-byte
+bank groups. The multistage loop keeps `ring - 1` stages in flight while it computes
+one: wait for the oldest group, one CTA barrier, refill the slot everybody just finished,
+then compute. Weights do not depend on the previous kernel, so the kernel fills every
+slot before `griddepcontrol.wait` and requests the AHEAD stages after the ring into L2
+(`prefetch.global.L2`, one 128-byte line per thread), staying AHEAD stages ahead of the
+ring from then on; the q_c chunks come after the wait.
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage; `mma.sync m16n8k16`
 with the weights as A (ldmatrix.x4) and the tokens as the narrow N side (ldmatrix.x4 gives
 two k-steps of one 8-token n-tile). The two k-halves' fp32 sums add in a fixed order
 (half 0 + half 1) into an fp32 [token][row] tile in shared memory (reusing the ring), so
-results do not depend on scheduling (the same order as the cp.async version: bit-identical).
+results do not depend on scheduling.
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from . import primitives as P
 
-THREADS = 256  # the consumer warps
+THREADS = 256
 WARPS = THREADS // 32
-CTA_THREADS = THREADS + 32  # + the producer warp (warp WARPS)
 K = 1536
 KC = 128  # k-columns per stage
 STAGES = K // KC  # 12
 ROWS = 64  # weight rows per CTA
-CHUNK = KC * 2  # bytes of one row per stage: one bulk copy
-PITCH = CHUNK + 16  # bytes per row in a slot (16-byte skew: conflict-free ldmatrix)
+PITCH = KC * 2 + 16  # bytes per row in a slot (16-byte skew: conflict-free ldmatrix)
+ROW_CHUNKS = KC * 2 // 16  # 16-byte chunks per row per stage
 OUT_PITCH = ROWS * 4 + 16  # bytes per token in the fp32 [token][row] result tile
-CONSUMER_BAR = 1  # the consumers' named barrier (bar.sync 1, THREADS)
+AHEAD = 3  # stages past the ring whose weights are already requested into L2
 
 
 def slot_bytes(tokens: int) -> int:
@@ -54,39 +48,31 @@ def ring_bytes(tokens: int, ring: int) -> int:
     return ring * slot_bytes(tokens)
 
 
-def barrier_bytes(ring: int) -> int:
-    """full[s] then empty[s], 8 bytes each."""
-    return 16 * ring
+# -- shared-memory primitives (32-bit shared addresses) -----------------------------------
 
 
-def init_barriers(bars, ring: int):
-    """One thread: full[s] (at bars + 8 s) takes the producer's two arrivals (weights, then
-    tokens) and their bytes, empty[s] (bars + 8 (ring + s)) every consumer thread's release."""
-    for s in range(ring):
-        P.mbar_init(bars + 8 * s, 2)
-        P.mbar_init(bars + 8 * (ring + s), THREADS)
-    P.mbar_init_fence()
+def prefetch_l2_line(ptr, live):
+    """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
+        read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
+    )
 
 
-def zero_addr(i, start, per_slot, tokens: int):
-    """Shared address of word i of Stream.zero_rows (slots of `tokens` token rows)."""
-    return start + i // per_slot * slot_bytes(tokens) + 16 * (i % per_slot)
-
-
-def consumer_sync():
-    cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=THREADS)
+# -- the stream -----------------------------------------------------------------------
 
 
 class Stream:
     """One CTA's view of the ring: per-thread copy and fragment offsets, fixed at start.
 
-    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2); base: the
-    ring's shared address; bars: its mbarriers' (barrier_bytes)."""
+    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2)."""
 
-    def __init__(self, tokens: int, ring: int, base, bars, tid, warp, lane):
+    def __init__(self, tokens: int, ring: int, base, tid, warp, lane):
         assert tokens % 16 == 0 and ring >= 2
-        self.tokens, self.ring, self.base, self.bars, self.tid, self.lane = tokens, ring, base, bars, tid, lane
+        self.tokens, self.ring, self.base, self.tid = tokens, ring, base, tid
         self.slot = slot_bytes(tokens)
+        # copies: thread tid takes 16-byte chunk tid % 16 of rows tid // 16 + 16 i
+        self.chunk, self.first_row = tid % ROW_CHUNKS, tid // ROW_CHUNKS
         # fragments: warp = (k-half, m-tile); ldmatrix row addresses of this lane
         mtile, khalf = warp % 4, warp // 4
         k_bytes = khalf * (KC // 2) * 2
@@ -98,56 +84,30 @@ class Stream:
     def slot_addr(self, stage: int):
         return self.base + (stage % self.ring) * self.slot
 
-    def full(self, stage: int):
-        return self.bars + 8 * (stage % self.ring)
-
-    def empty(self, stage: int):
-        return self.bars + 8 * (self.ring + stage % self.ring)
-
-    # -- the producer warp (the caller holds the control flow: lane 0 expects the bytes,
-    # a token copy only where token < ntok) --
-
-    def acquire(self, stage: int):
-        """Wait until the consumers released the slot's previous stage (stage - ring)."""
-        if stage >= self.ring:
-            P.mbar_wait(self.empty(stage), (stage // self.ring - 1) % 2)
-
-    def weight_copies(self, weights, stage: int) -> list:
-        """(dst, src) of this lane's rows of `stage` (weights: bf16 pointer to the CTA's
-        first row): rows lane and lane + 32, one CHUNK-byte bulk copy each."""
+    def issue_weights(self, weights, stage: int):
+        """The 64 rows' chunk of `stage` (weights: bf16 pointer to the CTA's first row)."""
         slot = self.slot_addr(stage)
-        rows = [self.lane + 32 * i for i in range(ROWS // 32)]
-        return [(slot + row * PITCH, weights + row * K + stage * KC) for row in rows]
+        for i in range(ROWS * ROW_CHUNKS // THREADS):
+            row = self.first_row + (THREADS // ROW_CHUNKS) * i
+            P.cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
 
-    def token_copies(self, qc, stage: int) -> list:
-        """(token, dst, src) of this lane's tokens of `stage`: lane, lane + 32, ... below
-        `tokens` (copied where token < ntok)."""
+    def prefetch_weights(self, weights, stage: int):
+        """The 64 rows' chunk of `stage` into L2 only: threads 0-127 one 128-byte line each."""
+        row, half = self.tid // 2 % ROWS, self.tid % 2
+        prefetch_l2_line(weights + row * K + stage * KC + (KC // 2) * half, self.tid < 2 * ROWS)
+
+    def issue_tokens(self, qc, ntok, stage: int):
+        """The tokens' chunk of `stage`; rows >= ntok are zero-filled (q_c is not read there)."""
         slot = self.slot_addr(stage) + ROWS * PITCH
-        tokens = [self.lane + 32 * i for i in range(max(self.tokens // 32, 1))]
-        return [(token, slot + token * PITCH, qc + token * K + stage * KC) for token in tokens]
-
-    # -- the consumer warps --
-
-    def zero_rows(self, ntok) -> tuple:
-        """Token rows ntok .. tokens - 1 of every slot, zeroed once (no copy ever writes them,
-        so those columns of the product are zero): (16-byte words in all, the first word's
-        address, words per slot); word i is at zero_addr(i, ...)."""
-        per_slot = (self.tokens - ntok) * (PITCH // 16)
-        return self.ring * per_slot, self.base + (ROWS + ntok) * PITCH, per_slot
-
-    def wait_full(self, stage: int):
-        P.mbar_wait(self.full(stage), (stage // self.ring) % 2)
-
-    def release(self, stage: int):
-        """This thread is done reading the slot: the fence orders its ldmatrix reads before
-        the bulk copy that refills it (kernels/primitives.py, mbarriers)."""
-        P.fence_proxy_async()
-        P.mbar_arrive(self.empty(stage))
+        for i in range(self.tokens * ROW_CHUNKS // THREADS):
+            token = self.first_row + (THREADS // ROW_CHUNKS) * i
+            src = qc + cutlass.min(token, ntok - 1) * K + stage * KC + 8 * self.chunk
+            P.cp_async_16(slot + token * PITCH + 16 * self.chunk, src, token < ntok)
 
     def compute(self, stage: int, acc: list) -> list:
         """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
         slot = self.slot_addr(stage)
-        for kp in range(KC // 64):  # pairs of k-steps
+        for kp in range(2):  # pairs of k-steps
             a0 = P.ldmatrix_x4(slot + self.a_off + 64 * kp)
             a1 = P.ldmatrix_x4(slot + self.a_off + 64 * kp + 32)
             for nt in range(self.tokens // 8):

@@ -118,9 +118,9 @@ BEFORE_WAIT = {
     },  # Q_B / W_UK slices into L2 (no data reaches the SM)
     "index_key": {"ld.global.nc.b32"},  # the LayerNorm weight and bias
     "index_query": {
-        # the producer's first ring of wq_b weights (q_c after the wait:
-        # test_index_query_streams_once_in_one_fused_kernel)
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
+        "prefetch.global.L2",  # test_index_query_streams_once_in_one_fused_kernel)
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",  # 16 tokens: every row
     },
     "dsa_index": {
         "ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
@@ -319,38 +319,53 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
         assert "cp.async.bulk.shared" not in scorer[:wait] and "ld.shared" not in scorer[:wait]
 
 
-@pytest.mark.parametrize("tokens", index_query.TOKENS)
+@pytest.mark.parametrize("tokens", sorted(index_query.RING))
 def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     from graphstep.kernels import projection as J
 
     text = ptx[("tp8", f"index_query_{tokens}")]
     (entry,) = _entries(text)  # projection, RoPE, e4m3 and head weights in one kernel
-    wait = entry.index("griddepcontrol.wait;")  # the producer's
-    ring = index_query.RING[tokens]
-    copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes \[%r\d+\], \[%rd\d+\], 256, "
-    # every weight byte once: 12 stages x 64 rows in 256-byte bulk copies (two rows per
-    # producer lane), the whole ring's worth before the wait; q_c's rows after it (a lane's
-    # tokens: lane, lane + 32 below `tokens`)
-    assert len(re.findall(copy, entry)) == J.STAGES * (J.ROWS // 32 + max(tokens // 32, 1))
-    assert len(re.findall(copy, entry[:wait])) == ring * J.ROWS // 32
-    assert "cp.async.cg" not in entry and "prefetch" not in entry and not re.search(r"ld\.global", entry[:wait])
-    # the ring passes by mbarriers: the producer waits for a release only past the ring, the
-    # consumers wait on every stage and release (after a proxy fence) the ones it refills;
-    # one CTA barrier (the mbarriers' initialization), the consumers' own after the loop
-    assert entry.count("mbarrier.init.shared::cta.b64") == 2 * ring
-    assert entry.count("mbarrier.try_wait.parity") == (J.STAGES - ring) + J.STAGES
-    assert entry.count("mbarrier.arrive.shared::cta.b64") == J.STAGES - ring
-    assert entry.count("fence.proxy.async.shared::cta") == J.STAGES - ring
-    assert len(re.findall(r"bar\.sync\s+0;", entry)) == 1
-    assert len(re.findall(rf"bar\.sync\s+{J.CONSUMER_BAR}, {J.THREADS};", entry)) == 4
+    wait = entry.index("griddepcontrol.wait;")
+    # every weight byte once: 12 stages x 64 rows x 256 B in 16-byte copies, the first
+    # ring's worth of them before the wait; q_c (zero-filled past the batch) after it
+    weights = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", entry)
+    q_c = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", entry)
+    assert len(weights) == J.ROWS * J.K * 2 // 16 // J.THREADS
+    assert len(q_c) == J.STAGES * tokens * J.ROW_CHUNKS // J.THREADS
+    before, ring = entry[:wait], index_query.RING[tokens]
+    assert before.count("cp.async.cg.shared.global") == ring * 4 and ", 16, %r" not in before
+    # the stages past the ring are requested into L2 (AHEAD of them before the wait)
+    assert entry.count("prefetch.global.L2") == J.STAGES - ring and before.count("prefetch.global.L2") == J.AHEAD
+    assert not re.search(r"ld\.global", before)
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
     # the head's two CTAs swap their halves (rotated: DeepSeek-V3.2) through distributed shared memory
     assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.v4.f32" in entry
     assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
-    assert "cvt.rn.satfinite.e4m3x2.f32" in entry and f".minnctapersm {index_query.CTAS_PER_SM[tokens]}" in entry
-    assert f".reqntid {J.CTA_THREADS}, 1, 1" in entry
+    assert "cvt.rn.satfinite.e4m3x2.f32" in entry and ".minnctapersm 2" in entry
+
+
+def test_index_query_16_streams_whole_rows_before_the_wait(ptx):
+    from graphstep.kernels import projection_rows as R
+
+    (entry,) = _entries(ptx[("tp8", "index_query_16")])
+    wait = entry.index("griddepcontrol.wait;")
+    # every weight row once, one 3072-byte bulk copy each (lanes 0-7 of the producer warp, one
+    # per 8-row stage), all before the wait; q_c's A fragments from global memory after it
+    copies = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes .*, 3072, ", entry)
+    assert len(copies) == R.STAGES and entry[:wait].count("cp.async.bulk") == R.STAGES
+    assert entry[wait:].count("ld.global.b32") >= 4 * R.KSTEPS and "cp.async.cg" not in entry
+    # each stage's mbarrier waited once; one CTA barrier (their initialization), the
+    # consumers' own for the partial sums; 12 MMAs per warp and stage, in order over warps
+    assert entry.count("mbarrier.init.shared::cta.b64") == R.STAGES
+    assert entry.count("mbarrier.try_wait.parity") == R.STAGES and "mbarrier.arrive.shared" not in entry
+    assert len(re.findall(r"bar\.sync\s+0;", entry)) == 1
+    assert len(re.findall(rf"bar\.sync\s+{R.CONSUMER_BAR}, {R.THREADS};", entry)) == 3
+    assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == R.STAGES * R.KSTEPS
+    assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == R.STAGES * R.KSTEPS // 2
+    assert entry.count("add.rn.f32") >= 4 * (R.WARPS - 1)
+    assert f".reqntid {R.CTA_THREADS}, 1, 1" in entry and ".minnctapersm 1" in entry
 
 
 def _variant_ptx(op, args, folder) -> str:

@@ -1,8 +1,7 @@
-"""IndexQuery's projection core on the CPU: its producer lanes' bulk copies, the consumers'
-zeroed token rows, ldmatrix and accumulator addresses (kernels/projection.py `Stream`,
-evaluated with plain ints) driven through a model of cp.async.bulk, ldmatrix.x4 and
-mma.m16n8k16 as the PTX ISA defines their fragments, stage by stage, must give W . q_c^T
-for the CTA's 64 rows, tokens past the batch aside."""
+"""IndexQuery's projection core on the CPU: its per-thread copy, ldmatrix and accumulator
+addresses (kernels/projection.py `Stream`, evaluated with plain ints) driven through a
+model of cp.async, ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments,
+stage by stage, must give W . q_c^T for the CTA's 64 rows, tokens past the batch aside."""
 
 import numpy as np
 import pytest
@@ -68,33 +67,25 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
             )
 
 
-@pytest.mark.parametrize("tokens", index_query.TOKENS)
+@pytest.mark.parametrize("tokens", sorted(index_query.RING))
 def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     rng = np.random.default_rng(tokens)
     ring, batch = index_query.RING[tokens], tokens - 3
     weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
     smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)  # one entry per bf16 element
 
-    def bulk_copy(dst, src):
-        assert dst % 16 == 0 and src.offset * 2 % 16 == 0
-        smem[dst // 2 : dst // 2 + J.CHUNK // 2] = src.array[src.offset : src.offset + J.CHUNK // 2]
+    def cp_async(dst, src, live=True):
+        assert dst % 16 == 0
+        smem[dst // 2 : dst // 2 + 8] = src.array[src.offset : src.offset + 8] if live else 0
 
+    monkeypatch.setattr(J.P, "cp_async_16", cp_async)
     monkeypatch.setattr(J.cutlass, "min", min)
-    streams = [J.Stream(tokens, ring, 0, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
-    producer = [J.Stream(tokens, ring, 0, 0, J.THREADS + lane, J.WARPS, lane) for lane in range(32)]
-    for s in streams:  # the token rows no copy writes, zeroed once
-        words, start, per_slot = s.zero_rows(batch)
-        for i in range(s.tid, words, J.THREADS):
-            addr = J.zero_addr(i, start, per_slot, tokens)
-            smem[addr // 2 : addr // 2 + 8] = 0
+    streams = [J.Stream(tokens, ring, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
     accs = [{} for _ in range(J.WARPS)]
     for stage in range(J.STAGES):  # (the slot stage % ring, filled just before use)
-        for p in producer:
-            for dst, src in p.weight_copies(Elements(weights), stage):
-                bulk_copy(dst, src)
-            for token, dst, src in p.token_copies(Elements(qc), stage):
-                if token < batch:
-                    bulk_copy(dst, src)
+        for s in streams:
+            s.issue_weights(Elements(weights), stage)
+            s.issue_tokens(Elements(qc), batch, stage)
         for warp in range(J.WARPS):
             _warp_compute(streams[32 * warp : 32 * warp + 32], stage, smem, accs[warp], monkeypatch)
     tile = np.full(J.ring_bytes(tokens, ring) // 4, np.nan)
@@ -107,3 +98,58 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     got = np.array([[tile[(t * J.OUT_PITCH + 4 * r) // 4] for r in range(J.ROWS)] for t in range(tokens)])
     np.testing.assert_allclose(got[:batch], qc @ weights.T, rtol=1e-9, atol=1e-9)
     assert np.all(got[batch:] == 0), "zero-filled token rows give zero columns"
+
+
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_row_stream_addresses_compute_the_projection(batch, monkeypatch):
+    """The 16-token variant (kernels/projection_rows.py): the producer's row copies, the
+    lanes' A words of q_c, ldmatrix.x4 row addresses and mma.m16n8k16 per warp and stage,
+    the partial tiles and their in-order sum give W . q_c^T; token rows past the batch zero."""
+    from graphstep.kernels import projection_rows as R
+
+    rng = np.random.default_rng(batch)
+    weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
+    monkeypatch.setattr(R.cutlass, "min", min)
+    smem = np.full(R.SLAB_BYTES // 2, np.nan)  # one entry per bf16 element
+    for stage in range(R.STAGES):
+        for lane in range(R.STAGE_ROWS):
+            dst, src = R.row_copy(0, Elements(weights), stage, lane)
+            assert dst % 16 == 0 and src.offset * 2 % 16 == 0
+            smem[dst // 2 : dst // 2 + J.K] = src.array[src.offset : src.offset + J.K]
+    partials = np.full(R.SLAB_BYTES // 4, np.nan)
+    for warp in range(R.WARPS):
+        words = []  # [lane][k-step][4] pairs of q_c
+        for lane in range(32):
+            pairs = [
+                src.array[src.offset : src.offset + 2] * live
+                for src, live in R.a_words(Elements(qc), batch, warp, lane)
+            ]
+            words.append([pairs[4 * s : 4 * s + 4] for s in range(R.KSTEPS)])
+        for stage in range(R.STAGES):
+            c = np.zeros((16, 8))
+            for pair in range(R.KSTEPS // 2):
+                rows = [R.b_addr(0, stage, pair, warp, lane) // 2 for lane in range(32)]
+                for half in range(2):  # k-steps 2 pair + half: matrices 2 half, 2 half + 1
+                    a, b = np.zeros((16, 16)), np.zeros((16, 8))
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        w = words[lane][2 * pair + half]
+                        a[g, 2 * t : 2 * t + 2], a[g + 8, 2 * t : 2 * t + 2] = w[0], w[1]
+                        a[g, 2 * t + 8 : 2 * t + 10], a[g + 8, 2 * t + 8 : 2 * t + 10] = w[2], w[3]
+                        for m in range(2):  # b0, b1: matrices 2 half + m, row g, columns 2t, 2t + 1
+                            e = rows[8 * (2 * half + m) + g] + 2 * t
+                            b[8 * m + 2 * t : 8 * m + 2 * t + 2, g] = smem[e : e + 2]
+                    c += a @ b
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                values = [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+                for addr, value in zip(R.partial_addrs(0, stage, warp, lane), values):
+                    partials[addr // 4] = value
+    got = np.zeros((R.TOKENS, J.ROWS))
+    for tid in range(R.THREADS):
+        parts, tile = R.sum_addrs(0, tid)
+        assert tile == (tid // 16) * J.OUT_PITCH + 16 * (tid % 16)
+        for q in range(4):
+            got[tid // 16, 4 * (tid % 16) + q] = sum(partials[p // 4 + q] for p in parts)
+    np.testing.assert_allclose(got[:batch], qc @ weights.T, rtol=1e-9, atol=1e-9)
+    assert np.all(got[batch:] == 0), "token rows past the batch give zero columns"
