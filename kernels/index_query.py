@@ -2,19 +2,23 @@
 head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
-         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
-         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
-         kernel's CTAs can already sit beside it and issue their own loads).
-project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
-         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
-         stages' weight copies go out before griddepcontrol.wait, q_c after it.
-finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
-         token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
-         |max| over the 16 threads, the two CTAs swap their halves' maxima through
-         distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
-         448 (with `ue8m0` rounded up to a power of two), values / scale as saturated
-         e4m3, and rank 0 writes the head weight w = weights_proj * heads^-0.5 * scale *
-         dim^-0.5 (DeepSeek-V3.2's folding).
+         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), one CTA per SM.
+project  16 tokens: kernels/projection_rows.py, 288 threads (8 consumer warps and a
+         producer warp), 193 KB of shared memory: the producer issues all 64 weight rows
+         as 3 KB bulk copies before griddepcontrol.wait, the consumers hold q_c in
+         registers and compute each 8-row group as its mbarrier completes.
+         32 and 64 tokens: kernels/projection.py, 256 threads, about 105 KB of shared
+         memory and <= 128 registers (so the next kernel's CTAs can already sit beside
+         it): the CTA's weight rows stream through a ring of 128-column stages (cp.async,
+         ldmatrix, mma.sync with the tokens as N); the first stages' weight copies go out
+         before griddepcontrol.wait, q_c after it.
+finish   in the same CTA (its 256 computing threads): the fp32 [token][64 rows] tile in
+         shared memory; 16 threads per token take 4 rows each: RoPE on rank 0 (pair
+         (i, i + 32): threads j and j ^ 8), |max| over the 16 threads, the two CTAs swap
+         their halves' maxima through distributed shared memory (one cluster barrier),
+         then scale = max(amax, 1e-4) / 448 (with `ue8m0` rounded up to a power of two),
+         values / scale as saturated e4m3, and rank 0 writes the head weight w =
+         weights_proj * heads^-0.5 * scale * dim^-0.5 (DeepSeek-V3.2's folding).
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
@@ -26,9 +30,11 @@ RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads ro
 token's query is garbage, in bounds) and is recorded for token first_token + t
 (kernels/guards.py; first_token: where this launch's chunk of the batch starts).
 
-A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
-holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
-Tested on the H200 against the reference (tests/test_indexer_gpu.py).
+A variant holds `tokens` (16, 32 or 64) token rows; the host picks the smallest that holds
+the batch and launches a batch above 64 in chunks of 64 (`launches`). The 32- and 64-token
+variants are tested on the H200 against the reference (tests/test_indexer_gpu.py); the
+16-token row stream is not yet run on a GPU (CPU: tests/test_projection_layout.py models
+its addresses and fragments, tests/test_kernels_compile.py its PTX).
 """
 
 from __future__ import annotations
