@@ -2,23 +2,19 @@
 head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b once in one wave.
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
-         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), one CTA per SM.
-project  16 tokens: kernels/projection_rows.py, 288 threads (8 consumer warps and a
-         producer warp), 193 KB of shared memory: the producer issues all 64 weight rows
-         as 3 KB bulk copies before griddepcontrol.wait, the consumers hold q_c in
-         registers and compute each 8-row group as its mbarrier completes.
-         32 and 64 tokens: kernels/projection.py, 256 threads, about 105 KB of shared
-         memory and <= 128 registers (so the next kernel's CTAs can already sit beside
-         it): the CTA's weight rows stream through a ring of 128-column stages (cp.async,
-         ldmatrix, mma.sync with the tokens as N); the first stages' weight copies go out
-         before griddepcontrol.wait, q_c after it.
-finish   in the same CTA (its 256 computing threads): the fp32 [token][64 rows] tile in
-         shared memory; 16 threads per token take 4 rows each: RoPE on rank 0 (pair
-         (i, i + 32): threads j and j ^ 8), |max| over the 16 threads, the two CTAs swap
-         their halves' maxima through distributed shared memory (one cluster barrier),
-         then scale = max(amax, 1e-4) / 448 (with `ue8m0` rounded up to a power of two),
-         values / scale as saturated e4m3, and rank 0 writes the head weight w =
-         weights_proj * heads^-0.5 * scale * dim^-0.5 (DeepSeek-V3.2's folding).
+         64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
+         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
+         kernel's CTAs can already sit beside it and issue their own loads).
+project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
+         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
+         stages' weight copies go out before griddepcontrol.wait, q_c after it.
+finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
+         token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
+         |max| over the 16 threads, the two CTAs swap their halves' maxima through
+         distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
+         448 (with `ue8m0` rounded up to a power of two), values / scale as saturated
+         e4m3, and rank 0 writes the head weight w = weights_proj * heads^-0.5 * scale *
+         dim^-0.5 (DeepSeek-V3.2's folding).
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
@@ -30,11 +26,9 @@ RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads ro
 token's query is garbage, in bounds) and is recorded for token first_token + t
 (kernels/guards.py; first_token: where this launch's chunk of the batch starts).
 
-A variant holds `tokens` (16, 32 or 64) token rows; the host picks the smallest that holds
-the batch and launches a batch above 64 in chunks of 64 (`launches`). The 32- and 64-token
-variants are tested on the H200 against the reference (tests/test_indexer_gpu.py); the
-16-token row stream is not yet run on a GPU (CPU: tests/test_projection_layout.py models
-its addresses and fragments, tests/test_kernels_compile.py its PTX).
+A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
+holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
+Tested on the H200 against the reference (tests/test_indexer_gpu.py).
 """
 
 from __future__ import annotations
@@ -47,16 +41,12 @@ from cutlass import BFloat16, Float32, Int32, Uint8
 from . import guards
 from . import primitives as P
 from . import projection as J
-from . import projection_rows as R
 
 HEADS, DIM, ROPE = 64, 128, 64
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
-# The 16-token variant streams whole weight rows (kernels/projection_rows.py: 193 KB of shared
-# memory, one CTA per SM); the 32- and 64-token ones 128-column stages through a ring of
-# RING slots (kernels/projection.py: 104.4 KB each, two CTAs per SM).
-RING = {32: 4, 64: 3}
-TOKENS = (R.TOKENS, *RING)
+RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
+TOKENS = tuple(sorted(RING))
 
 
 def launches(batch: int) -> list[tuple[int, int, int]]:
@@ -112,9 +102,9 @@ class IndexQuery:
         ue8m0: bool = False,
     ):
         """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
-        it; tokens: token rows (one of TOKENS); launch with batch <= tokens;
+        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens;
         hadamard: rotate each head before quantizing it; ue8m0: power-of-two scales."""
-        if tokens not in TOKENS:
+        if tokens not in RING:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
         self.hadamard, self.ue8m0 = hadamard, ue8m0
@@ -140,11 +130,11 @@ class IndexQuery:
             qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, error, batch, rope_rows, first_token
         ).launch(
             grid=[2 * HEADS, 1, 1],
-            block=[R.CTA_THREADS if self.tokens == R.TOKENS else J.THREADS, 1, 1],
+            block=[J.THREADS, 1, 1],
             cluster=[2, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
-            min_blocks_per_mp=1 if self.tokens == R.TOKENS else 2,
+            min_blocks_per_mp=2,
             preferred_smem_carveout=100,
         )
 
@@ -164,87 +154,22 @@ class IndexQuery:
         rope_rows: Int32,
         first_token: Int32,
     ):
-        tokens = self.tokens
+        tokens, ring = self.tokens, RING[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        peer_amax = None
-        if cutlass.const_expr(not self.hadamard):
-            peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16).iterator.toint()
-        ntok = cutlass.min(batch, tokens)
-        weights = wq_b + cta * J.ROWS * J.K  # cta = 2 head + rank
-        finish = (qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax)
-        if cutlass.const_expr(tokens == R.TOKENS):
-            slab = smem.allocate_tensor(Uint8, cute.make_layout(R.SLAB_BYTES), byte_alignment=128).iterator.toint()
-            bars = smem.allocate_tensor(Uint8, cute.make_layout(8 * R.STAGES), byte_alignment=8).iterator.toint()
-            if tid == 0:
-                R.init_barriers(bars)
-            if cutlass.const_expr(not self.hadamard):
-                cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
-            cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
-            if tid // 32 == R.WARPS:
-                self.produce_rows(slab, bars, tid % 32, weights)
-            else:
-                self.consume_rows(slab, bars, tid, qc, ntok)
-                self.finish(slab, tid, *finish)
-        else:
-            ring = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, RING[tokens])), byte_alignment=128)
-            out = self.stream_k(ring.iterator.toint(), qc, weights, ntok, tid)
-            self.finish(out, tid, *finish)
-
-    @cute.jit
-    def produce_rows(self, slab, bars, lane, weights):
-        """The producer warp of the 16-token variant: all 64 weight rows, 8 per mbarrier, one
-        bulk copy each (lanes 0-7); weights never change within a step, so no PDL wait."""
-        for stage in cutlass.range_constexpr(R.STAGES):
-            bar = bars + 8 * stage
-            if lane == 0:
-                P.mbar_expect(bar, Int32(R.STAGE_ROWS * R.ROW_BYTES))
-            cute.arch.sync_warp()
-            if lane < R.STAGE_ROWS:
-                dst, src = R.row_copy(slab, weights, stage, lane)
-                P.bulk_copy_g2s(dst, src, Int32(R.ROW_BYTES), bar)
-
-    @cute.jit
-    def consume_rows(self, slab, bars, tid, qc, ntok):
-        """The 8 consumer warps of the 16-token variant (kernels/projection_rows.py): q_c's A
-        fragments after the wait, each 8-row stage as it lands, then the warps' partial
-        sums in order into the fp32 [token][row] tile at slab."""
-        warp, lane = tid // 32, tid % 32
-        cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
-        cute.arch.griddepcontrol_launch_dependents()
-        a = R.load_a(qc, ntok, warp, lane)
-        sums = []
-        for stage in cutlass.range_constexpr(R.STAGES):
-            P.mbar_wait(bars + 8 * stage, 0)
-            sums.append(R.compute(slab, stage, a, warp, lane))
-        R.consumer_sync()  # every warp is done with the slab: the partials and the tile reuse it
-        for stage in cutlass.range_constexpr(R.STAGES):
-            addrs = R.partial_addrs(slab, stage, warp, lane)
-            for q in cutlass.range_constexpr(4):
-                P.st_shared_f32(addrs[q], sums[stage][q])
-        R.consumer_sync()
-        parts, tile = R.sum_addrs(slab, tid)
-        total = list(P.ld_shared_f32x4(parts[0]))
-        for w in cutlass.range_constexpr(1, R.WARPS):
-            v = P.ld_shared_f32x4(parts[w])
-            total = [P.add_rn(total[q], v[q]) for q in range(4)]
-        for q in cutlass.range_constexpr(4):
-            P.st_shared_f32(tile + 4 * q, total[q])
-        R.consumer_sync()
-
-    @cute.jit
-    def stream_k(self, base, qc, weights, ntok, tid):
-        """The 32- and 64-token variants' projection (kernels/projection.py) through the ring
-        at `base` -> the fp32 [token][row] tile's shared address."""
-        tokens, ring = self.tokens, RING[self.tokens]
         lane, warp = tid % 32, tid // 32
-        s = J.Stream(tokens, ring, base, tid, warp, lane)
+        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
+        smem = cutlass.memory.SmemAllocator()
+        slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
+        if cutlass.const_expr(not self.hadamard):
+            peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
+        s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
         # Weights never change within a step: every slot is filled before the wait, and the
         # next AHEAD stages are requested into L2.
+        weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
         for stage in cutlass.range_constexpr(ring):
             s.issue_weights(weights, stage)
             cute.arch.cp_async_commit_group()
@@ -252,6 +177,7 @@ class IndexQuery:
             s.prefetch_weights(weights, stage)
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
+        ntok = cutlass.min(batch, tokens)
         for stage in cutlass.range_constexpr(ring):
             s.issue_tokens(qc, ntok, stage)
             cute.arch.cp_async_commit_group()
@@ -285,17 +211,8 @@ class IndexQuery:
             for i in cutlass.range_constexpr(len(addrs)):
                 P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
         cute.arch.sync_threads()
-        return out
 
-    @cute.jit
-    def finish(
-        self, out, tid, qkv, cos, sin, context_lens, q_out, w_out, error, ntok, rope_rows, first_token, peer_amax
-    ):
-        """The epilogue over the fp32 [token][row] tile at `out` (256 threads): 16 threads per
-        token, thread j holds rows 4 j .. 4 j + 3 (the module docstring)."""
-        tokens = self.tokens
-        cta, _, _ = cute.arch.block_idx()
-        head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
+        # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
         j, row0 = tid % 16, tid // 16
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
@@ -347,10 +264,11 @@ class IndexQuery:
                 values[p] = mine
                 amaxes.append(amax)
         else:
+            peer_base = peer_amax.iterator.toint()
             cluster_wait()  # the peer CTA is running: its shared memory may be written
             if j == 0:
                 for p in cutlass.range_constexpr(tokens // 16):
-                    st_peer_f32(peer_amax + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
+                    st_peer_f32(peer_base + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
             cluster_arrive()
             cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 
@@ -359,7 +277,7 @@ class IndexQuery:
             v = values[p]
             amax = amaxes[p]
             if cutlass.const_expr(not self.hadamard):
-                amax = cute.arch.fmax(amax, P.ld_shared_f32(peer_amax + 4 * token))
+                amax = cute.arch.fmax(amax, P.ld_shared_f32(peer_base + 4 * token))
             scale = P.e4m3_scale(amax, self.ue8m0)
             word = P.pack_e4m3x4(v[0] / scale, v[1] / scale, v[2] / scale, v[3] / scale)
             if token < ntok:
