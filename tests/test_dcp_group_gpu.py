@@ -21,12 +21,12 @@ CONTEXT = 8192  # past index_topk x dcp: the global top-k takes some of each ran
 BUDGET_NS = 20_000_000  # a lost rank fails a step within 20 ms
 
 
-def _group(dcp, split=False):
+def _group(dcp, split=False, devices="cuda"):
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, split=split))  # 16 heads per rank
     group = DcpGroup(
         shape,
         dcp,
-        devices="cuda",
+        devices=devices,
         capture_sizes=(4, 8),
         backend="cute",
         max_context=CONTEXT,
@@ -179,3 +179,24 @@ def test_a_thousand_group_steps_of_varying_batch_are_bit_identical_to_eager():
         for rank, (out, want) in enumerate(zip(outputs, expect[b])):
             got = (out.slots, out.out, out.lse, out.q_rows)
             assert all(torch.equal(x, y) for x, y in zip(got, want)), (i, b, rank)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_group_over_two_gpus_over_p2p_gives_the_one_gpu_groups_results():
+    """The same code with one GPU per rank: the kernels store rows, set flags and read
+    candidates over P2P; every output equals the one-GPU group's bit for bit (same seed,
+    same inputs), eager and graphs, at both parities."""
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 have no peer access")
+    one, two = _group(2), _group(2, devices=["cuda:0", "cuda:1"])
+    assert [t.memory.device.index for t in two.transports] == [0, 1]
+    for eager in (True, False, False, False):
+        steps = []
+        for group in (one, two):
+            inputs = group.unsharded.inputs(5, context_lens=[CONTEXT, 6000, 2049, 300, 1], seed=13)
+            steps.append(
+                [{f.name: getattr(out, f.name).cpu() for f in fields(out)} for out in group.step(inputs, eager=eager)]
+            )
+        for rank, (a, b) in enumerate(zip(*steps)):
+            for name in a:
+                assert torch.equal(a[name], b[name]), (eager, rank, name)
