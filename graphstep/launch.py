@@ -445,33 +445,31 @@ class Kernels:
         index_cache: uint8 [pages, 64 x 132 = 8448]: per page 64 x 128 e4m3 keys, then 64
             fp32 scales (formats.index_cache_views).
         batch: B >= 1. error: records a slot outside the cache or a length outside [1, rope rows]."""
-        w = self.weights
-        self.compiled("index_key")(
-            self._ptr(qkv),
-            self._ptr(w.index_norm_weight),
-            self._ptr(w.index_norm_bias),
-            self._ptr(w.index_rope_cos),
-            self._ptr(w.index_rope_sin),
-            self._ptr(context_lens, 4),
-            self._ptr(slots, 4),
-            self._ptr(index_cache),
-            self._ptr(self._error(error, qkv).word, 8),
-            self._i32(batch),
-            self._i32(pool_slots(index_cache, self.shape.model.page_size)),
-            self._i32(rope_rows(w.index_rope_cos, w.index_rope_sin)),
-            self._stream(),
-        )
+        keys, bounds = self._index_key_args(qkv, context_lens, slots, index_cache, error)
+        self.compiled("index_key")(self._ptr(qkv), *keys, self._i32(batch), *bounds, self._stream())
 
     def key_and_query_norm(
         self, qkv, qc, context_lens, slots, index_cache, batch: int, error: ErrorWord | None = None
     ) -> None:
         """IndexKey and QueryNorm in one launch (kernels/key_and_norm.py): the arguments and
         outputs of index_key and query_norm, bit-identical to theirs."""
-        w = self.weights
+        keys, bounds = self._index_key_args(qkv, context_lens, slots, index_cache, error)
         self.compiled("key_and_norm", tiled=self.tiled(batch))(
             self._ptr(qkv),
-            self._ptr(w.gamma_q),
+            self._ptr(self.weights.gamma_q),
             self._ptr(qc),
+            *keys,
+            self._i32(batch),
+            self._f32(self.eps),
+            *bounds,
+            self._stream(),
+        )
+
+    def _index_key_args(self, qkv, context_lens, slots, index_cache, error: ErrorWord | None) -> tuple:
+        """IndexKey's part of a launch (index_key, key_and_query_norm): its weights, inputs,
+        cache and error word, then its guards' bounds (cache slots, RoPE rows)."""
+        w = self.weights
+        keys = (
             self._ptr(w.index_norm_weight),
             self._ptr(w.index_norm_bias),
             self._ptr(w.index_rope_cos),
@@ -480,12 +478,12 @@ class Kernels:
             self._ptr(slots, 4),
             self._ptr(index_cache),
             self._ptr(self._error(error, qkv).word, 8),
-            self._i32(batch),
-            self._f32(self.eps),
+        )
+        bounds = (
             self._i32(pool_slots(index_cache, self.shape.model.page_size)),
             self._i32(rope_rows(w.index_rope_cos, w.index_rope_sin)),
-            self._stream(),
         )
+        return keys, bounds
 
     def index_query(self, qc, qkv, context_lens, q_out, w_out, batch: int, error: ErrorWord | None = None) -> None:
         """IndexQuery: wq_b, NeoX RoPE, the Hadamard rotation (index_rotation), per-head e4m3
