@@ -3,11 +3,14 @@ head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b 
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
          64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
-         one CTA per SM (about 105 KB of shared memory and <= 128 registers, so the next
-         kernel's CTAs can already sit beside it and issue their own loads).
+         about 100 KB of shared memory and <= 128 registers: two CTAs fit an SM, so the
+         next kernel's CTAs can already sit beside one and issue their own loads.
 project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
-         128-column stages (cp.async, ldmatrix, mma.sync with the tokens as N); the first
-         stages' weight copies go out before griddepcontrol.wait, q_c after it.
+         128-column stages, each filled by one TMA tensor copy per operand (wq_b's 64 rows,
+         q_c's tokens; 128-byte swizzle) that thread 0 issues onto the slot's full mbarrier
+         (ldmatrix, mma.sync with the tokens as N); the ring's weight copies go out before
+         griddepcontrol.wait, q_c's after it. The tensor maps are encoded by the launch's
+         host code (`__call__`), so a CUDA graph holds them by value.
 finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
          token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
          |max| over the 16 threads, the two CTAs swap their halves' maxima through
@@ -28,7 +31,9 @@ token's query is garbage, in bounds) and is recorded for token first_token + t
 
 A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
 holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
-Tested on the H200 against the reference (tests/test_indexer_gpu.py).
+The TMA ring is NOT YET RUN ON A GPU (compiled for sm_90a and modelled on the CPU:
+tests/test_projection_layout.py, tests/test_kernels_compile.py); the cp.async ring it
+replaces was tested on the H200 against the reference (tests/test_indexer_gpu.py).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass.cute.nvgpu import cpasync
 
 from . import guards
 from . import primitives as P
@@ -45,7 +51,7 @@ from . import projection as J
 HEADS, DIM, ROPE = 64, 128, 64
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
-RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 108.8 / 104.4 / 104.4 KB of shared memory
+RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 100 / 96 / 96 KB of shared memory
 TOKENS = tuple(sorted(RING))
 
 
@@ -126,8 +132,27 @@ class IndexQuery:
         first_token: Int32,
         stream: cuda.CUstream,
     ):
+        # The TMA descriptors (tensor maps) are encoded here, on the host, at each call: a
+        # graph captures them by value with the launch, so a replay pays nothing. q_c's map
+        # holds only the batch's rows (the box's rows past it arrive as zeros).
+        w_tma, w_coords = J.tma_atom(cute.make_tensor(wq_b, J.operand_layout(HEADS * DIM)), J.ROWS)
+        q_rows = cutlass.min(batch, self.tokens)
+        q_tma, q_coords = J.tma_atom(cute.make_tensor(qc, J.operand_layout(q_rows)), self.tokens)
         self.index_query(
-            qc, wq_b, qkv, cos, sin, context_lens, q_out, w_out, error, batch, rope_rows, first_token
+            w_tma,
+            w_coords,
+            q_tma,
+            q_coords,
+            qkv,
+            cos,
+            sin,
+            context_lens,
+            q_out,
+            w_out,
+            error,
+            batch,
+            rope_rows,
+            first_token,
         ).launch(
             grid=[2 * HEADS, 1, 1],
             block=[J.THREADS, 1, 1],
@@ -141,8 +166,10 @@ class IndexQuery:
     @cute.kernel
     def index_query(
         self,
-        qc: cute.Pointer,
-        wq_b: cute.Pointer,
+        w_tma: cute.CopyAtom,
+        w_coords: cute.Tensor,
+        q_tma: cute.CopyAtom,
+        q_coords: cute.Tensor,
         qkv: cute.Pointer,
         cos: cute.Pointer,
         sin: cute.Pointer,
@@ -160,48 +187,59 @@ class IndexQuery:
         lane, warp = tid % 32, tid // 32
         head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         smem = cutlass.memory.SmemAllocator()
-        slots = smem.allocate_tensor(Uint8, cute.make_layout(J.ring_bytes(tokens, ring)), byte_alignment=128)
+        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, ring), byte_alignment=1024)
+        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, ring), byte_alignment=1024)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * ring), byte_alignment=8)
         if cutlass.const_expr(not self.hadamard):
             peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
-        s = J.Stream(tokens, ring, slots.iterator.toint(), tid, warp, lane)
+        s = J.Stream(tokens, ring, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
+        full, empty = bars.iterator.toint(), bars.iterator.toint() + 8 * ring
+        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, bars.iterator)
+        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, bars.iterator)
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
-        # Weights never change within a step: every slot is filled before the wait, and the
-        # next AHEAD stages are requested into L2.
-        weights = wq_b + (head * DIM + rank * J.ROWS) * J.K
-        for stage in cutlass.range_constexpr(ring):
-            s.issue_weights(weights, stage)
-            cute.arch.cp_async_commit_group()
-        for stage in cutlass.range_constexpr(ring, min(ring + J.AHEAD, J.STAGES)):
-            s.prefetch_weights(weights, stage)
+        # Weights never change within a step: thread 0 fills every slot's weights before the
+        # wait (each slot's full barrier expecting both operands), q_c's after it.
+        if tid == 0:
+            cpasync.prefetch_descriptor(w_tma)
+            cpasync.prefetch_descriptor(q_tma)
+            for slot in cutlass.range_constexpr(ring):
+                P.mbar_init(full + 8 * slot, 1)
+                P.mbar_init(empty + 8 * slot, J.THREADS)
+            P.mbar_init_fence()
+            for stage in cutlass.range_constexpr(ring):
+                P.mbar_expect(full + 8 * stage, Int32(J.slot_bytes(tokens)))
+                J.issue(weights, stage)
+        cute.arch.sync_threads()  # the mbarriers are initialized before anyone waits on them
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         ntok = cutlass.min(batch, tokens)
-        for stage in cutlass.range_constexpr(ring):
-            s.issue_tokens(qc, ntok, stage)
-            cute.arch.cp_async_commit_group()
+        if tid == 0:
+            for stage in cutlass.range_constexpr(ring):
+                J.issue(queries, stage)
 
-        # Commit groups: W0 .. W(ring-1), T0 .. T(ring-1), then one per iteration it >= 1
-        # holding stage it - 1 + ring, so stage `it` is complete once at most ring - 1
-        # (it = 0: T1 .. T(ring-1)) or ring - 2 (later) newer groups are pending.
+        # Stage `it` lives in slot it % ring, in the full barrier's phase it // ring. Thread 0
+        # refills the slot of stage it - 1 once every thread has released it (its empty
+        # barrier's phase (it - 1) // ring), keeping ring - 1 stages in flight.
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
-            cute.arch.cp_async_wait_group(ring - 1 if it == 0 else ring - 2)
-            cute.arch.sync_threads()  # stage `it` visible to every warp; the slot of it - 1 free
-            if cutlass.const_expr(it >= 1):
-                nxt = it - 1 + ring
-                if cutlass.const_expr(nxt < J.STAGES):
-                    s.issue_weights(weights, nxt)
-                    s.issue_tokens(qc, ntok, nxt)
-                if cutlass.const_expr(nxt + J.AHEAD < J.STAGES):
-                    s.prefetch_weights(weights, nxt + J.AHEAD)
-                cute.arch.cp_async_commit_group()
+            nxt = it - 1 + ring
+            if cutlass.const_expr(it >= 1 and nxt < J.STAGES):
+                if tid == 0:
+                    P.mbar_wait(empty + 8 * (nxt % ring), J.full_parity(it - 1, ring))
+                    P.mbar_expect(full + 8 * (nxt % ring), Int32(J.slot_bytes(tokens)))
+                    J.issue(weights, nxt)
+                    J.issue(queries, nxt)
+            P.mbar_wait(full + 8 * (it % ring), J.full_parity(it, ring))
             acc = s.compute(it, acc)
-        cute.arch.sync_threads()  # every copy landed and every warp is done with the ring
+            if cutlass.const_expr(it + ring < J.STAGES):  # the slot is refilled: release it
+                P.fence_proxy_async()  # the fragments' reads before the copy's async-proxy writes
+                P.mbar_arrive(empty + 8 * (it % ring))
+        cute.arch.sync_threads()  # every warp is done with the ring (every copy has landed)
 
         # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
-        out = s.base
+        out = s.w_base
         addrs = s.acc_addrs(out, lane)
         if s.khalf == 1:
             for i in cutlass.range_constexpr(len(addrs)):

@@ -2,29 +2,38 @@
 weight rows (half of one head, 192 KB of bf16) over the whole K = 1536 and computes
 out[row, token] = W[row, :] . q_c[token, :] for up to `tokens` tokens on the tensor cores.
 
-The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns:
-each stage holds the 64 rows' 256-byte chunks (16 KB) and the tokens' matching chunks,
-copied by every thread with 16-byte `cp.async.cg` (L2 only, no registers held) into rows
-of PITCH = 272 bytes, so the 8 row addresses of an `ldmatrix` fall in 8 distinct 16-byte
-bank groups. The multistage loop keeps `ring - 1` stages in flight while it computes
-one: wait for the oldest group, one CTA barrier, refill the slot everybody just finished,
-then compute. Weights do not depend on the previous kernel, so the kernel fills every
-slot before `griddepcontrol.wait` and requests the AHEAD stages after the ring into L2
-(`prefetch.global.L2`, one 128-byte line per thread), staying AHEAD stages ahead of the
-ring from then on; the q_c chunks come after the wait.
+NOT YET RUN ON A GPU: compiled for sm_90a and modelled on the CPU only (tests/
+test_projection_layout.py, tests/test_kernels_compile.py).
 
-Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage; `mma.sync m16n8k16`
-with the weights as A (ldmatrix.x4) and the tokens as the narrow N side (ldmatrix.x4 gives
-two k-steps of one 8-token n-tile). The two k-halves' fp32 sums add in a fixed order
-(half 0 + half 1) into an fp32 [token][row] tile in shared memory (reusing the ring), so
-results do not depend on scheduling.
+The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns.
+One thread fills a stage with one TMA tensor copy per operand (`cp.async.bulk.tensor.3d`):
+the weights' box is 64 columns x 64 rows x 2 column blocks (16 KB), the tokens' 64 x
+`tokens` x 2, both with the 128-byte swizzle (the swizzle bounds a box row to 128 bytes,
+hence the third dimension: [column block][row][64 columns], each 128-byte row's 16-byte
+chunk c stored at chunk c ^ (row % 8)). So a stage costs one instruction per operand
+instead of 16-byte cp.async copies by every thread (the ring was latency bound on those,
+bench/RESULTS.md), and the 8 row addresses of an `ldmatrix` still fall in 8 distinct
+16-byte bank groups without a padded pitch. Rows of q_c past the batch are outside the
+tokens' tensor map and arrive as zeros.
+
+Synchronization: a full mbarrier per slot (one arrival: the copying thread's expect_tx of
+both operands' bytes) and an empty one (every thread arrives after its fragments of the
+stage are read, behind `fence.proxy.async`: the copy that refills the slot is an async-proxy
+write). Only the copying thread waits on an empty barrier, so the other warps run on
+through the stages already in the ring instead of meeting at a CTA barrier every stage.
+
+Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage (a k-half is one
+column block of the box); `mma.sync m16n8k16` with the weights as A (ldmatrix.x4) and the
+tokens as the narrow N side (ldmatrix.x4 gives two k-steps of one 8-token n-tile). The two
+k-halves' fp32 sums add in a fixed order (half 0 + half 1) into an fp32 [token][row] tile
+in shared memory (reusing the weight ring), so results do not depend on scheduling.
 """
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import primitives as P
 
@@ -34,84 +43,116 @@ K = 1536
 KC = 128  # k-columns per stage
 STAGES = K // KC  # 12
 ROWS = 64  # weight rows per CTA
-PITCH = KC * 2 + 16  # bytes per row in a slot (16-byte skew: conflict-free ldmatrix)
-ROW_CHUNKS = KC * 2 // 16  # 16-byte chunks per row per stage
+BLOCK = 64  # k-columns per 128-byte swizzled row (the box's inner dimension)
+ROW_BYTES = BLOCK * 2
 OUT_PITCH = ROWS * 4 + 16  # bytes per token in the fp32 [token][row] result tile
-AHEAD = 3  # stages past the ring whose weights are already requested into L2
+
+
+def operand_bytes(rows: int) -> int:
+    """One stage of `rows` rows: 2 column blocks x rows x 128 bytes."""
+    return rows * KC * 2
 
 
 def slot_bytes(tokens: int) -> int:
-    return (ROWS + tokens) * PITCH
+    return operand_bytes(ROWS) + operand_bytes(tokens)
 
 
 def ring_bytes(tokens: int, ring: int) -> int:
     return ring * slot_bytes(tokens)
 
 
-# -- shared-memory primitives (32-bit shared addresses) -----------------------------------
+def swizzle(offset: int) -> int:
+    """The byte a TMA copy with the 128-byte swizzle (CU_TENSOR_MAP_SWIZZLE_128B) puts logical
+    byte `offset` of its box at, from a 1024-byte aligned base: 16-byte chunk bits 4-6 XOR
+    bits 7-9 (the row within 8 rows of 128 bytes)."""
+    return offset ^ ((offset >> 3) & 0x70)
 
 
-def prefetch_l2_line(ptr, live):
-    """Request the 128-byte line at `ptr` into L2 where `live` (a hint: nothing returns)."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p prefetch.global.L2 [{$r0}];\n\t}",
-        read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
+# -- TMA (host side: the tensor maps; device side: the copies) -----------------------------
+
+
+def operand_layout(rows):
+    """A row-major [rows, K] bf16 operand seen as (rows, (64 columns, 24 column blocks)): the
+    column blocks become the box's third dimension (a swizzled box row is <= 128 bytes)."""
+    return cute.make_layout((rows, (BLOCK, K // BLOCK)), stride=(K, (1, BLOCK)))
+
+
+def stage_layout(rows: int, ring: int | None = None):
+    """Shared layout of one stage (or `ring` stages) of `rows` rows: 128-byte swizzle atoms
+    of 8 rows x 64 columns, column block outermost within a stage."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    if ring is None:
+        return cute.tile_to_shape(atom, (rows, KC), (0, 1))
+    return cute.tile_to_shape(atom, (rows, KC, ring), (0, 1, 2))
+
+
+def tma_atom(gmem, rows: int):
+    """The TMA load atom and coordinate tensor of an operand_layout tensor, one box = one
+    stage of `rows` rows (the descriptor is built by the host code of the launch)."""
+    info = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), gmem, stage_layout(rows), (rows, (BLOCK, KC // BLOCK))
     )
+    return info.atom, info.tma_tensor
+
+
+class Copies:
+    """One operand's TMA copies into its ring: stage s of row block `block` into slot s % ring,
+    completing on that slot's full mbarrier (bars: the first full mbarrier's pointer)."""
+
+    def __init__(self, atom, coords, ring_tensor, rows: int, block, bars):
+        tiles = cute.local_tile(coords, (rows, (BLOCK, KC // BLOCK)), (block, (0, None)))
+        self.dst, self.src = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(ring_tensor, 0, 2), cute.group_modes(tiles, 0, 2)
+        )
+        self.atom, self.bars, self.ring = atom, bars, cute.size(ring_tensor, mode=[2])
+
+
+def issue(copies: Copies, stage: int):
+    """One TMA copy: stage `stage` of the operand into its slot. (A function, not a method:
+    CuTe DSL carries an object whose method a dynamic `if` calls as a runtime value.)"""
+    slot = stage % copies.ring
+    cute.copy(copies.atom, copies.src[(None, stage)], copies.dst[(None, slot)], tma_bar_ptr=copies.bars + slot)
 
 
 # -- the stream -----------------------------------------------------------------------
 
 
 class Stream:
-    """One CTA's view of the ring: per-thread copy and fragment offsets, fixed at start.
+    """One CTA's view of the ring: per-thread fragment offsets, fixed at start.
 
-    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2)."""
+    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2); w_base, q_base:
+    32-bit shared addresses of the weight and token rings (1024-byte aligned)."""
 
-    def __init__(self, tokens: int, ring: int, base, tid, warp, lane):
+    def __init__(self, tokens: int, ring: int, w_base, q_base, warp, lane):
         assert tokens % 16 == 0 and ring >= 2
-        self.tokens, self.ring, self.base, self.tid = tokens, ring, base, tid
-        self.slot = slot_bytes(tokens)
-        # copies: thread tid takes 16-byte chunk tid % 16 of rows tid // 16 + 16 i
-        self.chunk, self.first_row = tid % ROW_CHUNKS, tid // ROW_CHUNKS
-        # fragments: warp = (k-half, m-tile); ldmatrix row addresses of this lane
+        self.tokens, self.ring, self.w_base, self.q_base = tokens, ring, w_base, q_base
         mtile, khalf = warp % 4, warp // 4
-        k_bytes = khalf * (KC // 2) * 2
+        # ldmatrix row addresses of this lane: A rows 16 mtile + lane % 8 (+ 8), logical
+        # chunk lane // 16 (+ 2 for the second k-step, + 4 per k-step pair); B token rows
+        # lane % 8 (+ 8 per n-tile), chunk lane // 8 (+ 4 per pair). Row % 8 = lane % 8 in
+        # both, and the added chunk bits are disjoint from the lane's, so each address is
+        # the lane's swizzled chunk XOR a constant.
         a_row = 16 * mtile + lane % 8 + 8 * ((lane // 8) % 2)
-        self.a_off = a_row * PITCH + 16 * (lane // 16) + k_bytes
-        self.b_off = (ROWS + lane % 8) * PITCH + 16 * (lane // 8) + k_bytes
+        self.a_off = khalf * operand_bytes(ROWS) // 2 + a_row * ROW_BYTES
+        self.a_chunk = ((lane // 16) ^ (lane % 8)) * 16
+        self.b_off = khalf * operand_bytes(tokens) // 2 + (lane % 8) * ROW_BYTES
+        self.b_chunk = ((lane // 8) ^ (lane % 8)) * 16
         self.mtile, self.khalf = mtile, khalf
 
-    def slot_addr(self, stage: int):
-        return self.base + (stage % self.ring) * self.slot
+    def weights_addr(self, stage: int):
+        return self.w_base + (stage % self.ring) * operand_bytes(ROWS)
 
-    def issue_weights(self, weights, stage: int):
-        """The 64 rows' chunk of `stage` (weights: bf16 pointer to the CTA's first row)."""
-        slot = self.slot_addr(stage)
-        for i in range(ROWS * ROW_CHUNKS // THREADS):
-            row = self.first_row + (THREADS // ROW_CHUNKS) * i
-            P.cp_async_16(slot + row * PITCH + 16 * self.chunk, weights + row * K + stage * KC + 8 * self.chunk)
-
-    def prefetch_weights(self, weights, stage: int):
-        """The 64 rows' chunk of `stage` into L2 only: threads 0-127 one 128-byte line each."""
-        row, half = self.tid // 2 % ROWS, self.tid % 2
-        prefetch_l2_line(weights + row * K + stage * KC + (KC // 2) * half, self.tid < 2 * ROWS)
-
-    def issue_tokens(self, qc, ntok, stage: int):
-        """The tokens' chunk of `stage`; rows >= ntok are zero-filled (q_c is not read there)."""
-        slot = self.slot_addr(stage) + ROWS * PITCH
-        for i in range(self.tokens * ROW_CHUNKS // THREADS):
-            token = self.first_row + (THREADS // ROW_CHUNKS) * i
-            src = qc + cutlass.min(token, ntok - 1) * K + stage * KC + 8 * self.chunk
-            P.cp_async_16(slot + token * PITCH + 16 * self.chunk, src, token < ntok)
+    def tokens_addr(self, stage: int):
+        return self.q_base + (stage % self.ring) * operand_bytes(self.tokens)
 
     def compute(self, stage: int, acc: list) -> list:
         """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
-        slot = self.slot_addr(stage)
+        w, q = self.weights_addr(stage) + self.a_off, self.tokens_addr(stage) + self.b_off
         for kp in range(2):  # pairs of k-steps
-            a0 = P.ldmatrix_x4(slot + self.a_off + 64 * kp)
-            a1 = P.ldmatrix_x4(slot + self.a_off + 64 * kp + 32)
+            a0 = P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp)))
+            a1 = P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp + 32)))
             for nt in range(self.tokens // 8):
-                b = P.ldmatrix_x4(slot + self.b_off + 8 * nt * PITCH + 64 * kp)
+                b = P.ldmatrix_x4(q + 8 * nt * ROW_BYTES + (self.b_chunk ^ (64 * kp)))
                 acc[nt] = P.mma_bf16_16816(a0, (b[0], b[1]), acc[nt])
                 acc[nt] = P.mma_bf16_16816(a1, (b[2], b[3]), acc[nt])
         return acc
@@ -129,3 +170,9 @@ class Stream:
                 token = 8 * nt + 2 * t + q % 2
                 addrs.append(out + token * OUT_PITCH + 4 * row)
         return addrs
+
+
+def full_parity(stage: int, ring: int) -> int:
+    """The parity of the full mbarrier's phase that holds `stage` (also the empty barrier's
+    phase that frees it)."""
+    return stage // ring % 2
