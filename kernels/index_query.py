@@ -199,36 +199,44 @@ class IndexQuery:
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
-        # Weights never change within a step: thread 0 fills every slot's weights before the
-        # wait (each slot's full barrier expecting both operands), q_c's after it.
-        if tid == 0:
-            cpasync.prefetch_descriptor(w_tma)
-            cpasync.prefetch_descriptor(q_tma)
-            for slot in cutlass.range_constexpr(ring):
-                P.mbar_init(full + 8 * slot, 1)
-                P.mbar_init(empty + 8 * slot, J.THREADS)
-            P.mbar_init_fence()
+        # Warp 0 produces: lane 0 initializes the barriers and arms each fill (one arrival
+        # expecting both operands' bytes); the copies are cute.copy's, which issues each from
+        # one elected lane (elect.sync: the whole warp must reach it). Weights never change
+        # within a step, so every slot's weights go out before the wait, q_c's after it.
+        if warp == 0:
+            if lane == 0:
+                cpasync.prefetch_descriptor(w_tma)
+                cpasync.prefetch_descriptor(q_tma)
+                for slot in cutlass.range_constexpr(ring):
+                    P.mbar_init(full + 8 * slot, 1)
+                    P.mbar_init(empty + 8 * slot, J.THREADS)
+                P.mbar_init_fence()
+                for slot in cutlass.range_constexpr(ring):
+                    P.mbar_expect(full + 8 * slot, Int32(J.slot_bytes(tokens)))
+            cute.arch.sync_warp()
             for stage in cutlass.range_constexpr(ring):
-                P.mbar_expect(full + 8 * stage, Int32(J.slot_bytes(tokens)))
                 J.issue(weights, stage)
         cute.arch.sync_threads()  # the mbarriers are initialized before anyone waits on them
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         ntok = cutlass.min(batch, tokens)
-        if tid == 0:
+        if warp == 0:
             for stage in cutlass.range_constexpr(ring):
                 J.issue(queries, stage)
 
-        # Stage `it` lives in slot it % ring, in the full barrier's phase it // ring. Thread 0
+        # Stage `it` lives in slot it % ring, in the full barrier's phase it // ring. Warp 0
         # refills the slot of stage it - 1 once every thread has released it (its empty
-        # barrier's phase (it - 1) // ring), keeping ring - 1 stages in flight.
+        # barrier's phase (it - 1) // ring), keeping ring - 1 stages in flight; the other
+        # warps wait only for the stage they compute.
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
             nxt = it - 1 + ring
             if cutlass.const_expr(it >= 1 and nxt < J.STAGES):
-                if tid == 0:
+                if warp == 0:
                     P.mbar_wait(empty + 8 * (nxt % ring), J.full_parity(it - 1, ring))
-                    P.mbar_expect(full + 8 * (nxt % ring), Int32(J.slot_bytes(tokens)))
+                    if lane == 0:
+                        P.mbar_expect(full + 8 * (nxt % ring), Int32(J.slot_bytes(tokens)))
+                    cute.arch.sync_warp()
                     J.issue(weights, nxt)
                     J.issue(queries, nxt)
             P.mbar_wait(full + 8 * (it % ring), J.full_parity(it, ring))

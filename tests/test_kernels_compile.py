@@ -124,8 +124,10 @@ BEFORE_WAIT = {
     "index_key": {"ld.global.nc.b32"},  # the LayerNorm weight and bias
     "key_and_norm": {"ld.global.nc.v4.b32", "ld.global.nc.b32"},  # QueryNorm's gamma, IndexKey's weights
     "index_query": {
-        "cp.async.cg.shared.global",  # the first ring of wq_b weights (q_c after the wait:
-        "prefetch.global.L2",  # test_index_query_streams_once_in_one_fused_kernel)
+        # the first ring of wq_b weights by TMA (q_c's after the wait:
+        # test_index_query_streams_once_in_one_fused_kernel) and the tensor maps (kernel parameters)
+        "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint",
+        "prefetch.tensormap",
     },
     "dsa_index": {
         "ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
@@ -341,6 +343,15 @@ def test_indexer_kernels_use_the_tensor_cores(ptx):
         assert "cp.async.bulk.shared" not in scorer[:wait] and "ld.shared" not in scorer[:wait]
 
 
+def _tensor_copies(entry: str) -> list[tuple[int, int]]:
+    """(position, kernel parameter of its tensor map) of each TMA tensor copy of a PTX entry:
+    a copy names its map by a register that cvta.param takes from the parameter's address."""
+    params = dict(re.findall(r"mov\.b64\s+(%rd\d+), \w+_param_(\d+);", entry))
+    generic = {dst: params[src] for dst, src in re.findall(r"cvta\.param\.u64\s+(%rd\d+), (%rd\d+);", entry)}
+    copies = re.finditer(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::\S+ \[[^]]+\], \[(%rd\d+),", entry)
+    return [(m.start(), int(generic[m.group(1)])) for m in copies]
+
+
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     from graphstep.kernels import projection as J
@@ -348,17 +359,28 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     text = ptx[("tp8", f"index_query_{tokens}")]
     (entry,) = _entries(text)  # projection, RoPE, e4m3 and head weights in one kernel
     wait = entry.index("griddepcontrol.wait;")
-    # every weight byte once: 12 stages x 64 rows x 256 B in 16-byte copies, the first
-    # ring's worth of them before the wait; q_c (zero-filled past the batch) after it
-    weights = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", entry)
-    q_c = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", entry)
-    assert len(weights) == J.ROWS * J.K * 2 // 16 // J.THREADS
-    assert len(q_c) == J.STAGES * tokens * J.ROW_CHUNKS // J.THREADS
-    before, ring = entry[:wait], index_query.RING[tokens]
-    assert before.count("cp.async.cg.shared.global") == ring * 4 and ", 16, %r" not in before
-    # the stages past the ring are requested into L2 (AHEAD of them before the wait)
-    assert entry.count("prefetch.global.L2") == J.STAGES - ring and before.count("prefetch.global.L2") == J.AHEAD
-    assert not re.search(r"ld\.global", before)
+    # every stage of each operand is one TMA tensor copy (wq_b's map: parameter 0, q_c's: 1):
+    # the ring's weight stages before the wait, every q_c stage after it; no per-thread copies
+    copies, ring = _tensor_copies(entry), index_query.RING[tokens]
+    weights = [at for at, param in copies if param == 0]
+    q_c = [at for at, param in copies if param == 1]
+    assert len(weights) == len(q_c) == J.STAGES and len(copies) == 2 * J.STAGES
+    assert sum(at < wait for at in weights) == ring and all(at > wait for at in q_c)
+    assert "cp.async.cg" not in entry and "cp.async.bulk.shared" not in entry
+    assert entry.count("prefetch.tensormap") == 2
+    # one armed full barrier per fill (both operands' bytes), released stage by stage after a
+    # proxy fence by every thread (all but the last ring of stages, which are not refilled)
+    armed = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", entry)
+    assert armed == [str(J.slot_bytes(tokens))] * J.STAGES
+    lines = [line.strip() for line in entry.splitlines() if line.strip() and not line.strip().startswith("//")]
+    releases = [i for i, line in enumerate(lines) if line.startswith("mbarrier.arrive.shared::cta.b64")]
+    assert len(releases) == J.STAGES - ring
+    for i in releases:
+        assert "fence.proxy.async.shared::cta;" in lines[max(0, i - 3) : i], lines[i - 3 : i + 1]
+    # no CTA barrier per stage: one before the wait (the mbarriers' initialization), three
+    # after the loop (the ring free, then the two k-halves' sums into the result tile)
+    assert entry[:wait].count("bar.sync") == 1 and entry.count("bar.sync") == 4
+    assert not re.search(r"ld\.global", entry[:wait])
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
@@ -366,6 +388,31 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.v4.f32" in entry
     assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
     assert "cvt.rn.satfinite.e4m3x2.f32" in entry and ".minnctapersm 2" in entry
+
+
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
+def test_index_query_fits_two_ctas_per_sm(tmp_path, tokens):
+    """Two CTAs per SM (so DsaIndex's CTAs fit beside one under PDL): <= 128 registers with no
+    spills, and at most half the SM's 228 KB of shared memory, less the 1 KB per CTA the
+    hardware reserves."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+    from graphstep.kernels import projection as J
+
+    for hadamard in (False, True):
+        folder = tmp_path / f"h{hadamard}"
+        folder.mkdir()
+        op = index_query.IndexQuery(2304, 2240, tokens, True, hadamard)
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](
+            op, *index_query.compile_args(), make_fake_stream()
+        )
+        (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
+        found = _cubin_attributes(cubin.read_bytes())
+        assert found["frame"] == 0 and found["regs"] <= 128, (tokens, hadamard, found)
+    ring = index_query.RING[tokens]
+    shared = J.ring_bytes(tokens, ring) + 16 * ring + 4 * tokens + 1024  # + barriers, maxima, alignment
+    assert shared <= 228 * 1024 // 2 - 1024, shared
 
 
 def _variant_ptx(op, args, folder) -> str:

@@ -1,7 +1,11 @@
-"""IndexQuery's projection core on the CPU: its per-thread copy, ldmatrix and accumulator
-addresses (kernels/projection.py `Stream`, evaluated with plain ints) driven through a
-model of cp.async, ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments,
-stage by stage, must give W . q_c^T for the CTA's 64 rows, tokens past the batch aside."""
+"""IndexQuery's projection core on the CPU: its per-lane ldmatrix and accumulator addresses
+(kernels/projection.py `Stream`, evaluated with plain ints) over shared memory filled as
+the TMA copies fill it (each stage a [column block][row][64 columns] box of 128-byte rows
+under the 128-byte swizzle, rows past the batch zero), driven through a model of
+ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments, stage by stage, must
+give W . q_c^T for the CTA's 64 rows, tokens past the batch aside."""
+
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -9,14 +13,36 @@ from graphstep.kernels import index_query, primitives
 from graphstep.kernels import projection as J
 
 
-class Elements:
-    """An element pointer into a float array (stands in for a bf16 global pointer)."""
+def tma_fill(smem, base, operand, rows, stage, live):
+    """A TMA copy of `stage` of a [>= live, K] operand into the box at byte `base` (1024-byte
+    aligned): logical byte block x rows x 128 + row x 128 + 2 column, at its swizzled place;
+    rows >= live are outside the tensor map and land as zeros."""
+    assert base % 1024 == 0
+    for block in range(J.KC // J.BLOCK):
+        for row in range(rows):
+            for column in range(J.BLOCK):
+                logical = block * rows * J.ROW_BYTES + row * J.ROW_BYTES + 2 * column
+                k = stage * J.KC + block * J.BLOCK + column
+                smem[(base + J.swizzle(logical)) // 2] = operand[row, k] if row < live else 0
 
-    def __init__(self, array, offset=0):
-        self.array, self.offset = array.reshape(-1), offset
 
-    def __add__(self, n):
-        return Elements(self.array, self.offset + int(n))
+def _fill(smem, streams, weights, qc, batch, stage):
+    s = streams[0]
+    tma_fill(smem, s.weights_addr(stage), weights, J.ROWS, stage, J.ROWS)
+    tma_fill(smem, s.tokens_addr(stage), qc, s.tokens, stage, batch)
+
+
+def _streams(tokens, ring):
+    q_base = ring * J.operand_bytes(J.ROWS)
+    return [J.Stream(tokens, ring, 0, q_base, tid // 32, tid % 32) for tid in range(J.THREADS)]
+
+
+def test_swizzle_is_the_128_byte_pattern():
+    """Within each 1024 bytes: a permutation of the 16-byte chunks of each 128-byte row (chunk
+    c of row r at c ^ r), bytes within a chunk in place."""
+    for offset in range(0, 4096):
+        row, chunk, byte = offset // 128, offset // 16 % 8, offset % 16
+        assert J.swizzle(offset) == row * 128 + 16 * (chunk ^ (row % 8)) + byte
 
 
 def _warp_compute(streams, stage, smem, acc, monkeypatch):
@@ -73,19 +99,10 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     ring, batch = index_query.RING[tokens], tokens - 3
     weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
     smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)  # one entry per bf16 element
-
-    def cp_async(dst, src, live=True):
-        assert dst % 16 == 0
-        smem[dst // 2 : dst // 2 + 8] = src.array[src.offset : src.offset + 8] if live else 0
-
-    monkeypatch.setattr(J.P, "cp_async_16", cp_async)
-    monkeypatch.setattr(J.cutlass, "min", min)
-    streams = [J.Stream(tokens, ring, 0, tid, tid // 32, tid % 32) for tid in range(J.THREADS)]
+    streams = _streams(tokens, ring)
     accs = [{} for _ in range(J.WARPS)]
     for stage in range(J.STAGES):  # (the slot stage % ring, filled just before use)
-        for s in streams:
-            s.issue_weights(Elements(weights), stage)
-            s.issue_tokens(Elements(qc), batch, stage)
+        _fill(smem, streams, weights, qc, batch, stage)
         for warp in range(J.WARPS):
             _warp_compute(streams[32 * warp : 32 * warp + 32], stage, smem, accs[warp], monkeypatch)
     tile = np.full(J.ring_bytes(tokens, ring) // 4, np.nan)
@@ -98,3 +115,79 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     got = np.array([[tile[(t * J.OUT_PITCH + 4 * r) // 4] for r in range(J.ROWS)] for t in range(tokens)])
     np.testing.assert_allclose(got[:batch], qc @ weights.T, rtol=1e-9, atol=1e-9)
     assert np.all(got[batch:] == 0), "zero-filled token rows give zero columns"
+    assert tokens * J.OUT_PITCH <= ring * J.operand_bytes(J.ROWS), "the result tile fits the weight ring"
+
+
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
+def test_every_element_of_a_stage_reaches_its_fragment_once(tokens, monkeypatch):
+    """Tags instead of values: each weight (row, k) and token (t, k) of a stage carries its own
+    id; every MMA's A and B fragment positions must hold exactly the ids of the rows, tokens
+    and k the PTX ISA puts there, so each element is read once, where it belongs, and the
+    8 row addresses of every ldmatrix matrix fall in 8 distinct 16-byte bank groups."""
+    ring = index_query.RING[tokens]
+    weights = np.arange(J.ROWS * J.K, dtype=np.float64).reshape(J.ROWS, J.K)
+    qc = -1 - np.arange(tokens * J.K, dtype=np.float64).reshape(tokens, J.K)
+    streams = _streams(tokens, ring)
+    stage = ring + 1  # a refilled slot
+    smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)
+    _fill(smem, streams, weights, qc, tokens, stage)
+    seen_a, seen_b, reads = [], [], Counter()
+    for warp in range(J.WARPS):
+        group = streams[32 * warp : 32 * warp + 32]
+        mtile, khalf = group[0].mtile, group[0].khalf
+        records = []  # per lane: (its ldmatrix addresses, its MMAs' (a, b) fragment handles)
+        for s in group:
+            calls, mmas = [], []
+
+            def ldmatrix(addr, calls=calls):
+                calls.append(addr)
+                return tuple((len(calls) - 1, r) for r in range(4))
+
+            def mma(a, b, c, mmas=mmas):
+                mmas.append((a, b))
+                return c
+
+            monkeypatch.setattr(J.P, "ldmatrix_x4", ldmatrix)
+            monkeypatch.setattr(primitives, "mma_bf16_16816", mma)
+            s.compute(stage, [None] * (tokens // 8))
+            records.append((calls, mmas))
+        for addr in (a for calls, _ in records for a in calls):  # each lane's row: 8 elements
+            reads.update(range(addr // 2, addr // 2 + 8))
+        for i in range(len(records[0][0])):
+            for q in range(4):
+                groups = {records[lane][0][i] // 16 % 8 for lane in range(8 * q, 8 * q + 8)}
+                assert len(groups) == 8, (warp, i, q)
+        # evaluate each MMA: lane (g, t) of matrix q gets row g, elements 2t, 2t + 1
+        for m in range(len(records[0][1])):
+            kstep, nt = 2 * (m // (2 * (tokens // 8))) + m % 2, m // 2 % (tokens // 8)
+            k0 = stage * J.KC + khalf * J.BLOCK + 16 * kstep
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                a, b = records[lane][1][m]
+
+                def element(frag, j):
+                    call, q = frag
+                    addr = records[8 * q + g][0][call] + 4 * t + 2 * j
+                    return smem[addr // 2]
+
+                for j in range(2):
+                    for w, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                        row, k = 16 * mtile + g + dr, k0 + 2 * t + j + dk
+                        assert element(a[w], j) == weights[row, k], (warp, m, lane, w, j)
+                        seen_a.append((row, k))
+                    for w, dk in enumerate((0, 8)):
+                        token, k = 8 * nt + g, k0 + 2 * t + j + dk
+                        assert element(b[w], j) == qc[token, k], (warp, m, lane, w, j)
+                        seen_b.append((token, k))
+    # ldmatrix reads each weight element of the stage once, each token element once per m-tile
+    w0, q0 = streams[0].weights_addr(stage) // 2, streams[0].tokens_addr(stage) // 2
+    assert reads == Counter(
+        {e: 1 for e in range(w0, w0 + J.ROWS * J.KC)} | {e: 4 for e in range(q0, q0 + tokens * J.KC)}
+    )
+    ks = range(stage * J.KC, (stage + 1) * J.KC)
+    # each weight element feeds one MMA of its m-tile (per n-tile: A is reused across n-tiles)
+    assert sorted(set(seen_a)) == [(r, k) for r in range(J.ROWS) for k in ks]
+    assert len(seen_a) == J.ROWS * J.KC * (tokens // 8)
+    # each token element feeds one MMA of each of the 4 m-tiles
+    assert sorted(set(seen_b)) == [(t, k) for t in range(tokens) for k in ks]
+    assert len(seen_b) == tokens * J.KC * 4
