@@ -348,7 +348,9 @@ def _tensor_copies(entry: str) -> list[tuple[int, int]]:
     a copy names its map by a register that cvta.param takes from the parameter's address."""
     params = dict(re.findall(r"mov\.b64\s+(%rd\d+), \w+_param_(\d+);", entry))
     generic = {dst: params[src] for dst, src in re.findall(r"cvta\.param\.u64\s+(%rd\d+), (%rd\d+);", entry)}
-    copies = re.finditer(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::\S+ \[[^]]+\], \[(%rd\d+),", entry)
+    copies = re.finditer(
+        r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::\S+ \[[^]]+\], \[(%rd\d+),", entry
+    )
     return [(m.start(), int(generic[m.group(1)])) for m in copies]
 
 
