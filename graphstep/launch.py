@@ -489,8 +489,11 @@ class Kernels:
         """IndexQuery: wq_b, NeoX RoPE, the Hadamard rotation (index_rotation), per-head e4m3
         quantization and the folded head weights, in one kernel. One launch of the variant
         that holds the batch; above 64 tokens, one per chunk of 64 (index_query.launches).
+        The kernel reads wq_b and q_c by TMA: each launch's compiled host code encodes their
+        tensor maps (a CUDA graph holds them by value, so a replay pays nothing).
 
-        qc: bf16 [>= B, q_lora_rank 1536], QueryNorm's q_c.
+        qc: bf16 [>= B, q_lora_rank 1536], QueryNorm's q_c (only the launch's B rows are
+            in its tensor map).
         qkv: bf16 [>= B, packed_width 2304], the packed rows (idx_w = columns 2240 .. 2303,
             the head weights' logits).
         context_lens: int32 [>= B], tokens per sequence over all ranks (RoPE position =
