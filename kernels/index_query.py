@@ -230,18 +230,18 @@ class IndexQuery:
         # warps wait only for the stage they compute.
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
-            nxt = it - 1 + ring
-            if cutlass.const_expr(it >= 1 and nxt < J.STAGES):
+            nxt = J.refill(it, ring)
+            if cutlass.const_expr(nxt is not None):
                 if warp == 0:
-                    P.mbar_wait(empty + 8 * (nxt % ring), J.full_parity(it - 1, ring))
+                    P.mbar_wait(empty + 8 * (nxt % ring), J.parity(it - 1, ring))
                     if lane == 0:
                         P.mbar_expect(full + 8 * (nxt % ring), Int32(J.slot_bytes(tokens)))
                     cute.arch.sync_warp()
                     J.issue(weights, nxt)
                     J.issue(queries, nxt)
-            P.mbar_wait(full + 8 * (it % ring), J.full_parity(it, ring))
+            P.mbar_wait(full + 8 * (it % ring), J.parity(it, ring))
             acc = s.compute(it, acc)
-            if cutlass.const_expr(it + ring < J.STAGES):  # the slot is refilled: release it
+            if cutlass.const_expr(J.released(it, ring)):  # the slot is refilled: release it
                 P.fence_proxy_async()  # the fragments' reads before the copy's async-proxy writes
                 P.mbar_arrive(empty + 8 * (it % ring))
         cute.arch.sync_threads()  # every warp is done with the ring (every copy has landed)

@@ -172,7 +172,23 @@ class Stream:
         return addrs
 
 
-def full_parity(stage: int, ring: int) -> int:
-    """The parity of the full mbarrier's phase that holds `stage` (also the empty barrier's
-    phase that frees it)."""
+# -- the ring's schedule (the kernel's loop and tests/test_projection_layout.py's model) ------
+
+
+def parity(stage: int, ring: int) -> int:
+    """The parity of the mbarrier phase of slot stage % ring that belongs to `stage`: the full
+    barrier's phase that lands it, and the empty barrier's phase that releases it."""
     return stage // ring % 2
+
+
+def refill(it: int, ring: int) -> int | None:
+    """The stage warp 0 copies at the top of iteration `it`, into the slot that stage it - 1
+    held (after that stage's release), or None: ring - 1 stages stay in flight."""
+    stage = it - 1 + ring
+    return stage if it >= 1 and stage < STAGES else None
+
+
+def released(it: int, ring: int) -> bool:
+    """Whether the threads release stage `it`'s slot after computing it (only a slot that
+    will be refilled is)."""
+    return it + ring < STAGES

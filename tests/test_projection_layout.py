@@ -3,7 +3,10 @@
 the TMA copies fill it (each stage a [column block][row][64 columns] box of 128-byte rows
 under the 128-byte swizzle, rows past the batch zero), driven through a model of
 ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments, stage by stage, must
-give W . q_c^T for the CTA's 64 rows, tokens past the batch aside."""
+give W . q_c^T for the CTA's 64 rows, tokens past the batch aside. And the ring's schedule
+(projection's `refill` / `released` / `parity`, as the kernel's loop uses them) over a model
+of mbarrier phases, with copies landing in random order: every stage read whole and current,
+no slot overwritten while read, no deadlock."""
 
 from collections import Counter
 
@@ -191,3 +194,105 @@ def test_every_element_of_a_stage_reaches_its_fragment_once(tokens, monkeypatch)
     # each token element feeds one MMA of each of the 4 m-tiles
     assert sorted(set(seen_b)) == [(t, k) for t in range(tokens) for k in ks]
     assert len(seen_b) == tokens * J.KC * 4
+
+
+class Mbarrier:
+    """An mbarrier as the PTX ISA defines it: a phase completes when its pending arrivals and
+    its transaction bytes both reach zero; try_wait.parity(p) succeeds once the phase of
+    parity p has completed, i.e. while the current phase's parity is not p."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.completed = count, count, 0, 0
+
+    def arrive(self, n=1, expect=0):
+        self.pending, self.tx = self.pending - n, self.tx + expect
+        assert self.pending >= 0
+        self._advance()
+
+    def complete_tx(self, nbytes):
+        self.tx -= nbytes
+        self._advance()
+
+    def _advance(self):
+        if self.pending == 0 and self.tx == 0:
+            self.completed, self.pending = self.completed + 1, self.count
+
+    def done(self, parity):
+        return self.completed % 2 != parity
+
+
+def _run_ring(tokens, seed):
+    """The kernel's ring (index_query.py's loop, projection's schedule) with 8 warps, warp 0 also
+    the producer, and copies landing in random order at random times: every stage must be read
+    whole and current, no copy may land in a slot a warp is still reading, and all must end."""
+    import random
+
+    rng, ring = random.Random(seed), index_query.RING[tokens]
+    full = [Mbarrier(1) for _ in range(ring)]
+    empty = [Mbarrier(J.THREADS) for _ in range(ring)]
+    sizes = {"w": J.operand_bytes(J.ROWS), "q": J.operand_bytes(tokens)}
+    assert sum(sizes.values()) == J.slot_bytes(tokens)
+    landed = [{"w": None, "q": None} for _ in range(ring)]  # the stage each operand of a slot holds
+    reading = {}  # warp -> the slot it is between its full wait and its release
+    in_flight, arrived_at_barrier = [], set()
+
+    def issue(stage, operand):
+        in_flight.append((stage, operand))
+
+    def warp(w):
+        if w == 0:
+            for slot in range(ring):
+                full[slot].arrive(expect=J.slot_bytes(tokens))
+            for stage in range(ring):
+                issue(stage, "w")
+        arrived_at_barrier.add(w)  # the CTA barrier after the barriers' initialization
+        while len(arrived_at_barrier) < J.WARPS:
+            yield
+        if w == 0:
+            for stage in range(ring):
+                issue(stage, "q")
+        for it in range(J.STAGES):
+            nxt = J.refill(it, ring)
+            if nxt is not None and w == 0:
+                while not empty[nxt % ring].done(J.parity(it - 1, ring)):
+                    yield
+                full[nxt % ring].arrive(expect=J.slot_bytes(tokens))
+                issue(nxt, "w")
+                issue(nxt, "q")
+            while not full[it % ring].done(J.parity(it, ring)):
+                yield
+            assert landed[it % ring] == {"w": it, "q": it}, (w, it, landed[it % ring])
+            reading[w] = it % ring
+            yield  # the fragments' reads take a while
+            if J.released(it, ring):
+                del reading[w]
+                empty[it % ring].arrive(32)
+            else:
+                reading.pop(w)
+
+    actors = {w: warp(w) for w in range(J.WARPS)}
+    for _ in range(100_000):  # (a deadlock spins forever)
+        if not actors:
+            break
+        choices = list(actors) + (["tma"] * 3 if in_flight else [])
+        pick = rng.choice(choices)
+        if pick == "tma":
+            stage, operand = in_flight.pop(rng.randrange(len(in_flight)))
+            slot = stage % ring
+            assert slot not in reading.values(), f"stage {stage} lands in slot {slot} while it is read"
+            landed[slot][operand] = stage
+            full[slot].complete_tx(sizes[operand])
+            continue
+        try:
+            next(actors[pick])
+        except StopIteration:
+            del actors[pick]
+        assert actors or not in_flight, "every copy is waited on"
+    assert not actors, "deadlock"
+    assert all(b.completed == -(-(J.STAGES - s) // ring) for s, b in enumerate(full))
+
+
+@pytest.mark.parametrize("tokens", index_query.TOKENS)
+def test_ring_schedule_reads_each_stage_whole_and_never_overwrites_a_read_slot(tokens):
+    for seed in range(200):
+        _run_ring(tokens, seed)
