@@ -7,7 +7,7 @@ grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = 
          next kernel's CTAs can already sit beside one and issue their own loads.
 project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
          128-column stages, each filled by one TMA tensor copy per operand (wq_b's 64 rows,
-         q_c's tokens; 128-byte swizzle) that thread 0 issues onto the slot's full mbarrier
+         q_c's tokens; 128-byte swizzle) that warp 0 issues onto the slot's full mbarrier
          (ldmatrix, mma.sync with the tokens as N); the ring's weight copies go out before
          griddepcontrol.wait, q_c's after it. The tensor maps are encoded by the launch's
          host code (`__call__`), so a CUDA graph holds them by value.

@@ -6,7 +6,7 @@ NOT YET RUN ON A GPU: compiled for sm_90a and modelled on the CPU only (tests/
 test_projection_layout.py, tests/test_kernels_compile.py).
 
 The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns.
-One thread fills a stage with one TMA tensor copy per operand (`cp.async.bulk.tensor.3d`):
+Warp 0 fills a stage with one TMA tensor copy per operand (issued by one elected lane) (`cp.async.bulk.tensor.3d`):
 the weights' box is 64 columns x 64 rows x 2 column blocks (16 KB), the tokens' 64 x
 `tokens` x 2, both with the 128-byte swizzle (the swizzle bounds a box row to 128 bytes,
 hence the third dimension: [column block][row][64 columns], each 128-byte row's 16-byte
@@ -16,11 +16,12 @@ bench/RESULTS.md), and the 8 row addresses of an `ldmatrix` still fall in 8 dist
 16-byte bank groups without a padded pitch. Rows of q_c past the batch are outside the
 tokens' tensor map and arrive as zeros.
 
-Synchronization: a full mbarrier per slot (one arrival: the copying thread's expect_tx of
-both operands' bytes) and an empty one (every thread arrives after its fragments of the
-stage are read, behind `fence.proxy.async`: the copy that refills the slot is an async-proxy
-write). Only the copying thread waits on an empty barrier, so the other warps run on
-through the stages already in the ring instead of meeting at a CTA barrier every stage.
+Synchronization: a full mbarrier per slot (one arrival: lane 0's expect_tx of both
+operands' bytes) and an empty one (every thread arrives after its fragments of the stage
+are read, behind `fence.proxy.async`: the copy that refills the slot is an async-proxy
+write). Only warp 0 waits on an empty barrier, so the other warps run on through the
+stages already in the ring instead of meeting at a CTA barrier every stage (`refill`,
+`released`, `parity`: the schedule).
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage (a k-half is one
 column block of the box); `mma.sync m16n8k16` with the weights as A (ldmatrix.x4) and the
