@@ -213,10 +213,12 @@ class IndexQuery:
                 P.mbar_init_fence()
                 for slot in cutlass.range_constexpr(ring):
                     P.mbar_expect(full + 8 * slot, Int32(J.slot_bytes(tokens)))
-            cute.arch.sync_warp()
+        # the mbarriers are initialized before anyone waits on them or a copy completes on
+        # them (init, fence, CTA barrier, then the copies: CUTLASS's and DsaIndex's order)
+        cute.arch.sync_threads()
+        if warp == 0:
             for stage in cutlass.range_constexpr(ring):
                 J.issue(weights, stage)
-        cute.arch.sync_threads()  # the mbarriers are initialized before anyone waits on them
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         ntok = cutlass.min(batch, tokens)

@@ -243,14 +243,14 @@ def _run_ring(tokens, seed):
         if w == 0:
             for slot in range(ring):
                 full[slot].arrive(expect=J.slot_bytes(tokens))
-            for stage in range(ring):
-                issue(stage, "w")
         arrived_at_barrier.add(w)  # the CTA barrier after the barriers' initialization
         while len(arrived_at_barrier) < J.WARPS:
             yield
         if w == 0:
             for stage in range(ring):
-                issue(stage, "q")
+                issue(stage, "w")  # before the PDL wait
+            for stage in range(ring):
+                issue(stage, "q")  # after it
         for it in range(J.STAGES):
             nxt = J.refill(it, ring)
             if nxt is not None and w == 0:
