@@ -2,7 +2,7 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
-        [--paths ws,wsh,wsr,nows] [--probes no_loads,no_math --probe-batch 64]
+        [--paths ws,wsh,wsr,nows,mws,msync] [--probes no_loads,no_math --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -13,8 +13,10 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); default: the
-module's choice per cache (sparse_core.PRODUCER).
+in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16- /
+32-row CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws), msync = every thread
+copies (partial_mma_sync); default: the module's choice per cache (sparse_core.PRODUCER,
+sparse_core.MMA_PRODUCER).
 --probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
 at --probe-batch.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
@@ -139,7 +141,9 @@ def main() -> int:
         "ncu --profile-from-start off python bench/bench_sparse_core.py --profile",
     )
     parser.add_argument(
-        "--paths", default="", help="64-row CTA paths to compare: ws,wsh,wsr,nows (default: the module's)"
+        "--paths",
+        default="",
+        help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,msync (default: the module's)",
     )
     parser.add_argument("--probes", default="", help="producer-path probes: no_loads,no_math")
     parser.add_argument("--probe-batch", default="64")
@@ -155,10 +159,12 @@ def main() -> int:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
         for path, probe in paths:
-            if path not in ("", "ws", "wsh", "wsr", "nows") or probe not in sparse_core.PROBES:
+            if path not in ("", "ws", "wsh", "wsr", "nows", "mws", "msync") or probe not in sparse_core.PROBES:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
-            default, reshape = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS
-            if path:
+            default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER
+            if path in ("mws", "msync"):
+                sparse_core.MMA_PRODUCER = dict.fromkeys(mma, path == "mws")
+            elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
@@ -168,6 +174,7 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
+                sparse_core.MMA_PRODUCER = mma
             for row in found:
                 row["path"] = (path or "default") + (f"+{probe}" if probe else "")
             rows += found

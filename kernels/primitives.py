@@ -211,6 +211,31 @@ def pack_bf16x2(low, high) -> Uint32:
     )
 
 
+def pack_f16x2(low, high) -> Uint32:
+    """Round two fp32 to nearest-even f16: low in bits 0-15."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
+    )
+
+
+def e4m3x4_to_f16x2(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> two words of f16 pairs (exact):
+    elements 0, 1 and elements 2, 3, the lower element in bits 0-15."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[word],
+    )
+
+
+def byte_perm(a, b, selector: int) -> Uint32:
+    """prmt: byte k of the result is byte (nibble k of selector) of {b, a} (a: bytes 0-3)."""
+    return cute.arch.inline_ptx(
+        f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};", write_only_types=[Uint32], read_only_args=[a, b]
+    )
+
+
 def pack_e4m3x4(v0, v1, v2, v3) -> Uint32:
     """Round four fp32 to saturated e4m3 bytes, v0 in bits 0-7 (NaN -> 0x7F)."""
     return cute.arch.inline_ptx(
@@ -522,6 +547,11 @@ def mma_bf16_16816(a, b, c) -> list:
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
+def mma_f16_16816(a, b, c) -> list:
+    """m16n8k16, f16 pairs in each word."""
+    return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
+
+
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:
     """Warpgroup MMA with A in registers: acc[64 rows, 2 len(acc)] += A x B, bf16, FP32
     accumulators (acc in wgmma's C layout, returned updated). a: 4 bf16x2 words per k step
@@ -565,6 +595,12 @@ def cp_async_16(dst, src, live=True):
         "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
         read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))],
     )
+
+
+def cp_async_mbar_arrive(addr):
+    """The mbarrier at addr waits, besides its arrivals, for every cp.async this thread has
+    issued so far to land (no net arrival: the thread still arrives itself)."""
+    cute.arch.inline_ptx("cp.async.mbarrier.arrive.shared::cta.b64 [{$r0}];", read_only_args=[addr])
 
 
 def cp_async_commit():

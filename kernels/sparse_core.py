@@ -136,6 +136,13 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # usual; "no_math": the consumers only wait for each block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
+# 16- and 32-row CTAs with a producer warpgroup (partial_mma_ws) by cache format: True =
+# partial_mma_ws, False = partial_mma_sync (every thread copies, CTA barriers per block).
+MMA_PRODUCER = {"fp8": True, "bf16": True}
+PRODUCER_THREADS = 128
+# setmaxnreg (consumer, producer) by rows per CTA: 16 rows launch 384 threads at 168 registers
+# (2 x 232 + 40), 32 rows 640 threads at 96 (4 x 104 + 64); the producer only issues cp.async.
+MMA_WS_REGS = {16: (232, 40), 32: (104, 64)}
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -185,6 +192,26 @@ def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> in
     fixed += 0 if heads == 16 else heads * STRIDE
     fit = (SMEM_BYTES - fixed) // stage
     return max(2, min(4, fit, slots_per_cta // block))
+
+
+def ws_stages(heads: int, block: int, mla_fp8: bool) -> int:
+    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in
+    HBM (bf16 at STRIDE, raw fp8 rows) with their slot ids, beside P (four copies with the
+    fp8 cache), the row maxima and the mbarriers; the query rows have their own space,
+    except 16 bf16-cache rows, which pass through the last stage into registers (q_in_ring:
+    three 64-row stages fit only so)."""
+    stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4)
+    fixed = heads * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * heads + 64 + 1024
+    fixed += 0 if q_in_ring(heads, mla_fp8) else heads * STRIDE
+    return max(2, min(4, (SMEM_BYTES - fixed) // stage))
+
+
+def q_in_ring(heads: int, mla_fp8: bool) -> bool:
+    """partial_mma_ws stages its query rows in the ring's last stage (16 rows, bf16 cache:
+    all their A fragments then live in registers). With the fp8 cache the rope's 4 k steps
+    are read from shared memory each block instead (the consumers' 232 registers hold the
+    latent's 32 and the fp8 conversions, not 36)."""
+    return heads == 16 and not mla_fp8
 
 
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
@@ -278,8 +305,9 @@ class SparseCore:
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
-        producer: 64-row CTAs only: a producer warpgroup loads the rows (partial_wgmma_ws),
-        or every thread does (partial_wgmma); None: the module's PRODUCER for the cache."""
+        producer: a producer warpgroup loads the rows (64 rows: partial_wgmma_ws, 16 / 32:
+        partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
+        module's PRODUCER (64 rows) or MMA_PRODUCER for the cache."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -290,15 +318,25 @@ class SparseCore:
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
-        self.reshape = self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
-        self.probe = PROBE if self.producer else ""
+        cache_format = "fp8" if mla_fp8 else "bf16"
+        self.producer = (PRODUCER if self.wgmma else MMA_PRODUCER)[cache_format] if producer is None else producer
+        # 16 / 32 rows with a producer warpgroup: partial_mma_ws
+        self.mma_ws = self.producer and not self.wgmma
+        self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
+        if self.wgmma:
+            self.stages = 2
+        elif self.mma_ws:
+            self.stages = ws_stages(self.heads, self.block, mla_fp8)
+        else:
+            self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
+        self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
+        self.probe = PROBE if self.wgmma and self.producer else ""
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
-        self.threads = (
-            (WS_THREADS if self.producer else WG_THREADS) if self.wgmma else self.heads // 16 * self.cols * 32
-        )
+        if self.wgmma:
+            self.threads = WS_THREADS if self.producer else WG_THREADS
+        else:
+            self.threads = self.consumers + (PRODUCER_THREADS if self.mma_ws else 0)
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
@@ -353,10 +391,12 @@ class SparseCore:
         error: cute.Pointer,
         pool_slots: Int32,
     ):
-        if cutlass.const_expr(self.producer):
+        if cutlass.const_expr(self.wgmma and self.producer):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.wgmma):
             self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+        elif cutlass.const_expr(self.mma_ws):
+            self.partial_mma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         else:
             self.partial_mma_sync(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
 
@@ -395,7 +435,7 @@ class SparseCore:
             c = tid + i * self.threads
             if c < ids_chunks:
                 P.cp_async_16(ids_t.iterator + 4 * c, slots + token * self.k + split * self.slots_per_cta + 4 * c, True)
-        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid, self.threads)
         P.cp_async_commit()
         P.cp_async_wait(0)
         cute.arch.sync_threads()
@@ -513,6 +553,349 @@ class SparseCore:
                     P.store_f32x2(partial_o + row + 8 * n, acc_o[n][2 * r], acc_o[n][2 * r + 1])
                 if col == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """16- and 32-row CTAs with a producer warpgroup: the consumer warps of partial_mma_sync
+        (tid < consumers) and a producer warpgroup (produce_ring) behind full / empty
+        mbarriers over a ring of `stages` blocks of cache rows as they are in HBM (bf16 rows
+        at STRIDE, or raw fp8 rows). The consumers meet only at their named barrier (twice
+        a block: the row maxima, then P) and never wait on a copy they issued; with the fp8
+        cache they convert the raw rows into their MMA operands (consume_ring). 16 query
+        rows pass through the ring's last stage on their way into registers (the producer
+        fills that stage first once the consumers release it; q_in_ring)."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, _, token = cute.arch.block_idx()
+        warp = tid // 32
+        m, block, stages = self.heads, self.block, self.stages
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        stage_bytes = block * stride
+        ring_bytes = stages * stage_bytes
+        staged = q_in_ring(m, self.mla_fp8)
+        if cutlass.const_expr(staged):
+            ring_bytes = max(ring_bytes, (stages - 1) * stage_bytes + m * STRIDE)
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(ring_bytes), byte_alignment=128).iterator
+        q_s = ring + (stages - 1) * stage_bytes
+        if cutlass.const_expr(not staged):
+            q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
+        copies = 4 if self.mla_fp8 else 1  # fp8: P x each 128-dim group's scales
+        p_s = smem.allocate_tensor(
+            Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128
+        ).iterator
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
+        full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        if tid == 0:
+            for s in cutlass.range_constexpr(stages):
+                P.mbar_init(full0 + 8 * s, PRODUCER_THREADS)  # each producer thread, its copies landed
+                P.mbar_init(empty0 + 8 * s, self.consumers // 32)  # lane 0 of each consumer warp
+            P.mbar_init_fence()
+        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        consumer_regs, producer_regs = MMA_WS_REGS[m]
+        if warp >= self.consumers // 32:
+            cute.arch.setmaxregister_decrease(producer_regs)
+            self.produce_ring(slots, cache, ring, ids_s, full0, empty0, tid - self.consumers, split, token, error, pool_slots)
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs)
+            self.consume_ring(
+                q_rows, q_out, out, lse, partial_o, partial_ml, ring, q_s, p_s, ids_s, red, full0, empty0, tid, pool_slots
+            )
+
+    @cute.jit
+    def produce_ring(self, slots, cache, ring, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+        """The producer warpgroup (ptid 0 .. 127): 128 / block threads per cache row, each
+        copying every (128 / block)-th 16-byte chunk (copy_row) of its row of block b into
+        stage b % stages once the consumers have released it, the row's slot id beside it
+        (the consumers' -inf mask), then arriving on the stage's full mbarrier, which also
+        waits for the copies to land (cp.async.mbarrier.arrive): every stage's copies stay
+        in flight until read. Slot ids load a block ahead."""
+        block, stages = self.block, self.stages
+        blocks = self.slots_per_cta // block
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        per_row = PRODUCER_THREADS // block
+        r, c0 = ptid // per_row, ptid % per_row
+        ids_row = slots + token * self.k + split * self.slots_per_cta + r
+        slot = P.load_i32(ids_row)
+        for b in range(blocks):
+            s = b % stages
+            upcoming = P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block)
+            # the release this stage waits for: block b - stages's, or (16 rows) the query
+            # rows' for the last stage's first fill
+            release = b // stages - 1
+            if cutlass.const_expr(q_in_ring(self.heads, self.mla_fp8)):
+                release = release + P.select_i32(s == stages - 1, 1, 0)
+            if release >= 0:
+                P.mbar_wait(empty0 + 8 * s, release % 2)
+            self.copy_row(cache, slot, ring + s * (block * stride) + r * stride, c0, per_row, pool_slots, error, token)
+            if c0 == 0:
+                ids_s[s * block + r] = slot
+            P.cp_async_mbar_arrive(full0 + 8 * s)
+            P.mbar_arrive(full0 + 8 * s)
+            slot = upcoming
+        P.cp_async_wait(0)  # (no thread leaves copies in flight)
+
+    @cute.jit
+    def consume_ring(
+        self, q_rows, q_out, out, lse, partial_o, partial_ml, ring, q_s, p_s, ids_s, red, full0, empty0, tid, pool_slots
+    ):
+        """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
+        waited for on its full mbarrier and released on its empty one by every warp after
+        its P @ V. With the fp8 cache the raw rows are the MMA operands' source (score_tiles_fp8,
+        values_block_fp8): e4m3 widened exactly to f16 (f16 MMAs), each 128-dim group's
+        scale applied to its partial score and to P (four copies of P, one per group: a
+        column warp's 64 dims lie in one group); the k order of the scores and the slot and
+        dim orders of P @ V are permuted (consistently for Q, P and the output) so that each
+        thread reads whole words of a row."""
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        cols = self.cols
+        mt, col = warp // cols, warp % cols
+        m, block, stages = self.heads, self.block, self.stages
+        consumers = self.consumers
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        p_stride = 2 * block + 16
+        head0 = group * m
+        rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
+        if cutlass.const_expr(self.mla_fp8):
+            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+        else:
+            self.load_queries(rows, head0, q_s, tid, consumers)
+            P.cp_async_commit()
+            P.cp_async_wait(0)
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+
+        mi, mj = lane // 8, lane % 8
+        a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)
+        q_lane = q_s + (mt * 16 + a_row) * STRIDE + 2 * a_col
+        p_lane = p_s + (mt * 16 + a_row) * p_stride + 2 * a_col
+        if cutlass.const_expr(self.mla_fp8):
+            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
+        q_frags = []
+        if cutlass.const_expr(self.q_in_registers):
+            for ks in cutlass.range_constexpr(LATENT // 16 if self.mla_fp8 else K_STEPS):
+                q_frags.append(P.ldmatrix_x4(q_lane + 2 * 16 * ks))
+        if cutlass.const_expr(q_in_ring(m, self.mla_fp8)):
+            P.fence_proxy_async()
+            cute.arch.sync_warp()
+            if lane == 0:  # this warp's reads of the staged rows are done: the stage is the producer's
+                P.mbar_arrive(empty0 + 8 * (stages - 1))
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, consumers)
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        ntiles = LATENT // cols // 8
+        per = max(1, block // 8 // cols)
+
+        acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
+        row_max = [neg_inf, neg_inf]
+        row_sum = [Float32(0), Float32(0)]
+        blocks = self.slots_per_cta // block
+        for b in range(blocks):
+            s = b % stages
+            kv = ring + s * (block * stride)
+            P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
+            scores = [[neg_inf] * 4 for _ in range(per)]
+            if col * per < block // 8:
+                if cutlass.const_expr(self.mla_fp8):
+                    scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+                else:
+                    scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
+                for j in cutlass.range_constexpr(per):
+                    for q in cutlass.range_constexpr(4):
+                        live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
+                        scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
+            for r in cutlass.range_constexpr(2):
+                top = scores[0][2 * r]
+                for j in cutlass.range_constexpr(per):
+                    top = cute.arch.fmax(top, cute.arch.fmax(scores[j][2 * r], scores[j][2 * r + 1]))
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+                if t == 0:
+                    red[col * m + mt * 16 + g + 8 * r] = top
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+            alpha = [Float32(0), Float32(0)]
+            use = [Float32(0), Float32(0)]
+            for r in cutlass.range_constexpr(2):
+                top = row_max[r]
+                for c in cutlass.range_constexpr(cols):
+                    top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+                use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+                alpha[r] = P.exp2_approx(row_max[r] - use[r])
+                row_max[r] = top
+                row_sum[r] = row_sum[r] * alpha[r]
+            if col * per < block // 8:
+                for j in cutlass.range_constexpr(per):
+                    p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
+                    row_sum[0] = row_sum[0] + p[0] + p[1]
+                    row_sum[1] = row_sum[1] + p[2] + p[3]
+                    at = p_s + (mt * 16 + g) * p_stride
+                    if cutlass.const_expr(self.mla_fp8):
+                        # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
+                        # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
+                        n = (col * per + j) * 8 + 2 * t
+                        u = n % 16
+                        at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
+                        pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
+                        for v in cutlass.range_constexpr(4):
+                            where = at + v * m * p_stride
+                            P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
+                            P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
+                    else:
+                        at = at + 2 * ((col * per + j) * 8 + 2 * t)
+                        P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+                        P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+
+            for n in cutlass.range_constexpr(ntiles):
+                for q in cutlass.range_constexpr(4):
+                    acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
+            if cutlass.const_expr(self.mla_fp8):
+                acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
+            else:
+                acc_o = self.values_block(
+                    acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+                )
+            cute.arch.sync_warp()
+            if lane == 0:  # this warp's reads of stage s (its MMAs' operands, the slot ids) are done
+                P.mbar_arrive(empty0 + 8 * s)
+
+        # the row sums over the 4 lanes of a row, then over the column warps (red is free:
+        # every warp read the last block's maxima before the last barrier)
+        for r in cutlass.range_constexpr(2):
+            total = row_sum[r] + cute.arch.shuffle_sync_bfly(row_sum[r], offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if t == 0:
+                red[col * m + mt * 16 + g + 8 * r] = total
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+        item = token * self.splits + split
+        for r in cutlass.range_constexpr(2):
+            head = head0 + mt * 16 + g + 8 * r
+            total = Float32(0)
+            for c in cutlass.range_constexpr(cols):
+                total = total + red[c * m + mt * 16 + g + 8 * r]
+            # this thread's dims: 2t, 2t + 1 of each 8-dim tile n; with the fp8 cache (the
+            # permuted dims) 16t + n and 16t + 8 + n of the warp's 64
+            values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
+            if cutlass.const_expr(self.mla_fp8):
+                values = [acc_o[n][2 * r + e] for e in range(2) for n in range(ntiles)]
+            dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
+            step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
+            if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
+                if head < self.gathered:
+                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    row = (token * self.gathered + head) * LATENT + dims
+                    for n in cutlass.range_constexpr(ntiles):
+                        P.store_f32x2(out + row + step * n, values[2 * n] * inverse, values[2 * n + 1] * inverse)
+                    if col == 0 and t == 0:
+                        P.store_f32(lse + token * self.gathered + head, self.lse_of(row_max[r], total))
+            else:
+                row = (item * self.q_heads + head) * LATENT + dims
+                for n in cutlass.range_constexpr(ntiles):
+                    P.store_f32x2(partial_o + row + step * n, values[2 * n], values[2 * n + 1])
+                if col == 0 and t == 0:
+                    P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
+        """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
+        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32 dims (bytes 8t .. 8t + 7: the
+        k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to match) and converts them
+        exactly to f16; each 128-dim group has its own accumulators (scaled once at the
+        end), the interleaved groups four independent MMA chains; the bf16 rope likewise
+        (16 bytes per 32 dims, bf16 MMAs)."""
+        acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
+        rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
+        for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
+            for j in cutlass.range_constexpr(per):
+                words = [P.ld_shared_u32x2(rows[j] + 32 * (4 * grp + step) + 8 * t) for grp in range(4)]
+                for h in cutlass.range_constexpr(2):
+                    for grp in cutlass.range_constexpr(4):
+                        kk = 2 * (4 * grp + step) + h
+                        a = None
+                        if cutlass.const_expr(self.q_in_registers):
+                            a = q_frags[kk]
+                        else:
+                            a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
+                        acc[j][grp] = P.mma_f16_16816(a, P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
+        for i in cutlass.range_constexpr((ROW - LATENT) // 32):
+            for j in cutlass.range_constexpr(per):
+                words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
+                for h in cutlass.range_constexpr(2):
+                    kk = LATENT // 16 + 2 * i + h
+                    a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)  # (q_in_ring)
+                    acc[j][4] = P.mma_bf16_16816(a, (words[2 * h], words[2 * h + 1]), acc[j][4])
+        scores = []
+        for j in cutlass.range_constexpr(per):
+            pair = [P.ld_shared_f32x4(kv + ((first_tile + j) * 8 + 2 * t + e) * FP8_ROW + LATENT) for e in range(2)]
+            tile = []
+            for q in cutlass.range_constexpr(4):
+                value = acc[j][4][q]
+                for grp in cutlass.range_constexpr(4):
+                    value = value + acc[j][grp][q] * pair[q % 2][grp]
+                tile.append(value)
+            scores.append(tile)
+        return scores
+
+    @cute.jit
+    def values_block_fp8(self, acc_o, p_lane, v_lane, t) -> list:
+        """values_block over raw fp8 rows: P (this warp's group's copy, f16, scales applied)
+        by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
+        v_lane) of each of rows 4t .. 4t + 3 of every 16-slot step: k pair (2t, 2t + 1) is
+        rows 4t, 4t + 1, pair (2t + 8, 2t + 9) rows 4t + 2, 4t + 3 (P written to match), and
+        n-tile n holds dim 8g + n (the output's dims permuted to match): byte-permuted
+        into pairs and widened exactly to f16."""
+        for ks in cutlass.range_constexpr(self.block // 16):
+            a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
+            w = [P.ld_shared_u32x2(v_lane + (16 * ks + 4 * t + r) * FP8_ROW) for r in range(4)]
+            for h in cutlass.range_constexpr(2):  # dims 4h .. 4h + 3 of the thread's 8
+                for half in cutlass.range_constexpr(2):  # dims 4h + 2 half, + 1
+                    sel = 0x7362 if half else 0x5140
+                    low = P.e4m3x4_to_f16x2(P.byte_perm(w[0][h], w[1][h], sel))
+                    high = P.e4m3x4_to_f16x2(P.byte_perm(w[2][h], w[3][h], sel))
+                    for e in cutlass.range_constexpr(2):
+                        n = 4 * h + 2 * half + e
+                        acc_o[n] = P.mma_f16_16816(a, (low[e], high[e]), acc_o[n])
+        return acc_o
+
+    @cute.jit
+    def load_queries_permuted(self, rows, head0, q_s, tid, threads: int):
+        """The CTA's query rows -> shared memory at STRIDE for the fp8 cache's scores
+        (score_tiles_fp8): dims 32i + 8u .. 32i + 8u + 7 go to k steps 2i, 2i + 1 at columns
+        (2u, 2u + 1, 2u + 8, 2u + 9) -- what ldmatrix hands lane t = u of the A fragment --
+        as f16 for the latent (its MMAs are f16) and bf16 for the rope; loads all issued
+        first; rows at or past `gathered` are zeros."""
+        pieces = ROW // 32 * 4  # (i, u) per row
+        items = self.heads * pieces
+        loads = []
+        for i in cutlass.range_constexpr((items + threads - 1) // threads):
+            index = cutlass.min(tid + i * threads, items - 1)
+            h, piece = index // pieces, index % pieces
+            live = head0 + h < self.gathered
+            words = None
+            if cutlass.const_expr(self.q_fp8):
+                words = P.load_u32x2_if(rows + h * self.q_bytes + 8 * piece, live)
+            else:
+                words = P.load_u32x4_if(rows + h * self.q_bytes + 16 * piece, live)
+            loads.append((words, h, piece))
+        for words, h, piece in loads:  # a clamped duplicate rewrites the same bytes
+            values = []
+            if cutlass.const_expr(self.q_fp8):
+                for w in cutlass.range_constexpr(2):
+                    values += list(P.unpack_e4m3x4(words[w]))
+            else:
+                values = P.unpack_bf16x8(words)
+            latent = piece < LATENT // 8
+            at = q_s + h * STRIDE + 2 * (32 * (piece // 4) + 2 * (piece % 4))
+            for kh in cutlass.range_constexpr(2):  # k step 2i + kh
+                for half in cutlass.range_constexpr(2):  # columns 2u (+ 8)
+                    lo, hi = values[4 * kh + 2 * half], values[4 * kh + 2 * half + 1]
+                    word = Uint32(cutlass.select_(latent, P.pack_f16x2(lo, hi), P.pack_bf16x2(lo, hi)))
+                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), word)
 
     @cute.jit
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
@@ -1170,16 +1553,22 @@ class SparseCore:
         (recorded), are zero-filled. threads / block threads share a row, each taking every
         (threads / block)-th 16-byte chunk, so a thread reads one slot id per block and its
         chunk offsets are constants."""
-        chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         stride = STRIDE if not self.mla_fp8 else FP8_ROW
         per_row = self.threads // self.block
         r, c0 = tid // per_row, tid % per_row
-        slot = ids_t[first + r]
+        self.copy_row(cache, ids_t[first + r], dst + r * stride, c0, per_row, pool_slots, error, token)
+
+    @cute.jit
+    def copy_row(self, cache, slot, row, c0, per_row: int, pool_slots, error, token):
+        """cp.async this thread's 16-byte chunks c0, c0 + per_row, ... of cache row `slot` to
+        shared `row`; a -1 slot, or one outside the pool (recorded by chunk 0's thread), is
+        zero-filled."""
+        chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         live = P.in_range(slot, pool_slots)
         if c0 == 0 and slot != -1 and not live:
             P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
         src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * c0
-        row = dst + r * stride + 16 * c0
+        row = row + 16 * c0
         for j in cutlass.range_constexpr((chunks + per_row - 1) // per_row):
             if cutlass.const_expr(per_row * (j + 1) <= chunks):
                 P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, live)
@@ -1209,15 +1598,15 @@ class SparseCore:
                 P.st_shared_u32x4(dst + 16 * c, P.ld_shared_u32x4(src + LATENT + 16 + 16 * (c - LATENT // 8)))
 
     @cute.jit
-    def load_queries(self, rows, head0, q_s, tid):
+    def load_queries(self, rows, head0, q_s, tid, threads: int):
         """The CTA's query rows -> shared memory as bf16 rows at STRIDE: bf16 rows by
         cp.async (the caller commits and waits), e4m3 rows by loads all issued first and
         widened exactly; rows at or past `gathered` are zeros."""
         if cutlass.const_expr(self.q_fp8):
             chunks = self.heads * (ROW // 16)
             loads = []
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = cutlass.min(tid + i * self.threads, chunks - 1)
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = cutlass.min(tid + i * threads, chunks - 1)
                 h, c = index // (ROW // 16), index % (ROW // 16)
                 loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered), h, c))
             for words, h, c in loads:  # a clamped duplicate rewrites the same bytes
@@ -1230,8 +1619,8 @@ class SparseCore:
                 P.st_shared_u32x4(q_s + h * STRIDE + 32 * c + 16, out[4:])
         else:
             chunks = self.heads * BF16_CHUNKS
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = tid + i * self.threads
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = tid + i * threads
                 if index < chunks:
                     h, c = index // BF16_CHUNKS, index % BF16_CHUNKS
                     P.cp_async_16(
