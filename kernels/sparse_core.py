@@ -580,9 +580,7 @@ class SparseCore:
         if cutlass.const_expr(not staged):
             q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
         copies = 4 if self.mla_fp8 else 1  # fp8: P x each 128-dim group's scales
-        p_s = smem.allocate_tensor(
-            Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128
-        ).iterator
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128).iterator
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
@@ -598,11 +596,27 @@ class SparseCore:
         consumer_regs, producer_regs = MMA_WS_REGS[m]
         if warp >= self.consumers // 32:
             cute.arch.setmaxregister_decrease(producer_regs)
-            self.produce_ring(slots, cache, ring, ids_s, full0, empty0, tid - self.consumers, split, token, error, pool_slots)
+            self.produce_ring(
+                slots, cache, ring, ids_s, full0, empty0, tid - self.consumers, split, token, error, pool_slots
+            )
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
             self.consume_ring(
-                q_rows, q_out, out, lse, partial_o, partial_ml, ring, q_s, p_s, ids_s, red, full0, empty0, tid, pool_slots
+                q_rows,
+                q_out,
+                out,
+                lse,
+                partial_o,
+                partial_ml,
+                ring,
+                q_s,
+                p_s,
+                ids_s,
+                red,
+                full0,
+                empty0,
+                tid,
+                pool_slots,
             )
 
     @cute.jit
@@ -803,8 +817,9 @@ class SparseCore:
     @cute.jit
     def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
         """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
-        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32 dims (bytes 8t .. 8t + 7: the
-        k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to match) and converts them
+        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
+        dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
+        match) and converts them
         exactly to f16; each 128-dim group has its own accumulators (scaled once at the
         end), the interleaved groups four independent MMA chains; the bf16 rope likewise
         (16 bytes per 32 dims, bf16 MMAs)."""

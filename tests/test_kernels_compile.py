@@ -453,27 +453,106 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
 
 
 def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(ptx):
+    """The plan's variants (16- and 32-row CTAs: partial_mma_ws by default) on mma.sync:
+    per block and column warp, 36 k steps of scores per 8-slot tile and P @ V over the
+    block's 16-slot steps x 8 n-tiles -- with the fp8 cache the latent's 32 k steps and
+    P @ V in f16 (the e4m3 rows widened exactly), the rope's 4 in bf16."""
     for shape_name, shape in SHAPES.items():
         names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
         choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
+        fp8 = shape.topology.mla_cache == "fp8"
         for name in names:
             op_slots = int(name.split("_s")[-1])
-            heads = sparse_core.heads_per_cta(shape.q_heads)
             block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
             text = ptx[(shape_name, name)]
             assert len(_entries(text)) == (2 if op_slots < shape.model.index_topk else 1)  # partial (+ combine)
             tiles = max(1, block // 8 // cols)  # QK slot tiles per warp: 36 k steps each
-            mmas = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
-            per_block = tiles * 36 + (block // 16) * (512 // cols // 8)  # + P @ V: k steps x n-tiles
-            assert mmas >= per_block and mmas % per_block == 0, (name, mmas)  # (the compiler may peel a block)
+            values = (block // 16) * (512 // cols // 8)  # P @ V: k steps x n-tiles
+            bf16 = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            f16 = text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+            counts = [(bf16, tiles * 4), (f16, tiles * 32 + values)] if fp8 else [(bf16, tiles * 36 + values), (f16, 0)]
+            for found, per_block in counts:  # (the compiler may peel a block)
+                assert found == per_block == 0 or (found >= per_block > 0 and found % per_block == 0), (name, counts)
             assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
-            assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
-            stages = sparse_core.ring_stages(heads, block, op_slots, shape.topology.mla_cache == "fp8")
-            assert "cp.async.cg.shared.global" in text and f"cp.async.wait_group {stages - 1}" in text
-    # the fp8 cache and fp8 query rows are widened in shared memory
+            assert ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (not fp8)
+            assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.shared::cta.b64" in text
+            assert ("prmt.b32" in text) == fp8
+    # the fp8 cache and fp8 query rows are widened exactly (e4m3 -> f16)
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
+
+
+MMA_SHAPES = {
+    **SHAPES,
+    "tp8-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
+    "tp8-dcp2": RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2)),
+    "tp8-dcp2-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2, q_format="fp8", mla_cache="fp8")),
+}
+
+
+def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
+    """PTX and cubin attributes of a SparseCore variant's partial kernel."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    partial = next(e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0])
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    return variant.op, partial, found
+
+
+@pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
+@pytest.mark.parametrize("shape_name", MMA_SHAPES)
+def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrier_in_its_loop(
+    tmp_path, shape_name, slots
+):
+    """16- and 32-row CTAs with a producer warpgroup (partial_mma_ws): 384 / 640 threads,
+    setmaxnreg re-dealing the launch's registers (168 / 96 a thread) as MMA_WS_REGS, no
+    spills; the ring's stages pass by full / empty mbarriers (full: the producer's arrivals
+    plus its copies landing, cp.async.mbarrier.arrive), the consumers meet at their named
+    barrier (bar.sync 1, consumers), and the CTA's one bar.sync 0 is before the loop (the
+    mbarriers' initialization)."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
+    heads = sparse_core.heads_per_cta(shape.q_heads)
+    assert op.mma_ws and not op.wgmma and op.threads == op.consumers + 128 == heads // 16 * 256 + 128
+    consumer, producer = sparse_core.MMA_WS_REGS[heads]
+    launch = 168 if heads == 16 else 96
+    assert found == {"regs": launch, "frame": 0}, found
+    assert (2 * consumer if heads == 16 else 4 * consumer) + producer == (3 if heads == 16 else 5) * launch
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{consumer};" in partial
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{producer};" in partial
+    assert f".reqntid {op.threads}, 1, 1" in partial and ".minnctapersm 1" in partial
+    assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
+    assert "cp.async.mbarrier.arrive.shared::cta.b64" in partial and "mbarrier.try_wait.parity" in partial
+    barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
+    assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", str(op.consumers))}, barriers
+    assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < partial.index("mbarrier.try_wait")
+    assert ".local" not in partial and "griddepcontrol.wait;" in partial
+
+
+@pytest.mark.parametrize("slots", [32, 1024])
+@pytest.mark.parametrize("shape_name", ["tp8", "kimi-dcp2-fp8", "tp8-dcp2"])
+def test_sparse_core_mma_path_without_a_producer_still_compiles(tmp_path, shape_name, slots):
+    """partial_mma_sync (MMA_PRODUCER off, bench_sparse_core.py --paths msync): every thread
+    copies its rows into a ring of ring_stages blocks (cp.async.wait_group stages - 1), CTA
+    barriers per block, no mbarriers; fp8 rows dequantized into bf16 rows in shared memory."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, False)
+    heads = sparse_core.heads_per_cta(shape.q_heads)
+    fp8 = shape.topology.mla_cache == "fp8"
+    assert not op.mma_ws and not op.producer and op.threads == heads // 16 * 256 and found["frame"] == 0
+    stages = sparse_core.ring_stages(heads, sparse_core.block_for(slots), slots, fp8)
+    assert f"cp.async.wait_group {stages - 1}" in partial and "mbarrier" not in partial
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in partial
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
@@ -701,7 +780,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16- and 32-row CTAs have no producer warpgroup whatever they say."""
+    slower at 16 and 64); 16- and 32-row CTAs take MMA_PRODUCER's."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
@@ -713,9 +792,12 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
             assert op.reshape == reshaped
-    for shape in SHAPES.values():
-        op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
-        assert not op.wgmma and not op.producer
+    for shape in SHAPES.values():  # 16 / 32 rows: MMA_PRODUCER's path (partial_mma_ws, or partial_mma_sync)
+        assert sparse_core.MMA_PRODUCER == {"fp8": True, "bf16": True}
+        op = catalog.build(shape, "sparse_core", slots=64).op
+        assert not op.wgmma and op.producer and op.mma_ws and not op.reshape
+        op = catalog.build(shape, "sparse_core", slots=64, producer=False).op
+        assert not op.wgmma and not op.producer and not op.mma_ws
 
 
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])

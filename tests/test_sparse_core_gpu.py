@@ -20,6 +20,7 @@ CASES = {  # name: (preset, topology, tolerance); gathered query rows in the nam
     "q8-kimi-tp8-bf16": ("kimi-k3.1", Topology(tp=8), BF16),  # 8 rows padded to a 16-row tile
     "q16-kimi-dcp2-fp8": ("kimi-k3.1", Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8"), FP8),
     "q32-tp8-dcp2-bf16": ("deepseek-v3.2", Topology(tp=8, dcp=2), BF16),
+    "q32-tp8-dcp2-fp8": ("deepseek-v3.2", Topology(tp=8, dcp=2, q_format="fp8", mla_cache="fp8"), FP8),
     "q64-kimi-tp1-fp8cache": ("kimi-k3.1", Topology(tp=1, mla_cache="fp8"), FP8),
     "q128-tp1-fp8": ("deepseek-v3.2", Topology(tp=1, q_format="fp8", mla_cache="fp8"), FP8),
     "q128-tp1-bf16": ("deepseek-v3.2", Topology(tp=1), BF16),
@@ -133,8 +134,21 @@ def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypa
 
 
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
+    """(16 rows: the producer warpgroup's ring of 2 .. 4 stages, one block or many, blocks
+    narrower than 64; the fp8 cache's rows converted into the MMA operands.)"""
+    _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 32, 2048])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q32-tp8-dcp2-fp8"])
+def test_the_mma_path_without_a_producer_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """sparse_core.MMA_PRODUCER off: 16- and 32-row CTAs where every thread copies
+    (partial_mma_sync; kept selectable for A/B runs: bench_sparse_core.py --paths msync)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER", dict.fromkeys(sparse_core.MMA_PRODUCER, False))
     _check(case, 5, slots_per_cta)
 
 
