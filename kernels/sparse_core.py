@@ -131,9 +131,10 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
+# Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
-# usual; "no_math": the consumers only wait for each block and release it.
+# usual (partial_mma_ws: zero-fills its ring); "no_math": the consumers only wait for each
+# block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
 # 16- and 32-row CTAs with a producer warpgroup (partial_mma_ws) by cache format: True =
@@ -330,7 +331,7 @@ class SparseCore:
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
-        self.probe = PROBE if self.wgmma and self.producer else ""
+        self.probe = PROBE if self.producer else ""
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         if self.wgmma:
@@ -644,7 +645,12 @@ class SparseCore:
                 release = release + P.select_i32(s == stages - 1, 1, 0)
             if release >= 0:
                 P.mbar_wait(empty0 + 8 * s, release % 2)
-            self.copy_row(cache, slot, ring + s * (block * stride) + r * stride, c0, per_row, pool_slots, error, token)
+            fetched = slot
+            if cutlass.const_expr(self.probe == "no_loads"):
+                fetched = Int32(-1)
+            self.copy_row(
+                cache, fetched, ring + s * (block * stride) + r * stride, c0, per_row, pool_slots, error, token
+            )
             if c0 == 0:
                 ids_s[s * block + r] = slot
             P.cp_async_mbar_arrive(full0 + 8 * s)
@@ -672,7 +678,6 @@ class SparseCore:
         m, block, stages = self.heads, self.block, self.stages
         consumers = self.consumers
         stride = FP8_ROW if self.mla_fp8 else STRIDE
-        p_stride = 2 * block + 16
         head0 = group * m
         rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
         if cutlass.const_expr(self.mla_fp8):
@@ -686,9 +691,6 @@ class SparseCore:
         mi, mj = lane // 8, lane % 8
         a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)
         q_lane = q_s + (mt * 16 + a_row) * STRIDE + 2 * a_col
-        p_lane = p_s + (mt * 16 + a_row) * p_stride + 2 * a_col
-        if cutlass.const_expr(self.mla_fp8):
-            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
         q_frags = []
         if cutlass.const_expr(self.q_in_registers):
             for ks in cutlass.range_constexpr(LATENT // 16 if self.mla_fp8 else K_STEPS):
@@ -700,11 +702,8 @@ class SparseCore:
                 P.mbar_arrive(empty0 + 8 * (stages - 1))
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, consumers)
-        scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         ntiles = LATENT // cols // 8
-        per = max(1, block // 8 // cols)
-
         acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
         row_max = [neg_inf, neg_inf]
         row_sum = [Float32(0), Float32(0)]
@@ -713,66 +712,9 @@ class SparseCore:
             s = b % stages
             kv = ring + s * (block * stride)
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
-            scores = [[neg_inf] * 4 for _ in range(per)]
-            if col * per < block // 8:
-                if cutlass.const_expr(self.mla_fp8):
-                    scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
-                else:
-                    scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
-                for j in cutlass.range_constexpr(per):
-                    for q in cutlass.range_constexpr(4):
-                        live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
-                        scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
-            for r in cutlass.range_constexpr(2):
-                top = scores[0][2 * r]
-                for j in cutlass.range_constexpr(per):
-                    top = cute.arch.fmax(top, cute.arch.fmax(scores[j][2 * r], scores[j][2 * r + 1]))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
-                if t == 0:
-                    red[col * m + mt * 16 + g + 8 * r] = top
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
-            alpha = [Float32(0), Float32(0)]
-            use = [Float32(0), Float32(0)]
-            for r in cutlass.range_constexpr(2):
-                top = row_max[r]
-                for c in cutlass.range_constexpr(cols):
-                    top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
-                use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
-                alpha[r] = P.exp2_approx(row_max[r] - use[r])
-                row_max[r] = top
-                row_sum[r] = row_sum[r] * alpha[r]
-            if col * per < block // 8:
-                for j in cutlass.range_constexpr(per):
-                    p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
-                    row_sum[0] = row_sum[0] + p[0] + p[1]
-                    row_sum[1] = row_sum[1] + p[2] + p[3]
-                    at = p_s + (mt * 16 + g) * p_stride
-                    if cutlass.const_expr(self.mla_fp8):
-                        # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
-                        # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
-                        n = (col * per + j) * 8 + 2 * t
-                        u = n % 16
-                        at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
-                        pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
-                        for v in cutlass.range_constexpr(4):
-                            where = at + v * m * p_stride
-                            P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
-                            P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
-                    else:
-                        at = at + 2 * ((col * per + j) * 8 + 2 * t)
-                        P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
-                        P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
-
-            for n in cutlass.range_constexpr(ntiles):
-                for q in cutlass.range_constexpr(4):
-                    acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
-            if cutlass.const_expr(self.mla_fp8):
-                acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
-            else:
-                acc_o = self.values_block(
-                    acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+            if cutlass.const_expr(self.probe != "no_math"):
+                row_max, row_sum, acc_o = self.consume_mma_block(
+                    q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
                 )
             cute.arch.sync_warp()
             if lane == 0:  # this warp's reads of stage s (its MMAs' operands, the slot ids) are done
@@ -815,14 +757,95 @@ class SparseCore:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
 
     @cute.jit
+    def consume_mma_block(self, q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+        """One block of consume_ring (stage s at kv): scores, the row max over the column warps
+        (named barrier), P into shared memory (named barrier), P @ V. Returns (row_max,
+        row_sum, acc_o)."""
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        mi, mj = lane // 8, lane % 8
+        cols = self.cols
+        mt, col = warp // cols, warp % cols
+        m, block, consumers = self.heads, self.block, self.consumers
+        p_stride = 2 * block + 16
+        p_lane = p_s + (mt * 16 + mj + 8 * (mi % 2)) * p_stride + 2 * 8 * (mi // 2)  # P @ V's A rows
+        if cutlass.const_expr(self.mla_fp8):
+            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        ntiles = LATENT // cols // 8
+        per = max(1, block // 8 // cols)
+        scores = [[neg_inf] * 4 for _ in range(per)]
+        if col * per < block // 8:
+            if cutlass.const_expr(self.mla_fp8):
+                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+            else:
+                scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
+            for j in cutlass.range_constexpr(per):
+                for q in cutlass.range_constexpr(4):
+                    live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
+                    scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
+        for r in cutlass.range_constexpr(2):
+            top = scores[0][2 * r]
+            for j in cutlass.range_constexpr(per):
+                top = cute.arch.fmax(top, cute.arch.fmax(scores[j][2 * r], scores[j][2 * r + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if t == 0:
+                red[col * m + mt * 16 + g + 8 * r] = top
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for r in cutlass.range_constexpr(2):
+            top = row_max[r]
+            for c in cutlass.range_constexpr(cols):
+                top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+            use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[r] = P.exp2_approx(row_max[r] - use[r])
+            row_max[r] = top
+            row_sum[r] = row_sum[r] * alpha[r]
+        if col * per < block // 8:
+            for j in cutlass.range_constexpr(per):
+                p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
+                row_sum[0] = row_sum[0] + p[0] + p[1]
+                row_sum[1] = row_sum[1] + p[2] + p[3]
+                at = p_s + (mt * 16 + g) * p_stride
+                if cutlass.const_expr(self.mla_fp8):
+                    # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
+                    # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
+                    n = (col * per + j) * 8 + 2 * t
+                    u = n % 16
+                    at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
+                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
+                    for v in cutlass.range_constexpr(4):
+                        where = at + v * m * p_stride
+                        P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
+                        P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
+                else:
+                    at = at + 2 * ((col * per + j) * 8 + 2 * t)
+                    P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+                    P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+
+        for n in cutlass.range_constexpr(ntiles):
+            for q in cutlass.range_constexpr(4):
+                acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
+        if cutlass.const_expr(self.mla_fp8):
+            acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
+        else:
+            acc_o = self.values_block(
+                acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+            )
+        return row_max, row_sum, acc_o
+
+    @cute.jit
     def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
         """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
         slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
         dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
-        match) and converts them
-        exactly to f16; each 128-dim group has its own accumulators (scaled once at the
-        end), the interleaved groups four independent MMA chains; the bf16 rope likewise
-        (16 bytes per 32 dims, bf16 MMAs)."""
+        match) and converts them exactly to f16; each 128-dim group has its own accumulators
+        (scaled once at the end), the interleaved groups four independent MMA chains; the
+        bf16 rope likewise (16 bytes per 32 dims, bf16 MMAs, Q's rope from shared memory)."""
         acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
         rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
         for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
