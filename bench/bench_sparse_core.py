@@ -13,10 +13,10 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16- /
-32-row CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws), msync = every thread
-copies (partial_mma_sync); default: the module's choice per cache (sparse_core.PRODUCER,
-sparse_core.MMA_PRODUCER).
+in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16-row
+CTAs' over the fp8 cache (TP 8): mws = the producer warpgroup (partial_mma_ws) at every
+split, msync = every thread copies (partial_mma_sync; bf16 caches take it whatever the path);
+default: the module's choice (sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS).
 --probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
 at --probe-batch.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
@@ -161,9 +161,9 @@ def main() -> int:
         for path, probe in paths:
             if path not in ("", "ws", "wsh", "wsr", "nows", "mws", "msync") or probe not in sparse_core.PROBES:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
-            default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER
+            default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
             if path in ("mws", "msync"):
-                sparse_core.MMA_PRODUCER = dict.fromkeys(mma, path == "mws")
+                sparse_core.MMA_PRODUCER_BLOCKS = 1 if path == "mws" else 1 << 30
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
             if path in ("wsh", "wsr"):
@@ -174,7 +174,7 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
-                sparse_core.MMA_PRODUCER = mma
+                sparse_core.MMA_PRODUCER_BLOCKS = mma
             for row in found:
                 row["path"] = (path or "default") + (f"+{probe}" if probe else "")
             rows += found

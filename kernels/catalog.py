@@ -188,8 +188,8 @@ def _dcp_merge(shape, pdl):
 def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | None = None):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
-    producer warpgroup or not; None: sparse_core.PRODUCER (64-row CTAs) or MMA_PRODUCER (16 / 32
-    rows) for the cache (the name says only a choice other than None)."""
+    producer warpgroup or not; None: sparse_core.PRODUCER for the cache (64-row CTAs), or
+    MMA_PRODUCER_BLOCKS (16 rows, fp8 cache; the name says only a choice other than None)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,

@@ -13,9 +13,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
-         (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
-         fragments in registers. Per block:
+         16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
+         row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
+         its query rows' A fragments in registers. Per block:
          - the block's cache rows are copied into shared memory once (cp.async, 16-byte
            chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
            blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
@@ -32,6 +32,11 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          Writes the split's unnormalized output and (max, sum), max in log2 units; with
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
+         16 rows over the fp8 cache from MMA_PRODUCER_BLOCKS blocks per CTA (B = 64 at TP 8):
+         `partial_mma_ws`, the same consumer warps beside a producer warpgroup that copies
+         raw rows into a ring behind full / empty mbarriers (no CTA barrier in the loop);
+         the consumers widen e4m3 straight into f16 MMA operands (no dequantization pass:
+         each 128-dim group's scale applied to its partial score and to P).
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
@@ -48,8 +53,13 @@ wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured s
 TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in half
 the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of every
 row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is left
-is the per-block CTA barriers of a one-CTA-per-SM kernel (for its 16- and 32-row CTAs a
-warp-specialized producer, as the 64-row fp8 path has, is the next lever). At 64-row tiles
+is the per-block CTA barriers of a one-CTA-per-SM kernel. A warp-specialized producer
+(partial_mma_ws) removes them but its one warpgroup of 16-byte cp.async moves only 13-14
+KB/us per SM (H200: alone 86.8 us for TP 8 bf16 B = 64, 51.8 fp8), half of what 8 copying
+warps reach: it wins only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
+consumers, fp8 conversions in the MMA operands included, take 39.6 us alone; the next lever
+is a producer of bulk copies (cp.async.bulk, one per row, no per-thread copies in flight).
+At 64-row tiles
 (wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row copies or loads)
 takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
 CTA per SM; an L2 bulk prefetch of the block after next was measured no better. The
@@ -137,13 +147,16 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# 16- and 32-row CTAs with a producer warpgroup (partial_mma_ws) by cache format: True =
-# partial_mma_ws, False = partial_mma_sync (every thread copies, CTA barriers per block).
-MMA_PRODUCER = {"fp8": True, "bf16": True}
+# 16-row CTAs over the fp8 cache with a producer warpgroup (partial_mma_ws) from this many
+# blocks per CTA, else partial_mma_sync. H200, TP 8 fp8 cache, same run (B = 1 / 4 / 16 / 64:
+# 1 / 1 / 4 / 16 blocks): 8.44 / 14.3 / 22.7 / 57.4 us against 6.91 / 11.1 / 20.7 / 64.3. Its
+# producer's cp.async bound it (13-14 KB/us per SM: the consumers alone take 39.6 us at B = 64,
+# the producer alone 51.8); with the bf16 cache it lost at B >= 4 (92.0 against 58.0 at B = 64).
+MMA_PRODUCER_BLOCKS = 16
 PRODUCER_THREADS = 128
-# setmaxnreg (consumer, producer) by rows per CTA: 16 rows launch 384 threads at 168 registers
-# (2 x 232 + 40), 32 rows 640 threads at 96 (4 x 104 + 64); the producer only issues cp.async.
-MMA_WS_REGS = {16: (232, 40), 32: (104, 64)}
+# partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
+# (the consumers hold the latent's 32 k steps of A fragments; the producer only issues cp.async).
+MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -195,24 +208,12 @@ def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> in
     return max(2, min(4, fit, slots_per_cta // block))
 
 
-def ws_stages(heads: int, block: int, mla_fp8: bool) -> int:
-    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in
-    HBM (bf16 at STRIDE, raw fp8 rows) with their slot ids, beside P (four copies with the
-    fp8 cache), the row maxima and the mbarriers; the query rows have their own space,
-    except 16 bf16-cache rows, which pass through the last stage into registers (q_in_ring:
-    three 64-row stages fit only so)."""
-    stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4)
-    fixed = heads * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * heads + 64 + 1024
-    fixed += 0 if q_in_ring(heads, mla_fp8) else heads * STRIDE
+def ws_stages(block: int) -> int:
+    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): raw fp8 rows with their slot
+    ids, beside the 16 query rows, P (four copies), the row maxima and the mbarriers."""
+    stage = block * (FP8_ROW + 4)
+    fixed = 16 * (2 * block + 16) * 4 + 4 * 8 * 16 + 64 + 1024 + 16 * STRIDE
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
-
-
-def q_in_ring(heads: int, mla_fp8: bool) -> bool:
-    """partial_mma_ws stages its query rows in the ring's last stage (16 rows, bf16 cache:
-    all their A fragments then live in registers). With the fp8 cache the rope's 4 k steps
-    are read from shared memory each block instead (the consumers' 232 registers hold the
-    latent's 32 and the fp8 conversions, not 36)."""
-    return heads == 16 and not mla_fp8
 
 
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
@@ -306,9 +307,10 @@ class SparseCore:
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
-        producer: a producer warpgroup loads the rows (64 rows: partial_wgmma_ws, 16 / 32:
-        partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
-        module's PRODUCER (64 rows) or MMA_PRODUCER for the cache."""
+        producer: a producer warpgroup loads the rows (64 rows: partial_wgmma_ws; 16 rows
+        over the fp8 cache: partial_mma_ws), or every thread does (partial_wgmma,
+        partial_mma_sync); None: the module's PRODUCER for the cache (64 rows), or
+        partial_mma_ws from MMA_PRODUCER_BLOCKS blocks per CTA."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -319,15 +321,19 @@ class SparseCore:
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        cache_format = "fp8" if mla_fp8 else "bf16"
-        self.producer = (PRODUCER if self.wgmma else MMA_PRODUCER)[cache_format] if producer is None else producer
-        # 16 / 32 rows with a producer warpgroup: partial_mma_ws
+        if self.wgmma:
+            self.producer = PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer
+        else:  # partial_mma_ws: 16 rows over the fp8 cache only
+            if producer and not (mla_fp8 and self.heads == 16):
+                raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA and the fp8 cache")
+            default = mla_fp8 and self.heads == 16 and slots_per_cta // self.block >= MMA_PRODUCER_BLOCKS
+            self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
         if self.wgmma:
             self.stages = 2
         elif self.mma_ws:
-            self.stages = ws_stages(self.heads, self.block, mla_fp8)
+            self.stages = ws_stages(self.block)
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
@@ -436,7 +442,7 @@ class SparseCore:
             c = tid + i * self.threads
             if c < ids_chunks:
                 P.cp_async_16(ids_t.iterator + 4 * c, slots + token * self.k + split * self.slots_per_cta + 4 * c, True)
-        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid, self.threads)
+        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
         P.cp_async_commit()
         P.cp_async_wait(0)
         cute.arch.sync_threads()
@@ -557,31 +563,21 @@ class SparseCore:
 
     @cute.jit
     def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """16- and 32-row CTAs with a producer warpgroup: the consumer warps of partial_mma_sync
-        (tid < consumers) and a producer warpgroup (produce_ring) behind full / empty
-        mbarriers over a ring of `stages` blocks of cache rows as they are in HBM (bf16 rows
-        at STRIDE, or raw fp8 rows). The consumers meet only at their named barrier (twice
-        a block: the row maxima, then P) and never wait on a copy they issued; with the fp8
-        cache they convert the raw rows into their MMA operands (consume_ring). 16 query
-        rows pass through the ring's last stage on their way into registers (the producer
-        fills that stage first once the consumers release it; q_in_ring)."""
+        """16-row CTAs over the fp8 cache with a producer warpgroup: the 8 consumer warps of
+        partial_mma_sync (tid < 256) and a producer warpgroup (produce_ring) behind full /
+        empty mbarriers over a ring of `stages` blocks of raw fp8 rows as they are in HBM.
+        The consumers meet only at their named barrier (twice a block: the row maxima, then
+        P), never wait on a copy they issued, and convert the raw rows straight into their
+        MMA operands (consume_ring): no dequantization pass."""
         tid, _, _ = cute.arch.thread_idx()
         split, _, token = cute.arch.block_idx()
         warp = tid // 32
         m, block, stages = self.heads, self.block, self.stages
-        stride = FP8_ROW if self.mla_fp8 else STRIDE
-        stage_bytes = block * stride
-        ring_bytes = stages * stage_bytes
-        staged = q_in_ring(m, self.mla_fp8)
-        if cutlass.const_expr(staged):
-            ring_bytes = max(ring_bytes, (stages - 1) * stage_bytes + m * STRIDE)
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(ring_bytes), byte_alignment=128).iterator
-        q_s = ring + (stages - 1) * stage_bytes
-        if cutlass.const_expr(not staged):
-            q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
-        copies = 4 if self.mla_fp8 else 1  # fp8: P x each 128-dim group's scales
-        p_s = smem.allocate_tensor(Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128).iterator
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(stages * block * FP8_ROW), byte_alignment=128).iterator
+        q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
+        # P x each 128-dim group's scales (a column warp's 64 dims lie in one group)
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(4 * m * (2 * block + 16)), byte_alignment=128).iterator
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
@@ -594,14 +590,13 @@ class SparseCore:
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        consumer_regs, producer_regs = MMA_WS_REGS[m]
         if warp >= self.consumers // 32:
-            cute.arch.setmaxregister_decrease(producer_regs)
+            cute.arch.setmaxregister_decrease(MMA_PRODUCER_REGS)
             self.produce_ring(
                 slots, cache, ring, ids_s, full0, empty0, tid - self.consumers, split, token, error, pool_slots
             )
         else:
-            cute.arch.setmaxregister_increase(consumer_regs)
+            cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
             self.consume_ring(
                 q_rows,
                 q_out,
@@ -630,7 +625,6 @@ class SparseCore:
         in flight until read. Slot ids load a block ahead."""
         block, stages = self.block, self.stages
         blocks = self.slots_per_cta // block
-        stride = FP8_ROW if self.mla_fp8 else STRIDE
         per_row = PRODUCER_THREADS // block
         r, c0 = ptid // per_row, ptid % per_row
         ids_row = slots + token * self.k + split * self.slots_per_cta + r
@@ -638,18 +632,14 @@ class SparseCore:
         for b in range(blocks):
             s = b % stages
             upcoming = P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block)
-            # the release this stage waits for: block b - stages's, or (16 rows) the query
-            # rows' for the last stage's first fill
-            release = b // stages - 1
-            if cutlass.const_expr(q_in_ring(self.heads, self.mla_fp8)):
-                release = release + P.select_i32(s == stages - 1, 1, 0)
+            release = b // stages - 1  # block b - stages's consumers are done with the stage
             if release >= 0:
                 P.mbar_wait(empty0 + 8 * s, release % 2)
             fetched = slot
             if cutlass.const_expr(self.probe == "no_loads"):
                 fetched = Int32(-1)
             self.copy_row(
-                cache, fetched, ring + s * (block * stride) + r * stride, c0, per_row, pool_slots, error, token
+                cache, fetched, ring + s * (block * FP8_ROW) + r * FP8_ROW, c0, per_row, pool_slots, error, token
             )
             if c0 == 0:
                 ids_s[s * block + r] = slot
@@ -664,12 +654,15 @@ class SparseCore:
     ):
         """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
         waited for on its full mbarrier and released on its empty one by every warp after
-        its P @ V. With the fp8 cache the raw rows are the MMA operands' source (score_tiles_fp8,
+        its P @ V. The raw rows are the MMA operands' source (score_tiles_fp8,
         values_block_fp8): e4m3 widened exactly to f16 (f16 MMAs), each 128-dim group's
         scale applied to its partial score and to P (four copies of P, one per group: a
         column warp's 64 dims lie in one group); the k order of the scores and the slot and
         dim orders of P @ V are permuted (consistently for Q, P and the output) so that each
-        thread reads whole words of a row."""
+        thread reads whole words of a row. The latent's 32 k steps of Q's A fragments stay
+        in registers (f16: a query element beyond f16's range would not be exact), the
+        rope's 4 are read from shared memory each block. P x scale in f16 flushes terms
+        below its subnormals (2^-24), each under 2^-24 x 448 of the output."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -677,29 +670,15 @@ class SparseCore:
         mt, col = warp // cols, warp % cols
         m, block, stages = self.heads, self.block, self.stages
         consumers = self.consumers
-        stride = FP8_ROW if self.mla_fp8 else STRIDE
         head0 = group * m
         rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
-        if cutlass.const_expr(self.mla_fp8):
-            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
-        else:
-            self.load_queries(rows, head0, q_s, tid, consumers)
-            P.cp_async_commit()
-            P.cp_async_wait(0)
+        self.load_queries_permuted(rows, head0, q_s, tid, consumers)
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
 
         mi, mj = lane // 8, lane % 8
         a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)
         q_lane = q_s + (mt * 16 + a_row) * STRIDE + 2 * a_col
-        q_frags = []
-        if cutlass.const_expr(self.q_in_registers):
-            for ks in cutlass.range_constexpr(LATENT // 16 if self.mla_fp8 else K_STEPS):
-                q_frags.append(P.ldmatrix_x4(q_lane + 2 * 16 * ks))
-        if cutlass.const_expr(q_in_ring(m, self.mla_fp8)):
-            P.fence_proxy_async()
-            cute.arch.sync_warp()
-            if lane == 0:  # this warp's reads of the staged rows are done: the stage is the producer's
-                P.mbar_arrive(empty0 + 8 * (stages - 1))
+        q_frags = [P.ldmatrix_x4(q_lane + 2 * 16 * ks) for ks in range(LATENT // 16)]
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, consumers)
         neg_inf = Float32(-math.inf)
@@ -710,7 +689,7 @@ class SparseCore:
         blocks = self.slots_per_cta // block
         for b in range(blocks):
             s = b % stages
-            kv = ring + s * (block * stride)
+            kv = ring + s * (block * FP8_ROW)
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
             if cutlass.const_expr(self.probe != "no_math"):
                 row_max, row_sum, acc_o = self.consume_mma_block(
@@ -734,13 +713,10 @@ class SparseCore:
             total = Float32(0)
             for c in cutlass.range_constexpr(cols):
                 total = total + red[c * m + mt * 16 + g + 8 * r]
-            # this thread's dims: 2t, 2t + 1 of each 8-dim tile n; with the fp8 cache (the
-            # permuted dims) 16t + n and 16t + 8 + n of the warp's 64
-            values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
-            if cutlass.const_expr(self.mla_fp8):
-                values = [acc_o[n][2 * r + e] for e in range(2) for n in range(ntiles)]
-            dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
-            step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
+            # this thread's dims (P @ V's permuted n): 16t + n and 16t + 8 + n of the warp's 64
+            values = [acc_o[n][2 * r + e] for e in range(2) for n in range(ntiles)]
+            dims = 8 * ntiles * col + 16 * t
+            step = 2  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
                     inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
@@ -769,18 +745,14 @@ class SparseCore:
         m, block, consumers = self.heads, self.block, self.consumers
         p_stride = 2 * block + 16
         p_lane = p_s + (mt * 16 + mj + 8 * (mi % 2)) * p_stride + 2 * 8 * (mi // 2)  # P @ V's A rows
-        if cutlass.const_expr(self.mla_fp8):
-            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
+        p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         ntiles = LATENT // cols // 8
         per = max(1, block // 8 // cols)
         scores = [[neg_inf] * 4 for _ in range(per)]
         if col * per < block // 8:
-            if cutlass.const_expr(self.mla_fp8):
-                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
-            else:
-                scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
+            scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
             for j in cutlass.range_constexpr(per):
                 for q in cutlass.range_constexpr(4):
                     live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
@@ -810,32 +782,22 @@ class SparseCore:
                 row_sum[0] = row_sum[0] + p[0] + p[1]
                 row_sum[1] = row_sum[1] + p[2] + p[3]
                 at = p_s + (mt * 16 + g) * p_stride
-                if cutlass.const_expr(self.mla_fp8):
-                    # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
-                    # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
-                    n = (col * per + j) * 8 + 2 * t
-                    u = n % 16
-                    at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
-                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
-                    for v in cutlass.range_constexpr(4):
-                        where = at + v * m * p_stride
-                        P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
-                        P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
-                else:
-                    at = at + 2 * ((col * per + j) * 8 + 2 * t)
-                    P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
-                    P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
+                # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a 16-slot
+                # step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
+                n = (col * per + j) * 8 + 2 * t
+                u = n % 16
+                at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
+                pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
+                for v in cutlass.range_constexpr(4):
+                    where = at + v * m * p_stride
+                    P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
+                    P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
 
         for n in cutlass.range_constexpr(ntiles):
             for q in cutlass.range_constexpr(4):
                 acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
-        if cutlass.const_expr(self.mla_fp8):
-            acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
-        else:
-            acc_o = self.values_block(
-                acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
-            )
+        acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
         return row_max, row_sum, acc_o
 
     @cute.jit
@@ -854,18 +816,13 @@ class SparseCore:
                 for h in cutlass.range_constexpr(2):
                     for grp in cutlass.range_constexpr(4):
                         kk = 2 * (4 * grp + step) + h
-                        a = None
-                        if cutlass.const_expr(self.q_in_registers):
-                            a = q_frags[kk]
-                        else:
-                            a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
-                        acc[j][grp] = P.mma_f16_16816(a, P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
+                        acc[j][grp] = P.mma_f16_16816(q_frags[kk], P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
         for i in cutlass.range_constexpr((ROW - LATENT) // 32):
             for j in cutlass.range_constexpr(per):
                 words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
                 for h in cutlass.range_constexpr(2):
                     kk = LATENT // 16 + 2 * i + h
-                    a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)  # (q_in_ring)
+                    a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
                     acc[j][4] = P.mma_bf16_16816(a, (words[2 * h], words[2 * h + 1]), acc[j][4])
         scores = []
         for j in cutlass.range_constexpr(per):
@@ -1636,15 +1593,15 @@ class SparseCore:
                 P.st_shared_u32x4(dst + 16 * c, P.ld_shared_u32x4(src + LATENT + 16 + 16 * (c - LATENT // 8)))
 
     @cute.jit
-    def load_queries(self, rows, head0, q_s, tid, threads: int):
+    def load_queries(self, rows, head0, q_s, tid):
         """The CTA's query rows -> shared memory as bf16 rows at STRIDE: bf16 rows by
         cp.async (the caller commits and waits), e4m3 rows by loads all issued first and
         widened exactly; rows at or past `gathered` are zeros."""
         if cutlass.const_expr(self.q_fp8):
             chunks = self.heads * (ROW // 16)
             loads = []
-            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
-                index = cutlass.min(tid + i * threads, chunks - 1)
+            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
+                index = cutlass.min(tid + i * self.threads, chunks - 1)
                 h, c = index // (ROW // 16), index % (ROW // 16)
                 loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered), h, c))
             for words, h, c in loads:  # a clamped duplicate rewrites the same bytes
@@ -1657,8 +1614,8 @@ class SparseCore:
                 P.st_shared_u32x4(q_s + h * STRIDE + 32 * c + 16, out[4:])
         else:
             chunks = self.heads * BF16_CHUNKS
-            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
-                index = tid + i * threads
+            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
+                index = tid + i * self.threads
                 if index < chunks:
                     h, c = index // BF16_CHUNKS, index % BF16_CHUNKS
                     P.cp_async_16(

@@ -453,10 +453,12 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
 
 
 def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(ptx):
-    """The plan's variants (16- and 32-row CTAs: partial_mma_ws by default) on mma.sync:
-    per block and column warp, 36 k steps of scores per 8-slot tile and P @ V over the
-    block's 16-slot steps x 8 n-tiles -- with the fp8 cache the latent's 32 k steps and
-    P @ V in f16 (the e4m3 rows widened exactly), the rope's 4 in bf16."""
+    """The plan's variants of 16- and 32-row CTAs on mma.sync: per block and column warp, 36
+    k steps of scores per 8-slot tile and P @ V over the block's 16-slot steps x 8 n-tiles.
+    partial_mma_sync (every thread copies into a ring of ring_stages blocks) in bf16, fp8
+    rows dequantized in shared memory; partial_mma_ws (16 rows, fp8 cache, from
+    MMA_PRODUCER_BLOCKS blocks) the latent's 32 k steps and P @ V in f16 on the raw rows
+    (e4m3 widened exactly, byte-permuted), the rope's 4 in bf16, behind mbarriers."""
     for shape_name, shape in SHAPES.items():
         names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
         choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
@@ -464,6 +466,9 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         fp8 = shape.topology.mla_cache == "fp8"
         for name in names:
             op_slots = int(name.split("_s")[-1])
+            op = catalog.build(shape, "sparse_core", slots=op_slots).op
+            assert op.mma_ws == (fp8 and op_slots >= 64 * sparse_core.MMA_PRODUCER_BLOCKS)
+            heads = sparse_core.heads_per_cta(shape.q_heads)
             block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
             text = ptx[(shape_name, name)]
             assert len(_entries(text)) == (2 if op_slots < shape.model.index_topk else 1)  # partial (+ combine)
@@ -471,14 +476,19 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
             values = (block // 16) * (512 // cols // 8)  # P @ V: k steps x n-tiles
             bf16 = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
             f16 = text.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
-            counts = [(bf16, tiles * 4), (f16, tiles * 32 + values)] if fp8 else [(bf16, tiles * 36 + values), (f16, 0)]
+            counts = [(bf16, tiles * 4), (f16, tiles * 32 + values)] if op.mma_ws else [(bf16, tiles * 36 + values)]
             for found, per_block in counts:  # (the compiler may peel a block)
-                assert found == per_block == 0 or (found >= per_block > 0 and found % per_block == 0), (name, counts)
-            assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
-            assert ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (not fp8)
-            assert "cp.async.cg.shared.global" in text and "cp.async.mbarrier.arrive.shared::cta.b64" in text
-            assert ("prmt.b32" in text) == fp8
-    # the fp8 cache and fp8 query rows are widened exactly (e4m3 -> f16)
+                assert found >= per_block and found % per_block == 0, (name, counts)
+            assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text and "cp.async.cg.shared.global" in text
+            if op.mma_ws:
+                assert "cp.async.mbarrier.arrive.shared::cta.b64" in text and "prmt.b32" in text
+                assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" not in text
+            else:
+                assert f16 == 0 and "mbarrier" not in text
+                assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
+                stages = sparse_core.ring_stages(heads, block, op_slots, fp8)
+                assert f"cp.async.wait_group {stages - 1}" in text
+    # the fp8 cache and fp8 query rows are widened exactly
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
 
@@ -509,41 +519,39 @@ def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
 
 
 @pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
-@pytest.mark.parametrize("shape_name", MMA_SHAPES)
+@pytest.mark.parametrize("shape_name", ["tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrier_in_its_loop(
     tmp_path, shape_name, slots
 ):
-    """16- and 32-row CTAs with a producer warpgroup (partial_mma_ws): 384 / 640 threads,
-    setmaxnreg re-dealing the launch's registers (168 / 96 a thread) as MMA_WS_REGS, no
-    spills; the ring's stages pass by full / empty mbarriers (full: the producer's arrivals
-    plus its copies landing, cp.async.mbarrier.arrive), the consumers meet at their named
-    barrier (bar.sync 1, consumers), and the CTA's one bar.sync 0 is before the loop (the
-    mbarriers' initialization)."""
+    """16-row CTAs over the fp8 cache with a producer warpgroup (partial_mma_ws): 384 threads,
+    setmaxnreg re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
+    MMA_PRODUCER_REGS, no spills; the ring's stages pass by full / empty mbarriers (full:
+    the producer's arrivals plus its copies landing, cp.async.mbarrier.arrive), the
+    consumers meet at their named barrier (bar.sync 1, 256), and the CTA's one bar.sync 0
+    is before the loop (the mbarriers' initialization)."""
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
-    heads = sparse_core.heads_per_cta(shape.q_heads)
-    assert op.mma_ws and not op.wgmma and op.threads == op.consumers + 128 == heads // 16 * 256 + 128
-    consumer, producer = sparse_core.MMA_WS_REGS[heads]
-    launch = 168 if heads == 16 else 96
-    assert found == {"regs": launch, "frame": 0}, found
-    assert (2 * consumer if heads == 16 else 4 * consumer) + producer == (3 if heads == 16 else 5) * launch
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{consumer};" in partial
-    assert f"setmaxnreg.dec.sync.aligned.u32 \t{producer};" in partial
-    assert f".reqntid {op.threads}, 1, 1" in partial and ".minnctapersm 1" in partial
+    assert op.mma_ws and not op.wgmma and op.threads == op.consumers + 128 == 384
+    assert found == {"regs": 168, "frame": 0}, found
+    assert 2 * sparse_core.MMA_CONSUMER_REGS + sparse_core.MMA_PRODUCER_REGS == 3 * 168
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};" in partial
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};" in partial
+    assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
     assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
     assert "cp.async.mbarrier.arrive.shared::cta.b64" in partial and "mbarrier.try_wait.parity" in partial
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
-    assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", str(op.consumers))}, barriers
+    assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", "256")}, barriers
     assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < partial.index("mbarrier.try_wait")
-    assert ".local" not in partial and "griddepcontrol.wait;" in partial
+    assert ".local" not in partial and "cvt.rn.f16x2.e4m3x2" in partial
 
 
 @pytest.mark.parametrize("slots", [32, 1024])
-@pytest.mark.parametrize("shape_name", ["tp8", "kimi-dcp2-fp8", "tp8-dcp2"])
-def test_sparse_core_mma_path_without_a_producer_still_compiles(tmp_path, shape_name, slots):
-    """partial_mma_sync (MMA_PRODUCER off, bench_sparse_core.py --paths msync): every thread
-    copies its rows into a ring of ring_stages blocks (cp.async.wait_group stages - 1), CTA
-    barriers per block, no mbarriers; fp8 rows dequantized into bf16 rows in shared memory."""
+@pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8", "tp8-dcp2", "tp8-dcp2-fp8"])
+def test_sparse_core_mma_path_without_a_producer(tmp_path, shape_name, slots):
+    """partial_mma_sync (16- and 32-row CTAs but partial_mma_ws's; bench_sparse_core.py
+    --paths msync): every thread copies its rows into a ring of ring_stages blocks
+    (cp.async.wait_group stages - 1), CTA barriers per block, no mbarriers, no spills; fp8
+    rows dequantized into bf16 rows in shared memory."""
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, False)
     heads = sparse_core.heads_per_cta(shape.q_heads)
@@ -780,7 +788,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16- and 32-row CTAs take MMA_PRODUCER's."""
+    slower at 16 and 64); 16- and 32-row CTAs take partial_mma_ws or partial_mma_sync."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
@@ -792,12 +800,20 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
             assert op.reshape == reshaped
-    for shape in SHAPES.values():  # 16 / 32 rows: MMA_PRODUCER's path (partial_mma_ws, or partial_mma_sync)
-        assert sparse_core.MMA_PRODUCER == {"fp8": True, "bf16": True}
-        op = catalog.build(shape, "sparse_core", slots=64).op
-        assert not op.wgmma and op.producer and op.mma_ws and not op.reshape
-        op = catalog.build(shape, "sparse_core", slots=64, producer=False).op
-        assert not op.wgmma and not op.producer and not op.mma_ws
+    # 16 / 32 rows: partial_mma_ws for 16-row CTAs over the fp8 cache with at least
+    # MMA_PRODUCER_BLOCKS blocks (measured faster at B = 64 only), else partial_mma_sync
+    assert sparse_core.MMA_PRODUCER_BLOCKS == 16  # as measured (notes: H200, 2026-12-03)
+    for name, shape in MMA_SHAPES.items():
+        fp8_16 = shape.topology.mla_cache == "fp8" and sparse_core.heads_per_cta(shape.q_heads) == 16
+        for batch in (1, 4, 16, 32, 64):
+            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
+            op = catalog.build(shape, "sparse_core", slots=slots).op
+            assert not op.wgmma and not op.reshape and op.producer == op.mma_ws == (fp8_16 and batch == 64), name
+        if fp8_16:
+            assert catalog.build(shape, "sparse_core", slots=64, producer=True).op.mma_ws
+        else:
+            with pytest.raises(ValueError, match="16 rows per CTA and the fp8 cache"):
+                catalog.build(shape, "sparse_core", slots=64, producer=True)
 
 
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])

@@ -136,20 +136,28 @@ def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypa
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
-    """(16 rows: the producer warpgroup's ring of 2 .. 4 stages, one block or many, blocks
-    narrower than 64; the fp8 cache's rows converted into the MMA operands.)"""
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("slots_per_cta", [None, 32, 2048])
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q32-tp8-dcp2-fp8"])
-def test_the_mma_path_without_a_producer_matches_the_reference(monkeypatch, case, slots_per_cta):
-    """sparse_core.MMA_PRODUCER off: 16- and 32-row CTAs where every thread copies
-    (partial_mma_sync; kept selectable for A/B runs: bench_sparse_core.py --paths msync)."""
+@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
+def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, slots_per_cta):
+    """partial_mma_ws (16 rows, fp8 cache) at every block count, whatever MMA_PRODUCER_BLOCKS
+    says (bench_sparse_core.py --paths mws): its ring of 2 .. 4 stages, one block or many,
+    blocks narrower than 64, the raw rows converted into the MMA operands."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER", dict.fromkeys(sparse_core.MMA_PRODUCER, False))
-    _check(case, 5, slots_per_cta)
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+    _check("q16-kimi-dcp2-fp8", 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 1024, 2048])
+def test_the_fp8_cache_without_the_mma_producer_matches_the_reference(monkeypatch, slots_per_cta):
+    """partial_mma_sync over the fp8 cache where partial_mma_ws is the default (from
+    MMA_PRODUCER_BLOCKS blocks; bench_sparse_core.py --paths msync)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1 << 30)
+    _check("q16-kimi-dcp2-fp8", 5, slots_per_cta)
 
 
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
