@@ -660,9 +660,9 @@ class SparseCore:
         column warp's 64 dims lie in one group); the k order of the scores and the slot and
         dim orders of P @ V are permuted (consistently for Q, P and the output) so that each
         thread reads whole words of a row. The latent's 32 k steps of Q's A fragments stay
-        in registers (f16: a query element beyond f16's range would not be exact), the
-        rope's 4 are read from shared memory each block. P x scale in f16 flushes terms
-        below its subnormals (2^-24), each under 2^-24 x 448 of the output."""
+        in registers, the rope's 4 are read from shared memory each block. f16's range
+        bounds what this path takes exactly: query elements and P x scale up to 65504 (a
+        scale of at most 65504), P x scale below 2^-14 with fewer bits."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
