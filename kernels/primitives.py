@@ -211,19 +211,20 @@ def pack_bf16x2(low, high) -> Uint32:
     )
 
 
-def pack_f16x2(low, high) -> Uint32:
-    """Round two fp32 to nearest-even f16: low in bits 0-15."""
-    return cute.arch.inline_ptx(
-        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
-    )
+# e4m3 widened to bf16 by bits: the f16 of an e4m3 is always normal (2^-9 .. 448), so its
+# exponent and top 7 mantissa bits, moved down 3 bits under its sign, are a bf16 of the
+# value x 2^-112 (bias 15 against 127), exactly, zero included (an e4m3 NaN reads finite).
+E4M3_BF16_SHIFT = 112
 
 
-def e4m3x4_to_f16x2(word) -> tuple:
-    """A word of four e4m3 (element 0 in bits 0-7) -> two words of f16 pairs (exact):
-    elements 0, 1 and elements 2, 3, the lower element in bits 0-15."""
+def e4m3x4_to_bf16x2(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> two words of bf16 pairs of the values x
+    2^-E4M3_BF16_SHIFT (exact): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
     return cute.arch.inline_ptx(
-        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
-        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
+        "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h0, h1, t0, t1;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
+        "shr.b32 t0, h0, 3;\n\tshr.b32 t1, h1, 3;\n\tand.b32 t0, t0, 0x0FFF0FFF;\n\tand.b32 t1, t1, 0x0FFF0FFF;\n\t"
+        "lop3.b32 {$w0}, h0, 0x80008000, t0, 0xEA;\n\tlop3.b32 {$w1}, h1, 0x80008000, t1, 0xEA;\n\t}",
         write_only_types=[Uint32, Uint32],
         read_only_args=[word],
     )
@@ -545,11 +546,6 @@ def _mma(shape_and_types: str, a, b, c) -> list:
 def mma_bf16_16816(a, b, c) -> list:
     """m16n8k16, bf16 pairs in each word."""
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
-
-
-def mma_f16_16816(a, b, c) -> list:
-    """m16n8k16, f16 pairs in each word."""
-    return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
 
 
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:

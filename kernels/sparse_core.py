@@ -147,16 +147,25 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# 16-row CTAs over the fp8 cache with a producer warpgroup (partial_mma_ws) from this many
-# blocks per CTA, else partial_mma_sync. H200, TP 8 fp8 cache, same run (B = 1 / 4 / 16 / 64:
-# 1 / 1 / 4 / 16 blocks): 8.44 / 14.3 / 22.7 / 57.4 us against 6.91 / 11.1 / 20.7 / 64.3. Its
-# producer's cp.async bound it (13-14 KB/us per SM: the consumers alone take 39.6 us at B = 64,
-# the producer alone 51.8); with the bf16 cache it lost at B >= 4 (92.0 against 58.0 at B = 64).
-MMA_PRODUCER_BLOCKS = 16
-PRODUCER_THREADS = 128
+# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, else
+# partial_mma_sync. Never by default: its producer of bulk copies has not run on a GPU. Its
+# predecessor (a warpgroup of 16-byte cp.async, H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 /
+# 16 blocks, same run): fp8 8.44 / 14.3 / 22.7 / 57.4 us against 6.91 / 11.1 / 20.7 / 64.3,
+# bf16 5.82 / 11.6 / 26.3 / 92.0 against 6.59 / 10.5 / 20.2 / 58.0 -- bound by its copies (13-14
+# KB/us per SM; its consumers alone 36.6 bf16 / 39.6 fp8 us at B = 64, its producer alone 86.8 /
+# 51.8). bench_sparse_core.py --paths msync,mws compares them.
+MMA_PRODUCER_BLOCKS = 1 << 30
+PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
-# (the consumers hold the latent's 32 k steps of A fragments; the producer only issues cp.async).
+# (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
+# bulk copies).
 MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
+# partial_mma_ws over the fp8 cache widens e4m3 into bf16 operands as value x 2^-112
+# (primitives.E4M3_BF16_SHIFT); half the offset goes into Q (x 2^56, exact) and into P x scale,
+# the other half comes back in fp32 (scores x scale x 2^56, outputs x 2^56). So the operands
+# keep bf16's (fp32's) range, where f16 operands overflowed past 65504 (query elements, P x
+# scale): only query elements past 2^72 or scales past 2^72 overflow.
+MMA_FP8_SHIFT = 2.0 ** (P.E4M3_BF16_SHIFT // 2)
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -208,11 +217,15 @@ def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> in
     return max(2, min(4, fit, slots_per_cta // block))
 
 
-def ws_stages(block: int) -> int:
-    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): raw fp8 rows with their slot
-    ids, beside the 16 query rows, P (four copies), the row maxima and the mbarriers."""
-    stage = block * (FP8_ROW + 4)
-    fixed = 16 * (2 * block + 16) * 4 + 4 * 8 * 16 + 64 + 1024 + 16 * STRIDE
+def ws_stages(block: int, mla_fp8: bool) -> int:
+    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
+    (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
+    with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
+    their own space, the bf16 cache's pass through the last stage into registers (three
+    64-row bf16 stages fit only so)."""
+    stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
+    fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
+    fixed += 16 * STRIDE if mla_fp8 else 0
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
@@ -307,10 +320,10 @@ class SparseCore:
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
-        producer: a producer warpgroup loads the rows (64 rows: partial_wgmma_ws; 16 rows
-        over the fp8 cache: partial_mma_ws), or every thread does (partial_wgmma,
-        partial_mma_sync); None: the module's PRODUCER for the cache (64 rows), or
-        partial_mma_ws from MMA_PRODUCER_BLOCKS blocks per CTA."""
+        producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
+        partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
+        module's PRODUCER for the cache (64 rows), or partial_mma_ws from
+        MMA_PRODUCER_BLOCKS blocks per CTA."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -323,17 +336,17 @@ class SparseCore:
         self.wgmma = self.heads == WG_ROWS
         if self.wgmma:
             self.producer = PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer
-        else:  # partial_mma_ws: 16 rows over the fp8 cache only
-            if producer and not (mla_fp8 and self.heads == 16):
-                raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA and the fp8 cache")
-            default = mla_fp8 and self.heads == 16 and slots_per_cta // self.block >= MMA_PRODUCER_BLOCKS
+        else:  # partial_mma_ws: 16 rows only
+            if producer and self.heads != 16:
+                raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA")
+            default = self.heads == 16 and slots_per_cta // self.block >= MMA_PRODUCER_BLOCKS
             self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
         if self.wgmma:
             self.stages = 2
         elif self.mma_ws:
-            self.stages = ws_stages(self.block)
+            self.stages = ws_stages(self.block, mla_fp8)
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
@@ -442,7 +455,7 @@ class SparseCore:
             c = tid + i * self.threads
             if c < ids_chunks:
                 P.cp_async_16(ids_t.iterator + 4 * c, slots + token * self.k + split * self.slots_per_cta + 4 * c, True)
-        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid, self.threads)
         P.cp_async_commit()
         P.cp_async_wait(0)
         cute.arch.sync_threads()
@@ -563,28 +576,35 @@ class SparseCore:
 
     @cute.jit
     def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """16-row CTAs over the fp8 cache with a producer warpgroup: the 8 consumer warps of
-        partial_mma_sync (tid < 256) and a producer warpgroup (produce_ring) behind full /
-        empty mbarriers over a ring of `stages` blocks of raw fp8 rows as they are in HBM.
-        The consumers meet only at their named barrier (twice a block: the row maxima, then
-        P), never wait on a copy they issued, and convert the raw rows straight into their
-        MMA operands (consume_ring): no dequantization pass."""
+        """16-row CTAs with a producer warp (not yet run on a GPU): the 8 consumer warps of
+        partial_mma_sync (tid < 256) and one producer warp (produce_ring: one bulk copy per
+        cache row) behind full / empty mbarriers over a ring of `stages` blocks of cache
+        rows as they are in HBM (bf16 at STRIDE, or raw fp8 rows). The consumers meet only
+        at their named barrier (twice a block: the row maxima, then P) and never wait on a
+        copy they issued (consume_ring); over the fp8 cache they widen the raw rows straight
+        into their MMA operands (no dequantization pass). The bf16 cache's 16 query rows pass
+        through the ring's last stage on their way into registers (the producer fills that
+        stage once the consumers release it)."""
         tid, _, _ = cute.arch.thread_idx()
         split, _, token = cute.arch.block_idx()
         warp = tid // 32
         m, block, stages = self.heads, self.block, self.stages
+        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(stages * block * FP8_ROW), byte_alignment=128).iterator
-        q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
-        # P x each 128-dim group's scales (a column warp's 64 dims lie in one group)
-        p_s = smem.allocate_tensor(Uint8, cute.make_layout(4 * m * (2 * block + 16)), byte_alignment=128).iterator
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(stages * stage_bytes), byte_alignment=128).iterator
+        q_s = ring + (stages - 1) * stage_bytes
+        if cutlass.const_expr(self.mla_fp8):
+            q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
+        copies = 4 if self.mla_fp8 else 1  # fp8: P x each 128-dim group's scales (a column warp's 64 dims lie in one)
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128).iterator
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
+        live_s = smem.allocate_tensor(Int32, cute.make_layout(stages), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
         if tid == 0:
             for s in cutlass.range_constexpr(stages):
-                P.mbar_init(full0 + 8 * s, PRODUCER_THREADS)  # each producer thread, its copies landed
+                P.mbar_init(full0 + 8 * s, 32)  # the producer warp's lanes (lane 0 with the bytes)
                 P.mbar_init(empty0 + 8 * s, self.consumers // 32)  # lane 0 of each consumer warp
             P.mbar_init_fence()
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
@@ -592,9 +612,10 @@ class SparseCore:
         cute.arch.griddepcontrol_launch_dependents()
         if warp >= self.consumers // 32:
             cute.arch.setmaxregister_decrease(MMA_PRODUCER_REGS)
-            self.produce_ring(
-                slots, cache, ring, ids_s, full0, empty0, tid - self.consumers, split, token, error, pool_slots
-            )
+            if warp == self.consumers // 32:
+                self.produce_ring(
+                    slots, cache, ring, ids_s, live_s, full0, empty0, tid % 32, split, token, error, pool_slots
+                )
         else:
             cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
             self.consume_ring(
@@ -608,6 +629,7 @@ class SparseCore:
                 q_s,
                 p_s,
                 ids_s,
+                live_s,
                 red,
                 full0,
                 empty0,
@@ -616,53 +638,101 @@ class SparseCore:
             )
 
     @cute.jit
-    def produce_ring(self, slots, cache, ring, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
-        """The producer warpgroup (ptid 0 .. 127): 128 / block threads per cache row, each
-        copying every (128 / block)-th 16-byte chunk (copy_row) of its row of block b into
-        stage b % stages once the consumers have released it, the row's slot id beside it
-        (the consumers' -inf mask), then arriving on the stage's full mbarrier, which also
-        waits for the copies to land (cp.async.mbarrier.arrive): every stage's copies stay
-        in flight until read. Slot ids load a block ahead."""
+    def produce_ring(self, slots, cache, ring, ids_s, live_s, full0, empty0, lane, split, token, error, pool_slots):
+        """The producer warp: lane l takes rows l, l + 32 of each block. Once the consumers
+        have released stage b % stages it writes the block's slot ids (the consumers' -inf
+        mask) and live flag, lane 0 arrives with the block's bytes expected (the others
+        plainly), and each lane issues one cp.async.bulk per row, completing on the stage's
+        full mbarrier: nothing else to do, no per-thread copies in flight. A hole (or a
+        slot outside the pool, recorded) copies the row of a live slot of the same block
+        (the largest): its score is -inf so P is 0, and a row this selection reads anyway
+        is finite wherever the output is (a stale or unwritten row could hold inf or NaN,
+        and 0 x inf is NaN in P @ V). A block with no live slot copies nothing (0 bytes
+        expected) and its live flag tells the consumers to skip it. Slot ids load a block
+        ahead."""
         block, stages = self.block, self.stages
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
         blocks = self.slots_per_cta // block
-        per_row = PRODUCER_THREADS // block
-        r, c0 = ptid // per_row, ptid % per_row
-        ids_row = slots + token * self.k + split * self.slots_per_cta + r
-        slot = P.load_i32(ids_row)
+        per_lane = (block + 31) // 32
+        ids = slots + token * self.k + split * self.slots_per_cta
+        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not)
+        rows = [lane + 32 * i if 32 * (i + 1) <= block else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
+        has = [True if 32 * (i + 1) <= block else lane + 32 * i < block for i in range(per_lane)]
+        slot = [P.load_i32(ids + rows[i]) for i in range(per_lane)]
         for b in range(blocks):
             s = b % stages
-            upcoming = P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block)
-            release = b // stages - 1  # block b - stages's consumers are done with the stage
+            ahead = cutlass.min(b + 1, blocks - 1) * block
+            upcoming = [P.load_i32(ids + ahead + rows[i]) for i in range(per_lane)]
+            live = [P.in_range(slot[i], pool_slots) for i in range(per_lane)]
+            fill = Int32(-1)  # the block's largest live slot, or -1
+            for i in cutlass.range_constexpr(per_lane):
+                if has[i]:
+                    if slot[i] != -1 and not live[i]:
+                        P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot[i])
+                    fill = cutlass.max(fill, P.select_i32(live[i], slot[i], -1))
+            for offset in cutlass.range_constexpr(5):
+                fill = cutlass.max(fill, cute.arch.shuffle_sync_bfly(fill, offset=1 << offset))
+            # the release this stage waits for: block b - stages's, or (bf16 cache) the query
+            # rows' for the last stage's first fill
+            release = b // stages - 1
+            if cutlass.const_expr(not self.mla_fp8):
+                release = release + P.select_i32(s == stages - 1, 1, 0)
             if release >= 0:
                 P.mbar_wait(empty0 + 8 * s, release % 2)
-            fetched = slot
-            if cutlass.const_expr(self.probe == "no_loads"):
-                fetched = Int32(-1)
-            self.copy_row(
-                cache, fetched, ring + s * (block * FP8_ROW) + r * FP8_ROW, c0, per_row, pool_slots, error, token
-            )
-            if c0 == 0:
-                ids_s[s * block + r] = slot
-            P.cp_async_mbar_arrive(full0 + 8 * s)
-            P.mbar_arrive(full0 + 8 * s)
+            for i in cutlass.range_constexpr(per_lane):
+                if has[i]:
+                    ids_s[s * block + rows[i]] = slot[i]
+            copied = fill != -1
+            flag = P.select_i32(copied, 1, 0)
+            nbytes = P.select_i32(copied, block * self.row_bytes, 0)
+            if cutlass.const_expr(self.probe == "no_loads"):  # nothing copied, every block computed
+                flag, nbytes = Int32(1), Int32(0)
+            if lane == 0:
+                live_s[s] = flag
+                P.mbar_expect(full0 + 8 * s, nbytes)
+            else:
+                P.mbar_arrive(full0 + 8 * s)
+            cute.arch.sync_warp()  # the bytes are expected before any lane's copies land
+            if cutlass.const_expr(self.probe != "no_loads"):
+                if copied:
+                    for i in cutlass.range_constexpr(per_lane):
+                        if has[i]:
+                            src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
+                            dst = ring + s * (block * stride) + rows[i] * stride
+                            P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
             slot = upcoming
-        P.cp_async_wait(0)  # (no thread leaves copies in flight)
 
     @cute.jit
     def consume_ring(
-        self, q_rows, q_out, out, lse, partial_o, partial_ml, ring, q_s, p_s, ids_s, red, full0, empty0, tid, pool_slots
+        self,
+        q_rows,
+        q_out,
+        out,
+        lse,
+        partial_o,
+        partial_ml,
+        ring,
+        q_s,
+        p_s,
+        ids_s,
+        live_s,
+        red,
+        full0,
+        empty0,
+        tid,
+        pool_slots,
     ):
         """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
-        waited for on its full mbarrier and released on its empty one by every warp after
-        its P @ V. The raw rows are the MMA operands' source (score_tiles_fp8,
-        values_block_fp8): e4m3 widened exactly to f16 (f16 MMAs), each 128-dim group's
-        scale applied to its partial score and to P (four copies of P, one per group: a
-        column warp's 64 dims lie in one group); the k order of the scores and the slot and
-        dim orders of P @ V are permuted (consistently for Q, P and the output) so that each
-        thread reads whole words of a row. The latent's 32 k steps of Q's A fragments stay
-        in registers, the rope's 4 are read from shared memory each block. f16's range
-        bounds what this path takes exactly: query elements and P x scale up to 65504 (a
-        scale of at most 65504), P x scale below 2^-14 with fewer bits."""
+        waited for on its full mbarrier (skipped if it has no live slot) and released on its
+        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copy
+        into the stage is the async proxy). Over the fp8 cache the raw rows are the MMA
+        operands' source (score_tiles_fp8, values_block_fp8): e4m3 widened exactly to bf16
+        (x 2^-112, MMA_FP8_SHIFT), each 128-dim group's scale applied to its partial score
+        and to P (four copies of P, one per group); the k order of the scores and the slot
+        and dim orders of P @ V are permuted (consistently for Q, P and the output) so that
+        each thread reads whole words of a row. The latent's 32 k steps of Q's A fragments
+        stay in registers there, the rope's 4 are read from shared memory each block; over
+        the bf16 cache all 36 stay in registers."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -670,15 +740,26 @@ class SparseCore:
         mt, col = warp // cols, warp % cols
         m, block, stages = self.heads, self.block, self.stages
         consumers = self.consumers
+        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
         head0 = group * m
         rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
-        self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+        if cutlass.const_expr(self.mla_fp8):
+            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+        else:
+            self.load_queries(rows, head0, q_s, tid, consumers)
+            P.cp_async_commit()
+            P.cp_async_wait(0)
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
 
         mi, mj = lane // 8, lane % 8
         a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)
         q_lane = q_s + (mt * 16 + a_row) * STRIDE + 2 * a_col
-        q_frags = [P.ldmatrix_x4(q_lane + 2 * 16 * ks) for ks in range(LATENT // 16)]
+        q_frags = [P.ldmatrix_x4(q_lane + 2 * 16 * ks) for ks in range(LATENT // 16 if self.mla_fp8 else K_STEPS)]
+        if cutlass.const_expr(not self.mla_fp8):  # the query rows' stage is the producer's
+            P.fence_proxy_async()
+            cute.arch.sync_warp()
+            if lane == 0:
+                P.mbar_arrive(empty0 + 8 * (stages - 1))
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, consumers)
         neg_inf = Float32(-math.inf)
@@ -689,14 +770,16 @@ class SparseCore:
         blocks = self.slots_per_cta // block
         for b in range(blocks):
             s = b % stages
-            kv = ring + s * (block * FP8_ROW)
+            kv = ring + s * stage_bytes
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
             if cutlass.const_expr(self.probe != "no_math"):
-                row_max, row_sum, acc_o = self.consume_mma_block(
-                    q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
-                )
+                if live_s[s] != 0:  # (the same word for every consumer: every warp or none)
+                    row_max, row_sum, acc_o = self.consume_mma_block(
+                        q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    )
+            P.fence_proxy_async()  # this thread's reads of stage s are done before the next bulk copy
             cute.arch.sync_warp()
-            if lane == 0:  # this warp's reads of stage s (its MMAs' operands, the slot ids) are done
+            if lane == 0:
                 P.mbar_arrive(empty0 + 8 * s)
 
         # the row sums over the 4 lanes of a row, then over the column warps (red is free:
@@ -708,15 +791,19 @@ class SparseCore:
                 red[col * m + mt * 16 + g + 8 * r] = total
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         item = token * self.splits + split
+        unshift = Float32(MMA_FP8_SHIFT if self.mla_fp8 else 1.0)  # P @ V's 2^-56 (fp8)
         for r in cutlass.range_constexpr(2):
             head = head0 + mt * 16 + g + 8 * r
             total = Float32(0)
             for c in cutlass.range_constexpr(cols):
                 total = total + red[c * m + mt * 16 + g + 8 * r]
-            # this thread's dims (P @ V's permuted n): 16t + n and 16t + 8 + n of the warp's 64
-            values = [acc_o[n][2 * r + e] for e in range(2) for n in range(ntiles)]
-            dims = 8 * ntiles * col + 16 * t
-            step = 2  # between this thread's dim pairs
+            # this thread's dims: 2t, 2t + 1 of each 8-dim tile n; over the fp8 cache (P @ V's
+            # permuted n) 16t + n and 16t + 8 + n of the warp's 64
+            values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
+            if cutlass.const_expr(self.mla_fp8):
+                values = [acc_o[n][2 * r + e] * unshift for e in range(2) for n in range(ntiles)]
+            dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
+            step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
                     inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
@@ -745,14 +832,18 @@ class SparseCore:
         m, block, consumers = self.heads, self.block, self.consumers
         p_stride = 2 * block + 16
         p_lane = p_s + (mt * 16 + mj + 8 * (mi % 2)) * p_stride + 2 * 8 * (mi // 2)  # P @ V's A rows
-        p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
+        if cutlass.const_expr(self.mla_fp8):
+            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         ntiles = LATENT // cols // 8
         per = max(1, block // 8 // cols)
         scores = [[neg_inf] * 4 for _ in range(per)]
         if col * per < block // 8:
-            scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+            if cutlass.const_expr(self.mla_fp8):
+                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+            else:
+                scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
             for j in cutlass.range_constexpr(per):
                 for q in cutlass.range_constexpr(4):
                     live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
@@ -782,22 +873,35 @@ class SparseCore:
                 row_sum[0] = row_sum[0] + p[0] + p[1]
                 row_sum[1] = row_sum[1] + p[2] + p[3]
                 at = p_s + (mt * 16 + g) * p_stride
-                # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a 16-slot
-                # step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
-                n = (col * per + j) * 8 + 2 * t
-                u = n % 16
-                at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
-                pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
-                for v in cutlass.range_constexpr(4):
-                    where = at + v * m * p_stride
-                    P.st_shared_u32(where, P.pack_f16x2(p[0] * pair[0][v], p[1] * pair[1][v]))
-                    P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(p[2] * pair[0][v], p[3] * pair[1][v]))
+                if cutlass.const_expr(self.mla_fp8):
+                    # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
+                    # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
+                    n = (col * per + j) * 8 + 2 * t
+                    u = n % 16
+                    at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
+                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
+                    shifted = [p[q] * Float32(MMA_FP8_SHIFT) for q in range(4)]
+                    for v in cutlass.range_constexpr(4):
+                        where = at + v * m * p_stride
+                        low = P.pack_bf16x2(shifted[0] * pair[0][v], shifted[1] * pair[1][v])
+                        P.st_shared_u32(where, low)
+                        high = P.pack_bf16x2(shifted[2] * pair[0][v], shifted[3] * pair[1][v])
+                        P.st_shared_u32(where + 8 * p_stride, high)
+                else:
+                    at = at + 2 * ((col * per + j) * 8 + 2 * t)
+                    P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+                    P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
 
         for n in cutlass.range_constexpr(ntiles):
             for q in cutlass.range_constexpr(4):
                 acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
-        acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
+        if cutlass.const_expr(self.mla_fp8):
+            acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
+        else:
+            acc_o = self.values_block(
+                acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+            )
         return row_max, row_sum, acc_o
 
     @cute.jit
@@ -805,9 +909,10 @@ class SparseCore:
         """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
         slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
         dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
-        match) and converts them exactly to f16; each 128-dim group has its own accumulators
-        (scaled once at the end), the interleaved groups four independent MMA chains; the
-        bf16 rope likewise (16 bytes per 32 dims, bf16 MMAs, Q's rope from shared memory)."""
+        match) and widens them exactly to bf16 (x 2^-112; Q's latent is x 2^56, so each
+        product is 2^-56 of its value); each 128-dim group has its own accumulators (x its
+        scale x 2^56 once at the end), the interleaved groups four independent MMA chains;
+        the bf16 rope likewise (16 bytes per 32 dims, Q's rope from shared memory)."""
         acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
         rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
         for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
@@ -816,7 +921,7 @@ class SparseCore:
                 for h in cutlass.range_constexpr(2):
                     for grp in cutlass.range_constexpr(4):
                         kk = 2 * (4 * grp + step) + h
-                        acc[j][grp] = P.mma_f16_16816(q_frags[kk], P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
+                        acc[j][grp] = P.mma_bf16_16816(q_frags[kk], P.e4m3x4_to_bf16x2(words[grp][h]), acc[j][grp])
         for i in cutlass.range_constexpr((ROW - LATENT) // 32):
             for j in cutlass.range_constexpr(per):
                 words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
@@ -829,32 +934,32 @@ class SparseCore:
             pair = [P.ld_shared_f32x4(kv + ((first_tile + j) * 8 + 2 * t + e) * FP8_ROW + LATENT) for e in range(2)]
             tile = []
             for q in cutlass.range_constexpr(4):
-                value = acc[j][4][q]
-                for grp in cutlass.range_constexpr(4):
+                value = acc[j][0][q] * pair[q % 2][0]
+                for grp in cutlass.range_constexpr(1, 4):
                     value = value + acc[j][grp][q] * pair[q % 2][grp]
-                tile.append(value)
+                tile.append(acc[j][4][q] + value * Float32(MMA_FP8_SHIFT))
             scores.append(tile)
         return scores
 
     @cute.jit
     def values_block_fp8(self, acc_o, p_lane, v_lane, t) -> list:
-        """values_block over raw fp8 rows: P (this warp's group's copy, f16, scales applied)
+        """values_block over raw fp8 rows: P (this warp's group's copy, bf16, x scale x 2^56)
         by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
         v_lane) of each of rows 4t .. 4t + 3 of every 16-slot step: k pair (2t, 2t + 1) is
         rows 4t, 4t + 1, pair (2t + 8, 2t + 9) rows 4t + 2, 4t + 3 (P written to match), and
         n-tile n holds dim 8g + n (the output's dims permuted to match): byte-permuted
-        into pairs and widened exactly to f16."""
+        into pairs and widened exactly to bf16 (x 2^-112: the sums are 2^-56 of theirs)."""
         for ks in cutlass.range_constexpr(self.block // 16):
             a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
             w = [P.ld_shared_u32x2(v_lane + (16 * ks + 4 * t + r) * FP8_ROW) for r in range(4)]
             for h in cutlass.range_constexpr(2):  # dims 4h .. 4h + 3 of the thread's 8
                 for half in cutlass.range_constexpr(2):  # dims 4h + 2 half, + 1
                     sel = 0x7362 if half else 0x5140
-                    low = P.e4m3x4_to_f16x2(P.byte_perm(w[0][h], w[1][h], sel))
-                    high = P.e4m3x4_to_f16x2(P.byte_perm(w[2][h], w[3][h], sel))
+                    low = P.e4m3x4_to_bf16x2(P.byte_perm(w[0][h], w[1][h], sel))
+                    high = P.e4m3x4_to_bf16x2(P.byte_perm(w[2][h], w[3][h], sel))
                     for e in cutlass.range_constexpr(2):
                         n = 4 * h + 2 * half + e
-                        acc_o[n] = P.mma_f16_16816(a, (low[e], high[e]), acc_o[n])
+                        acc_o[n] = P.mma_bf16_16816(a, (low[e], high[e]), acc_o[n])
         return acc_o
 
     @cute.jit
@@ -862,8 +967,8 @@ class SparseCore:
         """The CTA's query rows -> shared memory at STRIDE for the fp8 cache's scores
         (score_tiles_fp8): dims 32i + 8u .. 32i + 8u + 7 go to k steps 2i, 2i + 1 at columns
         (2u, 2u + 1, 2u + 8, 2u + 9) -- what ldmatrix hands lane t = u of the A fragment --
-        as f16 for the latent (its MMAs are f16) and bf16 for the rope; loads all issued
-        first; rows at or past `gathered` are zeros."""
+        as bf16, the latent x 2^56 (exact: MMA_FP8_SHIFT); loads all issued first; rows at
+        or past `gathered` are zeros."""
         pieces = ROW // 32 * 4  # (i, u) per row
         items = self.heads * pieces
         loads = []
@@ -884,13 +989,12 @@ class SparseCore:
                     values += list(P.unpack_e4m3x4(words[w]))
             else:
                 values = P.unpack_bf16x8(words)
-            latent = piece < LATENT // 8
+            shift = P.select(piece < LATENT // 8, Float32(MMA_FP8_SHIFT), Float32(1))
             at = q_s + h * STRIDE + 2 * (32 * (piece // 4) + 2 * (piece % 4))
             for kh in cutlass.range_constexpr(2):  # k step 2i + kh
                 for half in cutlass.range_constexpr(2):  # columns 2u (+ 8)
                     lo, hi = values[4 * kh + 2 * half], values[4 * kh + 2 * half + 1]
-                    word = Uint32(cutlass.select_(latent, P.pack_f16x2(lo, hi), P.pack_bf16x2(lo, hi)))
-                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), word)
+                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), P.pack_bf16x2(lo * shift, hi * shift))
 
     @cute.jit
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
@@ -1593,15 +1697,15 @@ class SparseCore:
                 P.st_shared_u32x4(dst + 16 * c, P.ld_shared_u32x4(src + LATENT + 16 + 16 * (c - LATENT // 8)))
 
     @cute.jit
-    def load_queries(self, rows, head0, q_s, tid):
+    def load_queries(self, rows, head0, q_s, tid, threads: int):
         """The CTA's query rows -> shared memory as bf16 rows at STRIDE: bf16 rows by
         cp.async (the caller commits and waits), e4m3 rows by loads all issued first and
         widened exactly; rows at or past `gathered` are zeros."""
         if cutlass.const_expr(self.q_fp8):
             chunks = self.heads * (ROW // 16)
             loads = []
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = cutlass.min(tid + i * self.threads, chunks - 1)
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = cutlass.min(tid + i * threads, chunks - 1)
                 h, c = index // (ROW // 16), index % (ROW // 16)
                 loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered), h, c))
             for words, h, c in loads:  # a clamped duplicate rewrites the same bytes
@@ -1614,8 +1718,8 @@ class SparseCore:
                 P.st_shared_u32x4(q_s + h * STRIDE + 32 * c + 16, out[4:])
         else:
             chunks = self.heads * BF16_CHUNKS
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = tid + i * self.threads
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = tid + i * threads
                 if index < chunks:
                     h, c = index // BF16_CHUNKS, index % BF16_CHUNKS
                     P.cp_async_16(
