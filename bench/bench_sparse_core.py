@@ -14,11 +14,11 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
 in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16-row
-CTAs' over the fp8 cache (TP 8): mws = the producer warpgroup (partial_mma_ws) at every
-split, msync = every thread copies (partial_mma_sync; bf16 caches take it whatever the path);
-default: the module's choice (sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS).
---probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
-at --probe-batch.
+CTAs' (TP 8): mws = the producer warp of bulk copies (partial_mma_ws) at every split, msync =
+every thread copies (partial_mma_sync); default: the module's choice (sparse_core.PRODUCER
+per cache, MMA_PRODUCER_BLOCKS).
+--probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
+partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -166,6 +166,8 @@ def main() -> int:
                 sparse_core.MMA_PRODUCER_BLOCKS = 1 if path == "mws" else 1 << 30
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
+                if path == "ws":  # (the probes' path) 16-row CTAs' producer too
+                    sparse_core.MMA_PRODUCER_BLOCKS = 1
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
             sparse_core.PROBE = probe
