@@ -32,11 +32,12 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          Writes the split's unnormalized output and (max, sum), max in log2 units; with
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
-         16 rows over the fp8 cache from MMA_PRODUCER_BLOCKS blocks per CTA (B = 64 at TP 8):
-         `partial_mma_ws`, the same consumer warps beside a producer warpgroup that copies
-         raw rows into a ring behind full / empty mbarriers (no CTA barrier in the loop);
-         the consumers widen e4m3 straight into f16 MMA operands (no dequantization pass:
-         each 128-dim group's scale applied to its partial score and to P).
+         16 rows from MMA_PRODUCER_BLOCKS blocks per CTA (never by default: not yet run on
+         a GPU): `partial_mma_ws`, the same consumer warps beside a producer warp that
+         bulk-copies each cache row (cp.async.bulk) into a ring behind full / empty
+         mbarriers (no CTA barrier in the loop); over the fp8 cache the consumers widen
+         e4m3 straight into bf16 MMA operands (no dequantization pass: each 128-dim
+         group's scale applied to its partial score and to P).
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
@@ -54,11 +55,14 @@ TP 8 the kernel waits on its cache rows, not its math (without the copies it run
 the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of every
 row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is left
 is the per-block CTA barriers of a one-CTA-per-SM kernel. A warp-specialized producer
-(partial_mma_ws) removes them but its one warpgroup of 16-byte cp.async moves only 13-14
+(partial_mma_ws) removes them, but as a warpgroup of 16-byte cp.async it moved only 13-14
 KB/us per SM (H200: alone 86.8 us for TP 8 bf16 B = 64, 51.8 fp8), half of what 8 copying
-warps reach: it wins only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
-consumers, fp8 conversions in the MMA operands included, take 39.6 us alone; the next lever
-is a producer of bulk copies (cp.async.bulk, one per row, no per-thread copies in flight).
+warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
+consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
+cp.async.bulk per row (not yet run on a GPU). Session 4's one bulk copy per row, measured no
+better, was issued by warp 0 of the barrier-per-block kernel between its own math, so a
+stage was refilled only after the CTA barrier that freed it and once warp 0 got there; here
+a warp that does nothing else refills each stage as soon as the consumers release it.
 At 64-row tiles
 (wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row copies or loads)
 takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
