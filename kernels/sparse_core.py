@@ -660,8 +660,9 @@ class SparseCore:
         per_lane = (block + 31) // 32
         ids = slots + token * self.k + split * self.slots_per_cta
         # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not)
-        rows = [lane + 32 * i if 32 * (i + 1) <= block else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
-        has = [True if 32 * (i + 1) <= block else lane + 32 * i < block for i in range(per_lane)]
+        whole = [32 * (i + 1) <= block for i in range(per_lane)]
+        rows = [lane + 32 * i if whole[i] else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
+        has = [True if whole[i] else lane + 32 * i < block for i in range(per_lane)]
         slot = [P.load_i32(ids + rows[i]) for i in range(per_lane)]
         for b in range(blocks):
             s = b % stages

@@ -538,7 +538,8 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
     assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 32;", partial)) == op.stages
     producer = partial[dec:inc] if dec < inc else partial[dec:]
-    bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes [^,]+, [^,]+, (\d+),", producer)
+    copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes [^,]+, [^,]+, (\d+),"
+    bulk = re.findall(copy, producer)
     per_lane = (op.block + 31) // 32
     assert bulk and len(bulk) % per_lane == 0 and set(bulk) == {str(op.row_bytes)}, bulk
     assert len(bulk) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
