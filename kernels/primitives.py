@@ -593,12 +593,6 @@ def cp_async_16(dst, src, live=True):
     )
 
 
-def cp_async_mbar_arrive(addr):
-    """The mbarrier at addr waits, besides its arrivals, for every cp.async this thread has
-    issued so far to land (no net arrival: the thread still arrives itself)."""
-    cute.arch.inline_ptx("cp.async.mbarrier.arrive.shared::cta.b64 [{$r0}];", read_only_args=[addr])
-
-
 def cp_async_commit():
     cute.arch.inline_ptx("cp.async.commit_group;")
 
