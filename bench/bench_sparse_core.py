@@ -2,7 +2,7 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
-        [--paths ws,wsh,wsr,nows] [--probes no_loads,no_math --probe-batch 64]
+        [--paths ws,wsh,wsr,nows,mws,msync] [--probes no_loads,no_math --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -13,10 +13,12 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); default: the
-module's choice per cache (sparse_core.PRODUCER).
---probes: the producer path's device probes (sparse_core.PROBES: wrong results, times only)
-at --probe-batch.
+in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16-row
+CTAs' (TP 8): mws = the producer warp of bulk copies (partial_mma_ws) at every split, msync =
+every thread copies (partial_mma_sync); default: the module's choice (sparse_core.PRODUCER
+per cache, MMA_PRODUCER_BLOCKS).
+--probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
+partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -139,7 +141,9 @@ def main() -> int:
         "ncu --profile-from-start off python bench/bench_sparse_core.py --profile",
     )
     parser.add_argument(
-        "--paths", default="", help="64-row CTA paths to compare: ws,wsh,wsr,nows (default: the module's)"
+        "--paths",
+        default="",
+        help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,msync (default: the module's)",
     )
     parser.add_argument("--probes", default="", help="producer-path probes: no_loads,no_math")
     parser.add_argument("--probe-batch", default="64")
@@ -155,11 +159,15 @@ def main() -> int:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
         for path, probe in paths:
-            if path not in ("", "ws", "wsh", "wsr", "nows") or probe not in sparse_core.PROBES:
+            if path not in ("", "ws", "wsh", "wsr", "nows", "mws", "msync") or probe not in sparse_core.PROBES:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
-            default, reshape = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS
-            if path:
+            default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
+            if path in ("mws", "msync"):
+                sparse_core.MMA_PRODUCER_BLOCKS = 1 if path == "mws" else 1 << 30
+            elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
+                if path == "ws":  # (the probes' path) 16-row CTAs' producer too
+                    sparse_core.MMA_PRODUCER_BLOCKS = 1
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
             sparse_core.PROBE = probe
@@ -168,6 +176,7 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
+                sparse_core.MMA_PRODUCER_BLOCKS = mma
             for row in found:
                 row["path"] = (path or "default") + (f"+{probe}" if probe else "")
             rows += found

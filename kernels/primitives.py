@@ -211,6 +211,32 @@ def pack_bf16x2(low, high) -> Uint32:
     )
 
 
+# e4m3 widened to bf16 by bits: the f16 of an e4m3 is always normal (2^-9 .. 448), so its
+# exponent and top 7 mantissa bits, moved down 3 bits under its sign, are a bf16 of the
+# value x 2^-112 (bias 15 against 127), exactly, zero included (an e4m3 NaN reads finite).
+E4M3_BF16_SHIFT = 112
+
+
+def e4m3x4_to_bf16x2(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> two words of bf16 pairs of the values x
+    2^-E4M3_BF16_SHIFT (exact): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h0, h1, t0, t1;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
+        "shr.b32 t0, h0, 3;\n\tshr.b32 t1, h1, 3;\n\tand.b32 t0, t0, 0x0FFF0FFF;\n\tand.b32 t1, t1, 0x0FFF0FFF;\n\t"
+        "lop3.b32 {$w0}, h0, 0x80008000, t0, 0xEA;\n\tlop3.b32 {$w1}, h1, 0x80008000, t1, 0xEA;\n\t}",
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[word],
+    )
+
+
+def byte_perm(a, b, selector: int) -> Uint32:
+    """prmt: byte k of the result is byte (nibble k of selector) of {b, a} (a: bytes 0-3)."""
+    return cute.arch.inline_ptx(
+        f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};", write_only_types=[Uint32], read_only_args=[a, b]
+    )
+
+
 def pack_e4m3x4(v0, v1, v2, v3) -> Uint32:
     """Round four fp32 to saturated e4m3 bytes, v0 in bits 0-7 (NaN -> 0x7F)."""
     return cute.arch.inline_ptx(

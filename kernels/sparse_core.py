@@ -13,9 +13,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         16 and 32 rows: warps of mma.sync, one 16-row MMA tile per row of warps; warp
-         (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps its query rows' A
-         fragments in registers. Per block:
+         16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
+         row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
+         its query rows' A fragments in registers. Per block:
          - the block's cache rows are copied into shared memory once (cp.async, 16-byte
            chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
            blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
@@ -32,6 +32,12 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          Writes the split's unnormalized output and (max, sum), max in log2 units; with
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
+         16 rows from MMA_PRODUCER_BLOCKS blocks per CTA (never by default: not yet run on
+         a GPU): `partial_mma_ws`, the same consumer warps beside a producer warp that
+         bulk-copies each cache row (cp.async.bulk) into a ring behind full / empty
+         mbarriers (no CTA barrier in the loop); over the fp8 cache the consumers widen
+         e4m3 straight into bf16 MMA operands (no dequantization pass: each 128-dim
+         group's scale applied to its partial score and to P).
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
@@ -48,8 +54,16 @@ wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured s
 TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in half
 the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of every
 row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is left
-is the per-block CTA barriers of a one-CTA-per-SM kernel (for its 16- and 32-row CTAs a
-warp-specialized producer, as the 64-row fp8 path has, is the next lever). At 64-row tiles
+is the per-block CTA barriers of a one-CTA-per-SM kernel. A warp-specialized producer
+(partial_mma_ws) removes them, but as a warpgroup of 16-byte cp.async it moved only 13-14
+KB/us per SM (H200: alone 86.8 us for TP 8 bf16 B = 64, 51.8 fp8), half of what 8 copying
+warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
+consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
+cp.async.bulk per row (not yet run on a GPU). Session 4's one bulk copy per row, measured no
+better, was issued by warp 0 of the barrier-per-block kernel between its own math, so a
+stage was refilled only after the CTA barrier that freed it and once warp 0 got there; here
+a warp that does nothing else refills each stage as soon as the consumers release it.
+At 64-row tiles
 (wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row copies or loads)
 takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
 CTA per SM; an L2 bulk prefetch of the block after next was measured no better. The
@@ -131,11 +145,31 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# Device probes of the producer path (bench/bench_sparse_core.py --probes; wrong results):
+# Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
-# usual; "no_math": the consumers only wait for each block and release it.
+# usual (partial_mma_ws: zero-fills its ring); "no_math": the consumers only wait for each
+# block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
+# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, else
+# partial_mma_sync. Never by default: its producer of bulk copies has not run on a GPU. Its
+# predecessor (a warpgroup of 16-byte cp.async, H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 /
+# 16 blocks, same run): fp8 8.44 / 14.3 / 22.7 / 57.4 us against 6.91 / 11.1 / 20.7 / 64.3,
+# bf16 5.82 / 11.6 / 26.3 / 92.0 against 6.59 / 10.5 / 20.2 / 58.0 -- bound by its copies (13-14
+# KB/us per SM; its consumers alone 36.6 bf16 / 39.6 fp8 us at B = 64, its producer alone 86.8 /
+# 51.8). bench_sparse_core.py --paths msync,mws compares them.
+MMA_PRODUCER_BLOCKS = 1 << 30
+PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
+# partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
+# (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
+# bulk copies).
+MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
+# partial_mma_ws over the fp8 cache widens e4m3 into bf16 operands as value x 2^-112
+# (primitives.E4M3_BF16_SHIFT); half the offset goes into Q (x 2^56, exact) and into P x scale,
+# the other half comes back in fp32 (scores x scale x 2^56, outputs x 2^56). So the operands
+# keep bf16's (fp32's) range, where f16 operands overflowed past 65504 (query elements, P x
+# scale): only query elements past 2^72 or scales past 2^72 overflow.
+MMA_FP8_SHIFT = 2.0 ** (P.E4M3_BF16_SHIFT // 2)
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -185,6 +219,18 @@ def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> in
     fixed += 0 if heads == 16 else heads * STRIDE
     fit = (SMEM_BYTES - fixed) // stage
     return max(2, min(4, fit, slots_per_cta // block))
+
+
+def ws_stages(block: int, mla_fp8: bool) -> int:
+    """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
+    (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
+    with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
+    their own space, the bf16 cache's pass through the last stage into registers (three
+    64-row bf16 stages fit only so)."""
+    stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
+    fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
+    fixed += 16 * STRIDE if mla_fp8 else 0
+    return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
@@ -278,8 +324,10 @@ class SparseCore:
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
-        producer: 64-row CTAs only: a producer warpgroup loads the rows (partial_wgmma_ws),
-        or every thread does (partial_wgmma); None: the module's PRODUCER for the cache."""
+        producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
+        partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
+        module's PRODUCER for the cache (64 rows), or partial_mma_ws from
+        MMA_PRODUCER_BLOCKS blocks per CTA."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -290,15 +338,29 @@ class SparseCore:
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        self.stages = 2 if self.wgmma else ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.producer = self.wgmma and (PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer)
-        self.reshape = self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
+        if self.wgmma:
+            self.producer = PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer
+        else:  # partial_mma_ws: 16 rows only
+            if producer and self.heads != 16:
+                raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA")
+            default = self.heads == 16 and slots_per_cta // self.block >= MMA_PRODUCER_BLOCKS
+            self.producer = default if producer is None else producer
+        self.mma_ws = self.producer and not self.wgmma
+        self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
+        if self.wgmma:
+            self.stages = 2
+        elif self.mma_ws:
+            self.stages = ws_stages(self.block, mla_fp8)
+        else:
+            self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
+        self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
         self.probe = PROBE if self.producer else ""
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
-        self.threads = (
-            (WS_THREADS if self.producer else WG_THREADS) if self.wgmma else self.heads // 16 * self.cols * 32
-        )
+        if self.wgmma:
+            self.threads = WS_THREADS if self.producer else WG_THREADS
+        else:
+            self.threads = self.consumers + (PRODUCER_THREADS if self.mma_ws else 0)
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
@@ -353,10 +415,12 @@ class SparseCore:
         error: cute.Pointer,
         pool_slots: Int32,
     ):
-        if cutlass.const_expr(self.producer):
+        if cutlass.const_expr(self.wgmma and self.producer):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.wgmma):
             self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+        elif cutlass.const_expr(self.mma_ws):
+            self.partial_mma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         else:
             self.partial_mma_sync(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
 
@@ -395,7 +459,7 @@ class SparseCore:
             c = tid + i * self.threads
             if c < ids_chunks:
                 P.cp_async_16(ids_t.iterator + 4 * c, slots + token * self.k + split * self.slots_per_cta + 4 * c, True)
-        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        self.load_queries(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid, self.threads)
         P.cp_async_commit()
         P.cp_async_wait(0)
         cute.arch.sync_threads()
@@ -513,6 +577,429 @@ class SparseCore:
                     P.store_f32x2(partial_o + row + 8 * n, acc_o[n][2 * r], acc_o[n][2 * r + 1])
                 if col == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """16-row CTAs with a producer warp (not yet run on a GPU): the 8 consumer warps of
+        partial_mma_sync (tid < 256) and one producer warp (produce_ring: one bulk copy per
+        cache row) behind full / empty mbarriers over a ring of `stages` blocks of cache
+        rows as they are in HBM (bf16 at STRIDE, or raw fp8 rows). The consumers meet only
+        at their named barrier (twice a block: the row maxima, then P) and never wait on a
+        copy they issued (consume_ring); over the fp8 cache they widen the raw rows straight
+        into their MMA operands (no dequantization pass). The bf16 cache's 16 query rows pass
+        through the ring's last stage on their way into registers (the producer fills that
+        stage once the consumers release it)."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, _, token = cute.arch.block_idx()
+        warp = tid // 32
+        m, block, stages = self.heads, self.block, self.stages
+        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(stages * stage_bytes), byte_alignment=128).iterator
+        q_s = ring + (stages - 1) * stage_bytes
+        if cutlass.const_expr(self.mla_fp8):
+            q_s = smem.allocate_tensor(Uint8, cute.make_layout(m * STRIDE), byte_alignment=128).iterator
+        copies = 4 if self.mla_fp8 else 1  # fp8: P x each 128-dim group's scales (a column warp's 64 dims lie in one)
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(copies * m * (2 * block + 16)), byte_alignment=128).iterator
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
+        live_s = smem.allocate_tensor(Int32, cute.make_layout(stages), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
+        full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        if tid == 0:
+            for s in cutlass.range_constexpr(stages):
+                P.mbar_init(full0 + 8 * s, 32)  # the producer warp's lanes (lane 0 with the bytes)
+                P.mbar_init(empty0 + 8 * s, self.consumers // 32)  # lane 0 of each consumer warp
+            P.mbar_init_fence()
+        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp >= self.consumers // 32:
+            cute.arch.setmaxregister_decrease(MMA_PRODUCER_REGS)
+            if warp == self.consumers // 32:
+                self.produce_ring(
+                    slots, cache, ring, ids_s, live_s, full0, empty0, tid % 32, split, token, error, pool_slots
+                )
+        else:
+            cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
+            self.consume_ring(
+                q_rows,
+                q_out,
+                out,
+                lse,
+                partial_o,
+                partial_ml,
+                ring,
+                q_s,
+                p_s,
+                ids_s,
+                live_s,
+                red,
+                full0,
+                empty0,
+                tid,
+                pool_slots,
+            )
+
+    @cute.jit
+    def produce_ring(self, slots, cache, ring, ids_s, live_s, full0, empty0, lane, split, token, error, pool_slots):
+        """The producer warp: lane l takes rows l, l + 32 of each block. Once the consumers
+        have released stage b % stages it writes the block's slot ids (the consumers' -inf
+        mask) and live flag, lane 0 arrives with the block's bytes expected (the others
+        plainly), and each lane issues one cp.async.bulk per row, completing on the stage's
+        full mbarrier: nothing else to do, no per-thread copies in flight. A hole (or a
+        slot outside the pool, recorded) copies the row of a live slot of the same block
+        (the largest): its score is -inf so P is 0, and a row this selection reads anyway
+        is finite wherever the output is (a stale or unwritten row could hold inf or NaN,
+        and 0 x inf is NaN in P @ V). A block with no live slot copies nothing (0 bytes
+        expected) and its live flag tells the consumers to skip it. Slot ids load a block
+        ahead."""
+        block, stages = self.block, self.stages
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        blocks = self.slots_per_cta // block
+        per_lane = (block + 31) // 32
+        ids = slots + token * self.k + split * self.slots_per_cta
+        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not)
+        whole = [32 * (i + 1) <= block for i in range(per_lane)]
+        rows = [lane + 32 * i if whole[i] else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
+        has = [True if whole[i] else lane + 32 * i < block for i in range(per_lane)]
+        slot = [P.load_i32(ids + rows[i]) for i in range(per_lane)]
+        for b in range(blocks):
+            s = b % stages
+            ahead = cutlass.min(b + 1, blocks - 1) * block
+            upcoming = [P.load_i32(ids + ahead + rows[i]) for i in range(per_lane)]
+            live = [P.in_range(slot[i], pool_slots) for i in range(per_lane)]
+            fill = Int32(-1)  # the block's largest live slot, or -1
+            for i in cutlass.range_constexpr(per_lane):
+                if has[i]:
+                    if slot[i] != -1 and not live[i]:
+                        P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot[i])
+                    fill = cutlass.max(fill, P.select_i32(live[i], slot[i], -1))
+            for offset in cutlass.range_constexpr(5):
+                fill = cutlass.max(fill, cute.arch.shuffle_sync_bfly(fill, offset=1 << offset))
+            # the release this stage waits for: block b - stages's, or (bf16 cache) the query
+            # rows' for the last stage's first fill
+            release = b // stages - 1
+            if cutlass.const_expr(not self.mla_fp8):
+                release = release + P.select_i32(s == stages - 1, 1, 0)
+            if release >= 0:
+                P.mbar_wait(empty0 + 8 * s, release % 2)
+            for i in cutlass.range_constexpr(per_lane):
+                if has[i]:
+                    ids_s[s * block + rows[i]] = slot[i]
+            copied = fill != -1
+            flag = P.select_i32(copied, 1, 0)
+            nbytes = P.select_i32(copied, block * self.row_bytes, 0)
+            if cutlass.const_expr(self.probe == "no_loads"):  # nothing copied, every block computed
+                flag, nbytes = Int32(1), Int32(0)
+            if lane == 0:
+                live_s[s] = flag
+                P.mbar_expect(full0 + 8 * s, nbytes)
+            else:
+                P.mbar_arrive(full0 + 8 * s)
+            cute.arch.sync_warp()  # the bytes are expected before any lane's copies land
+            if cutlass.const_expr(self.probe != "no_loads"):
+                if copied:
+                    for i in cutlass.range_constexpr(per_lane):
+                        if has[i]:
+                            src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
+                            dst = ring + s * (block * stride) + rows[i] * stride
+                            P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
+            slot = upcoming
+
+    @cute.jit
+    def consume_ring(
+        self,
+        q_rows,
+        q_out,
+        out,
+        lse,
+        partial_o,
+        partial_ml,
+        ring,
+        q_s,
+        p_s,
+        ids_s,
+        live_s,
+        red,
+        full0,
+        empty0,
+        tid,
+        pool_slots,
+    ):
+        """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
+        waited for on its full mbarrier (skipped if it has no live slot) and released on its
+        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copy
+        into the stage is the async proxy). Over the fp8 cache the raw rows are the MMA
+        operands' source (score_tiles_fp8, values_block_fp8): e4m3 widened exactly to bf16
+        (x 2^-112, MMA_FP8_SHIFT), each 128-dim group's scale applied to its partial score
+        and to P (four copies of P, one per group); the k order of the scores and the slot
+        and dim orders of P @ V are permuted (consistently for Q, P and the output) so that
+        each thread reads whole words of a row. The latent's 32 k steps of Q's A fragments
+        stay in registers there, the rope's 4 are read from shared memory each block; over
+        the bf16 cache all 36 stay in registers."""
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        cols = self.cols
+        mt, col = warp // cols, warp % cols
+        m, block, stages = self.heads, self.block, self.stages
+        consumers = self.consumers
+        stage_bytes = block * (FP8_ROW if self.mla_fp8 else STRIDE)
+        head0 = group * m
+        rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
+        if cutlass.const_expr(self.mla_fp8):
+            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+        else:
+            self.load_queries(rows, head0, q_s, tid, consumers)
+            P.cp_async_commit()
+            P.cp_async_wait(0)
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+
+        mi, mj = lane // 8, lane % 8
+        a_row, a_col = mj + 8 * (mi % 2), 8 * (mi // 2)
+        q_lane = q_s + (mt * 16 + a_row) * STRIDE + 2 * a_col
+        q_frags = [P.ldmatrix_x4(q_lane + 2 * 16 * ks) for ks in range(LATENT // 16 if self.mla_fp8 else K_STEPS)]
+        if cutlass.const_expr(not self.mla_fp8):  # the query rows' stage is the producer's
+            P.fence_proxy_async()
+            cute.arch.sync_warp()
+            if lane == 0:
+                P.mbar_arrive(empty0 + 8 * (stages - 1))
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, self.heads, tid, consumers)
+        neg_inf = Float32(-math.inf)
+        ntiles = LATENT // cols // 8
+        acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
+        row_max = [neg_inf, neg_inf]
+        row_sum = [Float32(0), Float32(0)]
+        blocks = self.slots_per_cta // block
+        for b in range(blocks):
+            s = b % stages
+            kv = ring + s * stage_bytes
+            P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
+            if cutlass.const_expr(self.probe != "no_math"):
+                if live_s[s] != 0:  # (the same word for every consumer: every warp or none)
+                    row_max, row_sum, acc_o = self.consume_mma_block(
+                        q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    )
+            P.fence_proxy_async()  # this thread's reads of stage s are done before the next bulk copy
+            cute.arch.sync_warp()
+            if lane == 0:
+                P.mbar_arrive(empty0 + 8 * s)
+
+        # the row sums over the 4 lanes of a row, then over the column warps (red is free:
+        # every warp read the last block's maxima before the last barrier)
+        for r in cutlass.range_constexpr(2):
+            total = row_sum[r] + cute.arch.shuffle_sync_bfly(row_sum[r], offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if t == 0:
+                red[col * m + mt * 16 + g + 8 * r] = total
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+        item = token * self.splits + split
+        unshift = Float32(MMA_FP8_SHIFT if self.mla_fp8 else 1.0)  # P @ V's 2^-56 (fp8)
+        for r in cutlass.range_constexpr(2):
+            head = head0 + mt * 16 + g + 8 * r
+            total = Float32(0)
+            for c in cutlass.range_constexpr(cols):
+                total = total + red[c * m + mt * 16 + g + 8 * r]
+            # this thread's dims: 2t, 2t + 1 of each 8-dim tile n; over the fp8 cache (P @ V's
+            # permuted n) 16t + n and 16t + 8 + n of the warp's 64
+            values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
+            if cutlass.const_expr(self.mla_fp8):
+                values = [acc_o[n][2 * r + e] * unshift for e in range(2) for n in range(ntiles)]
+            dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
+            step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
+            if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
+                if head < self.gathered:
+                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    row = (token * self.gathered + head) * LATENT + dims
+                    for n in cutlass.range_constexpr(ntiles):
+                        P.store_f32x2(out + row + step * n, values[2 * n] * inverse, values[2 * n + 1] * inverse)
+                    if col == 0 and t == 0:
+                        P.store_f32(lse + token * self.gathered + head, self.lse_of(row_max[r], total))
+            else:
+                row = (item * self.q_heads + head) * LATENT + dims
+                for n in cutlass.range_constexpr(ntiles):
+                    P.store_f32x2(partial_o + row + step * n, values[2 * n], values[2 * n + 1])
+                if col == 0 and t == 0:
+                    P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+
+    @cute.jit
+    def consume_mma_block(self, q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+        """One block of consume_ring (stage s at kv): scores, the row max over the column warps
+        (named barrier), P into shared memory (named barrier), P @ V. Returns (row_max,
+        row_sum, acc_o)."""
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        mi, mj = lane // 8, lane % 8
+        cols = self.cols
+        mt, col = warp // cols, warp % cols
+        m, block, consumers = self.heads, self.block, self.consumers
+        p_stride = 2 * block + 16
+        p_lane = p_s + (mt * 16 + mj + 8 * (mi % 2)) * p_stride + 2 * 8 * (mi // 2)  # P @ V's A rows
+        if cutlass.const_expr(self.mla_fp8):
+            p_lane = p_lane + (col // 2) * m * p_stride  # this warp's dims' group's copy of P
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        ntiles = LATENT // cols // 8
+        per = max(1, block // 8 // cols)
+        scores = [[neg_inf] * 4 for _ in range(per)]
+        if col * per < block // 8:
+            if cutlass.const_expr(self.mla_fp8):
+                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+            else:
+                scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
+            for j in cutlass.range_constexpr(per):
+                for q in cutlass.range_constexpr(4):
+                    live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
+                    scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
+        for r in cutlass.range_constexpr(2):
+            top = scores[0][2 * r]
+            for j in cutlass.range_constexpr(per):
+                top = cute.arch.fmax(top, cute.arch.fmax(scores[j][2 * r], scores[j][2 * r + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if t == 0:
+                red[col * m + mt * 16 + g + 8 * r] = top
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for r in cutlass.range_constexpr(2):
+            top = row_max[r]
+            for c in cutlass.range_constexpr(cols):
+                top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+            use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[r] = P.exp2_approx(row_max[r] - use[r])
+            row_max[r] = top
+            row_sum[r] = row_sum[r] * alpha[r]
+        if col * per < block // 8:
+            for j in cutlass.range_constexpr(per):
+                p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
+                row_sum[0] = row_sum[0] + p[0] + p[1]
+                row_sum[1] = row_sum[1] + p[2] + p[3]
+                at = p_s + (mt * 16 + g) * p_stride
+                if cutlass.const_expr(self.mla_fp8):
+                    # slots n, n + 1 (n = 8 tile + 2t) at P @ V's permuted k: within a
+                    # 16-slot step, slot 4u + e is k 2u + e (e < 2) or 2u + 6 + e
+                    n = (col * per + j) * 8 + 2 * t
+                    u = n % 16
+                    at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
+                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
+                    shifted = [p[q] * Float32(MMA_FP8_SHIFT) for q in range(4)]
+                    for v in cutlass.range_constexpr(4):
+                        where = at + v * m * p_stride
+                        low = P.pack_bf16x2(shifted[0] * pair[0][v], shifted[1] * pair[1][v])
+                        P.st_shared_u32(where, low)
+                        high = P.pack_bf16x2(shifted[2] * pair[0][v], shifted[3] * pair[1][v])
+                        P.st_shared_u32(where + 8 * p_stride, high)
+                else:
+                    at = at + 2 * ((col * per + j) * 8 + 2 * t)
+                    P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+                    P.st_shared_u32(at + 8 * p_stride, P.pack_bf16x2(p[2], p[3]))
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
+
+        for n in cutlass.range_constexpr(ntiles):
+            for q in cutlass.range_constexpr(4):
+                acc_o[n][q] = acc_o[n][q] * alpha[q // 2]
+        if cutlass.const_expr(self.mla_fp8):
+            acc_o = self.values_block_fp8(acc_o, p_lane, kv + 8 * ntiles * col + 8 * g, t)
+        else:
+            acc_o = self.values_block(
+                acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
+            )
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
+        """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
+        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
+        dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
+        match) and widens them exactly to bf16 (x 2^-112; Q's latent is x 2^56, so each
+        product is 2^-56 of its value); each 128-dim group has its own accumulators (x its
+        scale x 2^56 once at the end), the interleaved groups four independent MMA chains;
+        the bf16 rope likewise (16 bytes per 32 dims, Q's rope from shared memory)."""
+        acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
+        rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
+        for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
+            for j in cutlass.range_constexpr(per):
+                words = [P.ld_shared_u32x2(rows[j] + 32 * (4 * grp + step) + 8 * t) for grp in range(4)]
+                for h in cutlass.range_constexpr(2):
+                    for grp in cutlass.range_constexpr(4):
+                        kk = 2 * (4 * grp + step) + h
+                        acc[j][grp] = P.mma_bf16_16816(q_frags[kk], P.e4m3x4_to_bf16x2(words[grp][h]), acc[j][grp])
+        for i in cutlass.range_constexpr((ROW - LATENT) // 32):
+            for j in cutlass.range_constexpr(per):
+                words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
+                for h in cutlass.range_constexpr(2):
+                    kk = LATENT // 16 + 2 * i + h
+                    a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
+                    acc[j][4] = P.mma_bf16_16816(a, (words[2 * h], words[2 * h + 1]), acc[j][4])
+        scores = []
+        for j in cutlass.range_constexpr(per):
+            pair = [P.ld_shared_f32x4(kv + ((first_tile + j) * 8 + 2 * t + e) * FP8_ROW + LATENT) for e in range(2)]
+            tile = []
+            for q in cutlass.range_constexpr(4):
+                value = acc[j][0][q] * pair[q % 2][0]
+                for grp in cutlass.range_constexpr(1, 4):
+                    value = value + acc[j][grp][q] * pair[q % 2][grp]
+                tile.append(acc[j][4][q] + value * Float32(MMA_FP8_SHIFT))
+            scores.append(tile)
+        return scores
+
+    @cute.jit
+    def values_block_fp8(self, acc_o, p_lane, v_lane, t) -> list:
+        """values_block over raw fp8 rows: P (this warp's group's copy, bf16, x scale x 2^56)
+        by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
+        v_lane) of each of rows 4t .. 4t + 3 of every 16-slot step: k pair (2t, 2t + 1) is
+        rows 4t, 4t + 1, pair (2t + 8, 2t + 9) rows 4t + 2, 4t + 3 (P written to match), and
+        n-tile n holds dim 8g + n (the output's dims permuted to match): byte-permuted
+        into pairs and widened exactly to bf16 (x 2^-112: the sums are 2^-56 of theirs)."""
+        for ks in cutlass.range_constexpr(self.block // 16):
+            a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
+            w = [P.ld_shared_u32x2(v_lane + (16 * ks + 4 * t + r) * FP8_ROW) for r in range(4)]
+            for h in cutlass.range_constexpr(2):  # dims 4h .. 4h + 3 of the thread's 8
+                for half in cutlass.range_constexpr(2):  # dims 4h + 2 half, + 1
+                    sel = 0x7362 if half else 0x5140
+                    low = P.e4m3x4_to_bf16x2(P.byte_perm(w[0][h], w[1][h], sel))
+                    high = P.e4m3x4_to_bf16x2(P.byte_perm(w[2][h], w[3][h], sel))
+                    for e in cutlass.range_constexpr(2):
+                        n = 4 * h + 2 * half + e
+                        acc_o[n] = P.mma_bf16_16816(a, (low[e], high[e]), acc_o[n])
+        return acc_o
+
+    @cute.jit
+    def load_queries_permuted(self, rows, head0, q_s, tid, threads: int):
+        """The CTA's query rows -> shared memory at STRIDE for the fp8 cache's scores
+        (score_tiles_fp8): dims 32i + 8u .. 32i + 8u + 7 go to k steps 2i, 2i + 1 at columns
+        (2u, 2u + 1, 2u + 8, 2u + 9) -- what ldmatrix hands lane t = u of the A fragment --
+        as bf16, the latent x 2^56 (exact: MMA_FP8_SHIFT); loads all issued first; rows at
+        or past `gathered` are zeros."""
+        pieces = ROW // 32 * 4  # (i, u) per row
+        items = self.heads * pieces
+        loads = []
+        for i in cutlass.range_constexpr((items + threads - 1) // threads):
+            index = cutlass.min(tid + i * threads, items - 1)
+            h, piece = index // pieces, index % pieces
+            live = head0 + h < self.gathered
+            words = None
+            if cutlass.const_expr(self.q_fp8):
+                words = P.load_u32x2_if(rows + h * self.q_bytes + 8 * piece, live)
+            else:
+                words = P.load_u32x4_if(rows + h * self.q_bytes + 16 * piece, live)
+            loads.append((words, h, piece))
+        for words, h, piece in loads:  # a clamped duplicate rewrites the same bytes
+            values = []
+            if cutlass.const_expr(self.q_fp8):
+                for w in cutlass.range_constexpr(2):
+                    values += list(P.unpack_e4m3x4(words[w]))
+            else:
+                values = P.unpack_bf16x8(words)
+            shift = P.select(piece < LATENT // 8, Float32(MMA_FP8_SHIFT), Float32(1))
+            at = q_s + h * STRIDE + 2 * (32 * (piece // 4) + 2 * (piece % 4))
+            for kh in cutlass.range_constexpr(2):  # k step 2i + kh
+                for half in cutlass.range_constexpr(2):  # columns 2u (+ 8)
+                    lo, hi = values[4 * kh + 2 * half], values[4 * kh + 2 * half + 1]
+                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), P.pack_bf16x2(lo * shift, hi * shift))
 
     @cute.jit
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
@@ -1170,16 +1657,22 @@ class SparseCore:
         (recorded), are zero-filled. threads / block threads share a row, each taking every
         (threads / block)-th 16-byte chunk, so a thread reads one slot id per block and its
         chunk offsets are constants."""
-        chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         stride = STRIDE if not self.mla_fp8 else FP8_ROW
         per_row = self.threads // self.block
         r, c0 = tid // per_row, tid % per_row
-        slot = ids_t[first + r]
+        self.copy_row(cache, ids_t[first + r], dst + r * stride, c0, per_row, pool_slots, error, token)
+
+    @cute.jit
+    def copy_row(self, cache, slot, row, c0, per_row: int, pool_slots, error, token):
+        """cp.async this thread's 16-byte chunks c0, c0 + per_row, ... of cache row `slot` to
+        shared `row`; a -1 slot, or one outside the pool (recorded by chunk 0's thread), is
+        zero-filled."""
+        chunks = BF16_CHUNKS if not self.mla_fp8 else FP8_CHUNKS
         live = P.in_range(slot, pool_slots)
         if c0 == 0 and slot != -1 and not live:
             P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
         src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * c0
-        row = dst + r * stride + 16 * c0
+        row = row + 16 * c0
         for j in cutlass.range_constexpr((chunks + per_row - 1) // per_row):
             if cutlass.const_expr(per_row * (j + 1) <= chunks):
                 P.cp_async_16(row + 16 * per_row * j, src + 16 * per_row * j, live)
@@ -1209,15 +1702,15 @@ class SparseCore:
                 P.st_shared_u32x4(dst + 16 * c, P.ld_shared_u32x4(src + LATENT + 16 + 16 * (c - LATENT // 8)))
 
     @cute.jit
-    def load_queries(self, rows, head0, q_s, tid):
+    def load_queries(self, rows, head0, q_s, tid, threads: int):
         """The CTA's query rows -> shared memory as bf16 rows at STRIDE: bf16 rows by
         cp.async (the caller commits and waits), e4m3 rows by loads all issued first and
         widened exactly; rows at or past `gathered` are zeros."""
         if cutlass.const_expr(self.q_fp8):
             chunks = self.heads * (ROW // 16)
             loads = []
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = cutlass.min(tid + i * self.threads, chunks - 1)
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = cutlass.min(tid + i * threads, chunks - 1)
                 h, c = index // (ROW // 16), index % (ROW // 16)
                 loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered), h, c))
             for words, h, c in loads:  # a clamped duplicate rewrites the same bytes
@@ -1230,8 +1723,8 @@ class SparseCore:
                 P.st_shared_u32x4(q_s + h * STRIDE + 32 * c + 16, out[4:])
         else:
             chunks = self.heads * BF16_CHUNKS
-            for i in cutlass.range_constexpr((chunks + self.threads - 1) // self.threads):
-                index = tid + i * self.threads
+            for i in cutlass.range_constexpr((chunks + threads - 1) // threads):
+                index = tid + i * threads
                 if index < chunks:
                     h, c = index // BF16_CHUNKS, index % BF16_CHUNKS
                     P.cp_async_16(

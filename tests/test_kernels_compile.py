@@ -502,27 +502,122 @@ def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
 
 
 def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(ptx):
+    """The plan's variants of 16- and 32-row CTAs on mma.sync: per block and column warp, 36
+    k steps of scores per 8-slot tile and P @ V over the block's 16-slot steps x 8 n-tiles,
+    in bf16. partial_mma_sync (every thread copies into a ring of ring_stages blocks), fp8
+    rows dequantized in shared memory; partial_mma_ws is not a default (MMA_PRODUCER_BLOCKS:
+    it has not run on a GPU)."""
     for shape_name, shape in SHAPES.items():
         names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
         choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
+        fp8 = shape.topology.mla_cache == "fp8"
         for name in names:
             op_slots = int(name.split("_s")[-1])
+            op = catalog.build(shape, "sparse_core", slots=op_slots).op
+            assert not op.mma_ws
             heads = sparse_core.heads_per_cta(shape.q_heads)
             block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
             text = ptx[(shape_name, name)]
             assert len(_entries(text)) == (2 if op_slots < shape.model.index_topk else 1)  # partial (+ combine)
             tiles = max(1, block // 8 // cols)  # QK slot tiles per warp: 36 k steps each
-            mmas = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
-            per_block = tiles * 36 + (block // 16) * (512 // cols // 8)  # + P @ V: k steps x n-tiles
-            assert mmas >= per_block and mmas % per_block == 0, (name, mmas)  # (the compiler may peel a block)
-            assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
+            values = (block // 16) * (512 // cols // 8)  # P @ V: k steps x n-tiles
+            bf16 = text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+            per_block = tiles * 36 + values
+            assert bf16 >= per_block and bf16 % per_block == 0, (name, bf16)  # (the compiler may peel a block)
+            assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text and "cp.async.cg.shared.global" in text
+            assert "f16.f16.f32" not in text and "mbarrier" not in text
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
-            stages = sparse_core.ring_stages(heads, block, op_slots, shape.topology.mla_cache == "fp8")
-            assert "cp.async.cg.shared.global" in text and f"cp.async.wait_group {stages - 1}" in text
-    # the fp8 cache and fp8 query rows are widened in shared memory
+            stages = sparse_core.ring_stages(heads, block, op_slots, fp8)
+            assert f"cp.async.wait_group {stages - 1}" in text
+    # the fp8 cache and fp8 query rows are widened exactly
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
+
+
+MMA_SHAPES = {
+    **SHAPES,
+    "tp8-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
+    "tp8-dcp2": RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2)),
+    "tp8-dcp2-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=2, q_format="fp8", mla_cache="fp8")),
+}
+
+
+def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
+    """PTX and cubin attributes of a SparseCore variant's partial kernel."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    partial = next(e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0])
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    return variant.op, partial, found
+
+
+@pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
+@pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
+def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrier_in_its_loop(
+    tmp_path, shape_name, slots
+):
+    """16-row CTAs with a producer warp of bulk copies (partial_mma_ws): 384 threads,
+    setmaxnreg re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
+    MMA_PRODUCER_REGS, no spills. The producer (between setmaxnreg.dec and .inc) issues
+    only cp.async.bulk, one per cache row (row_bytes each, rows / 32 per lane per block;
+    the compiler may unroll the loop), no per-thread cp.async, and expects the block's
+    bytes on the full mbarrier (32 arrivals: its lanes); the consumers release a stage
+    behind a proxy fence. The consumers meet at their named barrier (bar.sync 1, 256), and
+    the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization). Over the
+    fp8 cache every MMA is bf16 (e4m3 widened by cvt to f16, then bits to bf16)."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
+    fp8 = shape.topology.mla_cache == "fp8"
+    assert op.mma_ws and not op.wgmma and op.threads == op.consumers + 128 == 384
+    assert op.stages == sparse_core.ws_stages(op.block, fp8) == (4 if fp8 else 3 if op.block == 64 else 4)
+    assert found == {"regs": 168, "frame": 0}, found
+    assert 2 * sparse_core.MMA_CONSUMER_REGS + sparse_core.MMA_PRODUCER_REGS == 3 * 168
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
+    assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
+    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 32;", partial)) == op.stages
+    producer = partial[dec:inc] if dec < inc else partial[dec:]
+    copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes [^,]+, [^,]+, (\d+),"
+    bulk = re.findall(copy, producer)
+    per_lane = (op.block + 31) // 32
+    assert bulk and len(bulk) % per_lane == 0 and set(bulk) == {str(op.row_bytes)}, bulk
+    assert len(bulk) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
+    assert "cp.async.cg" not in producer and "cp.async.ca" not in producer and "cp.async.mbarrier" not in partial
+    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and str(op.block * op.row_bytes) in producer
+    assert "fence.proxy.async.shared::cta" in partial and "mbarrier.try_wait.parity" in partial
+    barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
+    assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", "256")}, barriers
+    assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < partial.index("mbarrier.try_wait")
+    assert ".local" not in partial and "f16.f16.f32" not in partial
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8 and ("0x80008000" in partial or "-2147450880" in partial) == fp8
+
+
+@pytest.mark.parametrize("slots", [32, 1024])
+@pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8", "tp8-dcp2", "tp8-dcp2-fp8"])
+def test_sparse_core_mma_path_without_a_producer(tmp_path, shape_name, slots):
+    """partial_mma_sync (16- and 32-row CTAs but partial_mma_ws's; bench_sparse_core.py
+    --paths msync): every thread copies its rows into a ring of ring_stages blocks
+    (cp.async.wait_group stages - 1), CTA barriers per block, no mbarriers, no spills; fp8
+    rows dequantized into bf16 rows in shared memory."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, False)
+    heads = sparse_core.heads_per_cta(shape.q_heads)
+    fp8 = shape.topology.mla_cache == "fp8"
+    assert not op.mma_ws and not op.producer and op.threads == heads // 16 * 256 and found["frame"] == 0
+    stages = sparse_core.ring_stages(heads, sparse_core.block_for(slots), slots, fp8)
+    assert f"cp.async.wait_group {stages - 1}" in partial and "mbarrier" not in partial
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in partial
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
@@ -750,7 +845,8 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16- and 32-row CTAs have no producer warpgroup whatever they say."""
+    slower at 16 and 64); 16- and 32-row CTAs take partial_mma_sync (partial_mma_ws, for 16
+    rows only, is no default until it has run on a GPU)."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
@@ -762,23 +858,36 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
             assert op.reshape == reshaped
-    for shape in SHAPES.values():
-        op = catalog.build(shape, "sparse_core", slots=64, producer=True).op
-        assert not op.wgmma and not op.producer
+    # 16 / 32 rows: partial_mma_sync; partial_mma_ws (16 rows, either cache) on request
+    assert sparse_core.MMA_PRODUCER_BLOCKS == 1 << 30  # never by default: not run on a GPU yet
+    for name, shape in MMA_SHAPES.items():
+        rows16 = sparse_core.heads_per_cta(shape.q_heads) == 16
+        for batch in (1, 4, 16, 32, 64):
+            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
+            op = catalog.build(shape, "sparse_core", slots=slots).op
+            assert not op.wgmma and not op.reshape and not op.producer and not op.mma_ws, name
+        if rows16:
+            assert catalog.build(shape, "sparse_core", slots=64, producer=True).op.mma_ws
+        else:
+            with pytest.raises(ValueError, match="16 rows per CTA"):
+                catalog.build(shape, "sparse_core", slots=64, producer=True)
 
 
+@pytest.mark.parametrize("shape_name", ["tp1-fp8", "tp8", "tp8-fp8"])
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])
-def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe):
-    """The producer path's device probes (sparse_core.PROBES) keep the 168 registers the
+def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe, shape_name):
+    """The producer paths' device probes (sparse_core.PROBES) keep the 168 registers the
     setmaxnreg re-deal needs, and no more stack than the kernel that runs (the 64-row test
-    above), so they time that kernel."""
+    above; partial_mma_ws none), so they time that kernel: no_loads issues no copies,
+    no_math no MMAs."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     monkeypatch.setattr(sparse_core, "PROBE", probe)
-    variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
-    assert variant.op.probe == probe
+    shape = TP1[shape_name] if shape_name in TP1 else MMA_SHAPES[shape_name]
+    variant = catalog.build(shape, "sparse_core", slots=2048, publish=False, producer=True)
+    assert variant.op.probe == probe and variant.op.wgmma == (shape_name == "tp1-fp8")
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -786,8 +895,12 @@ def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, p
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
-    assert found["regs"] == 168 and found["frame"] <= 32, kernels
-    assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
+    assert found["regs"] == 168 and found["frame"] <= (32 if variant.op.wgmma else 0), kernels
+    if variant.op.wgmma:
+        assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
+    else:
+        assert ("mma.sync.aligned" in ptx) == (probe != "no_math")
+        assert ("cp.async.bulk.shared" in ptx) == (probe != "no_loads")
 
 
 @pytest.fixture(scope="module")

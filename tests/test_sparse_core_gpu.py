@@ -19,7 +19,9 @@ CASES = {  # name: (preset, topology, tolerance); gathered query rows in the nam
     "q16-tp8-bf16": ("deepseek-v3.2", Topology(tp=8), BF16),
     "q8-kimi-tp8-bf16": ("kimi-k3.1", Topology(tp=8), BF16),  # 8 rows padded to a 16-row tile
     "q16-kimi-dcp2-fp8": ("kimi-k3.1", Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8"), FP8),
+    "q16-tp8-fp8cache": ("deepseek-v3.2", Topology(tp=8, mla_cache="fp8"), FP8),  # bf16 query rows
     "q32-tp8-dcp2-bf16": ("deepseek-v3.2", Topology(tp=8, dcp=2), BF16),
+    "q32-tp8-dcp2-fp8": ("deepseek-v3.2", Topology(tp=8, dcp=2, q_format="fp8", mla_cache="fp8"), FP8),
     "q64-kimi-tp1-fp8cache": ("kimi-k3.1", Topology(tp=1, mla_cache="fp8"), FP8),
     "q128-tp1-fp8": ("deepseek-v3.2", Topology(tp=1, q_format="fp8", mla_cache="fp8"), FP8),
     "q128-tp1-bf16": ("deepseek-v3.2", Topology(tp=1), BF16),
@@ -54,13 +56,16 @@ def _slots(total: int, batch: int, k: int) -> torch.Tensor:
     return slots
 
 
-def _check(case, batch, slots_per_cta=None):
+def _check(case, batch, slots_per_cta=None, big=None):
+    """big: latent dim 0 of every query row set to it."""
     state = _state(case)
     s, m = state.shape, state.shape.model
     topology, tolerance = CASES[case][1], CASES[case][2]
     kernels = Kernels(s, state.weights)
     k = m.index_topk
     rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3
+    if big is not None:
+        rows[:, :, 0] = big
     mailbox = formats.arm(torch.empty(batch, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
     mailbox[:, : s.gathered] = formats.encode_q_rows(rows, topology.q_format).view(batch, s.gathered, -1)
     total = state.caches.mla_cache.view(-1, state.caches.mla_cache.shape[-1]).shape[0]
@@ -133,17 +138,61 @@ def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypa
 
 
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q128-tp1-fp8"])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
 def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
+@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """partial_mma_ws (16 rows; its producer warp's bulk copies) at every block count,
+    whatever MMA_PRODUCER_BLOCKS says (bench_sparse_core.py --paths mws): its ring of 2 .. 4
+    stages, one block or many, blocks narrower than 64 (lanes without a row), holes copying
+    a live row, blocks without one skipped, both caches (the fp8 rows widened into the MMA
+    operands), bf16 and fp8 query rows."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+    _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 2048])
+def test_the_mma_producer_path_takes_query_elements_past_f16s_range(monkeypatch, slots_per_cta):
+    """partial_mma_ws over the fp8 cache with bf16 query rows whose latent dim 0 is 70000
+    (past f16's 65504): its operands are bf16 (x 2^56 for Q), so the scores stay finite
+    and exact (f16 operands turned them into inf)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+    _check("q16-tp8-fp8cache", 5, slots_per_cta, big=7e4)
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 1024, 2048])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8"])
+def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """partial_mma_sync forced (bench_sparse_core.py --paths msync) whatever
+    MMA_PRODUCER_BLOCKS says."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1 << 30)
+    _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("mws", [False, True], ids=["default", "mws"])
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
-def test_publish_copies_the_rows_read_and_rearms_them(case, slots_per_cta):
+def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, mws):
     """The step's launch (q_out given): the same out and lse bit for bit as a launch without
     it, q_out = the gathered rows as they were, those rows re-armed in the mailbox, and
-    nothing else of the mailbox touched (pad rows, rows past the batch)."""
+    nothing else of the mailbox touched (pad rows, rows past the batch). mws: 16-row CTAs
+    on partial_mma_ws."""
+    from graphstep.kernels import sparse_core
+
+    if mws and case.startswith("q128"):
+        pytest.skip("64-row CTAs have no partial_mma_ws")
+    if mws:
+        monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
     state, batch = _state(case), 6
     s, m = state.shape, state.shape.model
     kernels = Kernels(s, state.weights)
