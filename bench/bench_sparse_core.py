@@ -163,11 +163,11 @@ def main() -> int:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
             if path in ("mws", "msync"):
-                sparse_core.MMA_PRODUCER_BLOCKS = 1 if path == "mws" else 1 << 30
+                sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1 if path == "mws" else 1 << 30)
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
                 if path == "ws":  # (the probes' path) 16-row CTAs' producer too
-                    sparse_core.MMA_PRODUCER_BLOCKS = 1
+                    sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1)
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
             sparse_core.PROBE = probe

@@ -189,7 +189,7 @@ def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | 
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
     producer warpgroup or not; None: sparse_core.PRODUCER for the cache (64-row CTAs), or
-    MMA_PRODUCER_BLOCKS (16 rows, either cache; the name says only a choice other than None)."""
+    MMA_PRODUCER_BLOCKS per cache (16 rows; the name says only a choice other than None)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,

@@ -32,8 +32,8 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          Writes the split's unnormalized output and (max, sum), max in log2 units; with
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
-         16 rows from MMA_PRODUCER_BLOCKS blocks per CTA (never by default: not yet run on
-         a GPU): `partial_mma_ws`, the same consumer warps beside a producer warp that
+         16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
+         16 blocks, TP 8 B = 64): `partial_mma_ws`, the same consumer warps beside a producer warp that
          bulk-copies each cache row (cp.async.bulk) into a ring behind full / empty
          mbarriers (no CTA barrier in the loop); over the fp8 cache the consumers widen
          e4m3 straight into bf16 MMA operands (no dequantization pass: each 128-dim
@@ -59,13 +59,16 @@ is the per-block CTA barriers of a one-CTA-per-SM kernel. A warp-specialized pro
 KB/us per SM (H200: alone 86.8 us for TP 8 bf16 B = 64, 51.8 fp8), half of what 8 copying
 warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
 consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
-cp.async.bulk per row (not yet run on a GPU). Session 4's one bulk copy per row, measured no
-better, was issued by warp 0 of the barrier-per-block kernel between its own math, so a
-stage was refilled only after the CTA barrier that freed it and once warp 0 got there; here
-a warp that does nothing else refills each stage as soon as the consumers release it.
-At 64-row tiles
-(wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row copies or loads)
-takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
+cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was 86.8), and
+the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
+57.7 (bf16, H200, session 10). Over the fp8 cache it wins only at B = 64 (60.0 against 64.3):
+its consumers widen e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16. Session
+4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
+kernel between its own math, so a stage was refilled only after the CTA barrier that freed
+it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
+as the consumers release it.
+At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row
+copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
 CTA per SM; an L2 bulk prefetch of the block after next was measured no better. The
 producer warpgroup (fp8) takes B = 64 to 115.6 us; its probes: consumers with a producer
 that loads nothing 89.8 us, the producer alone 71.8 us, so neither side alone bounds it
@@ -151,14 +154,12 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, else
-# partial_mma_sync. Never by default: its producer of bulk copies has not run on a GPU. Its
-# predecessor (a warpgroup of 16-byte cp.async, H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 /
-# 16 blocks, same run): fp8 8.44 / 14.3 / 22.7 / 57.4 us against 6.91 / 11.1 / 20.7 / 64.3,
-# bf16 5.82 / 11.6 / 26.3 / 92.0 against 6.59 / 10.5 / 20.2 / 58.0 -- bound by its copies (13-14
-# KB/us per SM; its consumers alone 36.6 bf16 / 39.6 fp8 us at B = 64, its producer alone 86.8 /
-# 51.8). bench_sparse_core.py --paths msync,mws compares them.
-MMA_PRODUCER_BLOCKS = 1 << 30
+# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, per MLA
+# cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
+# blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
+# 6.56 / 10.3 / 19.9 / 57.7; fp8 9.72 / 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3.
+# bench_sparse_core.py --paths msync,mws compares them.
+MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 16}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
@@ -327,7 +328,7 @@ class SparseCore:
         producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
         partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
         module's PRODUCER for the cache (64 rows), or partial_mma_ws from
-        MMA_PRODUCER_BLOCKS blocks per CTA."""
+        MMA_PRODUCER_BLOCKS[cache] blocks per CTA."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -343,7 +344,8 @@ class SparseCore:
         else:  # partial_mma_ws: 16 rows only
             if producer and self.heads != 16:
                 raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA")
-            default = self.heads == 16 and slots_per_cta // self.block >= MMA_PRODUCER_BLOCKS
+            least = MMA_PRODUCER_BLOCKS["fp8" if mla_fp8 else "bf16"]
+            default = self.heads == 16 and slots_per_cta // self.block >= least
             self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
@@ -580,7 +582,7 @@ class SparseCore:
 
     @cute.jit
     def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """16-row CTAs with a producer warp (not yet run on a GPU): the 8 consumer warps of
+        """16-row CTAs with a producer warp: the 8 consumer warps of
         partial_mma_sync (tid < 256) and one producer warp (produce_ring: one bulk copy per
         cache row) behind full / empty mbarriers over a ring of `stages` blocks of cache
         rows as they are in HBM (bf16 at STRIDE, or raw fp8 rows). The consumers meet only

@@ -505,8 +505,8 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
     """The plan's variants of 16- and 32-row CTAs on mma.sync: per block and column warp, 36
     k steps of scores per 8-slot tile and P @ V over the block's 16-slot steps x 8 n-tiles,
     in bf16. partial_mma_sync (every thread copies into a ring of ring_stages blocks), fp8
-    rows dequantized in shared memory; partial_mma_ws is not a default (MMA_PRODUCER_BLOCKS:
-    it has not run on a GPU)."""
+    rows dequantized in shared memory; the variants MMA_PRODUCER_BLOCKS puts on partial_mma_ws
+    have their own PTX test below."""
     for shape_name, shape in SHAPES.items():
         names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
         choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
@@ -515,7 +515,11 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         for name in names:
             op_slots = int(name.split("_s")[-1])
             op = catalog.build(shape, "sparse_core", slots=op_slots).op
-            assert not op.mma_ws
+            heads = sparse_core.heads_per_cta(shape.q_heads)
+            least = sparse_core.MMA_PRODUCER_BLOCKS["fp8" if fp8 else "bf16"]
+            assert op.mma_ws == (heads == 16 and op_slots // sparse_core.block_for(op_slots) >= least)
+            if op.mma_ws:
+                continue
             heads = sparse_core.heads_per_cta(shape.q_heads)
             block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
             text = ptx[(shape_name, name)]
@@ -858,14 +862,18 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
             assert op.reshape == reshaped
-    # 16 / 32 rows: partial_mma_sync; partial_mma_ws (16 rows, either cache) on request
-    assert sparse_core.MMA_PRODUCER_BLOCKS == 1 << 30  # never by default: not run on a GPU yet
+    # 16 rows: partial_mma_ws over the bf16 cache always, over fp8 from 16 blocks per CTA (TP 8
+    # B = 64), as measured (bench/RESULTS.md, session 10); 32 rows: partial_mma_sync
+    assert sparse_core.MMA_PRODUCER_BLOCKS == {"bf16": 1, "fp8": 16}
     for name, shape in MMA_SHAPES.items():
         rows16 = sparse_core.heads_per_cta(shape.q_heads) == 16
+        fp8 = shape.topology.mla_cache == "fp8"
         for batch in (1, 4, 16, 32, 64):
             slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
             op = catalog.build(shape, "sparse_core", slots=slots).op
-            assert not op.wgmma and not op.reshape and not op.producer and not op.mma_ws, name
+            blocks = slots // sparse_core.block_for(slots)
+            mws = rows16 and (not fp8 or blocks >= 16)
+            assert not op.wgmma and not op.reshape and op.producer == op.mma_ws == mws, (name, batch)
         if rows16:
             assert catalog.build(shape, "sparse_core", slots=64, producer=True).op.mma_ws
         else:

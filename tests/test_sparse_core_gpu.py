@@ -153,7 +153,7 @@ def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monk
     operands), bf16 and fp8 query rows."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     _check(case, 5, slots_per_cta)
 
 
@@ -164,7 +164,7 @@ def test_the_mma_producer_path_takes_query_elements_past_f16s_range(monkeypatch,
     and exact (f16 operands turned them into inf)."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     _check("q16-tp8-fp8cache", 5, slots_per_cta, big=7e4)
 
 
@@ -175,7 +175,7 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
     MMA_PRODUCER_BLOCKS says."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1 << 30)
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1 << 30, "fp8": 1 << 30})
     _check(case, 5, slots_per_cta)
 
 
@@ -192,7 +192,7 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     if mws and case.startswith("q128"):
         pytest.skip("64-row CTAs have no partial_mma_ws")
     if mws:
-        monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", 1)
+        monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     state, batch = _state(case), 6
     s, m = state.shape, state.shape.model
     kernels = Kernels(s, state.weights)
