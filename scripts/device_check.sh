@@ -24,7 +24,7 @@ else
   only=" gpu_tests graph run bench serve nsys trace kernels "
 fi
 want() { [[ "$only" == *" $1 "* ]]; }
-want gpu_tests && step gpu_tests 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+want gpu_tests && step gpu_tests 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider
 want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
 want bench && step bench 150 graphstep bench --batch 1,4,16,64 --context 32768 --replays 30 --out "$out"
