@@ -344,6 +344,7 @@ SPLITS = (
     Split(16, 1024, 2),  # up to 128K: 16 CTAs of 8K (a non-portable cluster size)
     Split(4, 1024, 8, 4),  # up to 128K: 4 CTAs of 32K, half of each in shared memory
     Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
+    Split(16, 512, 4),  # up to 128K: 16 CTAs of 8K at 2 CTAs / SM
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
@@ -354,7 +355,8 @@ SPLITS = (
 # CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
 # and larger CTAs do (one wave of rows, fewer cluster barriers). 32K: 8 CTAs of 4K to B = 8
 # (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
-# 128K: 16 CTAs of 8K to B = 4 (10.1 at 4; 12.1 at 1, where 8 of 16K took 12.0), 8 of 16K to
+# 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
+# 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
 # B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
 # 24), 8 of 16K at B = 32 (30.8; 4 of 32K 31.4), 4 of 32K to B = 48 (two waves, 34.4),
 # 2 of 64K above (43.3 at 64, where 4 of 32K took 48.7).
@@ -364,7 +366,7 @@ PICKS = (
     (
         131072,
         (
-            (4, Split(16, 1024, 2)),
+            (4, Split(16, 512, 4)),
             (12, Split(8, 1024, 4)),
             (24, Split(4, 1024, 8, 4)),
             (32, Split(8, 1024, 4)),

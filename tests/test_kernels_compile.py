@@ -716,9 +716,9 @@ def _cubin_attributes(cubin: bytes) -> dict:
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
 def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
-    """A 1024-thread CTA must fit 64 registers a thread; the scores a split holds in
-    registers (all but its stashed loads) stay there (ptxas spills show only in the cubin,
-    not in the PTX)."""
+    """A thread must fit 64 registers (one 1024-thread CTA or two 512-thread CTAs per SM, as
+    PICKS assumes); the scores a split holds in registers (all but its stashed loads) stay
+    there (ptxas spills show only in the cubin, not in the PTX)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
@@ -733,7 +733,7 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
         (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
         found = _cubin_attributes(cubin.read_bytes())
         assert found["frame"] == 0, (split.name, dcp, found)
-        assert found["regs"] * split.threads <= 65536, (split.name, dcp, found)
+        assert found["regs"] <= 64, (split.name, dcp, found)
 
 
 # Every kernel that addresses memory with an id from the inputs records an out-of-range one
