@@ -7,7 +7,7 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 "score" times DsaIndex with the host's pages-per-CTA pick (`dsa_index.pages_per_cta`, the
 "run" column); --runs also times every listed run and prints them in a second table, to
 tune the host's table on the device.
-    python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...]   # every TopK variant
+    python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...] [--splits ...]   # TopK variants
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
@@ -151,13 +151,17 @@ def bench_context(
     return rows
 
 
-def bench_top_k_variants(shape: RankShape, context: int, batches: list[int], launches: int = 8) -> list[dict]:
-    """TopK alone, every variant that holds the row, over the scores DsaIndex writes."""
+def bench_top_k_variants(
+    shape: RankShape, context: int, batches: list[int], launches: int = 8, names: set | None = None
+) -> list[dict]:
+    """TopK alone, every variant that holds the row (of `names`, if given), over the scores
+    DsaIndex writes."""
     m = shape.model
     state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
     kernels = Kernels(shape, state.weights)
     width = state.pages_per_seq * m.page_size
     variants = [s for s in top_k_kernels.SPLITS if s.capacity >= width] + [None]
+    variants = [s for s in variants if names is None or (s.name if s else "one-cta") in names]
     rows = []
     for batch in batches:
         inputs = state.inputs(batch, context_lens=context)
@@ -196,11 +200,15 @@ def bench_top_k_variants(shape: RankShape, context: int, batches: list[int], lau
 
 def main_top_k_sweep(args, shape: RankShape) -> int:
     batches = [int(b) for b in args.batch.split(",")]
+    chosen = set(args.splits.split(",")) if args.splits else None
+    known = {s.name for s in top_k_kernels.SPLITS} | {"one-cta"}
+    if chosen and not chosen <= known:
+        raise SystemExit(f"unknown --splits {sorted(chosen - known)}; known: {sorted(known)}")
     rows = []
     for context in (int(c) for c in args.context.split(",")):
-        rows += bench_top_k_variants(shape, context, batches)
+        rows += bench_top_k_variants(shape, context, batches, names=chosen)
         torch.cuda.empty_cache()
-    names = [s.name for s in top_k_kernels.SPLITS] + ["one-cta"]
+    names = [n for n in [s.name for s in top_k_kernels.SPLITS] + ["one-cta"] if chosen is None or n in chosen]
     cells = []
 
     def cell(r, n):
@@ -299,6 +307,7 @@ def main() -> int:
     parser.add_argument("--context", default="4096,32768,131072")
     parser.add_argument("--runs", default="", help="also time DsaIndex at these pages-per-CTA runs")
     parser.add_argument("--top-k-sweep", action="store_true", help="time every TopK variant only")
+    parser.add_argument("--splits", default="", help="--top-k-sweep: only these variants (names, comma-separated)")
     parser.add_argument(
         "--rotation", action="store_true", help="time IndexQuery and IndexKey with and without the Hadamard rotation"
     )
