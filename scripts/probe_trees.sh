@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Measure unmerged branches in one device call: each branch's tree is copied (on the host)
+# under .probe/NAME (git-ignored) and carried; here each plan line runs in its tree, after
+# that tree's own editable install, under a timeout. Logs go to $OUT/probe_NAME_N.log; the
+# last lines are a table of every step's rc and seconds.
+#   host:   git -C /work/main archive BRANCH | tar -x -C .probe/BRANCH   (one per branch)
+#   device: source .device/bootstrap.sh && bash scripts/probe_trees.sh PLAN
+# PLAN: one step a line, "NAME SECONDS COMMAND...", NAME a folder under .probe (or "main"
+# for this tree); blank lines and lines starting with # are skipped.
+set -uo pipefail
+plan=${1:?usage: probe_trees.sh PLAN}
+out="${OUT:-out}"
+mkdir -p "$out"
+root=$PWD
+summary=()
+n=0
+installed=""
+while read -r name seconds cmd; do
+  [[ -z "$name" || "$name" == \#* ]] && continue
+  n=$((n + 1))
+  tree="$root/.probe/$name"
+  [[ "$name" == main ]] && tree="$root"
+  if [[ ! -d "$tree" ]]; then
+    summary+=("$n $name rc=missing-tree 0s")
+    continue
+  fi
+  if [[ "$installed" != "$tree" ]]; then  # graphstep imports from the tree being measured
+    (cd "$tree" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .) >/tmp/probe_install.log 2>&1 \
+      || { summary+=("$n $name rc=install-failed 0s"); tail -3 /tmp/probe_install.log; continue; }
+    installed="$tree"
+  fi
+  log="$out/probe_${name}_${n}.log"
+  echo "=== $n $name: $cmd"
+  start=$(date +%s)
+  (cd "$tree" && GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" bash -c "$cmd") >"$log" 2>&1
+  rc=$?
+  took=$(($(date +%s) - start))
+  tail -n "${TAIL:-12}" "$log"
+  summary+=("$n $name rc=$rc ${took}s")
+done <"$plan"
+echo "=== summary (step tree rc seconds)"
+printf '%s\n' "${summary[@]}"
