@@ -201,14 +201,14 @@ def bench_top_k_variants(
 def main_top_k_sweep(args, shape: RankShape) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     chosen = set(args.splits.split(",")) if args.splits else None
-    known = {s.name for s in top_k_kernels.SPLITS} | {"one-cta"}
-    if chosen and not chosen <= known:
-        raise SystemExit(f"unknown --splits {sorted(chosen - known)}; known: {sorted(known)}")
+    known = [s.name for s in top_k_kernels.SPLITS] + ["one-cta"]  # the table's columns, in order
+    if chosen and not chosen <= set(known):
+        raise SystemExit(f"unknown --splits {sorted(chosen - set(known))}; known: {known}")
     rows = []
     for context in (int(c) for c in args.context.split(",")):
         rows += bench_top_k_variants(shape, context, batches, names=chosen)
         torch.cuda.empty_cache()
-    names = [n for n in [s.name for s in top_k_kernels.SPLITS] + ["one-cta"] if chosen is None or n in chosen]
+    names = [n for n in known if chosen is None or n in chosen]
     cells = []
 
     def cell(r, n):
