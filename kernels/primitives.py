@@ -211,22 +211,45 @@ def pack_bf16x2(low, high) -> Uint32:
     )
 
 
-# e4m3 widened to bf16 by bits: the f16 of an e4m3 is always normal (2^-9 .. 448), so its
-# exponent and top 7 mantissa bits, moved down 3 bits under its sign, are a bf16 of the
-# value x 2^-112 (bias 15 against 127), exactly, zero included (an e4m3 NaN reads finite).
-E4M3_BF16_SHIFT = 112
-
-
-def e4m3x4_to_bf16x2(word) -> tuple:
-    """A word of four e4m3 (element 0 in bits 0-7) -> two words of bf16 pairs of the values x
-    2^-E4M3_BF16_SHIFT (exact): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
+def pack_f16x2(low, high) -> Uint32:
+    """Round two fp32 to nearest-even f16: low in bits 0-15 (past 65504: inf)."""
     return cute.arch.inline_ptx(
-        "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h0, h1, t0, t1;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
-        "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
-        "shr.b32 t0, h0, 3;\n\tshr.b32 t1, h1, 3;\n\tand.b32 t0, t0, 0x0FFF0FFF;\n\tand.b32 t1, t1, 0x0FFF0FFF;\n\t"
-        "lop3.b32 {$w0}, h0, 0x80008000, t0, 0xEA;\n\tlop3.b32 {$w1}, h1, 0x80008000, t1, 0xEA;\n\t}",
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
+    )
+
+
+def e4m3x4_to_f16x2(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> two words of f16 pairs (exact: every
+    e4m3 is an f16 normal or zero): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
         write_only_types=[Uint32, Uint32],
         read_only_args=[word],
+    )
+
+
+def abs_max_bits(values) -> Int32:
+    """The largest |v| of fp32 values as its bits (an Int32 >= 0: for non-negative floats,
+    integer order is float order; NaN above inf)."""
+    lines = ["{", ".reg .b32 top, x;", f"and.b32 top, {{$r0}}, {0x7FFFFFFF};"]
+    for i in range(1, len(values)):
+        lines += [f"and.b32 x, {{$r{i}}}, {0x7FFFFFFF};", "max.u32 top, top, x;"]
+    lines += ["mov.b32 {$w0}, top;", "}"]
+    return cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Int32], read_only_args=list(values))
+
+
+def pow2_fit(top, floor, target: int) -> tuple:
+    """The power of two that brings values up to |top| (an fp32, or its bits) under
+    2^(target + 1): e = max(|top|'s biased exponent, floor) and (e, 2^(target + 127 - e),
+    2^(e - target - 127)), the second undoing the first exactly; floor > target keeps both
+    normal fp32."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 e, d;\n\tshr.b32 e, {$r0}, 23;\n\tand.b32 e, e, 255;\n\tmax.s32 e, e, {$r1};\n\t"
+        f"mov.b32 {{$w0}}, e;\n\tsub.s32 d, {target + 254}, e;\n\tshl.b32 {{$w1}}, d, 23;\n\t"
+        f"sub.s32 d, e, {target};\n\tshl.b32 {{$w2}}, d, 23;\n\t}}",
+        write_only_types=[Int32, Float32, Float32],
+        read_only_args=[top, Int32(floor)],
     )
 
 
@@ -546,6 +569,11 @@ def _mma(shape_and_types: str, a, b, c) -> list:
 def mma_bf16_16816(a, b, c) -> list:
     """m16n8k16, bf16 pairs in each word."""
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
+
+
+def mma_f16_16816(a, b, c) -> list:
+    """m16n8k16, f16 pairs in each word."""
+    return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
 
 
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:

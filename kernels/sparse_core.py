@@ -33,11 +33,12 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
          16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
-         16 blocks, TP 8 B = 64): `partial_mma_ws`, the same consumer warps beside a producer warp that
-         bulk-copies each cache row (cp.async.bulk) into a ring behind full / empty
-         mbarriers (no CTA barrier in the loop); over the fp8 cache the consumers widen
-         e4m3 straight into bf16 MMA operands (no dequantization pass: each 128-dim
-         group's scale applied to its partial score and to P).
+         16 blocks, TP 8 B = 64): `partial_mma_ws`, the same consumer warps beside a
+         producer warp that bulk-copies each cache row (cp.async.bulk) into a ring behind
+         full / empty mbarriers (no CTA barrier in the loop); over the fp8 cache the
+         consumers widen e4m3 straight into f16 MMA operands (no dequantization pass: each
+         128-dim group's scale applied to its partial score and to P; Q and P x scale
+         brought into f16's range by powers of two, consume_ring).
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
@@ -61,8 +62,9 @@ warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), w
 consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
 cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was 86.8), and
 the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
-57.7 (bf16, H200, session 10). Over the fp8 cache it wins only at B = 64 (60.0 against 64.3):
-its consumers widen e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16. Session
+57.7 (bf16, H200, session 10). Over the fp8 cache it won only at B = 64 (60.0 against 64.3)
+while its consumers widened e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16;
+they now take f16 operands behind range guards (not yet measured). Session
 4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
 kernel between its own math, so a stage was refilled only after the CTA barrier that freed
 it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
@@ -165,12 +167,12 @@ PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's wa
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
 # bulk copies).
 MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
-# partial_mma_ws over the fp8 cache widens e4m3 into bf16 operands as value x 2^-112
-# (primitives.E4M3_BF16_SHIFT); half the offset goes into Q (x 2^56, exact) and into P x scale,
-# the other half comes back in fp32 (scores x scale x 2^56, outputs x 2^56). So the operands
-# keep bf16's (fp32's) range, where f16 operands overflowed past 65504 (query elements, P x
-# scale): only query elements past 2^72 or scales past 2^72 overflow.
-MMA_FP8_SHIFT = 2.0 ** (P.E4M3_BF16_SHIFT // 2)
+# partial_mma_ws over the fp8 cache: f16 MMA operands (e4m3 widens into f16 exactly), each
+# brought under f16's 65504 by a power of two undone in fp32 (P.pow2_fit; consume_ring):
+# bf16 query rows x 2^(Q_F16_TOP - E_row) (E_row: the exponent of the row's largest latent
+# element), P x scale x 2^(P_F16_TOP - E) (E: the exponent of the largest scale of the
+# blocks consumed so far).
+Q_F16_TOP, P_F16_TOP = 15, 14
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -226,11 +228,12 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
     """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
     (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
     with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
-    their own space, the bf16 cache's pass through the last stage into registers (three
-    64-row bf16 stages fit only so)."""
+    their own space (with their f16 powers of two and the blocks' largest scales), the
+    bf16 cache's pass through the last stage into registers (three 64-row bf16 stages fit
+    only so)."""
     stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
     fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
-    fixed += 16 * STRIDE if mla_fp8 else 0
+    fixed += 16 * STRIDE + 4 * (16 + COLS) if mla_fp8 else 0  # (+ the rows' and blocks' powers of two)
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
@@ -606,6 +609,10 @@ class SparseCore:
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
         live_s = smem.allocate_tensor(Int32, cute.make_layout(stages), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
+        q_unscale_s, scale_top = None, None  # fp8: the query rows' 2^-(their f16 exponents), each warp's largest scale
+        if cutlass.const_expr(self.mla_fp8):
+            q_unscale_s = smem.allocate_tensor(Float32, cute.make_layout(m), byte_alignment=16)
+            scale_top = smem.allocate_tensor(Float32, cute.make_layout(self.cols), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
         if tid == 0:
@@ -637,6 +644,8 @@ class SparseCore:
                 ids_s,
                 live_s,
                 red,
+                q_unscale_s,
+                scale_top,
                 full0,
                 empty0,
                 tid,
@@ -724,6 +733,8 @@ class SparseCore:
         ids_s,
         live_s,
         red,
+        q_unscale_s,
+        scale_top,
         full0,
         empty0,
         tid,
@@ -732,14 +743,30 @@ class SparseCore:
         """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
         waited for on its full mbarrier (skipped if it has no live slot) and released on its
         empty one by every warp after its P @ V, behind a proxy fence (the next bulk copy
-        into the stage is the async proxy). Over the fp8 cache the raw rows are the MMA
-        operands' source (score_tiles_fp8, values_block_fp8): e4m3 widened exactly to bf16
-        (x 2^-112, MMA_FP8_SHIFT), each 128-dim group's scale applied to its partial score
-        and to P (four copies of P, one per group); the k order of the scores and the slot
-        and dim orders of P @ V are permuted (consistently for Q, P and the output) so that
-        each thread reads whole words of a row. The latent's 32 k steps of Q's A fragments
-        stay in registers there, the rope's 4 are read from shared memory each block; over
-        the bf16 cache all 36 stay in registers."""
+        into the stage is the async proxy). Over the bf16 cache all 36 k steps of Q's A
+        fragments stay in registers.
+
+        Over the fp8 cache the raw rows are the MMA operands' source (score_tiles_fp8,
+        values_block_fp8): e4m3 widened exactly to f16, each 128-dim group's scale applied to
+        its partial score and to P (four copies of P, one per group); the k order of the
+        scores and the slot and dim orders of P @ V are permuted (consistently for Q, P and
+        the output) so that each thread reads whole words of a row. The latent's 32 k steps
+        of Q's A fragments (f16) stay in registers, the rope's 4 (bf16) are read from shared
+        memory each block. f16 holds values under 65504 only, with 11 bits only from 2^-14,
+        so Q and P x scale each enter it times a power of two, undone in fp32 (exact):
+        - a bf16 query row's latent x 2^(Q_F16_TOP - E), E the exponent of its largest
+          element (load_queries_permuted): all under 2^16 (a bf16 under 2^16 is at most
+          65280), each exact in f16 unless below 2^(E - 32), then within 2^(E - 40) -- under
+          2^-40 of the row's largest element, below the fp32 rounding of its scores; the
+          row's latent scores are x 2^(E - Q_F16_TOP). e4m3 rows fit f16 as they are.
+        - P x scale x 2^(P_F16_TOP - E), E the exponent of the largest scale of the blocks
+          consumed so far (each warp's largest through shared memory beside the row maxima):
+          under 2^15, never inf; 11 bits where P x scale >= 2^(E - 28), else within 2^(E -
+          38). When E grows the output accumulators are rescaled with the softmax's alpha;
+          the output is x 2^(E - P_F16_TOP) at the end.
+        So no query element or scale gives a wrong result silently, and none needs the error
+        word: each result is as exact as the bf16-operand path's to fp32 rounding (P is finer:
+        11 bits against 8), query elements past 65504 and scales past f16's range included."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -751,7 +778,7 @@ class SparseCore:
         head0 = group * m
         rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
         if cutlass.const_expr(self.mla_fp8):
-            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+            self.load_queries_permuted(rows, head0, q_s, q_unscale_s, tid, consumers)
         else:
             self.load_queries(rows, head0, q_s, tid, consumers)
             P.cp_async_commit()
@@ -774,6 +801,14 @@ class SparseCore:
         acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
         row_max = [neg_inf, neg_inf]
         row_sum = [Float32(0), Float32(0)]
+        # fp8: rows g, g + 8's 2^(E - Q_F16_TOP); P's exponent E (biased; pow2_fit's floor at
+        # first) and 2^(E - P_F16_TOP) (consume_mma_block)
+        q_unscale = [Float32(1), Float32(1)]
+        p_scale = []
+        if cutlass.const_expr(self.mla_fp8):
+            p_scale = [Int32(P_F16_TOP + 1), Float32(2.0 ** (1 - 127))]
+            if cutlass.const_expr(not self.q_fp8):
+                q_unscale = [q_unscale_s[mt * 16 + g + 8 * r] for r in range(2)]
         blocks = self.slots_per_cta // block
         for b in range(blocks):
             s = b % stages
@@ -781,8 +816,22 @@ class SparseCore:
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
             if cutlass.const_expr(self.probe != "no_math"):
                 if live_s[s] != 0:  # (the same word for every consumer: every warp or none)
-                    row_max, row_sum, acc_o = self.consume_mma_block(
-                        q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    row_max, row_sum, acc_o, p_scale = self.consume_mma_block(
+                        q_lane,
+                        q_frags,
+                        q_unscale,
+                        p_s,
+                        kv,
+                        ids_s,
+                        s,
+                        red,
+                        scale_top,
+                        row_max,
+                        row_sum,
+                        acc_o,
+                        p_scale,
+                        tid,
+                        pool_slots,
                     )
             P.fence_proxy_async()  # this thread's reads of stage s are done before the next bulk copy
             cute.arch.sync_warp()
@@ -798,7 +847,6 @@ class SparseCore:
                 red[col * m + mt * 16 + g + 8 * r] = total
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         item = token * self.splits + split
-        unshift = Float32(MMA_FP8_SHIFT if self.mla_fp8 else 1.0)  # P @ V's 2^-56 (fp8)
         for r in cutlass.range_constexpr(2):
             head = head0 + mt * 16 + g + 8 * r
             total = Float32(0)
@@ -808,7 +856,7 @@ class SparseCore:
             # permuted n) 16t + n and 16t + 8 + n of the warp's 64
             values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
             if cutlass.const_expr(self.mla_fp8):
-                values = [acc_o[n][2 * r + e] * unshift for e in range(2) for n in range(ntiles)]
+                values = [acc_o[n][2 * r + e] * p_scale[1] for e in range(2) for n in range(ntiles)]
             dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
             step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
@@ -827,10 +875,30 @@ class SparseCore:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
 
     @cute.jit
-    def consume_mma_block(self, q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+    def consume_mma_block(
+        self,
+        q_lane,
+        q_frags,
+        q_unscale,
+        p_s,
+        kv,
+        ids_s,
+        s,
+        red,
+        scale_top,
+        row_max,
+        row_sum,
+        acc_o,
+        p_scale,
+        tid,
+        pool_slots,
+    ):
         """One block of consume_ring (stage s at kv): scores, the row max over the column warps
         (named barrier), P into shared memory (named barrier), P @ V. Returns (row_max,
-        row_sum, acc_o)."""
+        row_sum, acc_o, p_scale). fp8: q_unscale = rows g, g + 8's 2^(E - Q_F16_TOP); p_scale
+        = [P's exponent (biased), 2^(E - P_F16_TOP)], raised to the block's largest scale
+        (each warp's through scale_top beside the row maxima), acc_o rescaled to match; bf16:
+        both unused ([])."""
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         mi, mj = lane // 8, lane % 8
@@ -846,9 +914,10 @@ class SparseCore:
         ntiles = LATENT // cols // 8
         per = max(1, block // 8 // cols)
         scores = [[neg_inf] * 4 for _ in range(per)]
+        pairs = [[[Float32(0)] * 4 for _ in range(2)] for _ in range(per)]  # fp8: slots 2t, 2t + 1's scales
         if col * per < block // 8:
             if cutlass.const_expr(self.mla_fp8):
-                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+                scores, pairs = self.score_tiles_fp8(q_lane, q_frags, q_unscale, kv, col * per, per, g, t)
             else:
                 scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
             for j in cutlass.range_constexpr(per):
@@ -863,6 +932,16 @@ class SparseCore:
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             if t == 0:
                 red[col * m + mt * 16 + g + 8 * r] = top
+        if cutlass.const_expr(self.mla_fp8):  # the warp's largest scale (0 without a tile)
+            top = Float32(0)
+            for j in cutlass.range_constexpr(per):
+                for e in cutlass.range_constexpr(2):
+                    for v in cutlass.range_constexpr(4):
+                        top = cute.arch.fmax(top, pairs[j][e][v])
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if lane == 0:
+                scale_top[col] = top
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         alpha = [Float32(0), Float32(0)]
         use = [Float32(0), Float32(0)]
@@ -874,6 +953,15 @@ class SparseCore:
             alpha[r] = P.exp2_approx(row_max[r] - use[r])
             row_max[r] = top
             row_sum[r] = row_sum[r] * alpha[r]
+        p_up = Float32(1)
+        if cutlass.const_expr(self.mla_fp8):  # P x scale's power of two, from the largest scale so far
+            top = scale_top[0]
+            for c in cutlass.range_constexpr(1, cols):
+                top = cute.arch.fmax(top, scale_top[c])
+            exponent, p_up, p_down = P.pow2_fit(top, p_scale[0], P_F16_TOP)
+            rescale = p_up * p_scale[1]  # 2^(old E - new E): the accumulators into the new units
+            alpha = [alpha[r] * rescale for r in range(2)]
+            p_scale = [exponent, p_down]
         if col * per < block // 8:
             for j in cutlass.range_constexpr(per):
                 p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
@@ -886,14 +974,12 @@ class SparseCore:
                     n = (col * per + j) * 8 + 2 * t
                     u = n % 16
                     at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
-                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
-                    shifted = [p[q] * Float32(MMA_FP8_SHIFT) for q in range(4)]
+                    pair = pairs[j]
+                    up = [p[q] * p_up for q in range(4)]
                     for v in cutlass.range_constexpr(4):
                         where = at + v * m * p_stride
-                        low = P.pack_bf16x2(shifted[0] * pair[0][v], shifted[1] * pair[1][v])
-                        P.st_shared_u32(where, low)
-                        high = P.pack_bf16x2(shifted[2] * pair[0][v], shifted[3] * pair[1][v])
-                        P.st_shared_u32(where + 8 * p_stride, high)
+                        P.st_shared_u32(where, P.pack_f16x2(up[0] * pair[0][v], up[1] * pair[1][v]))
+                        P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(up[2] * pair[0][v], up[3] * pair[1][v]))
                 else:
                     at = at + 2 * ((col * per + j) * 8 + 2 * t)
                     P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
@@ -909,17 +995,17 @@ class SparseCore:
             acc_o = self.values_block(
                 acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
             )
-        return row_max, row_sum, acc_o
+        return row_max, row_sum, acc_o, p_scale
 
     @cute.jit
-    def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
-        """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
-        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
-        dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
-        match) and widens them exactly to bf16 (x 2^-112; Q's latent is x 2^56, so each
-        product is 2^-56 of its value); each 128-dim group has its own accumulators (x its
-        scale x 2^56 once at the end), the interleaved groups four independent MMA chains;
-        the bf16 rope likewise (16 bytes per 32 dims, Q's rope from shared memory)."""
+    def score_tiles_fp8(self, q_lane, q_frags, q_unscale, kv, first_tile, per: int, g, t):
+        """score_tiles over raw fp8 rows: per 8-slot tile, the scores (c0 c1 = row g, slots 2t,
+        2t + 1; c2 c3 = row g + 8) and those slots' scales (per tile: [slot][group]). Lane
+        (g, t) reads 8 bytes of slot row g per 32 dims (bytes 8t .. 8t + 7: the k steps' pairs
+        2t, 2t + 8 of two k steps, Q permuted to match) and widens them exactly to f16; each
+        128-dim group has its own accumulators (x its scale once at the end, then the latent
+        x the row's q_unscale), the interleaved groups four independent MMA chains; the bf16
+        rope likewise (16 bytes per 32 dims, bf16 MMAs, Q's rope from shared memory)."""
         acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
         rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
         for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
@@ -928,7 +1014,7 @@ class SparseCore:
                 for h in cutlass.range_constexpr(2):
                     for grp in cutlass.range_constexpr(4):
                         kk = 2 * (4 * grp + step) + h
-                        acc[j][grp] = P.mma_bf16_16816(q_frags[kk], P.e4m3x4_to_bf16x2(words[grp][h]), acc[j][grp])
+                        acc[j][grp] = P.mma_f16_16816(q_frags[kk], P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
         for i in cutlass.range_constexpr((ROW - LATENT) // 32):
             for j in cutlass.range_constexpr(per):
                 words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
@@ -936,7 +1022,7 @@ class SparseCore:
                     kk = LATENT // 16 + 2 * i + h
                     a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
                     acc[j][4] = P.mma_bf16_16816(a, (words[2 * h], words[2 * h + 1]), acc[j][4])
-        scores = []
+        scores, pairs = [], []
         for j in cutlass.range_constexpr(per):
             pair = [P.ld_shared_f32x4(kv + ((first_tile + j) * 8 + 2 * t + e) * FP8_ROW + LATENT) for e in range(2)]
             tile = []
@@ -944,64 +1030,91 @@ class SparseCore:
                 value = acc[j][0][q] * pair[q % 2][0]
                 for grp in cutlass.range_constexpr(1, 4):
                     value = value + acc[j][grp][q] * pair[q % 2][grp]
-                tile.append(acc[j][4][q] + value * Float32(MMA_FP8_SHIFT))
+                tile.append(acc[j][4][q] + value * q_unscale[q // 2])
             scores.append(tile)
-        return scores
+            pairs.append([list(pair[e]) for e in range(2)])
+        return scores, pairs
 
     @cute.jit
     def values_block_fp8(self, acc_o, p_lane, v_lane, t) -> list:
-        """values_block over raw fp8 rows: P (this warp's group's copy, bf16, x scale x 2^56)
-        by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
+        """values_block over raw fp8 rows: P (this warp's group's copy, f16 P x scale x 2^(P_F16_TOP
+        - E)) by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
         v_lane) of each of rows 4t .. 4t + 3 of every 16-slot step: k pair (2t, 2t + 1) is
         rows 4t, 4t + 1, pair (2t + 8, 2t + 9) rows 4t + 2, 4t + 3 (P written to match), and
         n-tile n holds dim 8g + n (the output's dims permuted to match): byte-permuted
-        into pairs and widened exactly to bf16 (x 2^-112: the sums are 2^-56 of theirs)."""
+        into pairs and widened exactly to f16."""
         for ks in cutlass.range_constexpr(self.block // 16):
             a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
             w = [P.ld_shared_u32x2(v_lane + (16 * ks + 4 * t + r) * FP8_ROW) for r in range(4)]
             for h in cutlass.range_constexpr(2):  # dims 4h .. 4h + 3 of the thread's 8
                 for half in cutlass.range_constexpr(2):  # dims 4h + 2 half, + 1
                     sel = 0x7362 if half else 0x5140
-                    low = P.e4m3x4_to_bf16x2(P.byte_perm(w[0][h], w[1][h], sel))
-                    high = P.e4m3x4_to_bf16x2(P.byte_perm(w[2][h], w[3][h], sel))
+                    low = P.e4m3x4_to_f16x2(P.byte_perm(w[0][h], w[1][h], sel))
+                    high = P.e4m3x4_to_f16x2(P.byte_perm(w[2][h], w[3][h], sel))
                     for e in cutlass.range_constexpr(2):
                         n = 4 * h + 2 * half + e
-                        acc_o[n] = P.mma_bf16_16816(a, (low[e], high[e]), acc_o[n])
+                        acc_o[n] = P.mma_f16_16816(a, (low[e], high[e]), acc_o[n])
         return acc_o
 
     @cute.jit
-    def load_queries_permuted(self, rows, head0, q_s, tid, threads: int):
+    def load_queries_permuted(self, rows, head0, q_s, q_unscale_s, tid, threads: int):
         """The CTA's query rows -> shared memory at STRIDE for the fp8 cache's scores
         (score_tiles_fp8): dims 32i + 8u .. 32i + 8u + 7 go to k steps 2i, 2i + 1 at columns
         (2u, 2u + 1, 2u + 8, 2u + 9) -- what ldmatrix hands lane t = u of the A fragment --
-        as bf16, the latent x 2^56 (exact: MMA_FP8_SHIFT); loads all issued first; rows at
-        or past `gathered` are zeros."""
+        the latent as f16, the rope as bf16 (both exact); rows at or past `gathered` are
+        zeros. Warp w takes rows 2w, 2w + 1 (16 rows, 8 warps), all its loads issued first.
+        bf16 rows: the latent x 2^(Q_F16_TOP - E), E the exponent of the row's largest
+        latent element (over the warp's lanes), its 2^(E - Q_F16_TOP) into q_unscale_s
+        (consume_ring's docstring: why it is exact)."""
         pieces = ROW // 32 * 4  # (i, u) per row
-        items = self.heads * pieces
+        lane, warp = tid % 32, tid // 32
+        per_warp = self.heads // (threads // 32)
+        items = per_warp * pieces
         loads = []
-        for i in cutlass.range_constexpr((items + threads - 1) // threads):
-            index = cutlass.min(tid + i * threads, items - 1)
-            h, piece = index // pieces, index % pieces
+        for i in cutlass.range_constexpr((items + 31) // 32):
+            index = cutlass.min(lane + 32 * i, items - 1)
+            r, piece = index // pieces, index % pieces
+            h = warp * per_warp + r
             live = head0 + h < self.gathered
             words = None
             if cutlass.const_expr(self.q_fp8):
                 words = P.load_u32x2_if(rows + h * self.q_bytes + 8 * piece, live)
             else:
                 words = P.load_u32x4_if(rows + h * self.q_bytes + 16 * piece, live)
-            loads.append((words, h, piece))
-        for words, h, piece in loads:  # a clamped duplicate rewrites the same bytes
+            loads.append((words, r, piece, h))
+        for i in cutlass.range_constexpr(len(loads)):  # the words -> fp32 values, once all are loading
+            words, r, piece, h = loads[i]
             values = []
             if cutlass.const_expr(self.q_fp8):
                 for w in cutlass.range_constexpr(2):
                     values += list(P.unpack_e4m3x4(words[w]))
             else:
                 values = P.unpack_bf16x8(words)
-            shift = P.select(piece < LATENT // 8, Float32(MMA_FP8_SHIFT), Float32(1))
+            loads[i] = (values, r, piece, h)
+        ups = [Float32(1)] * per_warp  # each row's 2^(Q_F16_TOP - E) (e4m3 rows: 1)
+        if cutlass.const_expr(not self.q_fp8):
+            tops = [Int32(0)] * per_warp  # the bits of each row's largest |latent element|
+            for values, r, piece, _ in loads:
+                top = P.select_i32(piece < LATENT // 8, P.abs_max_bits(values), 0)
+                for k in cutlass.range_constexpr(per_warp):
+                    tops[k] = cutlass.max(tops[k], P.select_i32(r == k, top, 0))
+            for k in cutlass.range_constexpr(per_warp):
+                for offset in cutlass.range_constexpr(5):
+                    tops[k] = cutlass.max(tops[k], cute.arch.shuffle_sync_bfly(tops[k], offset=1 << offset))
+                _, ups[k], down = P.pow2_fit(tops[k], Q_F16_TOP + 1, Q_F16_TOP)
+                if lane == 0:
+                    q_unscale_s[warp * per_warp + k] = down
+        for values, r, piece, h in loads:  # a clamped duplicate rewrites the same bytes
+            up = ups[0]
+            for k in cutlass.range_constexpr(1, per_warp):
+                up = P.select(r == k, ups[k], up)
+            latent = piece < LATENT // 8
             at = q_s + h * STRIDE + 2 * (32 * (piece // 4) + 2 * (piece % 4))
             for kh in cutlass.range_constexpr(2):  # k step 2i + kh
                 for half in cutlass.range_constexpr(2):  # columns 2u (+ 8)
                     lo, hi = values[4 * kh + 2 * half], values[4 * kh + 2 * half + 1]
-                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), P.pack_bf16x2(lo * shift, hi * shift))
+                    word = Uint32(cutlass.select_(latent, P.pack_f16x2(lo * up, hi * up), P.pack_bf16x2(lo, hi)))
+                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), word)
 
     @cute.jit
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):

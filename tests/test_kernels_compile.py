@@ -577,7 +577,8 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     bytes on the full mbarrier (32 arrivals: its lanes); the consumers release a stage
     behind a proxy fence. The consumers meet at their named barrier (bar.sync 1, 256), and
     the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization). Over the
-    fp8 cache every MMA is bf16 (e4m3 widened by cvt to f16, then bits to bf16)."""
+    fp8 cache the latent's MMAs are f16 (e4m3 widened by cvt, exactly), the rope's bf16;
+    over the bf16 cache every MMA is bf16."""
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
     fp8 = shape.topology.mla_cache == "fp8"
@@ -602,8 +603,43 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", "256")}, barriers
     assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < partial.index("mbarrier.try_wait")
-    assert ".local" not in partial and "f16.f16.f32" not in partial
-    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8 and ("0x80008000" in partial or "-2147450880" in partial) == fp8
+    assert ".local" not in partial
+    assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in partial) == fp8
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8 and ("cvt.rn.f16x2.f32" in partial) == fp8
+
+
+@pytest.mark.parametrize("slots", [16, 64, 1024, 2048])
+@pytest.mark.parametrize("shape_name", ["tp8-fp8", "kimi-dcp2-fp8"])
+def test_sparse_core_mma_producer_path_over_fp8_has_f16_operands_and_their_range_guards(tmp_path, shape_name, slots):
+    """partial_mma_ws's fp8 consumers: per block and scoring warp, 32 latent k steps of f16
+    MMAs per 8-slot tile from e4m3 widened by cvt (two per word of four), 4 rope k steps of
+    bf16 MMAs, and P @ V's block / 16 k steps x 8 n-tiles of f16 MMAs (the compiler may
+    peel a block); no local memory. The range guards (consume_ring): bf16 query rows' latent
+    x a power of two (P.pow2_fit to 2^15: sub 269, once per row of the warp's two, before
+    the loop), none for e4m3 query rows; P x scale x a power of two from the largest scale
+    so far (pow2_fit to 2^14: sub 268) once per block, after the first named barrier (the
+    warps' largest scales) and before P is packed to f16."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
+    assert op.mma_ws and found["frame"] == 0 and ".local" not in partial
+    per = max(1, op.block // 8 // sparse_core.COLS)  # 8-slot tiles per scoring warp
+    f16 = partial.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    bf16 = partial.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    per_block = per * 32 + op.block // 16 * 8
+    assert f16 >= per_block and f16 % per_block == 0, f16
+    assert bf16 == f16 // per_block * per * 4, bf16  # the rope's k steps
+    assert partial.count("cvt.rn.f16x2.e4m3x2") >= 2 * f16  # two per MMA's B fragment (+ e4m3 query rows)
+    q_fit, p_fit = partial.count("sub.s32 d, 269, e;"), partial.count("sub.s32 d, 268, e;")
+    assert q_fit == (0 if shape.topology.q_format == "fp8" else 2) and p_fit == f16 // per_block, (q_fit, p_fit)
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    consumers = partial[inc:] if dec < inc else partial[inc:dec]
+    loop = consumers.index("mbarrier.try_wait")  # the first block's full wait
+    named = [m.start() for m in re.finditer(r"bar\.sync \t1, 256;", consumers)]
+    fit = consumers.index("sub.s32 d, 268, e;")
+    assert all(m.start() < loop for m in re.finditer("sub.s32 d, 269, e;", consumers))
+    assert loop < fit and any(a < fit < b for a, b in zip(named, named[1:]))
+    assert fit < consumers.index("cvt.rn.f16x2.f32", fit)
 
 
 @pytest.mark.parametrize("slots", [32, 1024])
@@ -849,8 +885,8 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16- and 32-row CTAs take partial_mma_sync (partial_mma_ws, for 16
-    rows only, is no default until it has run on a GPU)."""
+    slower at 16 and 64); 16-row CTAs take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache]
+    blocks per CTA, else (and 32-row CTAs) partial_mma_sync."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
