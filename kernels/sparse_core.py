@@ -33,7 +33,7 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
          16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
-         16 blocks, TP 8 B = 64): `partial_mma_ws`, the same consumer warps beside a
+         8 blocks, TP 8 B >= 32): `partial_mma_ws`, the same consumer warps beside a
          producer warp that bulk-copies each cache row (cp.async.bulk) into a ring behind
          full / empty mbarriers (no CTA barrier in the loop); over the fp8 cache the
          consumers widen e4m3 straight into f16 MMA operands (no dequantization pass: each
@@ -159,9 +159,12 @@ PROBE = ""
 # 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, per MLA
 # cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
 # blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
-# 6.56 / 10.3 / 19.9 / 57.7; fp8 9.72 / 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3.
+# 6.56 / 10.3 / 19.9 / 57.7; fp8 (consumers of bf16 operands, 48.0 us alone at B = 64) 9.72 /
+# 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 from 8 blocks (TP 8 B >= 32) as
+# predicted, not yet measured, for the f16 operands (their consumers ~40 us alone at B = 64):
+# ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
 # bench_sparse_core.py --paths msync,mws compares them.
-MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 16}
+MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
