@@ -621,6 +621,13 @@ def cp_async_16(dst, src, live=True):
     )
 
 
+def cp_async_mbar_arrive_noinc(addr):
+    """An arrival on the mbarrier at addr once every cp.async this thread has issued so far
+    has landed (asynchronous: the thread goes on), which then makes those copies visible to
+    the barrier's waiters. .noinc: the barrier's init count includes this arrival."""
+    cute.arch.inline_ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{$r0}];", read_only_args=[addr])
+
+
 def cp_async_commit():
     cute.arch.inline_ptx("cp.async.commit_group;")
 

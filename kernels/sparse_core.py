@@ -34,8 +34,10 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          there is no combine launch.
          16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
          8 blocks, TP 8 B >= 32): `partial_mma_ws`, the same consumer warps beside a
-         producer warp that bulk-copies each cache row (cp.async.bulk) into a ring behind
-         full / empty mbarriers (no CTA barrier in the loop); over the fp8 cache the
+         producer warpgroup that copies each block's cache rows into a ring behind full /
+         empty mbarriers (no CTA barrier in the loop), two ways at once: warp 0 one
+         cp.async.bulk per row for the first MMA_BULK_SIXTEENTHS[cache] / 16 of the block,
+         warps 1-3 16-byte cp.async for the rest; over the fp8 cache the
          consumers widen e4m3 straight into f16 MMA operands (no dequantization pass: each
          128-dim group's scale applied to its partial score and to P; Q and P x scale
          brought into f16's range by powers of two, consume_ring).
@@ -165,7 +167,21 @@ PROBE = ""
 # ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
 # bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
-PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
+PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
+# partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
+# completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
+# 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
+# cp.async.cg (the load/store path: separate hardware). The shares make the two finish
+# together at the rates each path showed alone (H200, TP 8 B = 64, 1024 rows per CTA, one CTA
+# per SM; bench/RESULTS.md sessions 9 and 10): bulk 49.7 ns per bf16 row (1152 B: 50.9 us)
+# and 39.2 per fp8 row (656 B: 40.1 us), ~25 ns a copy + ~21 ps a byte; a warpgroup of
+# cp.async 84.8 / 50.6 ns per row (86.8 / 51.8 us), ~1.2 ns per 16-byte chunk. Bulk share =
+# t_cp / (t_bulk + t_cp): bf16 0.63 -> 10/16, fp8 0.56 -> 9/16. A 64-row block then takes
+# ~2.0 us of copies (bf16; bulk alone 3.2) and ~1.4 (fp8; 2.5) per SM, where HBM (4.3 TB/s
+# over 128 SMs) allows ~2.2 / ~1.25: bf16 bound by HBM, fp8 close to it. Not yet measured
+# (bench_sparse_core.py --paths mws<N> sets N sixteenths; --probes no_math:N times the
+# producer alone at N: no_math:0 the cp.async warps alone, no_math:16 the bulk warp alone).
+MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
 # bulk copies).
@@ -354,6 +370,13 @@ class SparseCore:
             default = self.heads == 16 and slots_per_cta // self.block >= least
             self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
+        # partial_mma_ws: rows 0 .. bulk_rows - 1 of each block by bulk copies, the rest by cp.async
+        self.bulk_rows = 0
+        if self.mma_ws:
+            sixteenths = MMA_BULK_SIXTEENTHS["fp8" if mla_fp8 else "bf16"]
+            if not 0 <= sixteenths <= 16:
+                raise ValueError(f"sparse_core.MMA_BULK_SIXTEENTHS must be 0 .. 16, got {sixteenths}")
+            self.bulk_rows = self.block * sixteenths // 16
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
         if self.wgmma:
             self.stages = 2
@@ -588,15 +611,16 @@ class SparseCore:
 
     @cute.jit
     def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """16-row CTAs with a producer warp: the 8 consumer warps of
-        partial_mma_sync (tid < 256) and one producer warp (produce_ring: one bulk copy per
-        cache row) behind full / empty mbarriers over a ring of `stages` blocks of cache
-        rows as they are in HBM (bf16 at STRIDE, or raw fp8 rows). The consumers meet only
-        at their named barrier (twice a block: the row maxima, then P) and never wait on a
-        copy they issued (consume_ring); over the fp8 cache they widen the raw rows straight
-        into their MMA operands (no dequantization pass). The bf16 cache's 16 query rows pass
-        through the ring's last stage on their way into registers (the producer fills that
-        stage once the consumers release it)."""
+        """16-row CTAs with a producer warpgroup: the 8 consumer warps of partial_mma_sync
+        (tid < 256) beside the producer's warp 0 (produce_ring: one bulk copy per cache row
+        below bulk_rows, each block's slot ids and live flag) and warps 1-3 (copy_rows:
+        16-byte cp.async for the rows from bulk_rows on), behind full / empty mbarriers over
+        a ring of `stages` blocks of cache rows as they are in HBM (bf16 at STRIDE, or raw
+        fp8 rows). The consumers meet only at their named barrier (twice a block: the row
+        maxima, then P) and never wait on a copy they issued (consume_ring); over the fp8
+        cache they widen the raw rows straight into their MMA operands (no dequantization
+        pass). The bf16 cache's 16 query rows pass through the ring's last stage on their
+        way into registers (the producer fills that stage once the consumers release it)."""
         tid, _, _ = cute.arch.thread_idx()
         split, _, token = cute.arch.block_idx()
         warp = tid // 32
@@ -618,9 +642,12 @@ class SparseCore:
             scale_top = smem.allocate_tensor(Float32, cute.make_layout(self.cols), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        # full[s]: the bulk warp's 32 lanes (lane 0 with the bytes), and the cp.async warps'
+        # threads once their copies land (none if every row goes by bulk copy)
+        copiers = PRODUCER_THREADS - 32 if self.bulk_rows < block else 0
         if tid == 0:
             for s in cutlass.range_constexpr(stages):
-                P.mbar_init(full0 + 8 * s, 32)  # the producer warp's lanes (lane 0 with the bytes)
+                P.mbar_init(full0 + 8 * s, 32 + copiers)
                 P.mbar_init(empty0 + 8 * s, self.consumers // 32)  # lane 0 of each consumer warp
             P.mbar_init_fence()
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
@@ -631,6 +658,19 @@ class SparseCore:
             if warp == self.consumers // 32:
                 self.produce_ring(
                     slots, cache, ring, ids_s, live_s, full0, empty0, tid % 32, split, token, error, pool_slots
+                )
+            elif cutlass.const_expr(copiers > 0):
+                self.copy_rows(
+                    slots,
+                    cache,
+                    ring,
+                    full0,
+                    empty0,
+                    tid % 32,
+                    warp - self.consumers // 32 - 1,
+                    split,
+                    token,
+                    pool_slots,
                 )
         else:
             cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
@@ -657,26 +697,31 @@ class SparseCore:
 
     @cute.jit
     def produce_ring(self, slots, cache, ring, ids_s, live_s, full0, empty0, lane, split, token, error, pool_slots):
-        """The producer warp: lane l takes rows l, l + 32 of each block. Once the consumers
-        have released stage b % stages it writes the block's slot ids (the consumers' -inf
-        mask) and live flag, lane 0 arrives with the block's bytes expected (the others
-        plainly), and each lane issues one cp.async.bulk per row, completing on the stage's
-        full mbarrier: nothing else to do, no per-thread copies in flight. A hole (or a
-        slot outside the pool, recorded) copies the row of a live slot of the same block
-        (the largest): its score is -inf so P is 0, and a row this selection reads anyway
-        is finite wherever the output is (a stale or unwritten row could hold inf or NaN,
-        and 0 x inf is NaN in P @ V). A block with no live slot copies nothing (0 bytes
-        expected) and its live flag tells the consumers to skip it. Slot ids load a block
-        ahead."""
-        block, stages = self.block, self.stages
+        """The producer warpgroup's warp 0: lane l owns rows l, l + 32 of each block. Once the
+        consumers have released stage b % stages it writes the block's slot ids (the
+        consumers' -inf mask) and live flag, lane 0 arrives with the bytes of the rows below
+        bulk_rows expected (the others plainly), and each lane issues one cp.async.bulk per
+        row of its own below bulk_rows, completing on the stage's full mbarrier: nothing else
+        to do, no per-thread copies in flight (the rows from bulk_rows on: copy_rows). A hole
+        (or a slot outside the pool, recorded here for every row of the block) copies the
+        row of a live slot of the same block (the largest): its score is -inf so P is 0, and
+        a row this selection reads anyway is finite wherever the output is (a stale or
+        unwritten row could hold inf or NaN, and 0 x inf is NaN in P @ V). A block with no
+        live slot copies nothing (0 bytes expected) and its live flag tells the consumers to
+        skip it. Slot ids load a block ahead."""
+        block, stages, bulk = self.block, self.stages, self.bulk_rows
         stride = FP8_ROW if self.mla_fp8 else STRIDE
         blocks = self.slots_per_cta // block
         per_lane = (block + 31) // 32
         ids = slots + token * self.k + split * self.slots_per_cta
-        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not)
+        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not);
+        # copies: the row is below bulk_rows (None: no lane's is)
         whole = [32 * (i + 1) <= block for i in range(per_lane)]
         rows = [lane + 32 * i if whole[i] else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
         has = [True if whole[i] else lane + 32 * i < block for i in range(per_lane)]
+        copies = [
+            True if 32 * (i + 1) <= bulk else lane + 32 * i < bulk if 32 * i < bulk else None for i in range(per_lane)
+        ]
         slot = [P.load_i32(ids + rows[i]) for i in range(per_lane)]
         for b in range(blocks):
             s = b % stages
@@ -691,19 +736,13 @@ class SparseCore:
                     fill = cutlass.max(fill, P.select_i32(live[i], slot[i], -1))
             for offset in cutlass.range_constexpr(5):
                 fill = cutlass.max(fill, cute.arch.shuffle_sync_bfly(fill, offset=1 << offset))
-            # the release this stage waits for: block b - stages's, or (bf16 cache) the query
-            # rows' for the last stage's first fill
-            release = b // stages - 1
-            if cutlass.const_expr(not self.mla_fp8):
-                release = release + P.select_i32(s == stages - 1, 1, 0)
-            if release >= 0:
-                P.mbar_wait(empty0 + 8 * s, release % 2)
+            self.wait_release(empty0, b, s)
             for i in cutlass.range_constexpr(per_lane):
                 if has[i]:
                     ids_s[s * block + rows[i]] = slot[i]
             copied = fill != -1
             flag = P.select_i32(copied, 1, 0)
-            nbytes = P.select_i32(copied, block * self.row_bytes, 0)
+            nbytes = P.select_i32(copied, bulk * self.row_bytes, 0)
             if cutlass.const_expr(self.probe == "no_loads"):  # nothing copied, every block computed
                 flag, nbytes = Int32(1), Int32(0)
             if lane == 0:
@@ -715,11 +754,81 @@ class SparseCore:
             if cutlass.const_expr(self.probe != "no_loads"):
                 if copied:
                     for i in cutlass.range_constexpr(per_lane):
-                        if has[i]:
-                            src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
-                            dst = ring + s * (block * stride) + rows[i] * stride
-                            P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
+                        if cutlass.const_expr(copies[i] is not None):
+                            if copies[i]:
+                                src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
+                                dst = ring + s * (block * stride) + rows[i] * stride
+                                P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
             slot = upcoming
+
+    @cute.jit
+    def wait_release(self, empty0, b, s):
+        """A producer warp's wait for stage s before block b's copies: block b - stages's
+        release, or (bf16 cache) the query rows' for the last stage's first fill."""
+        release = b // self.stages - 1
+        if cutlass.const_expr(not self.mla_fp8):
+            release = release + P.select_i32(s == self.stages - 1, 1, 0)
+        if release >= 0:
+            P.mbar_wait(empty0 + 8 * s, release % 2)
+
+    @cute.jit
+    def copy_rows(self, slots, cache, ring, full0, empty0, lane, w, split, token, pool_slots):
+        """The producer warpgroup's warps 1-3 (w = 0 .. 2): the rows of each block from
+        bulk_rows on, warp w taking rows bulk_rows + w, + w + 3, ... (lane i holds its i-th
+        row's slot id), each copied by the whole warp in 16-byte cp.async.cg (warp_copy_row:
+        512 contiguous bytes an instruction); a hole, or a slot outside the pool (recorded by
+        produce_ring), is zero-filled (its score is -inf, its P 0; zeros are finite). Once the
+        consumers have released the stage (wait_release, as produce_ring), then one
+        cp.async.mbarrier.arrive.noinc on the stage's full mbarrier per thread: an arrival when
+        this thread's copies have landed, which makes them visible to the consumers' wait
+        (the barrier counts these 96 arrivals beside the bulk warp's 32; its expect_tx covers
+        only the bulk copies' bytes). The consumers' release of a stage (fence.proxy.async,
+        then mbarrier.arrive) orders their reads before either kind of write: cp.async's
+        (generic proxy) by the arrive / wait pair, the bulk copies' (async proxy) by the fence.
+        Slot ids load a block ahead."""
+        block, stages = self.block, self.stages
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        blocks = self.slots_per_cta // block
+        warps = PRODUCER_THREADS // 32 - 1
+        rest = block - self.bulk_rows
+        first = self.bulk_rows + w  # this warp's rows: first + warps i while < block
+        ids = slots + token * self.k + split * self.slots_per_cta + cutlass.min(first + warps * lane, block - 1)
+        slot = P.load_i32(ids)
+        for b in range(blocks):
+            s = b % stages
+            upcoming = P.load_i32(ids + cutlass.min(b + 1, blocks - 1) * block)
+            self.wait_release(empty0, b, s)
+            if cutlass.const_expr(self.probe != "no_loads"):
+                stage = ring + s * (block * stride)
+                for i in cutlass.range_constexpr((rest + warps - 1) // warps):
+                    if cutlass.const_expr(warps * (i + 1) <= rest):  # every warp has an i-th row
+                        row = first + warps * i
+                        self.warp_copy_row(
+                            cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
+                        )
+                    elif w + warps * i < rest:
+                        row = first + warps * i
+                        self.warp_copy_row(
+                            cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
+                        )
+            P.cp_async_mbar_arrive_noinc(full0 + 8 * s)
+            slot = upcoming
+        P.cp_async_commit()
+        P.cp_async_wait(0)  # (no thread leaves copies in flight)
+
+    @cute.jit
+    def warp_copy_row(self, cache, slot, dst, lane, pool_slots):
+        """Cache row `slot` into shared `dst` by a warp's 16-byte cp.async.cg (lane l: chunks
+        l, l + 32, ...), zero-filled for a slot outside the pool (-1 included)."""
+        chunks = FP8_CHUNKS if self.mla_fp8 else BF16_CHUNKS
+        live = P.in_range(slot, pool_slots)
+        src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * lane
+        dst = dst + 16 * lane
+        for j in cutlass.range_constexpr((chunks + 31) // 32):
+            if cutlass.const_expr(32 * (j + 1) <= chunks):
+                P.cp_async_16(dst + 512 * j, src + 512 * j, live)
+            elif lane + 32 * j < chunks:
+                P.cp_async_16(dst + 512 * j, src + 512 * j, live)
 
     @cute.jit
     def consume_ring(
