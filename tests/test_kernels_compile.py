@@ -564,21 +564,29 @@ def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
     return variant.op, partial, found
 
 
+@pytest.mark.parametrize("bulk", [None, 0, 3, 16], ids=lambda n: "default" if n is None else f"bulk{n}")
 @pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrier_in_its_loop(
-    tmp_path, shape_name, slots
+    tmp_path, monkeypatch, shape_name, slots, bulk
 ):
-    """16-row CTAs with a producer warp of bulk copies (partial_mma_ws): 384 threads,
-    setmaxnreg re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
-    MMA_PRODUCER_REGS, no spills. The producer (between setmaxnreg.dec and .inc) issues
-    only cp.async.bulk, one per cache row (row_bytes each, rows / 32 per lane per block;
-    the compiler may unroll the loop), no per-thread cp.async, and expects the block's
-    bytes on the full mbarrier (32 arrivals: its lanes); the consumers release a stage
-    behind a proxy fence. The consumers meet at their named barrier (bar.sync 1, 256), and
-    the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization). Over the
-    fp8 cache the latent's MMAs are f16 (e4m3 widened by cvt, exactly), the rope's bf16;
-    over the bf16 cache every MMA is bf16."""
+    """16-row CTAs with a producer warpgroup (partial_mma_ws): 384 threads, setmaxnreg
+    re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
+    MMA_PRODUCER_REGS, no spills. The producer (between setmaxnreg.dec and .inc) copies each
+    block's rows two ways (MMA_BULK_SIXTEENTHS[cache] / 16 of them bulk: the module's table,
+    none, 3 / 16, all): cp.async.bulk, one per row below bulk_rows (row_bytes each,
+    bulk_rows / 32 per lane per block; the compiler may unroll the loop), the bytes of
+    those rows alone expected on the full mbarrier; the rest by 16-byte cp.async.cg, each
+    with its zero-fill operand (holes), a warp per row (ceil(rest / 3) rows per warp, 72 /
+    32 or 41 / 32 instructions a row), then one cp.async.mbarrier.arrive.noinc per thread.
+    The full mbarrier counts 32 arrivals (the bulk warp's lanes) + 96 (the cp.async
+    threads'; none when every row is bulk-copied). The consumers copy no cache rows and
+    release a stage behind a proxy fence. They meet at their named barrier (bar.sync 1,
+    256), and the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization).
+    Over the fp8 cache the latent's MMAs are f16 (e4m3 widened by cvt, exactly), the rope's
+    bf16; over the bf16 cache every MMA is bf16."""
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
     fp8 = shape.topology.mla_cache == "fp8"
@@ -586,19 +594,36 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     assert op.stages == sparse_core.ws_stages(op.block, fp8) == (4 if fp8 else 3 if op.block == 64 else 4)
     assert found == {"regs": 168, "frame": 0}, found
     assert 2 * sparse_core.MMA_CONSUMER_REGS + sparse_core.MMA_PRODUCER_REGS == 3 * 168
+    sixteenths = sparse_core.MMA_BULK_SIXTEENTHS["fp8" if fp8 else "bf16"] if bulk is None else bulk
+    assert op.bulk_rows == op.block * sixteenths // 16
+    rest = op.block - op.bulk_rows  # rows by cp.async
     dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
     inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
     assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
     assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
-    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 32;", partial)) == op.stages
+    arrivals = 32 + (96 if rest else 0)
+    assert len(re.findall(rf"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], {arrivals};", partial)) == op.stages
     producer = partial[dec:inc] if dec < inc else partial[dec:]
     copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes [^,]+, [^,]+, (\d+),"
-    bulk = re.findall(copy, producer)
-    per_lane = (op.block + 31) // 32
-    assert bulk and len(bulk) % per_lane == 0 and set(bulk) == {str(op.row_bytes)}, bulk
-    assert len(bulk) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
-    assert "cp.async.cg" not in producer and "cp.async.ca" not in producer and "cp.async.mbarrier" not in partial
-    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and str(op.block * op.row_bytes) in producer
+    bulk_copies = re.findall(copy, producer)
+    per_lane = (op.bulk_rows + 31) // 32
+    if op.bulk_rows:
+        assert bulk_copies and len(bulk_copies) % per_lane == 0 and set(bulk_copies) == {str(op.row_bytes)}
+        assert str(op.bulk_rows * op.row_bytes) in producer  # the bytes expected
+    assert len(bulk_copies) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
+    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and "cp.async.ca" not in producer
+    lsu = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16(, %r\d+)?;", producer)
+    assert all(lsu), lsu  # every one with its zero-fill operand
+    per_row = (op.row_bytes // 16 + 31) // 32
+    per_block = (rest + 2) // 3 * per_row
+    assert (len(lsu) > 0 and len(lsu) % per_block == 0) if rest else not lsu, (len(lsu), per_block)
+    noinc = "cp.async.mbarrier.arrive.noinc.shared::cta.b64"
+    assert (noinc in producer) == bool(rest) and partial.count("cp.async.mbarrier") == producer.count(noinc)
+    if rest:  # the arrival after the copies; a stage's release waited for before them (once reused)
+        first, last = producer.index("cp.async.cg"), producer.rindex("cp.async.cg")
+        assert producer.find(noinc, last) > last
+        if slots // op.block >= op.stages:  # (after the bulk warp's code)
+            assert producer.rfind("mbarrier.try_wait", 0, first) > producer.rfind("expect_tx", 0, first)
     assert "fence.proxy.async.shared::cta" in partial and "mbarrier.try_wait.parity" in partial
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", "256")}, barriers
@@ -902,6 +927,8 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     # session 10), over fp8 from 8 blocks per CTA (TP 8 B >= 32), as predicted for its f16
     # operands; 32 rows: partial_mma_sync
     assert sparse_core.MMA_PRODUCER_BLOCKS == {"bf16": 1, "fp8": 8}
+    # its rows bulk-copied / by cp.async as the two paths' rates alone balance (predicted)
+    assert sparse_core.MMA_BULK_SIXTEENTHS == {"bf16": 10, "fp8": 9}
     for name, shape in MMA_SHAPES.items():
         rows16 = sparse_core.heads_per_cta(shape.q_heads) == 16
         fp8 = shape.topology.mla_cache == "fp8"
@@ -918,18 +945,24 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
                 catalog.build(shape, "sparse_core", slots=64, producer=True)
 
 
-@pytest.mark.parametrize("shape_name", ["tp1-fp8", "tp8", "tp8-fp8"])
+@pytest.mark.parametrize(
+    ("shape_name", "bulk"),
+    [("tp1-fp8", None), ("tp8", None), ("tp8-fp8", None), ("tp8", 0), ("tp8", 16), ("tp8-fp8", 0), ("tp8-fp8", 16)],
+)
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])
-def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe, shape_name):
+def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe, shape_name, bulk):
     """The producer paths' device probes (sparse_core.PROBES) keep the 168 registers the
     setmaxnreg re-deal needs, and no more stack than the kernel that runs (the 64-row test
     above; partial_mma_ws none), so they time that kernel: no_loads issues no copies,
-    no_math no MMAs."""
+    no_math no MMAs; partial_mma_ws's also with every row bulk-copied or none
+    (bench_sparse_core.py --probes no_math:16 / no_math:0: one copy path alone)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     monkeypatch.setattr(sparse_core, "PROBE", probe)
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
     shape = TP1[shape_name] if shape_name in TP1 else MMA_SHAPES[shape_name]
     variant = catalog.build(shape, "sparse_core", slots=2048, publish=False, producer=True)
     assert variant.op.probe == probe and variant.op.wgmma == (shape_name == "tp1-fp8")
@@ -944,8 +977,15 @@ def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, p
     if variant.op.wgmma:
         assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
     else:
+        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+        dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+        inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+        producer = partial[dec:inc] if dec < inc else partial[dec:]
         assert ("mma.sync.aligned" in ptx) == (probe != "no_math")
-        assert ("cp.async.bulk.shared" in ptx) == (probe != "no_loads")
+        assert ("cp.async.bulk.shared" in producer) == (probe != "no_loads" and variant.op.bulk_rows > 0)
+        lsu = probe != "no_loads" and variant.op.bulk_rows < variant.op.block
+        assert ("cp.async.cg" in producer) == lsu
+        assert ("cp.async.mbarrier.arrive.noinc" in producer) == (variant.op.bulk_rows < variant.op.block)
 
 
 @pytest.fixture(scope="module")
