@@ -157,18 +157,43 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
-def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta):
-    """partial_mma_ws (16 rows; its producer warp's bulk copies) at every block count,
-    whatever MMA_PRODUCER_BLOCKS says (bench_sparse_core.py --paths mws): its ring of 2 .. 4
-    stages, one block or many, blocks narrower than 64 (lanes without a row), holes copying
-    a live row, blocks without one skipped, both caches (the fp8 rows widened into the MMA
-    operands), bf16 and fp8 query rows."""
+BULK = [None, 0, 3, 16]  # partial_mma_ws's bulk-copied sixteenths: the module's, none, a few, all
+
+
+def _bulk_rows(monkeypatch, bulk):
+    """partial_mma_ws at every block count, with `bulk` / 16 of each block's rows bulk-copied
+    (None: sparse_core.MMA_BULK_SIXTEENTHS)."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
+
+
+@pytest.mark.parametrize("bulk", BULK, ids=lambda n: "default" if n is None else f"bulk{n}")
+@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta, bulk):
+    """partial_mma_ws (16 rows; its producer warpgroup: bulk copies for the first bulk / 16
+    of each block's rows, 16-byte cp.async for the rest, on one full mbarrier) at every
+    block count, whatever MMA_PRODUCER_BLOCKS says (bench_sparse_core.py --paths mws,
+    mwsN): its ring of 2 .. 4 stages, one block or many, blocks narrower than 64 (lanes
+    without a row; 3/16 of 16 rows: 3 bulk rows, 13 by cp.async over 3 warps), holes (a
+    live row bulk-copied, zeros by cp.async), blocks without a live slot skipped, both
+    caches (the fp8 rows widened into the MMA operands), bf16 and fp8 query rows."""
+    _bulk_rows(monkeypatch, bulk)
     _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("bulk", [0, 5, 8, 12, 16], ids=lambda n: f"bulk{n}")
+@pytest.mark.parametrize("batch", [1, 3, 64])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache"])
+def test_the_mma_producer_path_at_each_row_split_matches_the_reference(monkeypatch, case, batch, bulk):
+    """partial_mma_ws at the plan's split of B = 1 / 3 (one block of 32 slots) and 64 (16
+    blocks of 64, the ring reused) with each row split the bench sweeps (mws0 .. mws16), so
+    the stages written by both kinds of copies are refilled after each release."""
+    _bulk_rows(monkeypatch, bulk)
+    _check(case, batch)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5, 64])
