@@ -66,7 +66,10 @@ cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was
 the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
 57.7 (bf16, H200, session 10). Over the fp8 cache it won only at B = 64 (60.0 against 64.3)
 while its consumers widened e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16;
-they now take f16 operands behind range guards (not yet measured). Session
+they now take f16 operands behind range guards (not yet measured). With the bulk warp the
+bound (one copy at a time from the SM's bulk-copy unit), the producer's other three warps now
+copy part of each block by 16-byte cp.async, the other path (MMA_BULK_SIXTEENTHS; not yet
+measured: ~38 us alone predicted at bf16 B = 64, near HBM's 35). Session
 4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
 kernel between its own math, so a stage was refilled only after the CTA barrier that freed
 it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
@@ -154,11 +157,11 @@ SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
-# usual (partial_mma_ws: zero-fills its ring); "no_math": the consumers only wait for each
-# block and release it.
+# usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
+# wait for each block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, per MLA
+# 16-row CTAs with a producer warpgroup (partial_mma_ws) from this many blocks per CTA, per MLA
 # cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
 # blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
 # 6.56 / 10.3 / 19.9 / 57.7; fp8 (consumers of bf16 operands, 48.0 us alone at B = 64) 9.72 /
@@ -854,9 +857,10 @@ class SparseCore:
     ):
         """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
         waited for on its full mbarrier (skipped if it has no live slot) and released on its
-        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copy
-        into the stage is the async proxy). Over the bf16 cache all 36 k steps of Q's A
-        fragments stay in registers.
+        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copies
+        into the stage are the async proxy; its cp.async writes, the generic proxy, are
+        ordered after these reads by the arrive and the producer's wait alone). Over the bf16
+        cache all 36 k steps of Q's A fragments stay in registers.
 
         Over the fp8 cache the raw rows are the MMA operands' source (score_tiles_fp8,
         values_block_fp8): e4m3 widened exactly to f16, each 128-dim group's scale applied to
