@@ -12,6 +12,8 @@ reorders them, whatever the compiler's fast-math defaults.
 
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -251,6 +253,35 @@ def pow2_fit(top, floor, target: int) -> tuple:
         write_only_types=[Int32, Float32, Float32],
         read_only_args=[top, Int32(floor)],
     )
+
+
+def abs_max_exponent(values) -> Float32:
+    """The biased exponent of the largest |v| of fp32 values, as an fp32 e (0 .. 255): every
+    |v| < 2^(e - 126)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 e;\n\tshr.b32 e, {$r0}, 23;\n\tcvt.rn.f32.u32 {$w0}, e;\n\t}",
+        write_only_types=[Float32],
+        read_only_args=[abs_max_bits(values)],
+    )
+
+
+def pow2_ceil(bound, target: int) -> tuple:
+    """pow2_fit for values under 2^(bound - 126), bound an fp32 (a biased log2, as
+    abs_max_exponent's): e = ceil(bound) within [target + 1, 254] (-inf and NaN: target + 1),
+    and (e as an fp32, 2^(target + 127 - e), 2^(e - target - 127)), both normal."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .f32 c;\n\t.reg .b32 e, d;\n\tcvt.rpi.f32.f32 c, {$r0};\n\t"
+        f"max.f32 c, c, {_f32_hex(target + 1)};\n\tmin.f32 c, c, {_f32_hex(254)};\n\tmov.f32 {{$w0}}, c;\n\t"
+        f"cvt.rzi.s32.f32 e, c;\n\tsub.s32 d, {target + 254}, e;\n\tshl.b32 {{$w1}}, d, 23;\n\t"
+        f"sub.s32 d, e, {target};\n\tshl.b32 {{$w2}}, d, 23;\n\t}}",
+        write_only_types=[Float32, Float32, Float32],
+        read_only_args=[bound],
+    )
+
+
+def _f32_hex(value: float) -> str:
+    """An fp32 immediate as PTX writes it (0fXXXXXXXX)."""
+    return f"0f{struct.unpack('<I', struct.pack('<f', value))[0]:08X}"
 
 
 def byte_perm(a, b, selector: int) -> Uint32:

@@ -190,10 +190,10 @@ MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # bulk copies).
 MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
 # partial_mma_ws over the fp8 cache: f16 MMA operands (e4m3 widens into f16 exactly), each
-# brought under f16's 65504 by a power of two undone in fp32 (P.pow2_fit; consume_ring):
-# bf16 query rows x 2^(Q_F16_TOP - E_row) (E_row: the exponent of the row's largest latent
-# element), P x scale x 2^(P_F16_TOP - E) (E: the exponent of the largest scale of the
-# blocks consumed so far).
+# brought under f16's 65504 by a power of two undone in fp32 (consume_ring): bf16 query rows
+# x 2^(Q_F16_TOP - E_row) (E_row: the exponent of the row's largest latent element; P.pow2_fit),
+# P x scale x 2^(P_F16_TOP - E_row) (E_row: the exponent of the row's largest P x scale so
+# far; P.pow2_ceil).
 Q_F16_TOP, P_F16_TOP = 15, 14
 
 
@@ -250,12 +250,13 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
     """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
     (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
     with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
-    their own space (with their f16 powers of two and the blocks' largest scales), the
+    their own space (with their f16 powers of two, and P x scale's bounds beside the row
+    maxima), the
     bf16 cache's pass through the last stage into registers (three 64-row bf16 stages fit
     only so)."""
     stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
     fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
-    fixed += 16 * STRIDE + 4 * (16 + COLS) if mla_fp8 else 0  # (+ the rows' and blocks' powers of two)
+    fixed += 16 * STRIDE + 4 * 16 * (1 + COLS) if mla_fp8 else 0  # (+ the rows' powers of two, P x scale's bounds)
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
@@ -639,10 +640,10 @@ class SparseCore:
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
         live_s = smem.allocate_tensor(Int32, cute.make_layout(stages), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
-        q_unscale_s, scale_top = None, None  # fp8: the query rows' 2^-(their f16 exponents), each warp's largest scale
+        q_unscale_s, peaks = None, None  # fp8: the query rows' 2^-(their f16 exponents), P x scale's bounds beside red
         if cutlass.const_expr(self.mla_fp8):
             q_unscale_s = smem.allocate_tensor(Float32, cute.make_layout(m), byte_alignment=16)
-            scale_top = smem.allocate_tensor(Float32, cute.make_layout(self.cols), byte_alignment=16)
+            peaks = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
         # full[s]: the bulk warp's 32 lanes (lane 0 with the bytes), and the cp.async warps'
@@ -691,7 +692,7 @@ class SparseCore:
                 live_s,
                 red,
                 q_unscale_s,
-                scale_top,
+                peaks,
                 full0,
                 empty0,
                 tid,
@@ -849,7 +850,7 @@ class SparseCore:
         live_s,
         red,
         q_unscale_s,
-        scale_top,
+        peaks,
         full0,
         empty0,
         tid,
@@ -875,14 +876,19 @@ class SparseCore:
           65280), each exact in f16 unless below 2^(E - 32), then within 2^(E - 40) -- under
           2^-40 of the row's largest element, below the fp32 rounding of its scores; the
           row's latent scores are x 2^(E - Q_F16_TOP). e4m3 rows fit f16 as they are.
-        - P x scale x 2^(P_F16_TOP - E), E the exponent of the largest scale of the blocks
-          consumed so far (each warp's largest through shared memory beside the row maxima):
-          under 2^15, never inf; 11 bits where P x scale >= 2^(E - 28), else within 2^(E -
-          38). When E grows the output accumulators are rescaled with the softmax's alpha;
-          the output is x 2^(E - P_F16_TOP) at the end.
-        So no query element or scale gives a wrong result silently, and none needs the error
-        word: each result is as exact as the bf16-operand path's to fp32 rounding (P is finer:
-        11 bits against 8), query elements past 65504 and scales past f16's range included."""
+        - a row's P x scale x 2^(P_F16_TOP - E), E the exponent of the row's largest P x
+          scale (consume_mma_block: bounded from each slot's score and largest scale's
+          exponent, reduced beside the row maxima, and from the blocks consumed, theirs x
+          alpha): under 2^15, never inf; 11 bits down to 2^-27 of the row's largest P x
+          scale, below that within 2^-38 of it. The accumulators follow E with the
+          softmax's alpha (x 2^(old E - new E)); the output is x 2^(E - P_F16_TOP) at the
+          end. (A bound from the largest scale alone, whatever its P, lost every other slot
+          below a slot of a 2^35 larger scale and a score far below theirs.)
+        So no query element or scale gives an inf or loses its row's result, and none needs
+        the error word: each result is as exact as the bf16-operand path's to fp32 rounding
+        (P is finer: 11 bits against 8), query elements past 65504 and scales past f16's
+        range included; only a 128-dim group whose P x scale are all under 2^-27 of its row's
+        largest (over the groups) keeps fewer bits."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -917,12 +923,12 @@ class SparseCore:
         acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
         row_max = [neg_inf, neg_inf]
         row_sum = [Float32(0), Float32(0)]
-        # fp8: rows g, g + 8's 2^(E - Q_F16_TOP); P's exponent E (biased; pow2_fit's floor at
-        # first) and 2^(E - P_F16_TOP) (consume_mma_block)
+        # fp8: rows g, g + 8's 2^(E - Q_F16_TOP); their P x scale's exponents E (biased, as
+        # fp32; pow2_ceil's floor at first), then their 2^(E - P_F16_TOP) (consume_mma_block)
         q_unscale = [Float32(1), Float32(1)]
         p_scale = []
         if cutlass.const_expr(self.mla_fp8):
-            p_scale = [Int32(P_F16_TOP + 1), Float32(2.0 ** (1 - 127))]
+            p_scale = [Float32(P_F16_TOP + 1)] * 2 + [Float32(2.0 ** (1 - 127))] * 2
             if cutlass.const_expr(not self.q_fp8):
                 q_unscale = [q_unscale_s[mt * 16 + g + 8 * r] for r in range(2)]
         blocks = self.slots_per_cta // block
@@ -941,7 +947,7 @@ class SparseCore:
                         ids_s,
                         s,
                         red,
-                        scale_top,
+                        peaks,
                         row_max,
                         row_sum,
                         acc_o,
@@ -972,7 +978,7 @@ class SparseCore:
             # permuted n) 16t + n and 16t + 8 + n of the warp's 64
             values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
             if cutlass.const_expr(self.mla_fp8):
-                values = [acc_o[n][2 * r + e] * p_scale[1] for e in range(2) for n in range(ntiles)]
+                values = [acc_o[n][2 * r + e] * p_scale[2 + r] for e in range(2) for n in range(ntiles)]
             dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
             step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
@@ -1001,7 +1007,7 @@ class SparseCore:
         ids_s,
         s,
         red,
-        scale_top,
+        peaks,
         row_max,
         row_sum,
         acc_o,
@@ -1012,9 +1018,10 @@ class SparseCore:
         """One block of consume_ring (stage s at kv): scores, the row max over the column warps
         (named barrier), P into shared memory (named barrier), P @ V. Returns (row_max,
         row_sum, acc_o, p_scale). fp8: q_unscale = rows g, g + 8's 2^(E - Q_F16_TOP); p_scale
-        = [P's exponent (biased), 2^(E - P_F16_TOP)], raised to the block's largest scale
-        (each warp's through scale_top beside the row maxima), acc_o rescaled to match; bf16:
-        both unused ([])."""
+        = rows g, g + 8's P x scale exponents E (biased, as fp32), then their 2^(E -
+        P_F16_TOP): E for this block from each warp's bound on its slots' P x scale (beside
+        the row maxima in `peaks`, under the same named barrier), acc_o rescaled to match;
+        bf16: both unused ([])."""
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         mi, mj = lane // 8, lane % 8
@@ -1031,6 +1038,7 @@ class SparseCore:
         per = max(1, block // 8 // cols)
         scores = [[neg_inf] * 4 for _ in range(per)]
         pairs = [[[Float32(0)] * 4 for _ in range(2)] for _ in range(per)]  # fp8: slots 2t, 2t + 1's scales
+        p_up = [Float32(1), Float32(1)]  # fp8: rows g, g + 8's P x scale's 2^(P_F16_TOP - E)
         if col * per < block // 8:
             if cutlass.const_expr(self.mla_fp8):
                 scores, pairs = self.score_tiles_fp8(q_lane, q_frags, q_unscale, kv, col * per, per, g, t)
@@ -1040,6 +1048,9 @@ class SparseCore:
                 for q in cutlass.range_constexpr(4):
                     live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
                     scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
+        spans = []  # fp8: slots 2t, 2t + 1's largest scale's biased exponent (as abs_max_exponent)
+        if cutlass.const_expr(self.mla_fp8):
+            spans = [[P.abs_max_exponent(pairs[j][e]) for e in range(2)] for j in range(per)]
         for r in cutlass.range_constexpr(2):
             top = scores[0][2 * r]
             for j in cutlass.range_constexpr(per):
@@ -1048,16 +1059,19 @@ class SparseCore:
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             if t == 0:
                 red[col * m + mt * 16 + g + 8 * r] = top
-        if cutlass.const_expr(self.mla_fp8):  # the warp's largest scale (0 without a tile)
-            top = Float32(0)
-            for j in cutlass.range_constexpr(per):
-                for e in cutlass.range_constexpr(2):
-                    for v in cutlass.range_constexpr(4):
-                        top = cute.arch.fmax(top, pairs[j][e][v])
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
-            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
-            if lane == 0:
-                scale_top[col] = top
+            if cutlass.const_expr(self.mla_fp8):
+                # the row's largest P x scale over the warp's slots is under 2^(peak + top -
+                # use - 126) (use: the row max after the barrier); slot - top, not slot +
+                # span - use, so that no span is lost beside a large score
+                base = P.select(top == neg_inf, Float32(0), top)
+                peak = neg_inf
+                for j in cutlass.range_constexpr(per):
+                    for e in cutlass.range_constexpr(2):
+                        peak = cute.arch.fmax(peak, scores[j][2 * r + e] - base + spans[j][e])
+                peak = cute.arch.fmax(peak, cute.arch.shuffle_sync_bfly(peak, offset=1))
+                peak = cute.arch.fmax(peak, cute.arch.shuffle_sync_bfly(peak, offset=2))
+                if t == 0:
+                    peaks[col * m + mt * 16 + g + 8 * r] = peak
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         alpha = [Float32(0), Float32(0)]
         use = [Float32(0), Float32(0)]
@@ -1067,17 +1081,21 @@ class SparseCore:
                 top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
             use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
             alpha[r] = P.exp2_approx(row_max[r] - use[r])
+            if cutlass.const_expr(self.mla_fp8):
+                # the row's E: the largest P x scale of this block and of the blocks consumed
+                # (theirs x alpha), so that P x scale x 2^(P_F16_TOP - E) < 2^15; the
+                # accumulators into the new units (alpha first: 2^(old E - new E) alone may
+                # overflow where alpha is 0)
+                bound = p_scale[r] + (row_max[r] - use[r])
+                for c in cutlass.range_constexpr(cols):
+                    cell = c * m + mt * 16 + g + 8 * r
+                    bound = cute.arch.fmax(bound, peaks[cell] + (red[cell] - use[r]))
+                p_scale[r], p_up[r], p_down = P.pow2_ceil(bound, P_F16_TOP)
             row_max[r] = top
             row_sum[r] = row_sum[r] * alpha[r]
-        p_up = Float32(1)
-        if cutlass.const_expr(self.mla_fp8):  # P x scale's power of two, from the largest scale so far
-            top = scale_top[0]
-            for c in cutlass.range_constexpr(1, cols):
-                top = cute.arch.fmax(top, scale_top[c])
-            exponent, p_up, p_down = P.pow2_fit(top, p_scale[0], P_F16_TOP)
-            rescale = p_up * p_scale[1]  # 2^(old E - new E): the accumulators into the new units
-            alpha = [alpha[r] * rescale for r in range(2)]
-            p_scale = [exponent, p_down]
+            if cutlass.const_expr(self.mla_fp8):
+                alpha[r] = alpha[r] * p_up[r] * p_scale[2 + r]
+                p_scale[2 + r] = p_down
         if col * per < block // 8:
             for j in cutlass.range_constexpr(per):
                 p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
@@ -1091,7 +1109,7 @@ class SparseCore:
                     u = n % 16
                     at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
                     pair = pairs[j]
-                    up = [p[q] * p_up for q in range(4)]
+                    up = [p[q] * p_up[q // 2] for q in range(4)]
                     for v in cutlass.range_constexpr(4):
                         where = at + v * m * p_stride
                         P.st_shared_u32(where, P.pack_f16x2(up[0] * pair[0][v], up[1] * pair[1][v]))

@@ -641,9 +641,10 @@ def test_sparse_core_mma_producer_path_over_fp8_has_f16_operands_and_their_range
     bf16 MMAs, and P @ V's block / 16 k steps x 8 n-tiles of f16 MMAs (the compiler may
     peel a block); no local memory. The range guards (consume_ring): bf16 query rows' latent
     x a power of two (P.pow2_fit to 2^15: sub 269, once per row of the warp's two, before
-    the loop), none for e4m3 query rows; P x scale x a power of two from the largest scale
-    so far (pow2_fit to 2^14: sub 268) once per block, after the first named barrier (the
-    warps' largest scales) and before P is packed to f16."""
+    the loop), none for e4m3 query rows; P x scale x a power of two per row from the row's
+    largest P x scale so far (P.pow2_ceil to 2^14: cvt.rpi, sub 268) twice per block (the
+    thread's two rows), after the first named barrier (the warps' bounds beside the row
+    maxima) and before P is packed to f16."""
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
     assert op.mma_ws and found["frame"] == 0 and ".local" not in partial
@@ -655,7 +656,8 @@ def test_sparse_core_mma_producer_path_over_fp8_has_f16_operands_and_their_range
     assert bf16 == f16 // per_block * per * 4, bf16  # the rope's k steps
     assert partial.count("cvt.rn.f16x2.e4m3x2") >= 2 * f16  # two per MMA's B fragment (+ e4m3 query rows)
     q_fit, p_fit = partial.count("sub.s32 d, 269, e;"), partial.count("sub.s32 d, 268, e;")
-    assert q_fit == (0 if shape.topology.q_format == "fp8" else 2) and p_fit == f16 // per_block, (q_fit, p_fit)
+    assert q_fit == (0 if shape.topology.q_format == "fp8" else 2) and p_fit == 2 * (f16 // per_block), (q_fit, p_fit)
+    assert partial.count("cvt.rpi.f32.f32") == p_fit
     dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
     inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
     consumers = partial[inc:] if dec < inc else partial[inc:dec]

@@ -68,9 +68,21 @@ def _shifted(caches, shift: int):
     return dataclasses.replace(caches, mla_cache=rows)
 
 
-def _check(case, batch, slots_per_cta=None, big=None, cache_shift=0, q_shift=0):
+def _outlying(caches, direction: torch.Tensor, shift: int):
+    """A copy of the caches where every 64th fp8 MLA row has latent -448 x the sign of
+    `direction`'s and its scales x 2^shift: for query rows along `direction` its score is
+    far below every other row's (P = 0) while its scales are far above theirs."""
+    rows = caches.mla_cache.clone()
+    flat = rows.view(-1, rows.shape[-1])[::64]
+    flat[:, :512] = (-448 * torch.sign(direction[:512])).to(torch.float8_e4m3fn).view(torch.uint8)
+    flat[:, 512:528].view(torch.float32).mul_(2.0**shift)
+    return dataclasses.replace(caches, mla_cache=rows)
+
+
+def _check(case, batch, slots_per_cta=None, big=None, cache_shift=0, q_shift=0, outliers=None):
     """big: latent dim 0 of every query row set to it. cache_shift / q_shift: the fp8 cache's
-    rows / the query rows x 2^shift (exact)."""
+    rows / the query rows x 2^shift (exact). outliers: query rows along one direction and
+    _outlying's rows, their scales x 2^outliers."""
     state = _state(case)
     s, m = state.shape, state.shape.model
     topology, tolerance = CASES[case][1], CASES[case][2]
@@ -78,6 +90,10 @@ def _check(case, batch, slots_per_cta=None, big=None, cache_shift=0, q_shift=0):
     k = m.index_topk
     caches = _shifted(state.caches, cache_shift) if cache_shift else state.caches
     rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3 * 2.0**q_shift
+    if outliers is not None:
+        direction = torch.randn(m.query_row, device="cuda")
+        caches = _outlying(caches, direction, outliers)
+        rows = 0.3 * direction + 0.5 * rows
     if big is not None:
         rows[:, :, 0] = big
     mailbox = formats.arm(torch.empty(batch, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
@@ -234,6 +250,20 @@ def test_the_mma_producer_path_takes_queries_and_scales_past_f16s_range(monkeypa
 
     monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     _check("q16-tp8-fp8cache", batch, cache_shift=shift, q_shift=-shift)
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("case", ["q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_the_mma_producer_path_takes_slots_of_far_larger_scales_and_no_weight(monkeypatch, case, batch):
+    """partial_mma_ws over the fp8 cache where every 64th cache row has scales 2^40 times the
+    others' and a score far below theirs (P = 0): P x scale's f16 power of two follows each
+    row's largest P x scale, so those rows do not push the others' P x scale under f16's
+    subnormals (a power of two from the largest scale alone did: about 0.98 relative error
+    in a CPU model of the CTA)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _check(case, batch, outliers=40)
 
 
 def test_the_mma_producer_path_takes_e4m3_queries_with_scales_below_f16s_range(monkeypatch):
