@@ -964,8 +964,11 @@ class SparseCore:
         use = [Float32(0), Float32(0)]
         for r in cutlass.range_constexpr(2):
             top = row_max[r]
+            maxima = []  # fp8: the column warps' maxima, read once for top and for the bound
+            if cutlass.const_expr(self.mla_fp8):
+                maxima = [red[c * m + mt * 16 + g + 8 * r] for c in range(cols)]
             for c in cutlass.range_constexpr(cols):
-                top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+                top = cute.arch.fmax(top, maxima[c] if self.mla_fp8 else red[c * m + mt * 16 + g + 8 * r])
             use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
             alpha[r] = P.exp2_approx(row_max[r] - use[r])
             if cutlass.const_expr(self.mla_fp8):
@@ -975,8 +978,7 @@ class SparseCore:
                 # overflow where alpha is 0)
                 bound = p_scale[r] + (row_max[r] - use[r])
                 for c in cutlass.range_constexpr(cols):
-                    cell = c * m + mt * 16 + g + 8 * r
-                    bound = cute.arch.fmax(bound, peaks[cell] + (red[cell] - use[r]))
+                    bound = cute.arch.fmax(bound, peaks[c * m + mt * 16 + g + 8 * r] + (maxima[c] - use[r]))
                 p_scale[r], p_up[r], p_down = P.pow2_ceil(bound, P_F16_TOP)
             row_max[r] = top
             row_sum[r] = row_sum[r] * alpha[r]
