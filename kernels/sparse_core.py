@@ -163,7 +163,9 @@ PROBE = ""
 # 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 from 8 blocks (TP 8 B >= 32) as
 # predicted, not yet measured, for the f16 operands (their consumers ~40 us alone at B = 64):
 # ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
-# bench_sparse_core.py --paths msync,mws compares them.
+# Their per-row range guard costs ~110 PTX instructions a block (992 against 882 without it;
+# session 9's f16 consumers 825 for 39.6 us, the bf16 ones 1229 for 48.0): maybe ~43 us alone,
+# so B = 32 is close. bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
