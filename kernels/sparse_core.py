@@ -168,7 +168,9 @@ PROBE = ""
 # 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 from 8 blocks (TP 8 B >= 32) as
 # predicted, not yet measured, for the f16 operands (their consumers ~40 us alone at B = 64):
 # ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
-# bench_sparse_core.py --paths msync,mws compares them.
+# Their per-row range guard costs ~110 PTX instructions a block (992 against 882 without it;
+# session 9's f16 consumers 825 for 39.6 us, the bf16 ones 1229 for 48.0): maybe ~43 us alone,
+# so B = 32 is close. bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
@@ -1077,8 +1079,11 @@ class SparseCore:
         use = [Float32(0), Float32(0)]
         for r in cutlass.range_constexpr(2):
             top = row_max[r]
+            maxima = []  # fp8: the column warps' maxima, read once for top and for the bound
+            if cutlass.const_expr(self.mla_fp8):
+                maxima = [red[c * m + mt * 16 + g + 8 * r] for c in range(cols)]
             for c in cutlass.range_constexpr(cols):
-                top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+                top = cute.arch.fmax(top, maxima[c] if self.mla_fp8 else red[c * m + mt * 16 + g + 8 * r])
             use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
             alpha[r] = P.exp2_approx(row_max[r] - use[r])
             if cutlass.const_expr(self.mla_fp8):
@@ -1088,8 +1093,7 @@ class SparseCore:
                 # overflow where alpha is 0)
                 bound = p_scale[r] + (row_max[r] - use[r])
                 for c in cutlass.range_constexpr(cols):
-                    cell = c * m + mt * 16 + g + 8 * r
-                    bound = cute.arch.fmax(bound, peaks[cell] + (red[cell] - use[r]))
+                    bound = cute.arch.fmax(bound, peaks[c * m + mt * 16 + g + 8 * r] + (maxima[c] - use[r]))
                 p_scale[r], p_up[r], p_down = P.pow2_ceil(bound, P_F16_TOP)
             row_max[r] = top
             row_sum[r] = row_sum[r] * alpha[r]
