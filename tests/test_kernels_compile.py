@@ -622,6 +622,16 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     if rest:  # the arrival after the copies; a stage's release waited for before them (once reused)
         first, last = producer.index("cp.async.cg"), producer.rindex("cp.async.cg")
         assert producer.find(noinc, last) > last
+        # every thread arrives once a block, rows or none: from the cp.async warps' entry (the
+        # first branch after setmaxnreg.dec parts them from the bulk warp), no branch jumps
+        # past a block's arrival (a skipped arrival hangs the consumers)
+        labels = {found.group(1): found.start() for found in re.finditer(r"^(\$L__\w+):", producer, re.M)}
+        parting = re.search(r"bra(?:\.uni)?\s+(\$L__\w+);", producer)
+        start = labels[parting.group(1)] if labels[parting.group(1)] < first else parting.end()
+        for arrive in (found.start() for found in re.finditer(re.escape(noinc), producer)):
+            targets = re.findall(r"bra(?:\.uni)?\s+(\$L__\w+);", producer[start:arrive])
+            assert all(labels.get(target, len(producer)) < arrive for target in targets), targets
+            start = arrive
         if slots // op.block >= op.stages:  # (after the bulk warp's code)
             assert producer.rfind("mbarrier.try_wait", 0, first) > producer.rfind("expect_tx", 0, first)
     assert "fence.proxy.async.shared::cta" in partial and "mbarrier.try_wait.parity" in partial
