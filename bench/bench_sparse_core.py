@@ -2,7 +2,7 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
-        [--paths ws,wsh,wsr,nows,mws,msync] [--probes no_loads,no_math --probe-batch 64]
+        [--paths ws,wsh,wsr,nows,mws,mws10,msync] [--probes no_loads,no_math,no_math:0 --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -14,11 +14,15 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
 in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16-row
-CTAs' (TP 8): mws = the producer warp of bulk copies (partial_mma_ws) at every split, msync =
-every thread copies (partial_mma_sync); default: the module's choice (sparse_core.PRODUCER
-per cache, MMA_PRODUCER_BLOCKS).
+CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
+between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
+of each block's rows bulk-copied (either cache; mws16: bulk copies only, mws0: cp.async only),
+msync = every thread copies (partial_mma_sync); default: the module's choice
+(sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS).
 --probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
-partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch.
+partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
+with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
+the cp.async warps alone).
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -143,9 +147,11 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,msync (default: the module's)",
+        help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,mwsN,msync (default: the module's)",
     )
-    parser.add_argument("--probes", default="", help="producer-path probes: no_loads,no_math")
+    parser.add_argument(
+        "--probes", default="", help="producer-path probes: no_loads,no_math (NAME:N: N sixteenths bulk)"
+    )
     parser.add_argument("--probe-batch", default="64")
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
@@ -159,11 +165,19 @@ def main() -> int:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}: expected some of {', '.join(CONFIGS)}")
         for path, probe in paths:
-            if path not in ("", "ws", "wsh", "wsr", "nows", "mws", "msync") or probe not in sparse_core.PROBES:
+            probe, _, probe_bulk = probe.partition(":")
+            bulk = path[3:] if path.startswith("mws") else probe_bulk
+            if bulk and not (bulk.isdigit() and int(bulk) <= 16):
+                parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
+            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
+            if (path not in known and not path.startswith("mws")) or probe not in sparse_core.PROBES:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
-            if path in ("mws", "msync"):
-                sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1 if path == "mws" else 1 << 30)
+            sixteenths = sparse_core.MMA_BULK_SIXTEENTHS
+            if bulk:
+                sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(sixteenths, int(bulk))
+            if path.startswith("mws") or path == "msync":
+                sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1 if path != "msync" else 1 << 30)
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
                 if path == "ws":  # (the probes' path) 16-row CTAs' producer too
@@ -176,9 +190,11 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
-                sparse_core.MMA_PRODUCER_BLOCKS = mma
+                sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
             for row in found:
-                row["path"] = (path or "default") + (f"+{probe}" if probe else "")
+                row["path"] = (
+                    (path or "default") + (f"+{probe}" if probe else "") + (f":{probe_bulk}" if probe_bulk else "")
+                )
             rows += found
     if args.profile:
         return 0

@@ -12,6 +12,8 @@ reorders them, whatever the compiler's fast-math defaults.
 
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -211,23 +213,75 @@ def pack_bf16x2(low, high) -> Uint32:
     )
 
 
-# e4m3 widened to bf16 by bits: the f16 of an e4m3 is always normal (2^-9 .. 448), so its
-# exponent and top 7 mantissa bits, moved down 3 bits under its sign, are a bf16 of the
-# value x 2^-112 (bias 15 against 127), exactly, zero included (an e4m3 NaN reads finite).
-E4M3_BF16_SHIFT = 112
-
-
-def e4m3x4_to_bf16x2(word) -> tuple:
-    """A word of four e4m3 (element 0 in bits 0-7) -> two words of bf16 pairs of the values x
-    2^-E4M3_BF16_SHIFT (exact): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
+def pack_f16x2(low, high) -> Uint32:
+    """Round two fp32 to nearest-even f16: low in bits 0-15 (past 65504: inf)."""
     return cute.arch.inline_ptx(
-        "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h0, h1, t0, t1;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
-        "cvt.rn.f16x2.e4m3x2 h0, lo;\n\tcvt.rn.f16x2.e4m3x2 h1, hi;\n\t"
-        "shr.b32 t0, h0, 3;\n\tshr.b32 t1, h1, 3;\n\tand.b32 t0, t0, 0x0FFF0FFF;\n\tand.b32 t1, t1, 0x0FFF0FFF;\n\t"
-        "lop3.b32 {$w0}, h0, 0x80008000, t0, 0xEA;\n\tlop3.b32 {$w1}, h1, 0x80008000, t1, 0xEA;\n\t}",
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[high, low]
+    )
+
+
+def e4m3x4_to_f16x2(word) -> tuple:
+    """A word of four e4m3 (element 0 in bits 0-7) -> two words of f16 pairs (exact: every
+    e4m3 is an f16 normal or zero): elements 0, 1 and elements 2, 3, the lower in bits 0-15."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
+        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
         write_only_types=[Uint32, Uint32],
         read_only_args=[word],
     )
+
+
+def abs_max_bits(values) -> Int32:
+    """The largest |v| of fp32 values as its bits (an Int32 >= 0: for non-negative floats,
+    integer order is float order; NaN above inf)."""
+    lines = ["{", ".reg .b32 top, x;", f"and.b32 top, {{$r0}}, {0x7FFFFFFF};"]
+    for i in range(1, len(values)):
+        lines += [f"and.b32 x, {{$r{i}}}, {0x7FFFFFFF};", "max.u32 top, top, x;"]
+    lines += ["mov.b32 {$w0}, top;", "}"]
+    return cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Int32], read_only_args=list(values))
+
+
+def pow2_fit(top, floor, target: int) -> tuple:
+    """The power of two that brings values up to |top| (an fp32, or its bits) under
+    2^(target + 1): e = max(|top|'s biased exponent, floor) and (e, 2^(target + 127 - e),
+    2^(e - target - 127)), the second undoing the first exactly; floor > target keeps both
+    normal fp32."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 e, d;\n\tshr.b32 e, {$r0}, 23;\n\tand.b32 e, e, 255;\n\tmax.s32 e, e, {$r1};\n\t"
+        f"mov.b32 {{$w0}}, e;\n\tsub.s32 d, {target + 254}, e;\n\tshl.b32 {{$w1}}, d, 23;\n\t"
+        f"sub.s32 d, e, {target};\n\tshl.b32 {{$w2}}, d, 23;\n\t}}",
+        write_only_types=[Int32, Float32, Float32],
+        read_only_args=[top, Int32(floor)],
+    )
+
+
+def abs_max_exponent(values) -> Float32:
+    """The biased exponent of the largest |v| of fp32 values, as an fp32 e (0 .. 255): every
+    |v| < 2^(e - 126)."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 e;\n\tshr.b32 e, {$r0}, 23;\n\tcvt.rn.f32.u32 {$w0}, e;\n\t}",
+        write_only_types=[Float32],
+        read_only_args=[abs_max_bits(values)],
+    )
+
+
+def pow2_ceil(bound, target: int) -> tuple:
+    """pow2_fit for values under 2^(bound - 126), bound an fp32 (a biased log2, as
+    abs_max_exponent's): e = ceil(bound) within [target + 1, 254] (-inf and NaN: target + 1),
+    and (e as an fp32, 2^(target + 127 - e), 2^(e - target - 127)), both normal."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .f32 c;\n\t.reg .b32 e, d;\n\tcvt.rpi.f32.f32 c, {$r0};\n\t"
+        f"max.f32 c, c, {_f32_hex(target + 1)};\n\tmin.f32 c, c, {_f32_hex(254)};\n\tmov.f32 {{$w0}}, c;\n\t"
+        f"cvt.rzi.s32.f32 e, c;\n\tsub.s32 d, {target + 254}, e;\n\tshl.b32 {{$w1}}, d, 23;\n\t"
+        f"sub.s32 d, e, {target};\n\tshl.b32 {{$w2}}, d, 23;\n\t}}",
+        write_only_types=[Float32, Float32, Float32],
+        read_only_args=[bound],
+    )
+
+
+def _f32_hex(value: float) -> str:
+    """An fp32 immediate as PTX writes it (0fXXXXXXXX)."""
+    return f"0f{struct.unpack('<I', struct.pack('<f', value))[0]:08X}"
 
 
 def byte_perm(a, b, selector: int) -> Uint32:
@@ -548,6 +602,11 @@ def mma_bf16_16816(a, b, c) -> list:
     return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
+def mma_f16_16816(a, b, c) -> list:
+    """m16n8k16, f16 pairs in each word."""
+    return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
+
+
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:
     """Warpgroup MMA with A in registers: acc[64 rows, 2 len(acc)] += A x B, bf16, FP32
     accumulators (acc in wgmma's C layout, returned updated). a: 4 bf16x2 words per k step
@@ -591,6 +650,13 @@ def cp_async_16(dst, src, live=True):
         "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
         read_only_args=[dst, src, Int32(cutlass.select_(live, Int32(16), Int32(0)))],
     )
+
+
+def cp_async_mbar_arrive_noinc(addr):
+    """An arrival on the mbarrier at addr once every cp.async this thread has issued so far
+    has landed (asynchronous: the thread goes on), which then makes those copies visible to
+    the barrier's waiters. .noinc: the barrier's init count includes this arrival."""
+    cute.arch.inline_ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{$r0}];", read_only_args=[addr])
 
 
 def cp_async_commit():

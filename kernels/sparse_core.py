@@ -33,11 +33,14 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
          there is no combine launch.
          16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
-         16 blocks, TP 8 B = 64): `partial_mma_ws`, the same consumer warps beside a producer warp that
-         bulk-copies each cache row (cp.async.bulk) into a ring behind full / empty
-         mbarriers (no CTA barrier in the loop); over the fp8 cache the consumers widen
-         e4m3 straight into bf16 MMA operands (no dequantization pass: each 128-dim
-         group's scale applied to its partial score and to P).
+         8 blocks, TP 8 B >= 32): `partial_mma_ws`, the same consumer warps beside a
+         producer warpgroup that copies each block's cache rows into a ring behind full /
+         empty mbarriers (no CTA barrier in the loop), two ways at once: warp 0 one
+         cp.async.bulk per row for the first MMA_BULK_SIXTEENTHS[cache] / 16 of the block,
+         warps 1-3 16-byte cp.async for the rest; over the fp8 cache the
+         consumers widen e4m3 straight into f16 MMA operands (no dequantization pass: each
+         128-dim group's scale applied to its partial score and to P; Q and P x scale
+         brought into f16's range by powers of two, consume_ring).
 combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
@@ -61,8 +64,12 @@ warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), w
 consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
 cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was 86.8), and
 the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
-57.7 (bf16, H200, session 10). Over the fp8 cache it wins only at B = 64 (60.0 against 64.3):
-its consumers widen e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16. Session
+57.7 (bf16, H200, session 10). Over the fp8 cache it won only at B = 64 (60.0 against 64.3)
+while its consumers widened e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16;
+they now take f16 operands behind range guards (not yet measured). With the bulk warp the
+bound (one copy at a time from the SM's bulk-copy unit), the producer's other three warps now
+copy part of each block by 16-byte cp.async, the other path (MMA_BULK_SIXTEENTHS; not yet
+measured: ~38 us alone predicted at bf16 B = 64, near HBM's 35). Session
 4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
 kernel between its own math, so a stage was refilled only after the CTA barrier that freed
 it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
@@ -150,27 +157,46 @@ SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
-# usual (partial_mma_ws: zero-fills its ring); "no_math": the consumers only wait for each
-# block and release it.
+# usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
+# wait for each block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
-# 16-row CTAs with a producer warp (partial_mma_ws) from this many blocks per CTA, per MLA
+# 16-row CTAs with a producer warpgroup (partial_mma_ws) from this many blocks per CTA, per MLA
 # cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
 # blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
-# 6.56 / 10.3 / 19.9 / 57.7; fp8 9.72 / 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3.
-# bench_sparse_core.py --paths msync,mws compares them.
-MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 16}
-PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups: the producer's warps 1-3 leave at once
+# 6.56 / 10.3 / 19.9 / 57.7; fp8 (consumers of bf16 operands, 48.0 us alone at B = 64) 9.72 /
+# 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 from 8 blocks (TP 8 B >= 32) as
+# predicted, not yet measured, for the f16 operands (their consumers ~40 us alone at B = 64):
+# ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
+# Their per-row range guard costs ~110 PTX instructions a block (992 against 882 without it;
+# session 9's f16 consumers 825 for 39.6 us, the bf16 ones 1229 for 48.0): maybe ~43 us alone,
+# so B = 32 is close. bench_sparse_core.py --paths msync,mws compares them.
+MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
+PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
+# partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
+# completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
+# 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
+# cp.async.cg (the load/store path: separate hardware). The shares make the two finish
+# together at the rates each path showed alone (H200, TP 8 B = 64, 1024 rows per CTA, one CTA
+# per SM; bench/RESULTS.md sessions 9 and 10): bulk 49.7 ns per bf16 row (1152 B: 50.9 us)
+# and 39.2 per fp8 row (656 B: 40.1 us), ~25 ns a copy + ~21 ps a byte; a warpgroup of
+# cp.async 84.8 / 50.6 ns per row (86.8 / 51.8 us), ~1.2 ns per 16-byte chunk. Bulk share =
+# t_cp / (t_bulk + t_cp): bf16 0.63 -> 10/16, fp8 0.56 -> 9/16. A 64-row block then takes
+# ~2.0 us of copies (bf16; bulk alone 3.2) and ~1.4 (fp8; 2.5) per SM, where HBM (4.3 TB/s
+# over 128 SMs) allows ~2.2 / ~1.25: bf16 bound by HBM, fp8 close to it. Not yet measured
+# (bench_sparse_core.py --paths mws<N> sets N sixteenths; --probes no_math:N times the
+# producer alone at N: no_math:0 the cp.async warps alone, no_math:16 the bulk warp alone).
+MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
 # bulk copies).
 MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
-# partial_mma_ws over the fp8 cache widens e4m3 into bf16 operands as value x 2^-112
-# (primitives.E4M3_BF16_SHIFT); half the offset goes into Q (x 2^56, exact) and into P x scale,
-# the other half comes back in fp32 (scores x scale x 2^56, outputs x 2^56). So the operands
-# keep bf16's (fp32's) range, where f16 operands overflowed past 65504 (query elements, P x
-# scale): only query elements past 2^72 or scales past 2^72 overflow.
-MMA_FP8_SHIFT = 2.0 ** (P.E4M3_BF16_SHIFT // 2)
+# partial_mma_ws over the fp8 cache: f16 MMA operands (e4m3 widens into f16 exactly), each
+# brought under f16's 65504 by a power of two undone in fp32 (consume_ring): bf16 query rows
+# x 2^(Q_F16_TOP - E_row) (E_row: the exponent of the row's largest latent element; P.pow2_fit),
+# P x scale x 2^(P_F16_TOP - E_row) (E_row: the exponent of the row's largest P x scale so
+# far; P.pow2_ceil).
+Q_F16_TOP, P_F16_TOP = 15, 14
 
 
 def heads_per_cta(q_heads: int) -> int:
@@ -226,11 +252,13 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
     """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
     (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
     with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
-    their own space, the bf16 cache's pass through the last stage into registers (three
-    64-row bf16 stages fit only so)."""
+    their own space (with their f16 powers of two, and P x scale's bounds beside the row
+    maxima), the
+    bf16 cache's pass through the last stage into registers (three 64-row bf16 stages fit
+    only so)."""
     stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
     fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
-    fixed += 16 * STRIDE if mla_fp8 else 0
+    fixed += 16 * STRIDE + 4 * 16 * (1 + COLS) if mla_fp8 else 0  # (+ the rows' powers of two, P x scale's bounds)
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
@@ -348,6 +376,13 @@ class SparseCore:
             default = self.heads == 16 and slots_per_cta // self.block >= least
             self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
+        # partial_mma_ws: rows 0 .. bulk_rows - 1 of each block by bulk copies, the rest by cp.async
+        self.bulk_rows = 0
+        if self.mma_ws:
+            sixteenths = MMA_BULK_SIXTEENTHS["fp8" if mla_fp8 else "bf16"]
+            if not 0 <= sixteenths <= 16:
+                raise ValueError(f"sparse_core.MMA_BULK_SIXTEENTHS must be 0 .. 16, got {sixteenths}")
+            self.bulk_rows = self.block * sixteenths // 16
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
         if self.wgmma:
             self.stages = 2
@@ -582,15 +617,16 @@ class SparseCore:
 
     @cute.jit
     def partial_mma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """16-row CTAs with a producer warp: the 8 consumer warps of
-        partial_mma_sync (tid < 256) and one producer warp (produce_ring: one bulk copy per
-        cache row) behind full / empty mbarriers over a ring of `stages` blocks of cache
-        rows as they are in HBM (bf16 at STRIDE, or raw fp8 rows). The consumers meet only
-        at their named barrier (twice a block: the row maxima, then P) and never wait on a
-        copy they issued (consume_ring); over the fp8 cache they widen the raw rows straight
-        into their MMA operands (no dequantization pass). The bf16 cache's 16 query rows pass
-        through the ring's last stage on their way into registers (the producer fills that
-        stage once the consumers release it)."""
+        """16-row CTAs with a producer warpgroup: the 8 consumer warps of partial_mma_sync
+        (tid < 256) beside the producer's warp 0 (produce_ring: one bulk copy per cache row
+        below bulk_rows, each block's slot ids and live flag) and warps 1-3 (copy_rows:
+        16-byte cp.async for the rows from bulk_rows on), behind full / empty mbarriers over
+        a ring of `stages` blocks of cache rows as they are in HBM (bf16 at STRIDE, or raw
+        fp8 rows). The consumers meet only at their named barrier (twice a block: the row
+        maxima, then P) and never wait on a copy they issued (consume_ring); over the fp8
+        cache they widen the raw rows straight into their MMA operands (no dequantization
+        pass). The bf16 cache's 16 query rows pass through the ring's last stage on their
+        way into registers (the producer fills that stage once the consumers release it)."""
         tid, _, _ = cute.arch.thread_idx()
         split, _, token = cute.arch.block_idx()
         warp = tid // 32
@@ -606,11 +642,18 @@ class SparseCore:
         ids_s = smem.allocate_tensor(Int32, cute.make_layout(stages * block), byte_alignment=16)
         live_s = smem.allocate_tensor(Int32, cute.make_layout(stages), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
+        q_unscale_s, peaks = None, None  # fp8: the query rows' 2^-(their f16 exponents), P x scale's bounds beside red
+        if cutlass.const_expr(self.mla_fp8):
+            q_unscale_s = smem.allocate_tensor(Float32, cute.make_layout(m), byte_alignment=16)
+            peaks = smem.allocate_tensor(Float32, cute.make_layout(self.cols * m), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * stages), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 8 * stages  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        # full[s]: the bulk warp's 32 lanes (lane 0 with the bytes), and the cp.async warps'
+        # threads once their copies land (none if every row goes by bulk copy)
+        copiers = PRODUCER_THREADS - 32 if self.bulk_rows < block else 0
         if tid == 0:
             for s in cutlass.range_constexpr(stages):
-                P.mbar_init(full0 + 8 * s, 32)  # the producer warp's lanes (lane 0 with the bytes)
+                P.mbar_init(full0 + 8 * s, 32 + copiers)
                 P.mbar_init(empty0 + 8 * s, self.consumers // 32)  # lane 0 of each consumer warp
             P.mbar_init_fence()
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
@@ -621,6 +664,19 @@ class SparseCore:
             if warp == self.consumers // 32:
                 self.produce_ring(
                     slots, cache, ring, ids_s, live_s, full0, empty0, tid % 32, split, token, error, pool_slots
+                )
+            elif cutlass.const_expr(copiers > 0):
+                self.copy_rows(
+                    slots,
+                    cache,
+                    ring,
+                    full0,
+                    empty0,
+                    tid % 32,
+                    warp - self.consumers // 32 - 1,
+                    split,
+                    token,
+                    pool_slots,
                 )
         else:
             cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
@@ -637,6 +693,8 @@ class SparseCore:
                 ids_s,
                 live_s,
                 red,
+                q_unscale_s,
+                peaks,
                 full0,
                 empty0,
                 tid,
@@ -645,26 +703,31 @@ class SparseCore:
 
     @cute.jit
     def produce_ring(self, slots, cache, ring, ids_s, live_s, full0, empty0, lane, split, token, error, pool_slots):
-        """The producer warp: lane l takes rows l, l + 32 of each block. Once the consumers
-        have released stage b % stages it writes the block's slot ids (the consumers' -inf
-        mask) and live flag, lane 0 arrives with the block's bytes expected (the others
-        plainly), and each lane issues one cp.async.bulk per row, completing on the stage's
-        full mbarrier: nothing else to do, no per-thread copies in flight. A hole (or a
-        slot outside the pool, recorded) copies the row of a live slot of the same block
-        (the largest): its score is -inf so P is 0, and a row this selection reads anyway
-        is finite wherever the output is (a stale or unwritten row could hold inf or NaN,
-        and 0 x inf is NaN in P @ V). A block with no live slot copies nothing (0 bytes
-        expected) and its live flag tells the consumers to skip it. Slot ids load a block
-        ahead."""
-        block, stages = self.block, self.stages
+        """The producer warpgroup's warp 0: lane l owns rows l, l + 32 of each block. Once the
+        consumers have released stage b % stages it writes the block's slot ids (the
+        consumers' -inf mask) and live flag, lane 0 arrives with the bytes of the rows below
+        bulk_rows expected (the others plainly), and each lane issues one cp.async.bulk per
+        row of its own below bulk_rows, completing on the stage's full mbarrier: nothing else
+        to do, no per-thread copies in flight (the rows from bulk_rows on: copy_rows). A hole
+        (or a slot outside the pool, recorded here for every row of the block) copies the
+        row of a live slot of the same block (the largest): its score is -inf so P is 0, and
+        a row this selection reads anyway is finite wherever the output is (a stale or
+        unwritten row could hold inf or NaN, and 0 x inf is NaN in P @ V). A block with no
+        live slot copies nothing (0 bytes expected) and its live flag tells the consumers to
+        skip it. Slot ids load a block ahead."""
+        block, stages, bulk = self.block, self.stages, self.bulk_rows
         stride = FP8_ROW if self.mla_fp8 else STRIDE
         blocks = self.slots_per_cta // block
         per_lane = (block + 31) // 32
         ids = slots + token * self.k + split * self.slots_per_cta
-        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not)
+        # row lane + 32 i, clamped for a lane past a block narrower than 32 (has: it is not);
+        # copies: the row is below bulk_rows (None: no lane's is)
         whole = [32 * (i + 1) <= block for i in range(per_lane)]
         rows = [lane + 32 * i if whole[i] else cutlass.min(lane + 32 * i, block - 1) for i in range(per_lane)]
         has = [True if whole[i] else lane + 32 * i < block for i in range(per_lane)]
+        copies = [
+            True if 32 * (i + 1) <= bulk else lane + 32 * i < bulk if 32 * i < bulk else None for i in range(per_lane)
+        ]
         slot = [P.load_i32(ids + rows[i]) for i in range(per_lane)]
         for b in range(blocks):
             s = b % stages
@@ -679,19 +742,13 @@ class SparseCore:
                     fill = cutlass.max(fill, P.select_i32(live[i], slot[i], -1))
             for offset in cutlass.range_constexpr(5):
                 fill = cutlass.max(fill, cute.arch.shuffle_sync_bfly(fill, offset=1 << offset))
-            # the release this stage waits for: block b - stages's, or (bf16 cache) the query
-            # rows' for the last stage's first fill
-            release = b // stages - 1
-            if cutlass.const_expr(not self.mla_fp8):
-                release = release + P.select_i32(s == stages - 1, 1, 0)
-            if release >= 0:
-                P.mbar_wait(empty0 + 8 * s, release % 2)
+            self.wait_release(empty0, b, s)
             for i in cutlass.range_constexpr(per_lane):
                 if has[i]:
                     ids_s[s * block + rows[i]] = slot[i]
             copied = fill != -1
             flag = P.select_i32(copied, 1, 0)
-            nbytes = P.select_i32(copied, block * self.row_bytes, 0)
+            nbytes = P.select_i32(copied, bulk * self.row_bytes, 0)
             if cutlass.const_expr(self.probe == "no_loads"):  # nothing copied, every block computed
                 flag, nbytes = Int32(1), Int32(0)
             if lane == 0:
@@ -703,11 +760,81 @@ class SparseCore:
             if cutlass.const_expr(self.probe != "no_loads"):
                 if copied:
                     for i in cutlass.range_constexpr(per_lane):
-                        if has[i]:
-                            src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
-                            dst = ring + s * (block * stride) + rows[i] * stride
-                            P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
+                        if cutlass.const_expr(copies[i] is not None):
+                            if copies[i]:
+                                src = cache + Int64(P.select_i32(live[i], slot[i], fill)) * self.row_bytes
+                                dst = ring + s * (block * stride) + rows[i] * stride
+                                P.bulk_copy_g2s(dst, src, self.row_bytes, full0 + 8 * s)
             slot = upcoming
+
+    @cute.jit
+    def wait_release(self, empty0, b, s):
+        """A producer warp's wait for stage s before block b's copies: block b - stages's
+        release, or (bf16 cache) the query rows' for the last stage's first fill."""
+        release = b // self.stages - 1
+        if cutlass.const_expr(not self.mla_fp8):
+            release = release + P.select_i32(s == self.stages - 1, 1, 0)
+        if release >= 0:
+            P.mbar_wait(empty0 + 8 * s, release % 2)
+
+    @cute.jit
+    def copy_rows(self, slots, cache, ring, full0, empty0, lane, w, split, token, pool_slots):
+        """The producer warpgroup's warps 1-3 (w = 0 .. 2): the rows of each block from
+        bulk_rows on, warp w taking rows bulk_rows + w, + w + 3, ... (lane i holds its i-th
+        row's slot id), each copied by the whole warp in 16-byte cp.async.cg (warp_copy_row:
+        512 contiguous bytes an instruction); a hole, or a slot outside the pool (recorded by
+        produce_ring), is zero-filled (its score is -inf, its P 0; zeros are finite). Once the
+        consumers have released the stage (wait_release, as produce_ring), then one
+        cp.async.mbarrier.arrive.noinc on the stage's full mbarrier per thread: an arrival when
+        this thread's copies have landed, which makes them visible to the consumers' wait
+        (the barrier counts these 96 arrivals beside the bulk warp's 32; its expect_tx covers
+        only the bulk copies' bytes). The consumers' release of a stage (fence.proxy.async,
+        then mbarrier.arrive) orders their reads before either kind of write: cp.async's
+        (generic proxy) by the arrive / wait pair, the bulk copies' (async proxy) by the fence.
+        Slot ids load a block ahead."""
+        block, stages = self.block, self.stages
+        stride = FP8_ROW if self.mla_fp8 else STRIDE
+        blocks = self.slots_per_cta // block
+        warps = PRODUCER_THREADS // 32 - 1
+        rest = block - self.bulk_rows
+        first = self.bulk_rows + w  # this warp's rows: first + warps i while < block
+        ids = slots + token * self.k + split * self.slots_per_cta + cutlass.min(first + warps * lane, block - 1)
+        slot = P.load_i32(ids)
+        for b in range(blocks):
+            s = b % stages
+            upcoming = P.load_i32(ids + cutlass.min(b + 1, blocks - 1) * block)
+            self.wait_release(empty0, b, s)
+            if cutlass.const_expr(self.probe != "no_loads"):
+                stage = ring + s * (block * stride)
+                for i in cutlass.range_constexpr((rest + warps - 1) // warps):
+                    if cutlass.const_expr(warps * (i + 1) <= rest):  # every warp has an i-th row
+                        row = first + warps * i
+                        self.warp_copy_row(
+                            cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
+                        )
+                    elif w + warps * i < rest:
+                        row = first + warps * i
+                        self.warp_copy_row(
+                            cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
+                        )
+            P.cp_async_mbar_arrive_noinc(full0 + 8 * s)
+            slot = upcoming
+        P.cp_async_commit()
+        P.cp_async_wait(0)  # (no thread leaves copies in flight)
+
+    @cute.jit
+    def warp_copy_row(self, cache, slot, dst, lane, pool_slots):
+        """Cache row `slot` into shared `dst` by a warp's 16-byte cp.async.cg (lane l: chunks
+        l, l + 32, ...), zero-filled for a slot outside the pool (-1 included)."""
+        chunks = FP8_CHUNKS if self.mla_fp8 else BF16_CHUNKS
+        live = P.in_range(slot, pool_slots)
+        src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * lane
+        dst = dst + 16 * lane
+        for j in cutlass.range_constexpr((chunks + 31) // 32):
+            if cutlass.const_expr(32 * (j + 1) <= chunks):
+                P.cp_async_16(dst + 512 * j, src + 512 * j, live)
+            elif lane + 32 * j < chunks:
+                P.cp_async_16(dst + 512 * j, src + 512 * j, live)
 
     @cute.jit
     def consume_ring(
@@ -724,6 +851,8 @@ class SparseCore:
         ids_s,
         live_s,
         red,
+        q_unscale_s,
+        peaks,
         full0,
         empty0,
         tid,
@@ -731,15 +860,37 @@ class SparseCore:
     ):
         """partial_mma_ws's consumer warps: partial_mma_sync's per-block math, each block
         waited for on its full mbarrier (skipped if it has no live slot) and released on its
-        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copy
-        into the stage is the async proxy). Over the fp8 cache the raw rows are the MMA
-        operands' source (score_tiles_fp8, values_block_fp8): e4m3 widened exactly to bf16
-        (x 2^-112, MMA_FP8_SHIFT), each 128-dim group's scale applied to its partial score
-        and to P (four copies of P, one per group); the k order of the scores and the slot
-        and dim orders of P @ V are permuted (consistently for Q, P and the output) so that
-        each thread reads whole words of a row. The latent's 32 k steps of Q's A fragments
-        stay in registers there, the rope's 4 are read from shared memory each block; over
-        the bf16 cache all 36 stay in registers."""
+        empty one by every warp after its P @ V, behind a proxy fence (the next bulk copies
+        into the stage are the async proxy; its cp.async writes, the generic proxy, are
+        ordered after these reads by the arrive and the producer's wait alone). Over the bf16
+        cache all 36 k steps of Q's A fragments stay in registers.
+
+        Over the fp8 cache the raw rows are the MMA operands' source (score_tiles_fp8,
+        values_block_fp8): e4m3 widened exactly to f16, each 128-dim group's scale applied to
+        its partial score and to P (four copies of P, one per group); the k order of the
+        scores and the slot and dim orders of P @ V are permuted (consistently for Q, P and
+        the output) so that each thread reads whole words of a row. The latent's 32 k steps
+        of Q's A fragments (f16) stay in registers, the rope's 4 (bf16) are read from shared
+        memory each block. f16 holds values under 65504 only, with 11 bits only from 2^-14,
+        so Q and P x scale each enter it times a power of two, undone in fp32 (exact):
+        - a bf16 query row's latent x 2^(Q_F16_TOP - E), E the exponent of its largest
+          element (load_queries_permuted): all under 2^16 (a bf16 under 2^16 is at most
+          65280), each exact in f16 unless below 2^(E - 32), then within 2^(E - 40) -- under
+          2^-40 of the row's largest element, below the fp32 rounding of its scores; the
+          row's latent scores are x 2^(E - Q_F16_TOP). e4m3 rows fit f16 as they are.
+        - a row's P x scale x 2^(P_F16_TOP - E), E the exponent of the row's largest P x
+          scale (consume_mma_block: bounded from each slot's score and largest scale's
+          exponent, reduced beside the row maxima, and from the blocks consumed, theirs x
+          alpha): under 2^15, never inf; 11 bits down to 2^-27 of the row's largest P x
+          scale, below that within 2^-38 of it. The accumulators follow E with the
+          softmax's alpha (x 2^(old E - new E)); the output is x 2^(E - P_F16_TOP) at the
+          end. (A bound from the largest scale alone, whatever its P, lost every other slot
+          below a slot of a 2^35 larger scale and a score far below theirs.)
+        So no query element or scale gives an inf or loses its row's result, and none needs
+        the error word: each result is as exact as the bf16-operand path's to fp32 rounding
+        (P is finer: 11 bits against 8), query elements past 65504 and scales past f16's
+        range included; only a 128-dim group whose P x scale are all under 2^-27 of its row's
+        largest (over the groups) keeps fewer bits."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -751,7 +902,7 @@ class SparseCore:
         head0 = group * m
         rows = q_rows + (token * self.q_heads + head0) * self.q_bytes
         if cutlass.const_expr(self.mla_fp8):
-            self.load_queries_permuted(rows, head0, q_s, tid, consumers)
+            self.load_queries_permuted(rows, head0, q_s, q_unscale_s, tid, consumers)
         else:
             self.load_queries(rows, head0, q_s, tid, consumers)
             P.cp_async_commit()
@@ -774,6 +925,14 @@ class SparseCore:
         acc_o = [[Float32(0)] * 4 for _ in range(ntiles)]
         row_max = [neg_inf, neg_inf]
         row_sum = [Float32(0), Float32(0)]
+        # fp8: rows g, g + 8's 2^(E - Q_F16_TOP); their P x scale's exponents E (biased, as
+        # fp32; pow2_ceil's floor at first), then their 2^(E - P_F16_TOP) (consume_mma_block)
+        q_unscale = [Float32(1), Float32(1)]
+        p_scale = []
+        if cutlass.const_expr(self.mla_fp8):
+            p_scale = [Float32(P_F16_TOP + 1)] * 2 + [Float32(2.0 ** (1 - 127))] * 2
+            if cutlass.const_expr(not self.q_fp8):
+                q_unscale = [q_unscale_s[mt * 16 + g + 8 * r] for r in range(2)]
         blocks = self.slots_per_cta // block
         for b in range(blocks):
             s = b % stages
@@ -781,8 +940,22 @@ class SparseCore:
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
             if cutlass.const_expr(self.probe != "no_math"):
                 if live_s[s] != 0:  # (the same word for every consumer: every warp or none)
-                    row_max, row_sum, acc_o = self.consume_mma_block(
-                        q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    row_max, row_sum, acc_o, p_scale = self.consume_mma_block(
+                        q_lane,
+                        q_frags,
+                        q_unscale,
+                        p_s,
+                        kv,
+                        ids_s,
+                        s,
+                        red,
+                        peaks,
+                        row_max,
+                        row_sum,
+                        acc_o,
+                        p_scale,
+                        tid,
+                        pool_slots,
                     )
             P.fence_proxy_async()  # this thread's reads of stage s are done before the next bulk copy
             cute.arch.sync_warp()
@@ -798,7 +971,6 @@ class SparseCore:
                 red[col * m + mt * 16 + g + 8 * r] = total
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         item = token * self.splits + split
-        unshift = Float32(MMA_FP8_SHIFT if self.mla_fp8 else 1.0)  # P @ V's 2^-56 (fp8)
         for r in cutlass.range_constexpr(2):
             head = head0 + mt * 16 + g + 8 * r
             total = Float32(0)
@@ -808,7 +980,7 @@ class SparseCore:
             # permuted n) 16t + n and 16t + 8 + n of the warp's 64
             values = [acc_o[n][2 * r + e] for n in range(ntiles) for e in range(2)]
             if cutlass.const_expr(self.mla_fp8):
-                values = [acc_o[n][2 * r + e] * unshift for e in range(2) for n in range(ntiles)]
+                values = [acc_o[n][2 * r + e] * p_scale[2 + r] for e in range(2) for n in range(ntiles)]
             dims = 8 * ntiles * col + (16 * t if self.mla_fp8 else 2 * t)
             step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
@@ -827,10 +999,31 @@ class SparseCore:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
 
     @cute.jit
-    def consume_mma_block(self, q_lane, q_frags, p_s, kv, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+    def consume_mma_block(
+        self,
+        q_lane,
+        q_frags,
+        q_unscale,
+        p_s,
+        kv,
+        ids_s,
+        s,
+        red,
+        peaks,
+        row_max,
+        row_sum,
+        acc_o,
+        p_scale,
+        tid,
+        pool_slots,
+    ):
         """One block of consume_ring (stage s at kv): scores, the row max over the column warps
         (named barrier), P into shared memory (named barrier), P @ V. Returns (row_max,
-        row_sum, acc_o)."""
+        row_sum, acc_o, p_scale). fp8: q_unscale = rows g, g + 8's 2^(E - Q_F16_TOP); p_scale
+        = rows g, g + 8's P x scale exponents E (biased, as fp32), then their 2^(E -
+        P_F16_TOP): E for this block from each warp's bound on its slots' P x scale (beside
+        the row maxima in `peaks`, under the same named barrier), acc_o rescaled to match;
+        bf16: both unused ([])."""
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         mi, mj = lane // 8, lane % 8
@@ -846,15 +1039,20 @@ class SparseCore:
         ntiles = LATENT // cols // 8
         per = max(1, block // 8 // cols)
         scores = [[neg_inf] * 4 for _ in range(per)]
+        pairs = [[[Float32(0)] * 4 for _ in range(2)] for _ in range(per)]  # fp8: slots 2t, 2t + 1's scales
+        p_up = [Float32(1), Float32(1)]  # fp8: rows g, g + 8's P x scale's 2^(P_F16_TOP - E)
         if col * per < block // 8:
             if cutlass.const_expr(self.mla_fp8):
-                scores = self.score_tiles_fp8(q_lane, q_frags, kv, col * per, per, g, t)
+                scores, pairs = self.score_tiles_fp8(q_lane, q_frags, q_unscale, kv, col * per, per, g, t)
             else:
                 scores = self.score_tiles(q_lane, q_frags, kv, col * per, per, mi, mj)
             for j in cutlass.range_constexpr(per):
                 for q in cutlass.range_constexpr(4):
                     live = P.in_range(ids_s[s * block + (col * per + j) * 8 + 2 * t + q % 2], pool_slots)
                     scores[j][q] = P.select(live, scores[j][q] * scale, neg_inf)
+        spans = []  # fp8: slots 2t, 2t + 1's largest scale's biased exponent (as abs_max_exponent)
+        if cutlass.const_expr(self.mla_fp8):
+            spans = [[P.abs_max_exponent(pairs[j][e]) for e in range(2)] for j in range(per)]
         for r in cutlass.range_constexpr(2):
             top = scores[0][2 * r]
             for j in cutlass.range_constexpr(per):
@@ -863,17 +1061,45 @@ class SparseCore:
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             if t == 0:
                 red[col * m + mt * 16 + g + 8 * r] = top
+            if cutlass.const_expr(self.mla_fp8):
+                # the row's largest P x scale over the warp's slots is under 2^(peak + top -
+                # use - 126) (use: the row max after the barrier); slot - top, not slot +
+                # span - use, so that no span is lost beside a large score
+                base = P.select(top == neg_inf, Float32(0), top)
+                peak = neg_inf
+                for j in cutlass.range_constexpr(per):
+                    for e in cutlass.range_constexpr(2):
+                        peak = cute.arch.fmax(peak, scores[j][2 * r + e] - base + spans[j][e])
+                peak = cute.arch.fmax(peak, cute.arch.shuffle_sync_bfly(peak, offset=1))
+                peak = cute.arch.fmax(peak, cute.arch.shuffle_sync_bfly(peak, offset=2))
+                if t == 0:
+                    peaks[col * m + mt * 16 + g + 8 * r] = peak
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=consumers)
         alpha = [Float32(0), Float32(0)]
         use = [Float32(0), Float32(0)]
         for r in cutlass.range_constexpr(2):
             top = row_max[r]
+            maxima = []  # fp8: the column warps' maxima, read once for top and for the bound
+            if cutlass.const_expr(self.mla_fp8):
+                maxima = [red[c * m + mt * 16 + g + 8 * r] for c in range(cols)]
             for c in cutlass.range_constexpr(cols):
-                top = cute.arch.fmax(top, red[c * m + mt * 16 + g + 8 * r])
+                top = cute.arch.fmax(top, maxima[c] if self.mla_fp8 else red[c * m + mt * 16 + g + 8 * r])
             use[r] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
             alpha[r] = P.exp2_approx(row_max[r] - use[r])
+            if cutlass.const_expr(self.mla_fp8):
+                # the row's E: the largest P x scale of this block and of the blocks consumed
+                # (theirs x alpha), so that P x scale x 2^(P_F16_TOP - E) < 2^15; the
+                # accumulators into the new units (alpha first: 2^(old E - new E) alone may
+                # overflow where alpha is 0)
+                bound = p_scale[r] + (row_max[r] - use[r])
+                for c in cutlass.range_constexpr(cols):
+                    bound = cute.arch.fmax(bound, peaks[c * m + mt * 16 + g + 8 * r] + (maxima[c] - use[r]))
+                p_scale[r], p_up[r], p_down = P.pow2_ceil(bound, P_F16_TOP)
             row_max[r] = top
             row_sum[r] = row_sum[r] * alpha[r]
+            if cutlass.const_expr(self.mla_fp8):
+                alpha[r] = alpha[r] * p_up[r] * p_scale[2 + r]
+                p_scale[2 + r] = p_down
         if col * per < block // 8:
             for j in cutlass.range_constexpr(per):
                 p = [P.exp2_approx(scores[j][q] - use[q // 2]) for q in range(4)]
@@ -886,14 +1112,12 @@ class SparseCore:
                     n = (col * per + j) * 8 + 2 * t
                     u = n % 16
                     at = at + 2 * (16 * (n // 16) + 2 * (u // 4) + 8 * ((u % 4) // 2))
-                    pair = [P.ld_shared_f32x4(kv + (n + e) * FP8_ROW + LATENT) for e in range(2)]  # their scales
-                    shifted = [p[q] * Float32(MMA_FP8_SHIFT) for q in range(4)]
+                    pair = pairs[j]
+                    up = [p[q] * p_up[q // 2] for q in range(4)]
                     for v in cutlass.range_constexpr(4):
                         where = at + v * m * p_stride
-                        low = P.pack_bf16x2(shifted[0] * pair[0][v], shifted[1] * pair[1][v])
-                        P.st_shared_u32(where, low)
-                        high = P.pack_bf16x2(shifted[2] * pair[0][v], shifted[3] * pair[1][v])
-                        P.st_shared_u32(where + 8 * p_stride, high)
+                        P.st_shared_u32(where, P.pack_f16x2(up[0] * pair[0][v], up[1] * pair[1][v]))
+                        P.st_shared_u32(where + 8 * p_stride, P.pack_f16x2(up[2] * pair[0][v], up[3] * pair[1][v]))
                 else:
                     at = at + 2 * ((col * per + j) * 8 + 2 * t)
                     P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
@@ -909,17 +1133,17 @@ class SparseCore:
             acc_o = self.values_block(
                 acc_o, p_lane, kv + (mj + 8 * (mi % 2)) * STRIDE + 2 * (8 * ntiles * col + 8 * (mi // 2)), ntiles
             )
-        return row_max, row_sum, acc_o
+        return row_max, row_sum, acc_o, p_scale
 
     @cute.jit
-    def score_tiles_fp8(self, q_lane, q_frags, kv, first_tile, per: int, g, t):
-        """score_tiles over raw fp8 rows: per 8-slot tile, the unscaled scores (c0 c1 = row g,
-        slots 2t, 2t + 1; c2 c3 = row g + 8). Lane (g, t) reads 8 bytes of slot row g per 32
-        dims (bytes 8t .. 8t + 7: the k steps' pairs 2t, 2t + 8 of two k steps, Q permuted to
-        match) and widens them exactly to bf16 (x 2^-112; Q's latent is x 2^56, so each
-        product is 2^-56 of its value); each 128-dim group has its own accumulators (x its
-        scale x 2^56 once at the end), the interleaved groups four independent MMA chains;
-        the bf16 rope likewise (16 bytes per 32 dims, Q's rope from shared memory)."""
+    def score_tiles_fp8(self, q_lane, q_frags, q_unscale, kv, first_tile, per: int, g, t):
+        """score_tiles over raw fp8 rows: per 8-slot tile, the scores (c0 c1 = row g, slots 2t,
+        2t + 1; c2 c3 = row g + 8) and those slots' scales (per tile: [slot][group]). Lane
+        (g, t) reads 8 bytes of slot row g per 32 dims (bytes 8t .. 8t + 7: the k steps' pairs
+        2t, 2t + 8 of two k steps, Q permuted to match) and widens them exactly to f16; each
+        128-dim group has its own accumulators (x its scale once at the end, then the latent
+        x the row's q_unscale), the interleaved groups four independent MMA chains; the bf16
+        rope likewise (16 bytes per 32 dims, bf16 MMAs, Q's rope from shared memory)."""
         acc = [[[Float32(0)] * 4 for _ in range(5)] for _ in range(per)]
         rows = [kv + ((first_tile + j) * 8 + g) * FP8_ROW for j in range(per)]
         for step in cutlass.range_constexpr(4):  # the 32-dim pieces of a 128-dim group
@@ -928,7 +1152,7 @@ class SparseCore:
                 for h in cutlass.range_constexpr(2):
                     for grp in cutlass.range_constexpr(4):
                         kk = 2 * (4 * grp + step) + h
-                        acc[j][grp] = P.mma_bf16_16816(q_frags[kk], P.e4m3x4_to_bf16x2(words[grp][h]), acc[j][grp])
+                        acc[j][grp] = P.mma_f16_16816(q_frags[kk], P.e4m3x4_to_f16x2(words[grp][h]), acc[j][grp])
         for i in cutlass.range_constexpr((ROW - LATENT) // 32):
             for j in cutlass.range_constexpr(per):
                 words = P.ld_shared_u32x4(rows[j] + LATENT + 16 + 64 * i + 16 * t)
@@ -936,7 +1160,7 @@ class SparseCore:
                     kk = LATENT // 16 + 2 * i + h
                     a = P.ldmatrix_x4(q_lane + 2 * 16 * kk)
                     acc[j][4] = P.mma_bf16_16816(a, (words[2 * h], words[2 * h + 1]), acc[j][4])
-        scores = []
+        scores, pairs = [], []
         for j in cutlass.range_constexpr(per):
             pair = [P.ld_shared_f32x4(kv + ((first_tile + j) * 8 + 2 * t + e) * FP8_ROW + LATENT) for e in range(2)]
             tile = []
@@ -944,64 +1168,91 @@ class SparseCore:
                 value = acc[j][0][q] * pair[q % 2][0]
                 for grp in cutlass.range_constexpr(1, 4):
                     value = value + acc[j][grp][q] * pair[q % 2][grp]
-                tile.append(acc[j][4][q] + value * Float32(MMA_FP8_SHIFT))
+                tile.append(acc[j][4][q] + value * q_unscale[q // 2])
             scores.append(tile)
-        return scores
+            pairs.append([list(pair[e]) for e in range(2)])
+        return scores, pairs
 
     @cute.jit
     def values_block_fp8(self, acc_o, p_lane, v_lane, t) -> list:
-        """values_block over raw fp8 rows: P (this warp's group's copy, bf16, x scale x 2^56)
-        by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
+        """values_block over raw fp8 rows: P (this warp's group's copy, f16 P x scale x 2^(P_F16_TOP
+        - E)) by ldmatrix; the B fragments from 8 bytes (dims 8g .. 8g + 7 of the warp's 64, at
         v_lane) of each of rows 4t .. 4t + 3 of every 16-slot step: k pair (2t, 2t + 1) is
         rows 4t, 4t + 1, pair (2t + 8, 2t + 9) rows 4t + 2, 4t + 3 (P written to match), and
         n-tile n holds dim 8g + n (the output's dims permuted to match): byte-permuted
-        into pairs and widened exactly to bf16 (x 2^-112: the sums are 2^-56 of theirs)."""
+        into pairs and widened exactly to f16."""
         for ks in cutlass.range_constexpr(self.block // 16):
             a = P.ldmatrix_x4(p_lane + 2 * 16 * ks)
             w = [P.ld_shared_u32x2(v_lane + (16 * ks + 4 * t + r) * FP8_ROW) for r in range(4)]
             for h in cutlass.range_constexpr(2):  # dims 4h .. 4h + 3 of the thread's 8
                 for half in cutlass.range_constexpr(2):  # dims 4h + 2 half, + 1
                     sel = 0x7362 if half else 0x5140
-                    low = P.e4m3x4_to_bf16x2(P.byte_perm(w[0][h], w[1][h], sel))
-                    high = P.e4m3x4_to_bf16x2(P.byte_perm(w[2][h], w[3][h], sel))
+                    low = P.e4m3x4_to_f16x2(P.byte_perm(w[0][h], w[1][h], sel))
+                    high = P.e4m3x4_to_f16x2(P.byte_perm(w[2][h], w[3][h], sel))
                     for e in cutlass.range_constexpr(2):
                         n = 4 * h + 2 * half + e
-                        acc_o[n] = P.mma_bf16_16816(a, (low[e], high[e]), acc_o[n])
+                        acc_o[n] = P.mma_f16_16816(a, (low[e], high[e]), acc_o[n])
         return acc_o
 
     @cute.jit
-    def load_queries_permuted(self, rows, head0, q_s, tid, threads: int):
+    def load_queries_permuted(self, rows, head0, q_s, q_unscale_s, tid, threads: int):
         """The CTA's query rows -> shared memory at STRIDE for the fp8 cache's scores
         (score_tiles_fp8): dims 32i + 8u .. 32i + 8u + 7 go to k steps 2i, 2i + 1 at columns
         (2u, 2u + 1, 2u + 8, 2u + 9) -- what ldmatrix hands lane t = u of the A fragment --
-        as bf16, the latent x 2^56 (exact: MMA_FP8_SHIFT); loads all issued first; rows at
-        or past `gathered` are zeros."""
+        the latent as f16, the rope as bf16 (both exact); rows at or past `gathered` are
+        zeros. Warp w takes rows 2w, 2w + 1 (16 rows, 8 warps), all its loads issued first.
+        bf16 rows: the latent x 2^(Q_F16_TOP - E), E the exponent of the row's largest
+        latent element (over the warp's lanes), its 2^(E - Q_F16_TOP) into q_unscale_s
+        (consume_ring's docstring: why it is exact)."""
         pieces = ROW // 32 * 4  # (i, u) per row
-        items = self.heads * pieces
+        lane, warp = tid % 32, tid // 32
+        per_warp = self.heads // (threads // 32)
+        items = per_warp * pieces
         loads = []
-        for i in cutlass.range_constexpr((items + threads - 1) // threads):
-            index = cutlass.min(tid + i * threads, items - 1)
-            h, piece = index // pieces, index % pieces
+        for i in cutlass.range_constexpr((items + 31) // 32):
+            index = cutlass.min(lane + 32 * i, items - 1)
+            r, piece = index // pieces, index % pieces
+            h = warp * per_warp + r
             live = head0 + h < self.gathered
             words = None
             if cutlass.const_expr(self.q_fp8):
                 words = P.load_u32x2_if(rows + h * self.q_bytes + 8 * piece, live)
             else:
                 words = P.load_u32x4_if(rows + h * self.q_bytes + 16 * piece, live)
-            loads.append((words, h, piece))
-        for words, h, piece in loads:  # a clamped duplicate rewrites the same bytes
+            loads.append((words, r, piece, h))
+        for i in cutlass.range_constexpr(len(loads)):  # the words -> fp32 values, once all are loading
+            words, r, piece, h = loads[i]
             values = []
             if cutlass.const_expr(self.q_fp8):
                 for w in cutlass.range_constexpr(2):
                     values += list(P.unpack_e4m3x4(words[w]))
             else:
                 values = P.unpack_bf16x8(words)
-            shift = P.select(piece < LATENT // 8, Float32(MMA_FP8_SHIFT), Float32(1))
+            loads[i] = (values, r, piece, h)
+        ups = [Float32(1)] * per_warp  # each row's 2^(Q_F16_TOP - E) (e4m3 rows: 1)
+        if cutlass.const_expr(not self.q_fp8):
+            tops = [Int32(0)] * per_warp  # the bits of each row's largest |latent element|
+            for values, r, piece, _ in loads:
+                top = P.select_i32(piece < LATENT // 8, P.abs_max_bits(values), 0)
+                for k in cutlass.range_constexpr(per_warp):
+                    tops[k] = cutlass.max(tops[k], P.select_i32(r == k, top, 0))
+            for k in cutlass.range_constexpr(per_warp):
+                for offset in cutlass.range_constexpr(5):
+                    tops[k] = cutlass.max(tops[k], cute.arch.shuffle_sync_bfly(tops[k], offset=1 << offset))
+                _, ups[k], down = P.pow2_fit(tops[k], Q_F16_TOP + 1, Q_F16_TOP)
+                if lane == 0:
+                    q_unscale_s[warp * per_warp + k] = down
+        for values, r, piece, h in loads:  # a clamped duplicate rewrites the same bytes
+            up = ups[0]
+            for k in cutlass.range_constexpr(1, per_warp):
+                up = P.select(r == k, ups[k], up)
+            latent = piece < LATENT // 8
             at = q_s + h * STRIDE + 2 * (32 * (piece // 4) + 2 * (piece % 4))
             for kh in cutlass.range_constexpr(2):  # k step 2i + kh
                 for half in cutlass.range_constexpr(2):  # columns 2u (+ 8)
                     lo, hi = values[4 * kh + 2 * half], values[4 * kh + 2 * half + 1]
-                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), P.pack_bf16x2(lo * shift, hi * shift))
+                    word = Uint32(cutlass.select_(latent, P.pack_f16x2(lo * up, hi * up), P.pack_bf16x2(lo, hi)))
+                    P.st_shared_u32(at + 2 * (16 * kh + 8 * half), word)
 
     @cute.jit
     def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):

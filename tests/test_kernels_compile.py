@@ -564,20 +564,29 @@ def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
     return variant.op, partial, found
 
 
+@pytest.mark.parametrize("bulk", [None, 0, 3, 16], ids=lambda n: "default" if n is None else f"bulk{n}")
 @pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrier_in_its_loop(
-    tmp_path, shape_name, slots
+    tmp_path, monkeypatch, shape_name, slots, bulk
 ):
-    """16-row CTAs with a producer warp of bulk copies (partial_mma_ws): 384 threads,
-    setmaxnreg re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
-    MMA_PRODUCER_REGS, no spills. The producer (between setmaxnreg.dec and .inc) issues
-    only cp.async.bulk, one per cache row (row_bytes each, rows / 32 per lane per block;
-    the compiler may unroll the loop), no per-thread cp.async, and expects the block's
-    bytes on the full mbarrier (32 arrivals: its lanes); the consumers release a stage
-    behind a proxy fence. The consumers meet at their named barrier (bar.sync 1, 256), and
-    the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization). Over the
-    fp8 cache every MMA is bf16 (e4m3 widened by cvt to f16, then bits to bf16)."""
+    """16-row CTAs with a producer warpgroup (partial_mma_ws): 384 threads, setmaxnreg
+    re-dealing the launch's 168 registers a thread as 2 x MMA_CONSUMER_REGS +
+    MMA_PRODUCER_REGS, no spills. The producer (between setmaxnreg.dec and .inc) copies each
+    block's rows two ways (MMA_BULK_SIXTEENTHS[cache] / 16 of them bulk: the module's table,
+    none, 3 / 16, all): cp.async.bulk, one per row below bulk_rows (row_bytes each,
+    bulk_rows / 32 per lane per block; the compiler may unroll the loop), the bytes of
+    those rows alone expected on the full mbarrier; the rest by 16-byte cp.async.cg, each
+    with its zero-fill operand (holes), a warp per row (ceil(rest / 3) rows per warp, 72 /
+    32 or 41 / 32 instructions a row), then one cp.async.mbarrier.arrive.noinc per thread.
+    The full mbarrier counts 32 arrivals (the bulk warp's lanes) + 96 (the cp.async
+    threads'; none when every row is bulk-copied). The consumers copy no cache rows and
+    release a stage behind a proxy fence. They meet at their named barrier (bar.sync 1,
+    256), and the CTA's one bar.sync 0 is before the loop (the mbarriers' initialization).
+    Over the fp8 cache the latent's MMAs are f16 (e4m3 widened by cvt, exactly), the rope's
+    bf16; over the bf16 cache every MMA is bf16."""
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
     shape = MMA_SHAPES[shape_name]
     op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
     fp8 = shape.topology.mla_cache == "fp8"
@@ -585,25 +594,90 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     assert op.stages == sparse_core.ws_stages(op.block, fp8) == (4 if fp8 else 3 if op.block == 64 else 4)
     assert found == {"regs": 168, "frame": 0}, found
     assert 2 * sparse_core.MMA_CONSUMER_REGS + sparse_core.MMA_PRODUCER_REGS == 3 * 168
+    sixteenths = sparse_core.MMA_BULK_SIXTEENTHS["fp8" if fp8 else "bf16"] if bulk is None else bulk
+    assert op.bulk_rows == op.block * sixteenths // 16
+    rest = op.block - op.bulk_rows  # rows by cp.async
     dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
     inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
     assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
     assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
-    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 32;", partial)) == op.stages
+    arrivals = 32 + (96 if rest else 0)
+    assert len(re.findall(rf"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], {arrivals};", partial)) == op.stages
     producer = partial[dec:inc] if dec < inc else partial[dec:]
     copy = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes [^,]+, [^,]+, (\d+),"
-    bulk = re.findall(copy, producer)
-    per_lane = (op.block + 31) // 32
-    assert bulk and len(bulk) % per_lane == 0 and set(bulk) == {str(op.row_bytes)}, bulk
-    assert len(bulk) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
-    assert "cp.async.cg" not in producer and "cp.async.ca" not in producer and "cp.async.mbarrier" not in partial
-    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and str(op.block * op.row_bytes) in producer
+    bulk_copies = re.findall(copy, producer)
+    per_lane = (op.bulk_rows + 31) // 32
+    if op.bulk_rows:
+        assert bulk_copies and len(bulk_copies) % per_lane == 0 and set(bulk_copies) == {str(op.row_bytes)}
+        assert str(op.bulk_rows * op.row_bytes) in producer  # the bytes expected
+    assert len(bulk_copies) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
+    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and "cp.async.ca" not in producer
+    lsu = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16(, %r\d+)?;", producer)
+    assert all(lsu), lsu  # every one with its zero-fill operand
+    per_row = (op.row_bytes // 16 + 31) // 32
+    per_block = (rest + 2) // 3 * per_row
+    assert (len(lsu) > 0 and len(lsu) % per_block == 0) if rest else not lsu, (len(lsu), per_block)
+    noinc = "cp.async.mbarrier.arrive.noinc.shared::cta.b64"
+    assert (noinc in producer) == bool(rest) and partial.count("cp.async.mbarrier") == producer.count(noinc)
+    if rest:  # the arrival after the copies; a stage's release waited for before them (once reused)
+        first, last = producer.index("cp.async.cg"), producer.rindex("cp.async.cg")
+        assert producer.find(noinc, last) > last
+        # every thread arrives once a block, rows or none: from the cp.async warps' entry (the
+        # first branch after setmaxnreg.dec parts them from the bulk warp), no branch jumps
+        # past a block's arrival (a skipped arrival hangs the consumers)
+        labels = {found.group(1): found.start() for found in re.finditer(r"^(\$L__\w+):", producer, re.M)}
+        parting = re.search(r"bra(?:\.uni)?\s+(\$L__\w+);", producer)
+        start = labels[parting.group(1)] if labels[parting.group(1)] < first else parting.end()
+        for arrive in (found.start() for found in re.finditer(re.escape(noinc), producer)):
+            targets = re.findall(r"bra(?:\.uni)?\s+(\$L__\w+);", producer[start:arrive])
+            assert all(labels.get(target, len(producer)) < arrive for target in targets), targets
+            start = arrive
+        if slots // op.block >= op.stages:  # (after the bulk warp's code)
+            assert producer.rfind("mbarrier.try_wait", 0, first) > producer.rfind("expect_tx", 0, first)
     assert "fence.proxy.async.shared::cta" in partial and "mbarrier.try_wait.parity" in partial
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     assert barriers.count(("0", "")) == 1 and set(barriers) == {("0", ""), ("1", "256")}, barriers
     assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < partial.index("mbarrier.try_wait")
-    assert ".local" not in partial and "f16.f16.f32" not in partial
-    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8 and ("0x80008000" in partial or "-2147450880" in partial) == fp8
+    assert ".local" not in partial
+    assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in partial) == fp8
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8 and ("cvt.rn.f16x2.f32" in partial) == fp8
+
+
+@pytest.mark.parametrize("slots", [16, 64, 1024, 2048])
+@pytest.mark.parametrize("shape_name", ["tp8-fp8", "kimi-dcp2-fp8"])
+def test_sparse_core_mma_producer_path_over_fp8_has_f16_operands_and_their_range_guards(tmp_path, shape_name, slots):
+    """partial_mma_ws's fp8 consumers: per block and scoring warp, 32 latent k steps of f16
+    MMAs per 8-slot tile from e4m3 widened by cvt (two per word of four), 4 rope k steps of
+    bf16 MMAs, and P @ V's block / 16 k steps x 8 n-tiles of f16 MMAs (the compiler may
+    peel a block); no local memory. The range guards (consume_ring): bf16 query rows' latent
+    x a power of two (P.pow2_fit to 2^15: sub 269, once per row of the warp's two, before
+    the loop), none for e4m3 query rows; P x scale x a power of two per row from the row's
+    largest P x scale so far (P.pow2_ceil to 2^14: cvt.rpi, sub 268) twice per block (the
+    thread's two rows), after the first named barrier (the warps' bounds beside the row
+    maxima) and before P is packed to f16."""
+    shape = MMA_SHAPES[shape_name]
+    op, partial, found = _compile_sparse_core(tmp_path, shape, slots, True)
+    assert op.mma_ws and found["frame"] == 0 and ".local" not in partial
+    per = max(1, op.block // 8 // sparse_core.COLS)  # 8-slot tiles per scoring warp
+    f16 = partial.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    bf16 = partial.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    per_block = per * 32 + op.block // 16 * 8
+    assert f16 >= per_block and f16 % per_block == 0, f16
+    assert bf16 == f16 // per_block * per * 4, bf16  # the rope's k steps
+    assert partial.count("cvt.rn.f16x2.e4m3x2") >= 2 * f16  # two per MMA's B fragment (+ e4m3 query rows)
+    q_fit, p_fit = partial.count("sub.s32 d, 269, e;"), partial.count("sub.s32 d, 268, e;")
+    assert q_fit == (0 if shape.topology.q_format == "fp8" else 2) and p_fit == 2 * (f16 // per_block), (q_fit, p_fit)
+    assert partial.count("cvt.rpi.f32.f32") == p_fit
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    consumers = partial[inc:] if dec < inc else partial[inc:dec]
+    loop = consumers.index("mbarrier.try_wait")  # the first block's full wait
+    named = [m.start() for m in re.finditer(r"bar\.sync \t1, 256;", consumers)]
+    fit = consumers.index("sub.s32 d, 268, e;")
+    assert all(m.start() < loop for m in re.finditer("sub.s32 d, 269, e;", consumers))
+    assert loop < fit and any(a < fit < b for a, b in zip(named, named[1:]))
+    after = next(b for b in named if b > fit)  # P is packed before the barrier that hands it on
+    assert "cvt.rn.f16x2.f32" in consumers[fit:after]
 
 
 @pytest.mark.parametrize("slots", [32, 1024])
@@ -849,8 +923,8 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16- and 32-row CTAs take partial_mma_sync (partial_mma_ws, for 16
-    rows only, is no default until it has run on a GPU)."""
+    slower at 16 and 64); 16-row CTAs take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache]
+    blocks per CTA, else (and 32-row CTAs) partial_mma_sync."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
@@ -862,9 +936,12 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
             assert op.reshape == reshaped
-    # 16 rows: partial_mma_ws over the bf16 cache always, over fp8 from 16 blocks per CTA (TP 8
-    # B = 64), as measured (bench/RESULTS.md, session 10); 32 rows: partial_mma_sync
-    assert sparse_core.MMA_PRODUCER_BLOCKS == {"bf16": 1, "fp8": 16}
+    # 16 rows: partial_mma_ws over the bf16 cache always, as measured (bench/RESULTS.md,
+    # session 10), over fp8 from 8 blocks per CTA (TP 8 B >= 32), as predicted for its f16
+    # operands; 32 rows: partial_mma_sync
+    assert sparse_core.MMA_PRODUCER_BLOCKS == {"bf16": 1, "fp8": 8}
+    # its rows bulk-copied / by cp.async as the two paths' rates alone balance (predicted)
+    assert sparse_core.MMA_BULK_SIXTEENTHS == {"bf16": 10, "fp8": 9}
     for name, shape in MMA_SHAPES.items():
         rows16 = sparse_core.heads_per_cta(shape.q_heads) == 16
         fp8 = shape.topology.mla_cache == "fp8"
@@ -872,7 +949,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
             op = catalog.build(shape, "sparse_core", slots=slots).op
             blocks = slots // sparse_core.block_for(slots)
-            mws = rows16 and (not fp8 or blocks >= 16)
+            mws = rows16 and (not fp8 or blocks >= 8)
             assert not op.wgmma and not op.reshape and op.producer == op.mma_ws == mws, (name, batch)
         if rows16:
             assert catalog.build(shape, "sparse_core", slots=64, producer=True).op.mma_ws
@@ -881,18 +958,24 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
                 catalog.build(shape, "sparse_core", slots=64, producer=True)
 
 
-@pytest.mark.parametrize("shape_name", ["tp1-fp8", "tp8", "tp8-fp8"])
+@pytest.mark.parametrize(
+    ("shape_name", "bulk"),
+    [("tp1-fp8", None), ("tp8", None), ("tp8-fp8", None), ("tp8", 0), ("tp8", 16), ("tp8-fp8", 0), ("tp8-fp8", 16)],
+)
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])
-def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe, shape_name):
+def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, probe, shape_name, bulk):
     """The producer paths' device probes (sparse_core.PROBES) keep the 168 registers the
     setmaxnreg re-deal needs, and no more stack than the kernel that runs (the 64-row test
     above; partial_mma_ws none), so they time that kernel: no_loads issues no copies,
-    no_math no MMAs."""
+    no_math no MMAs; partial_mma_ws's also with every row bulk-copied or none
+    (bench_sparse_core.py --probes no_math:16 / no_math:0: one copy path alone)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     monkeypatch.setattr(sparse_core, "PROBE", probe)
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
     shape = TP1[shape_name] if shape_name in TP1 else MMA_SHAPES[shape_name]
     variant = catalog.build(shape, "sparse_core", slots=2048, publish=False, producer=True)
     assert variant.op.probe == probe and variant.op.wgmma == (shape_name == "tp1-fp8")
@@ -907,8 +990,15 @@ def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, p
     if variant.op.wgmma:
         assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
     else:
+        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+        dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+        inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+        producer = partial[dec:inc] if dec < inc else partial[dec:]
         assert ("mma.sync.aligned" in ptx) == (probe != "no_math")
-        assert ("cp.async.bulk.shared" in ptx) == (probe != "no_loads")
+        assert ("cp.async.bulk.shared" in producer) == (probe != "no_loads" and variant.op.bulk_rows > 0)
+        lsu = probe != "no_loads" and variant.op.bulk_rows < variant.op.block
+        assert ("cp.async.cg" in producer) == lsu
+        assert ("cp.async.mbarrier.arrive.noinc" in producer) == (variant.op.bulk_rows < variant.op.block)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ reference: 8 (padded to 16), 16, 32, 64 and 128 query rows, both cache formats a
 query formats, every slots-per-CTA variant, the plan's choice at B = 1, 3 and 64, and
 slot lists with holes, repeats, a short selection and none at all. Outputs poisoned first."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,19 +58,47 @@ def _slots(total: int, batch: int, k: int) -> torch.Tensor:
     return slots
 
 
-def _check(case, batch, slots_per_cta=None, big=None):
-    """big: latent dim 0 of every query row set to it."""
+def _shifted(caches, shift: int):
+    """A copy of the caches whose fp8 MLA rows are 2^shift times theirs (each 128-dim group's
+    scale and the bf16 rope, exactly)."""
+    rows = caches.mla_cache.clone()
+    flat = rows.view(-1, rows.shape[-1])
+    flat[:, 512:528].view(torch.float32).mul_(2.0**shift)
+    flat[:, 528:].view(torch.bfloat16).mul_(2.0**shift)
+    return dataclasses.replace(caches, mla_cache=rows)
+
+
+def _outlying(caches, direction: torch.Tensor, shift: int):
+    """A copy of the caches where every 64th fp8 MLA row has latent -448 x the sign of
+    `direction`'s and its scales x 2^shift: for query rows along `direction` its score is
+    far below every other row's (P = 0) while its scales are far above theirs."""
+    rows = caches.mla_cache.clone()
+    flat = rows.view(-1, rows.shape[-1])[::64]
+    flat[:, :512] = (-448 * torch.sign(direction[:512])).to(torch.float8_e4m3fn).view(torch.uint8)
+    flat[:, 512:528].view(torch.float32).mul_(2.0**shift)
+    return dataclasses.replace(caches, mla_cache=rows)
+
+
+def _check(case, batch, slots_per_cta=None, big=None, cache_shift=0, q_shift=0, outliers=None):
+    """big: latent dim 0 of every query row set to it. cache_shift / q_shift: the fp8 cache's
+    rows / the query rows x 2^shift (exact). outliers: query rows along one direction and
+    _outlying's rows, their scales x 2^outliers."""
     state = _state(case)
     s, m = state.shape, state.shape.model
     topology, tolerance = CASES[case][1], CASES[case][2]
     kernels = Kernels(s, state.weights)
     k = m.index_topk
-    rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3
+    caches = _shifted(state.caches, cache_shift) if cache_shift else state.caches
+    rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3 * 2.0**q_shift
+    if outliers is not None:
+        direction = torch.randn(m.query_row, device="cuda")
+        caches = _outlying(caches, direction, outliers)
+        rows = 0.3 * direction + 0.5 * rows
     if big is not None:
         rows[:, :, 0] = big
     mailbox = formats.arm(torch.empty(batch, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
     mailbox[:, : s.gathered] = formats.encode_q_rows(rows, topology.q_format).view(batch, s.gathered, -1)
-    total = state.caches.mla_cache.view(-1, state.caches.mla_cache.shape[-1]).shape[0]
+    total = caches.mla_cache.view(-1, caches.mla_cache.shape[-1]).shape[0]
     slots = _slots(total, batch, k)
     out = torch.full((batch, s.gathered, m.kv_lora_rank), float("nan"), device="cuda")
     lse = torch.full((batch, s.gathered), float("nan"), device="cuda")
@@ -79,10 +109,10 @@ def _check(case, batch, slots_per_cta=None, big=None):
             torch.full((n, s.q_heads, m.kv_lora_rank), float("nan"), device="cuda"),
             torch.full((n, s.q_heads, 2), float("nan"), device="cuda"),
         )
-    kernels.sparse_core(mailbox, slots, state.caches.mla_cache, partial_o, partial_ml, out, lse, batch, slots_per_cta)
+    kernels.sparse_core(mailbox, slots, caches.mla_cache, partial_o, partial_ml, out, lse, batch, slots_per_cta)
     torch.cuda.synchronize()
     q = formats.decode_q_rows(mailbox[:, : s.gathered], topology.q_format)
-    expect_out, expect_lse = ref.sparse_attention(state, state.caches, q, slots)
+    expect_out, expect_lse = ref.sparse_attention(state, caches, q, slots)
     assert torch.isfinite(out).all(), "every output element written"
     live = [b for b in range(batch) if not (batch >= 5 and b == 3)]
     if batch >= 5:
@@ -143,29 +173,108 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
-def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta):
-    """partial_mma_ws (16 rows; its producer warp's bulk copies) at every block count,
-    whatever MMA_PRODUCER_BLOCKS says (bench_sparse_core.py --paths mws): its ring of 2 .. 4
-    stages, one block or many, blocks narrower than 64 (lanes without a row), holes copying
-    a live row, blocks without one skipped, both caches (the fp8 rows widened into the MMA
-    operands), bf16 and fp8 query rows."""
+BULK = [None, 0, 3, 16]  # partial_mma_ws's bulk-copied sixteenths: the module's, none, a few, all
+
+
+def _bulk_rows(monkeypatch, bulk):
+    """partial_mma_ws at every block count, with `bulk` / 16 of each block's rows bulk-copied
+    (None: sparse_core.MMA_BULK_SIXTEENTHS)."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    if bulk is not None:
+        monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
+
+
+@pytest.mark.parametrize("bulk", BULK, ids=lambda n: "default" if n is None else f"bulk{n}")
+@pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta, bulk):
+    """partial_mma_ws (16 rows; its producer warpgroup: bulk copies for the first bulk / 16
+    of each block's rows, 16-byte cp.async for the rest, on one full mbarrier) at every
+    block count, whatever MMA_PRODUCER_BLOCKS says (bench_sparse_core.py --paths mws,
+    mwsN): its ring of 2 .. 4 stages, one block or many, blocks narrower than 64 (lanes
+    without a row; 3/16 of 16 rows: 3 bulk rows, 13 by cp.async over 3 warps), holes (a
+    live row bulk-copied, zeros by cp.async), blocks without a live slot skipped, both
+    caches (the fp8 rows widened into the MMA operands), bf16 and fp8 query rows."""
+    _bulk_rows(monkeypatch, bulk)
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("slots_per_cta", [None, 2048])
-def test_the_mma_producer_path_takes_query_elements_past_f16s_range(monkeypatch, slots_per_cta):
-    """partial_mma_ws over the fp8 cache with bf16 query rows whose latent dim 0 is 70000
-    (past f16's 65504): its operands are bf16 (x 2^56 for Q), so the scores stay finite
-    and exact (f16 operands turned them into inf)."""
+@pytest.mark.parametrize("bulk", [0, 5, 8, 12, 16], ids=lambda n: f"bulk{n}")
+@pytest.mark.parametrize("batch", [1, 3, 64])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache"])
+def test_the_mma_producer_path_at_each_row_split_matches_the_reference(monkeypatch, case, batch, bulk):
+    """partial_mma_ws at the plan's split of B = 1 / 3 (one block of 32 slots) and 64 (16
+    blocks of 64, the ring reused) with each row split the bench sweeps (mws0 .. mws16), so
+    the stages written by both kinds of copies are refilled after each release."""
+    _bulk_rows(monkeypatch, bulk)
+    _check(case, batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5, 64])
+@pytest.mark.parametrize("case", ["q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_the_mma_producer_path_over_fp8_matches_the_reference(monkeypatch, case, batch):
+    """partial_mma_ws's f16 consumers over the fp8 cache at the plan's split of every batch
+    (B = 1 and 3: one block of 32 slots; 5: holes, a token with no slot, slots repeated; 64:
+    16 blocks a CTA), bf16 query rows (their f16 powers of two) and e4m3 ones."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
-    _check("q16-tp8-fp8cache", 5, slots_per_cta, big=7e4)
+    _check(case, batch)
+
+
+@pytest.mark.parametrize("big", [6e4, 65504.0, 7e4, -7e4])
+@pytest.mark.parametrize("slots_per_cta", [None, 2048])
+def test_the_mma_producer_path_takes_query_elements_past_f16s_range(monkeypatch, slots_per_cta, big):
+    """partial_mma_ws over the fp8 cache with bf16 query rows whose latent dim 0 is near or
+    past f16's 65504 (6e4; 65504, which bf16 rounds to 65536; +-7e4): each row enters its
+    f16 operands x 2^(15 - its largest exponent), so the scores stay finite and exact
+    (unguarded f16 operands turned them into inf)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _check("q16-tp8-fp8cache", 5, slots_per_cta, big=big)
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("shift", [24, -24])
+def test_the_mma_producer_path_takes_queries_and_scales_past_f16s_range(monkeypatch, shift, batch):
+    """partial_mma_ws over the fp8 cache with the cache's rows x 2^shift and the bf16 query
+    rows x 2^-shift (the scores unchanged, the output x 2^shift): shift 24 takes the query
+    elements (~2^-26) below f16's subnormals and P x scale (scales ~2^18) past 65504, -24
+    the query elements (~2^22) past 65504 and P x scale (~2^-30) below f16's subnormals --
+    each a zero or an inf with unguarded f16 operands; the guards' powers of two keep them
+    exact."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _check("q16-tp8-fp8cache", batch, cache_shift=shift, q_shift=-shift)
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("case", ["q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_the_mma_producer_path_takes_slots_of_far_larger_scales_and_no_weight(monkeypatch, case, batch):
+    """partial_mma_ws over the fp8 cache where every 64th cache row has scales 2^40 times the
+    others' and a score far below theirs (P = 0): P x scale's f16 power of two follows each
+    row's largest P x scale, so those rows do not push the others' P x scale under f16's
+    subnormals (a power of two from the largest scale alone did: about 0.98 relative error
+    in a CPU model of the CTA)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _check(case, batch, outliers=40)
+
+
+def test_the_mma_producer_path_takes_e4m3_queries_with_scales_below_f16s_range(monkeypatch):
+    """As above with e4m3 query rows (exact in f16 as they are) over the cache's rows x 2^-24:
+    P x scale (~2^-30) below f16's subnormals, the scores ~0 (nearly uniform attention).
+    (Scales past 65504 need query rows x 2^-17 to keep the scores finite, below e4m3's
+    range: the bf16 rows' test above has them.)"""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _check("q16-kimi-dcp2-fp8", 5, cache_shift=-24)
 
 
 @pytest.mark.parametrize("slots_per_cta", [None, 1024, 2048])
