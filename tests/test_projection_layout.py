@@ -3,10 +3,10 @@
 the TMA copies fill it (each stage a [column block][row][64 columns] box of 128-byte rows
 under the 128-byte swizzle, rows past the batch zero), driven through a model of
 ldmatrix.x4 and mma.m16n8k16 as the PTX ISA defines their fragments, stage by stage, must
-give W . q_c^T for the CTA's 64 rows, tokens past the batch aside. And the ring's schedule
-(projection's `refill` / `released` / `parity`, as the kernel's loop uses them) over a model
-of mbarrier phases, with copies landing in random order: every stage read whole and current,
-no slot overwritten while read, no deadlock."""
+give W . q_c^T for the CTA's 64 rows, tokens past the batch aside. And the rings' schedule
+(projection's `refill` / `released` / `parity` per ring, as the kernel's loop uses them) over
+a model of mbarrier phases, with copies landing in random order: every stage's weights and
+tokens read whole and current, no slot of either ring overwritten while read, no deadlock."""
 
 from collections import Counter
 
@@ -35,9 +35,10 @@ def _fill(smem, streams, weights, qc, batch, stage):
     tma_fill(smem, s.tokens_addr(stage), qc, s.tokens, stage, batch)
 
 
-def _streams(tokens, ring):
-    q_base = ring * J.operand_bytes(J.ROWS)
-    return [J.Stream(tokens, ring, 0, q_base, tid // 32, tid % 32) for tid in range(J.THREADS)]
+def _streams(tokens, rings):
+    w_slots, q_slots = rings
+    q_base = w_slots * J.operand_bytes(J.ROWS)  # the kernel's allocation order
+    return [J.Stream(tokens, w_slots, q_slots, 0, q_base, tid // 32, tid % 32) for tid in range(J.THREADS)]
 
 
 def test_swizzle_is_the_128_byte_pattern():
@@ -99,16 +100,16 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
 @pytest.mark.parametrize("tokens", [16, 32])
 def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     rng = np.random.default_rng(tokens)
-    ring, batch = index_query.RING[tokens], tokens - 3
+    rings, batch = index_query.RINGS[tokens], tokens - 3
     weights, qc = rng.standard_normal((J.ROWS, J.K)), rng.standard_normal((batch, J.K))
-    smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)  # one entry per bf16 element
-    streams = _streams(tokens, ring)
+    smem = np.full(J.ring_bytes(tokens, *rings) // 2, np.nan)  # one entry per bf16 element
+    streams = _streams(tokens, rings)
     accs = [{} for _ in range(J.WARPS)]
     for stage in range(J.STAGES):  # (the slot stage % ring, filled just before use)
         _fill(smem, streams, weights, qc, batch, stage)
         for warp in range(J.WARPS):
             _warp_compute(streams[32 * warp : 32 * warp + 32], stage, smem, accs[warp], monkeypatch)
-    tile = np.full(J.ring_bytes(tokens, ring) // 4, np.nan)
+    tile = np.full(J.ring_bytes(tokens, *rings) // 4, np.nan)
     for khalf in (1, 0):  # the kernel's reduction order
         for warp in (w for w in range(J.WARPS) if streams[32 * w].khalf == khalf):
             for lane in range(32):
@@ -118,7 +119,7 @@ def test_stream_addresses_compute_the_projection(tokens, monkeypatch):
     got = np.array([[tile[(t * J.OUT_PITCH + 4 * r) // 4] for r in range(J.ROWS)] for t in range(tokens)])
     np.testing.assert_allclose(got[:batch], qc @ weights.T, rtol=1e-9, atol=1e-9)
     assert np.all(got[batch:] == 0), "zero-filled token rows give zero columns"
-    assert tokens * J.OUT_PITCH <= ring * J.operand_bytes(J.ROWS), "the result tile fits the weight ring"
+    assert tokens * J.OUT_PITCH <= rings[0] * J.operand_bytes(J.ROWS), "the result tile fits the weight ring"
 
 
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
@@ -127,12 +128,12 @@ def test_every_element_of_a_stage_reaches_its_fragment_once(tokens, monkeypatch)
     id; every MMA's A and B fragment positions must hold exactly the ids of the rows, tokens
     and k the PTX ISA puts there, so each element is read once, where it belongs, and the
     8 row addresses of every ldmatrix matrix fall in 8 distinct 16-byte bank groups."""
-    ring = index_query.RING[tokens]
+    rings = index_query.RINGS[tokens]
     weights = np.arange(J.ROWS * J.K, dtype=np.float64).reshape(J.ROWS, J.K)
     qc = -1 - np.arange(tokens * J.K, dtype=np.float64).reshape(tokens, J.K)
-    streams = _streams(tokens, ring)
-    stage = ring + 1  # a refilled slot
-    smem = np.full(J.ring_bytes(tokens, ring) // 2, np.nan)
+    streams = _streams(tokens, rings)
+    stage = max(rings) + 1  # a refilled slot of each ring
+    smem = np.full(J.ring_bytes(tokens, *rings) // 2, np.nan)
     _fill(smem, streams, weights, qc, tokens, stage)
     seen_a, seen_b, reads = [], [], Counter()
     for warp in range(J.WARPS):
@@ -221,54 +222,52 @@ class Mbarrier:
         return self.completed % 2 != parity
 
 
-def _run_ring(tokens, seed):
-    """The kernel's ring (index_query.py's loop, projection's schedule) with 8 warps, warp 0 also
-    the producer, and copies landing in random order at random times: every stage must be read
-    whole and current, no copy may land in a slot a warp is still reading, and all must end."""
+def _run_ring(tokens, rings, seed):
+    """The kernel's rings (index_query.py's loop, projection's schedule per ring) with 8 warps,
+    warp 0 also the producer, and copies landing in random order at random times: every
+    stage's weights and tokens must be read whole and current, no copy may land in a slot a
+    warp is still reading, and all must end."""
     import random
 
-    rng, ring = random.Random(seed), index_query.RING[tokens]
-    full = [Mbarrier(1) for _ in range(ring)]
-    empty = [Mbarrier(J.THREADS) for _ in range(ring)]
+    rng = random.Random(seed)
+    slots = dict(zip("wq", rings))
+    full = {op: [Mbarrier(1) for _ in range(n)] for op, n in slots.items()}
+    empty = {op: [Mbarrier(J.THREADS) for _ in range(n)] for op, n in slots.items()}
     sizes = {"w": J.operand_bytes(J.ROWS), "q": J.operand_bytes(tokens)}
-    assert sum(sizes.values()) == J.slot_bytes(tokens)
-    landed = [{"w": None, "q": None} for _ in range(ring)]  # the stage each operand of a slot holds
-    reading = {}  # warp -> the slot it is between its full wait and its release
+    landed = {op: [None] * n for op, n in slots.items()}  # the stage each slot holds
+    reading = {}  # warp -> the (operand, slot)s it is between its full waits and its releases
     in_flight, arrived_at_barrier = [], set()
-
-    def issue(stage, operand):
-        in_flight.append((stage, operand))
 
     def warp(w):
         if w == 0:
-            for slot in range(ring):
-                full[slot].arrive(expect=J.slot_bytes(tokens))
+            for op, n in slots.items():
+                for slot in range(n):
+                    full[op][slot].arrive(expect=sizes[op])
         arrived_at_barrier.add(w)  # the CTA barrier after the barriers' initialization
         while len(arrived_at_barrier) < J.WARPS:
             yield
         if w == 0:
-            for stage in range(ring):
-                issue(stage, "w")  # before the PDL wait
-            for stage in range(ring):
-                issue(stage, "q")  # after it
+            in_flight.extend((stage, "w") for stage in range(slots["w"]))  # before the PDL wait
+            in_flight.extend((stage, "q") for stage in range(slots["q"]))  # after it
         for it in range(J.STAGES):
-            nxt = J.refill(it, ring)
-            if nxt is not None and w == 0:
-                while not empty[nxt % ring].done(J.parity(it - 1, ring)):
+            for op, n in slots.items():
+                nxt = J.refill(it, n)
+                if nxt is not None and w == 0:
+                    while not empty[op][nxt % n].done(J.parity(it - 1, n)):
+                        yield
+                    full[op][nxt % n].arrive(expect=sizes[op])
+                    in_flight.append((nxt, op))
+            for op, n in slots.items():
+                while not full[op][it % n].done(J.parity(it, n)):
                     yield
-                full[nxt % ring].arrive(expect=J.slot_bytes(tokens))
-                issue(nxt, "w")
-                issue(nxt, "q")
-            while not full[it % ring].done(J.parity(it, ring)):
-                yield
-            assert landed[it % ring] == {"w": it, "q": it}, (w, it, landed[it % ring])
-            reading[w] = it % ring
+            for op, n in slots.items():
+                assert landed[op][it % n] == it, (w, it, op, landed[op][it % n])
+            reading[w] = {(op, it % n) for op, n in slots.items()}
             yield  # the fragments' reads take a while
-            if J.released(it, ring):
-                del reading[w]
-                empty[it % ring].arrive(32)
-            else:
-                reading.pop(w)
+            del reading[w]
+            for op, n in slots.items():
+                if J.released(it, n):
+                    empty[op][it % n].arrive(32)
 
     actors = {w: warp(w) for w in range(J.WARPS)}
     for _ in range(100_000):  # (a deadlock spins forever)
@@ -277,11 +276,11 @@ def _run_ring(tokens, seed):
         choices = list(actors) + (["tma"] * 3 if in_flight else [])
         pick = rng.choice(choices)
         if pick == "tma":
-            stage, operand = in_flight.pop(rng.randrange(len(in_flight)))
-            slot = stage % ring
-            assert slot not in reading.values(), f"stage {stage} lands in slot {slot} while it is read"
-            landed[slot][operand] = stage
-            full[slot].complete_tx(sizes[operand])
+            stage, op = in_flight.pop(rng.randrange(len(in_flight)))
+            slot = stage % slots[op]
+            assert not any((op, slot) in read for read in reading.values()), f"{op} stage {stage} lands in a read slot"
+            landed[op][slot] = stage
+            full[op][slot].complete_tx(sizes[op])
             continue
         try:
             next(actors[pick])
@@ -289,10 +288,20 @@ def _run_ring(tokens, seed):
             del actors[pick]
         assert actors or not in_flight, "every copy is waited on"
     assert not actors, "deadlock"
-    assert all(b.completed == -(-(J.STAGES - s) // ring) for s, b in enumerate(full))
+    for op, n in slots.items():
+        assert all(b.completed == -(-(J.STAGES - s) // n) for s, b in enumerate(full[op]))
+        assert all(b.completed == max(0, -(-(J.STAGES - n - s) // n)) for s, b in enumerate(empty[op]))
+
+
+@pytest.mark.parametrize("rings", [(2, 2), (3, 3), (5, 5), (6, 2), (2, 6), (12, 12)])
+def test_ring_schedule_holds_for_any_depths(rings):
+    """Any pair of depths >= 2 (session 10's single ring is w = q), also a ring as deep as the
+    stages: nothing refilled, nothing released."""
+    for seed in range(40):
+        _run_ring(16, rings, seed)
 
 
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_ring_schedule_reads_each_stage_whole_and_never_overwrites_a_read_slot(tokens):
     for seed in range(200):
-        _run_ring(tokens, seed)
+        _run_ring(tokens, index_query.RINGS[tokens], seed)
