@@ -19,7 +19,10 @@ finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 th
          distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
          448 (with `ue8m0` rounded up to a power of two), values / scale as saturated
          e4m3, and rank 0 writes the head weight w = weights_proj * heads^-0.5 * scale *
-         dim^-0.5 (DeepSeek-V3.2's folding).
+         dim^-0.5 (DeepSeek-V3.2's folding). Its global reads (the lengths, their RoPE
+         rows, the logits of w) go out right after the PDL wait at <= 32 tokens
+         (`EARLY_READS`), so the dependent round trips (a length, then its row) pass under
+         the weight stream rather than after the last MMA.
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
@@ -65,6 +68,7 @@ SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (RO
 # (weight slots, q_c slots) per variant: 96 + 16 / 80 + 32 / 64 + 48 KB of shared memory
 RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
 TOKENS = tuple(sorted(RINGS))
+EARLY_READS = 32  # the variants up to this many tokens read the epilogue's inputs before the rings
 
 
 def shared_bytes(tokens: int, hadamard: bool, rings: tuple[int, int] | None = None) -> int:
@@ -253,6 +257,12 @@ class IndexQuery:
         if warp == 0:
             for stage in cutlass.range_constexpr(q_slots):
                 J.issue(queries, stage)
+        # Up to 32 tokens the epilogue's global reads go out here (2 x 11 registers at most
+        # held through the rings), so their dependent latencies (length, then its RoPE row)
+        # pass under the stream instead of after the last MMA; 64 tokens would need 44.
+        j, row0 = tid % 16, tid // 16
+        if cutlass.const_expr(tokens <= EARLY_READS):
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
 
         # In each ring, stage `it` lives in slot it % slots, in the full barrier's phase
         # it // slots. Warp 0 refills the slots of stage it - 1 once every thread has released
@@ -292,19 +302,16 @@ class IndexQuery:
         cute.arch.sync_threads()
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
-        j, row0 = tid % 16, tid // 16
+        if cutlass.const_expr(tokens > EARLY_READS):
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
             token = row0 + 16 * p
             v = list(P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
             partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
-            length = P.load_i32(context_lens + cutlass.min(token, ntok - 1))
-            row_ok = P.in_range(length - 1, rope_rows)
+            length, row_ok, c, sn, _ = reads[p]
             if cta == 0 and j == 0 and token < ntok and not row_ok:  # one record per token
                 P.record_range(error, guards.INDEX_QUERY_LENGTH, first_token + token, length)
-            pos = P.select_i32(row_ok, length - 1, 0)
-            c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
-            sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
             first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
             second = [partner[q] * sn[q] + v[q] * c[q] for q in range(4)]
             v = [P.select(rank == 0, P.select(j < 8, first[q], second[q]), v[q]) for q in range(4)]
@@ -363,11 +370,26 @@ class IndexQuery:
                 item = token * HEADS + head
                 P.store_u32(q_out + item * DIM + J.ROWS * rank + 4 * j, word)
                 if rank + j == 0:  # rank 0, thread 0 of the token
-                    raw = P.unpack_bf16x2(
-                        P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2)
-                    )
+                    raw = P.unpack_bf16x2(reads[p][4])
                     proj = P.select(head % 2 == 0, raw[0], raw[1])
                     P.store_f32(w_out + item, proj * Float32(HEADS**-0.5) * scale * Float32(DIM**-0.5))
+
+    def epilogue_reads(self, row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows) -> list:
+        """What thread j of each of its tokens' 16 (row0 + 16 p) reads from global memory (a
+        token past the batch reads the batch's last one's), the lengths first: per token
+        (length, whether length - 1 is a RoPE row, the 4 cos and 4 sin of that row (row 0
+        where it is not) for its dims, the bf16 pair of head-weight logits holding the head's)."""
+        rows = [cutlass.min(row0 + 16 * p, ntok - 1) for p in range(self.tokens // 16)]
+        lengths = [P.load_i32(context_lens + row) for row in rows]
+        out = []
+        for row, length in zip(rows, lengths):
+            row_ok = P.in_range(length - 1, rope_rows)
+            pos = P.select_i32(row_ok, length - 1, 0)
+            c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
+            sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
+            logit = P.load_u32(qkv + row * self.row_stride + self.weights_column + head // 2 * 2)
+            out.append((length, row_ok, c, sn, logit))
+        return out
 
 
 def compile_args():
