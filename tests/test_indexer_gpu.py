@@ -191,7 +191,8 @@ def test_every_index_query_variant_matches_the_reference(tokens, batch):
     _check_index_query(q_out, w_out, expect, batch)
 
 
-# Session 10's IndexQuery: one ring of both operands per variant (slots), measured on the H200
+# Session 10's IndexQuery depths (one ring of both operands, slots per variant, measured on
+# the H200), here as two rings of equal depth in this tree's kernel
 SINGLE_RING = {16: 5, 32: 4, 64: 3}
 
 
@@ -199,27 +200,34 @@ SINGLE_RING = {16: 5, 32: 4, 64: 3}
 @pytest.mark.parametrize("tokens, batch", [(16, 1), (16, 4), (16, 16), (32, 17), (32, 32), (64, 33), (64, 64)])
 def test_index_query_rings_give_the_single_rings_bits(tokens, batch, model):
     """The split rings (index_query.RINGS: a deeper weight ring, a shallower q_c one) feed the
-    MMAs in the same order as session 10's single ring, so on the same inputs the e4m3 queries
-    and head weights must be bit-identical to it (torch.equal), and within e4m3 rounding of the
-    reference as every IndexQuery test asks."""
+    MMAs in the same order at any depths, so on the same inputs the e4m3 queries and head
+    weights must be bit-identical (torch.equal) to this kernel's at session 10's depths (both
+    rings as deep as its one), and within e4m3 rounding of the reference as every IndexQuery
+    test asks. (This tree against session 10's own kernel, main's: bench/ab_index_query.py
+    --old main=<main's kernels/>, which compares bit for bit.)"""
     from graphstep.kernels import catalog, index_query
 
     state = _state(Topology(tp=8), max_batch=batch, model=model)
     inputs = state.inputs(batch)
     q_c = ref.query_norm(state, inputs)
     m = state.shape.model
-    outs = []
-    for rings in (index_query.RINGS[tokens], (SINGLE_RING[tokens],) * 2):
-        op = index_query.IndexQuery(
-            m.packed_width,
-            m.packed_columns["idx_w"][0],
-            tokens,
-            True,
-            m.index_rotation,
-            m.fp8_scale_format == "ue8m0",
-            rings,
+    functions = [
+        catalog.compile_op(
+            index_query.IndexQuery(
+                m.packed_width,
+                m.packed_columns["idx_w"][0],
+                tokens,
+                True,
+                m.index_rotation,
+                m.fp8_scale_format == "ue8m0",
+                rings,
+            ),
+            index_query.compile_args(),
         )
-        outs.append(_launch_index_query(catalog.compile_op(op, index_query.compile_args()), state, inputs, q_c, batch))
+        for rings in (index_query.RINGS[tokens], (SINGLE_RING[tokens],) * 2)
+    ]
+    assert functions[0] is not functions[1], "two compiled kernels, one per pair of depths"
+    outs = [_launch_index_query(function, state, inputs, q_c, batch) for function in functions]
     (q_split, w_split), (q_single, w_single) = outs
     _check_index_query(q_split, w_split, ref.index_query(state, inputs, q_c), batch)
     _check_index_query(q_single, w_single, ref.index_query(state, inputs, q_c), batch)
