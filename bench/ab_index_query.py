@@ -70,7 +70,13 @@ class OldIndexQuery:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", action="append", required=True, help="[NAME=]another tree's kernels/ folder")
+    parser.add_argument(
+        "--old",
+        action="append",
+        required=True,
+        help="[NAME=]another tree's kernels/ folder, relative to the working directory (repeatable; "
+        "NAME: its column, else the name of the folder holding it)",
+    )
     parser.add_argument("--batch", default="1,4,16,32,64")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
