@@ -410,12 +410,24 @@ def test_index_query_fits_two_ctas_per_sm(tmp_path, tokens):
     """Two CTAs per SM (so two of DsaIndex's CTAs fit beside one under PDL): <= 128 registers
     with no spills, and at most half the SM's 228 KB of shared memory, less the 1 KB per CTA
     the hardware reserves: the launch's dynamic shared memory (a constant of the compiled
-    host code) is index_query.shared_bytes."""
+    host code) is index_query.shared_bytes. Beside one, two DsaIndex CTAs' shared memory and
+    registers (64K per SM, allocated per warp in multiples of 8 a thread)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
     from graphstep.kernels import dsa_index
 
+    def registers(threads, regs):
+        return threads * -(-regs // 8) * 8
+
+    scorer_folder = tmp_path / "dsa_index"
+    scorer_folder.mkdir()
+    scorer_op = catalog.build(SHAPES["tp8"], "dsa_index", True)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(scorer_folder))](
+        scorer_op.op, *scorer_op.args, make_fake_stream()
+    )
+    (cubin,) = [p for p in scorer_folder.iterdir() if p.suffix == ".cubin"]
+    scorer_registers = registers(dsa_index.THREADS, _cubin_attributes(cubin.read_bytes())["regs"])
     for hadamard in (False, True):
         folder = tmp_path / f"h{hadamard}"
         folder.mkdir()
@@ -431,6 +443,7 @@ def test_index_query_fits_two_ctas_per_sm(tmp_path, tokens):
         assert shared <= 228 * 1024 // 2 - 1024, shared
         scorer = dsa_index.STAGES * dsa_index.PAGE_BYTES + dsa_index.QUERY_BYTES + 16 * dsa_index.STAGES
         assert (shared + 1024) + 2 * (scorer + 1024) <= 228 * 1024, (shared, scorer)
+        assert registers(256, found["regs"]) + 2 * scorer_registers <= 65536, (found, scorer_registers)
 
 
 def _variant_ptx(op, args, folder) -> str:
