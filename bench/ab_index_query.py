@@ -1,13 +1,14 @@
-"""A/B of IndexQuery: this tree's kernel against another tree's (`--old`: that tree's kernels/
-folder, e.g. main's cp.async ring) and cuBLAS's bare wq_b GEMM (F.linear), in one process.
+"""A/B of IndexQuery: this tree's kernel against other trees' (`--old`, repeatable: a tree's
+kernels/ folder, e.g. main's) and cuBLAS's bare wq_b GEMM (F.linear), in one process.
 
-    python bench/ab_index_query.py --old ../../kernels [--batch 1,4,16,32,64]
+    python bench/ab_index_query.py --old [NAME=]../../kernels [--old [NAME=]../other/kernels] [--batch 1,4,16,32,64]
 
 Each time is the median per launch over replays of a CUDA graph of 8 launches rotating over
 enough copies of wq_b (> L2) that each launch streams from HBM. Before timing, both kernels
-run on the same fresh inputs into NaN-poisoned outputs, and the table says whether the e4m3
-queries and head weights are bit-identical (the TMA ring keeps the ring's MMA order, so
-they should be).
+run on the same fresh inputs into NaN-poisoned outputs, and the table says whether each old
+tree's e4m3 queries and head weights are bit-identical to this tree's (every IndexQuery since
+the cp.async ring keeps its MMA order, so they should be). An old tree's column is NAME, or
+else the name of the folder that holds its kernels/.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
 
-def load_kernels(folder: Path):
-    """Another tree's kernels package, imported as `old_kernels` (its relative imports work)."""
+def load_kernels(folder: Path, name: str):
+    """Another tree's kernels package, imported as `name` (its relative imports work)."""
     spec = importlib.util.spec_from_file_location(
-        "old_kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules["old_kernels"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return importlib.import_module("old_kernels.catalog"), importlib.import_module("old_kernels.index_query")
+    return importlib.import_module(f"{name}.catalog"), importlib.import_module(f"{name}.index_query")
 
 
 class OldIndexQuery:
@@ -69,13 +70,24 @@ class OldIndexQuery:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", type=Path, required=True, help="the other tree's kernels/ folder")
+    parser.add_argument(
+        "--old",
+        action="append",
+        required=True,
+        help="[NAME=]another tree's kernels/ folder, relative to the working directory (repeatable; "
+        "NAME: its column, else the name of the folder holding it)",
+    )
     parser.add_argument("--batch", default="1,4,16,32,64")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
     m = shape.model
-    old = OldIndexQuery(shape, *load_kernels(args.old.resolve()))
+    names, olds = [], []
+    for i, spec in enumerate(args.old):
+        name, _, path = spec.rpartition("=")
+        folder = Path(path).resolve()
+        names.append(name or folder.parent.name)
+        olds.append(OldIndexQuery(shape, *load_kernels(folder, f"old_kernels{i}")))
     state = LayerState(shape, max_batch=max(batches), max_context=4096, seed=5, device="cuda")
     w = state.weights
     copies = int(2 * L2_BYTES // (w.wq_b_index.numel() * 2)) + 1
@@ -86,22 +98,23 @@ def main() -> int:
     for batch in batches:
         inputs = state.inputs(batch, context_lens=4096)
         qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-        outs = {}
-        for name in ("old", "new"):
+        outs = []
+        for old in [*olds, None]:  # this tree's last
             q8 = torch.full((batch, m.index_heads, m.index_dim), 0x7F, dtype=torch.uint8, device="cuda")
             hw = torch.full((batch, m.index_heads), float("nan"), device="cuda")
-            if name == "old":
+            if old is not None:
                 old(w, qc, inputs.qkv, inputs.context_lens, q8, hw, error, batch)
             else:
                 new[0].index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
-            outs[name] = (q8, hw)
+            outs.append((q8, hw))
         torch.cuda.synchronize()
-        (q_old, w_old), (q_new, w_new) = outs["old"], outs["new"]
-        same = torch.equal(q_old, q_new) and torch.equal(w_old, w_new)
-        codes = int((q_old != q_new).sum())
-        q8, hw = outs["new"]
+        q8, hw = outs[-1]
+        compared = []
+        for q_old, w_old in outs[:-1]:
+            same = torch.equal(q_old, q8) and torch.equal(w_old, hw)
+            compared.append("equal" if same else f"{int((q_old != q8).sum())} codes differ")
 
-        def run_old(batch=batch, qc=qc, inputs=inputs, q8=q8, hw=hw):
+        def run_old(old, batch=batch, qc=qc, inputs=inputs, q8=q8, hw=hw):
             for i in range(8):
                 old(weights[i % copies], qc, inputs.qkv, inputs.context_lens, q8, hw, error, batch)
 
@@ -113,11 +126,16 @@ def main() -> int:
             for i in range(8):
                 torch.nn.functional.linear(qc, weights[i % copies].wq_b_index)
 
-        times = [graph_time_us(body, 8, replays=30) for body in (run_old, run_new, run_cublas)]
+        bodies = [lambda old=old: run_old(old) for old in olds] + [run_new, run_cublas]
+        times = [graph_time_us(body, 8, replays=30) for body in bodies]
         floor_us = w.wq_b_index.numel() * 2 / 4.3e6
-        percent = [f"{100 * floor_us / t:.1f}" for t in times[:2]]
-        rows.append([batch, *(f"{t:.2f}" for t in times), *percent, "equal" if same else f"{codes} codes differ"])
-    headers = ["B", "old", "new (TMA)", "cuBLAS", "old %BW", "new %BW", "outputs new vs old"]
+        percent = [f"{100 * floor_us / t:.1f}" for t in times[:-1]]
+        rows.append([batch, *(f"{t:.2f}" for t in times), *percent, *compared])
+    headers = (
+        ["B", *names, "new", "cuBLAS"]
+        + [f"{name} %BW" for name in [*names, "new"]]
+        + [f"outputs {name} vs new" for name in names]
+    )
     print(table(headers, rows, markdown=True))
     return 0
 

@@ -3,21 +3,26 @@ head) e4m3 and the folded head weights in one kernel, reading the 25 MB of wq_b 
 
 grid     128 CTAs in clusters of 2: cluster = one of the 64 heads, CTA rank r = its rows
          64 r .. 64 r + 63 (head dims 0-63 carry the RoPE, 64-127 do not), 256 threads,
-         about 100 KB of shared memory and <= 128 registers: two CTAs fit an SM, so the
-         next kernel's CTAs can already sit beside one and issue their own loads.
+         112 KB of shared memory (`shared_bytes`) and <= 128 registers: two CTAs fit an SM,
+         so the next kernel's CTAs (two of DsaIndex's) can already sit beside one and issue
+         their own loads.
 project  kernels/projection.py: the CTA's 192 KB of weight rows stream through a ring of
-         128-column stages, each filled by one TMA tensor copy per operand (wq_b's 64 rows,
-         q_c's tokens; 128-byte swizzle) that warp 0 issues onto the slot's full mbarrier
-         (ldmatrix, mma.sync with the tokens as N); the ring's weight copies go out before
-         griddepcontrol.wait, q_c's after it. The tensor maps are encoded by the launch's
-         host code (`__call__`), so a CUDA graph holds them by value.
+         128-column stages and q_c's tokens through a shallower ring of their own, each
+         stage of an operand filled by one TMA tensor copy (128-byte swizzle) that warp 0
+         issues onto the slot's full mbarrier (ldmatrix, mma.sync with the tokens as N);
+         the weight ring's copies go out before griddepcontrol.wait, q_c's after it. The
+         tensor maps are encoded by the launch's host code (`__call__`), so a CUDA graph
+         holds them by value.
 finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 threads per
          token take 4 rows each: RoPE on rank 0 (pair (i, i + 32): threads j and j ^ 8),
          |max| over the 16 threads, the two CTAs swap their halves' maxima through
          distributed shared memory (one cluster barrier), then scale = max(amax, 1e-4) /
          448 (with `ue8m0` rounded up to a power of two), values / scale as saturated
          e4m3, and rank 0 writes the head weight w = weights_proj * heads^-0.5 * scale *
-         dim^-0.5 (DeepSeek-V3.2's folding).
+         dim^-0.5 (DeepSeek-V3.2's folding). Its global reads (the lengths, their RoPE
+         rows, the logits of w) go out right after the PDL wait at <= 32 tokens
+         (`EARLY_READS`), so the dependent round trips (a length, then its row) pass under
+         the weight stream rather than after the last MMA.
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
@@ -31,9 +36,18 @@ token's query is garbage, in bounds) and is recorded for token first_token + t
 
 A variant holds `tokens` (16, 32 or 64) token rows per stage; the host picks the smallest that
 holds the batch and launches a batch above 64 in chunks of 64 (`launches`).
-The TMA ring is NOT YET RUN ON A GPU (compiled for sm_90a and modelled on the CPU:
-tests/test_projection_layout.py, tests/test_kernels_compile.py); the cp.async ring it
-replaces was tested on the H200 against the reference (tests/test_indexer_gpu.py).
+
+The rings' depths (`RINGS`): the weights are the bytes that must stream from HBM (~2 us a
+round trip under load by session 10's ring times), q_c a few KB from L2. With one ring of
+both (session 10: 5 / 4 / 3 slots) the 16-token variant kept 4 weight stages in flight and
+its 12 stages took two HBM round trips after the PDL wait (stages 5-9, then 10-11). Each
+variant now gives the weights every KB the two-CTA limit leaves beyond a q_c ring as deep as
+session 10's at 32 / 64 tokens (4 slots at 16): 6 / 5 / 4 weight slots (96 / 80 / 64 KB
+before the wait; 16 tokens: the 6 remaining stages all go out in the first pass after it,
+one round trip). Resident q_c rows (48 KB at 16 tokens) would leave 3 weight slots.
+The split rings are NOT YET RUN ON A GPU (compiled for sm_90a and modelled on the CPU:
+tests/test_projection_layout.py, tests/test_kernels_compile.py); their MMA order is the
+one ring's, so the outputs must be bit-identical to it (tests/test_indexer_gpu.py).
 """
 
 from __future__ import annotations
@@ -51,8 +65,18 @@ from . import projection as J
 HEADS, DIM, ROPE = 64, 128, 64
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (ROPE,), "q_lora_rank": (J.K,)}
-RING = {16: 5, 32: 4, 64: 3}  # slots per variant: 100 / 96 / 96 KB of shared memory
-TOKENS = tuple(sorted(RING))
+# (weight slots, q_c slots) per variant: 96 + 16 / 80 + 32 / 64 + 48 KB of shared memory
+RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
+TOKENS = tuple(sorted(RINGS))
+EARLY_READS = 32  # the variants up to this many tokens read the epilogue's inputs before the rings
+
+
+def shared_bytes(tokens: int, hadamard: bool, rings: tuple[int, int] | None = None) -> int:
+    """The CTA's shared memory as the kernel allocates it (each ring 1024-byte aligned and a
+    multiple of 1 KB): both rings, their full and empty mbarriers, and without the rotation
+    the peer CTA's maxima."""
+    w_ring, q_ring = rings or RINGS[tokens]
+    return J.ring_bytes(tokens, w_ring, q_ring) + 16 * (w_ring + q_ring) + (0 if hadamard else 4 * tokens)
 
 
 def launches(batch: int) -> list[tuple[int, int, int]]:
@@ -106,14 +130,17 @@ class IndexQuery:
         pdl: bool = True,
         hadamard: bool = False,
         ue8m0: bool = False,
+        rings: tuple[int, int] | None = None,
     ):
         """row_stride: elements per packed qkv row; weights_column: where idx_w starts in
-        it; tokens: token rows per stage (a key of RING); launch with batch <= tokens;
-        hadamard: rotate each head before quantizing it; ue8m0: power-of-two scales."""
-        if tokens not in RING:
+        it; tokens: token rows per stage (a key of RINGS); launch with batch <= tokens;
+        hadamard: rotate each head before quantizing it; ue8m0: power-of-two scales;
+        rings: (weight slots, q_c slots), RINGS[tokens] unless given (any depths >= 2 give
+        the same outputs: the GPU tests compare session 10's single ring depths)."""
+        if tokens not in RINGS:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
-        self.hadamard, self.ue8m0 = hadamard, ue8m0
+        self.hadamard, self.ue8m0, self.rings = hadamard, ue8m0, rings or RINGS[tokens]
 
     @cute.jit
     def __call__(
@@ -181,72 +208,86 @@ class IndexQuery:
         rope_rows: Int32,
         first_token: Int32,
     ):
-        tokens, ring = self.tokens, RING[self.tokens]
+        tokens, (w_slots, q_slots) = self.tokens, self.rings
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         smem = cutlass.memory.SmemAllocator()
-        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, ring), byte_alignment=1024)
-        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, ring), byte_alignment=1024)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * ring), byte_alignment=8)
+        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, w_slots), byte_alignment=1024)
+        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, q_slots), byte_alignment=1024)
+        w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
+        q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
         if cutlass.const_expr(not self.hadamard):
             peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
-        s = J.Stream(tokens, ring, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
-        full, empty = bars.iterator.toint(), bars.iterator.toint() + 8 * ring
-        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, bars.iterator)
-        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, bars.iterator)
+        s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
+        # per ring: (slots, its full mbarriers' address, its empty ones', the bytes of a fill)
+        w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
+        q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, J.operand_bytes(tokens))
+        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, w_bars.iterator)
+        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
         if cutlass.const_expr(not self.hadamard):
             cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
 
         # Warp 0 produces: lane 0 initializes the barriers and arms each fill (one arrival
-        # expecting both operands' bytes); the copies are cute.copy's, which issues each from
+        # expecting the operand's bytes); the copies are cute.copy's, which issues each from
         # one elected lane (elect.sync: the whole warp must reach it). Weights never change
-        # within a step, so every slot's weights go out before the wait, q_c's after it.
+        # within a step, so the weight ring's stages go out before the wait, q_c's after it.
         if warp == 0:
             if lane == 0:
                 cpasync.prefetch_descriptor(w_tma)
                 cpasync.prefetch_descriptor(q_tma)
-                for slot in cutlass.range_constexpr(ring):
-                    P.mbar_init(full + 8 * slot, 1)
-                    P.mbar_init(empty + 8 * slot, J.THREADS)
+                for slots, full, empty, _ in (w_sync, q_sync):
+                    for slot in cutlass.range_constexpr(slots):
+                        P.mbar_init(full + 8 * slot, 1)
+                        P.mbar_init(empty + 8 * slot, J.THREADS)
                 P.mbar_init_fence()
-                for slot in cutlass.range_constexpr(ring):
-                    P.mbar_expect(full + 8 * slot, Int32(J.slot_bytes(tokens)))
+                for slots, full, _, nbytes in (w_sync, q_sync):
+                    for slot in cutlass.range_constexpr(slots):
+                        P.mbar_expect(full + 8 * slot, Int32(nbytes))
         # the mbarriers are initialized before anyone waits on them or a copy completes on
         # them (init, fence, CTA barrier, then the copies: CUTLASS's and DsaIndex's order)
         cute.arch.sync_threads()
         if warp == 0:
-            for stage in cutlass.range_constexpr(ring):
+            for stage in cutlass.range_constexpr(w_slots):
                 J.issue(weights, stage)
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
         ntok = cutlass.min(batch, tokens)
         if warp == 0:
-            for stage in cutlass.range_constexpr(ring):
+            for stage in cutlass.range_constexpr(q_slots):
                 J.issue(queries, stage)
+        # Up to 32 tokens the epilogue's global reads go out here (2 x 11 registers at most
+        # held through the rings), so their dependent latencies (length, then its RoPE row)
+        # pass under the stream instead of after the last MMA; 64 tokens would need 44.
+        j, row0 = tid % 16, tid // 16
+        if cutlass.const_expr(tokens <= EARLY_READS):
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
 
-        # Stage `it` lives in slot it % ring, in the full barrier's phase it // ring. Warp 0
-        # refills the slot of stage it - 1 once every thread has released it (its empty
-        # barrier's phase (it - 1) // ring), keeping ring - 1 stages in flight; the other
-        # warps wait only for the stage they compute.
+        # In each ring, stage `it` lives in slot it % slots, in the full barrier's phase
+        # it // slots. Warp 0 refills the slots of stage it - 1 once every thread has released
+        # them (their empty barriers' phase (it - 1) // slots), keeping slots - 1 stages of
+        # each operand in flight; the other warps wait only for the stage they compute.
         acc = s.zero_acc()
         for it in cutlass.range_constexpr(J.STAGES):
-            nxt = J.refill(it, ring)
-            if cutlass.const_expr(nxt is not None):
-                if warp == 0:
-                    P.mbar_wait(empty + 8 * (nxt % ring), J.parity(it - 1, ring))
-                    if lane == 0:
-                        P.mbar_expect(full + 8 * (nxt % ring), Int32(J.slot_bytes(tokens)))
-                    cute.arch.sync_warp()
-                    J.issue(weights, nxt)
-                    J.issue(queries, nxt)
-            P.mbar_wait(full + 8 * (it % ring), J.parity(it, ring))
+            for copies, (slots, full, empty, nbytes) in ((weights, w_sync), (queries, q_sync)):
+                nxt = J.refill(it, slots)
+                if cutlass.const_expr(nxt is not None):
+                    if warp == 0:
+                        P.mbar_wait(empty + 8 * (nxt % slots), J.parity(it - 1, slots))
+                        if lane == 0:
+                            P.mbar_expect(full + 8 * (nxt % slots), Int32(nbytes))
+                        cute.arch.sync_warp()
+                        J.issue(copies, nxt)
+            for slots, full, _, _ in (w_sync, q_sync):
+                P.mbar_wait(full + 8 * (it % slots), J.parity(it, slots))
             acc = s.compute(it, acc)
-            if cutlass.const_expr(J.released(it, ring)):  # the slot is refilled: release it
-                P.fence_proxy_async()  # the fragments' reads before the copy's async-proxy writes
-                P.mbar_arrive(empty + 8 * (it % ring))
-        cute.arch.sync_threads()  # every warp is done with the ring (every copy has landed)
+            if cutlass.const_expr(J.released(it, w_slots) or J.released(it, q_slots)):
+                P.fence_proxy_async()  # the fragments' reads before the copies' async-proxy writes
+                for slots, _, empty, _ in (w_sync, q_sync):
+                    if cutlass.const_expr(J.released(it, slots)):  # the slot is refilled: release it
+                        P.mbar_arrive(empty + 8 * (it % slots))
+        cute.arch.sync_threads()  # every warp is done with the rings (every copy has landed)
 
         # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
         out = s.w_base
@@ -261,19 +302,16 @@ class IndexQuery:
         cute.arch.sync_threads()
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
-        j, row0 = tid % 16, tid // 16
+        if cutlass.const_expr(tokens > EARLY_READS):
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
             token = row0 + 16 * p
             v = list(P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j))
             partner = [cute.arch.shuffle_sync_bfly(v[q], offset=8) for q in range(4)]
-            length = P.load_i32(context_lens + cutlass.min(token, ntok - 1))
-            row_ok = P.in_range(length - 1, rope_rows)
+            length, row_ok, c, sn, _ = reads[p]
             if cta == 0 and j == 0 and token < ntok and not row_ok:  # one record per token
                 P.record_range(error, guards.INDEX_QUERY_LENGTH, first_token + token, length)
-            pos = P.select_i32(row_ok, length - 1, 0)
-            c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
-            sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
             first = [v[q] * c[q] - partner[q] * sn[q] for q in range(4)]
             second = [partner[q] * sn[q] + v[q] * c[q] for q in range(4)]
             v = [P.select(rank == 0, P.select(j < 8, first[q], second[q]), v[q]) for q in range(4)]
@@ -332,11 +370,26 @@ class IndexQuery:
                 item = token * HEADS + head
                 P.store_u32(q_out + item * DIM + J.ROWS * rank + 4 * j, word)
                 if rank + j == 0:  # rank 0, thread 0 of the token
-                    raw = P.unpack_bf16x2(
-                        P.load_u32(qkv + token * self.row_stride + self.weights_column + head // 2 * 2)
-                    )
+                    raw = P.unpack_bf16x2(reads[p][4])
                     proj = P.select(head % 2 == 0, raw[0], raw[1])
                     P.store_f32(w_out + item, proj * Float32(HEADS**-0.5) * scale * Float32(DIM**-0.5))
+
+    def epilogue_reads(self, row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows) -> list:
+        """What thread j of each of its tokens' 16 (row0 + 16 p) reads from global memory (a
+        token past the batch reads the batch's last one's), the lengths first: per token
+        (length, whether length - 1 is a RoPE row, the 4 cos and 4 sin of that row (row 0
+        where it is not) for its dims, the bf16 pair of head-weight logits holding the head's)."""
+        rows = [cutlass.min(row0 + 16 * p, ntok - 1) for p in range(self.tokens // 16)]
+        lengths = [P.load_i32(context_lens + row) for row in rows]
+        out = []
+        for row, length in zip(rows, lengths):
+            row_ok = P.in_range(length - 1, rope_rows)
+            pos = P.select_i32(row_ok, length - 1, 0)
+            c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))
+            sn = P.load_f32x4_nc(sin + pos * 32 + 4 * (j % 8))
+            logit = P.load_u32(qkv + row * self.row_stride + self.weights_column + head // 2 * 2)
+            out.append((length, row_ok, c, sn, logit))
+        return out
 
 
 def compile_args():

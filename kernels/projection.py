@@ -2,13 +2,13 @@
 weight rows (half of one head, 192 KB of bf16) over the whole K = 1536 and computes
 out[row, token] = W[row, :] . q_c[token, :] for up to `tokens` tokens on the tensor cores.
 
-NOT YET RUN ON A GPU: compiled for sm_90a and modelled on the CPU only (tests/
-test_projection_layout.py, tests/test_kernels_compile.py).
-
-The weights stream once through a shared-memory ring of `ring` stages of 128 k-columns.
-Warp 0 fills a stage with one TMA tensor copy per operand (issued by one elected lane) (`cp.async.bulk.tensor.3d`):
-the weights' box is 64 columns x 64 rows x 2 column blocks (16 KB), the tokens' 64 x
-`tokens` x 2, both with the 128-byte swizzle (the swizzle bounds a box row to 128 bytes,
+The weights stream once through a shared-memory ring of `w_ring` stages of 128 k-columns,
+the tokens through a ring of their own of `q_ring` stages: the weights come from HBM and may
+all be in flight before the PDL wait, the tokens come from L2 after it, so the weights get
+the deeper ring (a slot holding both would spend the tokens' bytes on weight depth).
+Warp 0 fills a stage of an operand with one TMA tensor copy (issued by one elected lane)
+(`cp.async.bulk.tensor.3d`): the weights' box is 64 columns x 64 rows x 2 column blocks
+(16 KB), the tokens' 64 x `tokens` x 2, both with the 128-byte swizzle (the swizzle bounds a box row to 128 bytes,
 hence the third dimension: [column block][row][64 columns], each 128-byte row's 16-byte
 chunk c stored at chunk c ^ (row % 8)). So a stage costs one instruction per operand
 instead of 16-byte cp.async copies by every thread (the ring was latency bound on those,
@@ -16,12 +16,12 @@ bench/RESULTS.md), and the 8 row addresses of an `ldmatrix` still fall in 8 dist
 16-byte bank groups without a padded pitch. Rows of q_c past the batch are outside the
 tokens' tensor map and arrive as zeros.
 
-Synchronization: a full mbarrier per slot (one arrival: lane 0's expect_tx of both
-operands' bytes) and an empty one (every thread arrives after its fragments of the stage
+Synchronization, per ring: a full mbarrier per slot (one arrival: lane 0's expect_tx of the
+operand's bytes) and an empty one (every thread arrives after its fragments of the stage
 are read, behind `fence.proxy.async`: the copy that refills the slot is an async-proxy
 write). Only warp 0 waits on an empty barrier, so the other warps run on through the
-stages already in the ring instead of meeting at a CTA barrier every stage (`refill`,
-`released`, `parity`: the schedule).
+stages already in the rings instead of meeting at a CTA barrier every stage (`refill`,
+`released`, `parity`: the schedule, the same function of each ring's depth).
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage (a k-half is one
 column block of the box); `mma.sync m16n8k16` with the weights as A (ldmatrix.x4) and the
@@ -54,12 +54,9 @@ def operand_bytes(rows: int) -> int:
     return rows * KC * 2
 
 
-def slot_bytes(tokens: int) -> int:
-    return operand_bytes(ROWS) + operand_bytes(tokens)
-
-
-def ring_bytes(tokens: int, ring: int) -> int:
-    return ring * slot_bytes(tokens)
+def ring_bytes(tokens: int, w_ring: int, q_ring: int) -> int:
+    """Both rings: `w_ring` weight stages, then `q_ring` token stages."""
+    return w_ring * operand_bytes(ROWS) + q_ring * operand_bytes(tokens)
 
 
 def swizzle(offset: int) -> int:
@@ -98,7 +95,7 @@ def tma_atom(gmem, rows: int):
 
 class Copies:
     """One operand's TMA copies into its ring: stage s of row block `block` into slot s % ring,
-    completing on that slot's full mbarrier (bars: the first full mbarrier's pointer)."""
+    completing on that slot's full mbarrier (bars: the ring's first full mbarrier's pointer)."""
 
     def __init__(self, atom, coords, ring_tensor, rows: int, block, bars):
         tiles = cute.local_tile(coords, (rows, (BLOCK, KC // BLOCK)), (block, (0, None)))
@@ -119,14 +116,15 @@ def issue(copies: Copies, stage: int):
 
 
 class Stream:
-    """One CTA's view of the ring: per-thread fragment offsets, fixed at start.
+    """One CTA's view of the rings: per-thread fragment offsets, fixed at start.
 
-    tokens: the token rows of a slot (a multiple of 16); ring: slots (>= 2); w_base, q_base:
-    32-bit shared addresses of the weight and token rings (1024-byte aligned)."""
+    tokens: the token rows of a stage (a multiple of 16); w_ring, q_ring: the rings' slots
+    (>= 2 each); w_base, q_base: 32-bit shared addresses of the weight and token rings
+    (1024-byte aligned)."""
 
-    def __init__(self, tokens: int, ring: int, w_base, q_base, warp, lane):
-        assert tokens % 16 == 0 and ring >= 2
-        self.tokens, self.ring, self.w_base, self.q_base = tokens, ring, w_base, q_base
+    def __init__(self, tokens: int, w_ring: int, q_ring: int, w_base, q_base, warp, lane):
+        assert tokens % 16 == 0 and w_ring >= 2 and q_ring >= 2
+        self.tokens, self.w_ring, self.q_ring, self.w_base, self.q_base = tokens, w_ring, q_ring, w_base, q_base
         mtile, khalf = warp % 4, warp // 4
         # ldmatrix row addresses of this lane: A rows 16 mtile + lane % 8 (+ 8), logical
         # chunk lane // 16 (+ 2 for the second k-step, + 4 per k-step pair); B token rows
@@ -141,10 +139,10 @@ class Stream:
         self.mtile, self.khalf = mtile, khalf
 
     def weights_addr(self, stage: int):
-        return self.w_base + (stage % self.ring) * operand_bytes(ROWS)
+        return self.w_base + (stage % self.w_ring) * operand_bytes(ROWS)
 
     def tokens_addr(self, stage: int):
-        return self.q_base + (stage % self.ring) * operand_bytes(self.tokens)
+        return self.q_base + (stage % self.q_ring) * operand_bytes(self.tokens)
 
     def compute(self, stage: int, acc: list) -> list:
         """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
@@ -173,7 +171,7 @@ class Stream:
         return addrs
 
 
-# -- the ring's schedule (the kernel's loop and tests/test_projection_layout.py's model) ------
+# -- a ring's schedule (the kernel's loop and tests/test_projection_layout.py's model) -------
 
 
 def parity(stage: int, ring: int) -> int:

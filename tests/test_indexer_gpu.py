@@ -113,39 +113,53 @@ def test_key_and_norm_is_index_key_and_query_norm_in_one_launch(batch):
     assert torch.equal(errors[1].word, errors[0].word) and not torch.equal(errors[1].word, ErrorWord.new("cuda").word)
 
 
-def _index_query(batch, tokens=None, model="deepseek-v3.2"):
-    """IndexQuery of `batch` tokens into poisoned outputs with 3 spare rows (through the
-    launcher, or the variant holding `tokens` rows launched directly) -> (q, w, expected)."""
+def _poisoned_index_query_outputs(batch):
+    """IndexQuery's outputs for `batch` tokens and 3 spare rows, poisoned (e4m3 NaN, NaN)."""
+    q_out = torch.full((batch + 3, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")
+    w_out = torch.full((batch + 3, 64), float("nan"), device="cuda")
+    return q_out, w_out
+
+
+def _launch_index_query(function, state, inputs, q_c, batch):
+    """One launch of a compiled IndexQuery variant (batch <= its tokens) -> (q, w)."""
     from cutlass import Int32
 
     from graphstep.launch import current_stream, ptr
 
+    w = state.weights
+    q_out, w_out = _poisoned_index_query_outputs(batch)
+    function(
+        ptr(q_c),
+        ptr(w.wq_b_index),
+        ptr(inputs.qkv),
+        ptr(w.index_rope_cos),
+        ptr(w.index_rope_sin),
+        ptr(inputs.context_lens, 4),
+        ptr(q_out),
+        ptr(w_out),
+        ptr(ErrorWord.new("cuda").word, 8),
+        Int32(batch),
+        Int32(w.index_rope_cos.shape[0]),  # the range guard's RoPE rows
+        Int32(0),  # the launch's first token
+        current_stream(),
+    )
+    torch.cuda.synchronize()
+    return q_out, w_out
+
+
+def _index_query(batch, tokens=None, model="deepseek-v3.2"):
+    """IndexQuery of `batch` tokens into poisoned outputs with 3 spare rows (through the
+    launcher, or the variant holding `tokens` rows launched directly) -> (q, w, expected)."""
     state = _state(Topology(tp=8), max_batch=batch, model=model)
     kernels = Kernels(state.shape, state.weights)
     inputs = state.inputs(batch)
     q_c = ref.query_norm(state, inputs)
-    q_out = torch.full((batch + 3, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-    w_out = torch.full((batch + 3, 64), float("nan"), device="cuda")
     if tokens is None:
+        q_out, w_out = _poisoned_index_query_outputs(batch)
         kernels.index_query(q_c, inputs.qkv, inputs.context_lens, q_out, w_out, batch)
+        torch.cuda.synchronize()
     else:
-        w = state.weights
-        kernels.compiled("index_query", tokens=tokens)(
-            ptr(q_c),
-            ptr(w.wq_b_index),
-            ptr(inputs.qkv),
-            ptr(w.index_rope_cos),
-            ptr(w.index_rope_sin),
-            ptr(inputs.context_lens, 4),
-            ptr(q_out),
-            ptr(w_out),
-            ptr(ErrorWord.new("cuda").word, 8),
-            Int32(batch),
-            Int32(w.index_rope_cos.shape[0]),  # the range guard's RoPE rows
-            Int32(0),  # the launch's first token
-            current_stream(),
-        )
-    torch.cuda.synchronize()
+        q_out, w_out = _launch_index_query(kernels.compiled("index_query", tokens=tokens), state, inputs, q_c, batch)
     return q_out, w_out, ref.index_query(state, inputs, q_c)
 
 
@@ -175,6 +189,50 @@ def test_every_index_query_variant_matches_the_reference(tokens, batch):
     """Each variant directly, also far below its capacity (zero-filled token rows)."""
     q_out, w_out, expect = _index_query(batch, tokens)
     _check_index_query(q_out, w_out, expect, batch)
+
+
+# Session 10's IndexQuery depths (one ring of both operands, slots per variant, measured on
+# the H200), here as two rings of equal depth in this tree's kernel
+SINGLE_RING = {16: 5, 32: 4, 64: 3}
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3.2", "plain"])
+@pytest.mark.parametrize("tokens, batch", [(16, 1), (16, 4), (16, 16), (32, 17), (32, 32), (64, 33), (64, 64)])
+def test_index_query_rings_give_the_single_rings_bits(tokens, batch, model):
+    """The split rings (index_query.RINGS: a deeper weight ring, a shallower q_c one) feed the
+    MMAs in the same order at any depths, so on the same inputs the e4m3 queries and head
+    weights must be bit-identical (torch.equal) to this kernel's at session 10's depths (both
+    rings as deep as its one), and within e4m3 rounding of the reference as every IndexQuery
+    test asks. (This tree against session 10's own kernel, main's: bench/ab_index_query.py
+    --old main=<main's kernels/>, which compares bit for bit.)"""
+    from graphstep.kernels import catalog, index_query
+
+    state = _state(Topology(tp=8), max_batch=batch, model=model)
+    inputs = state.inputs(batch)
+    q_c = ref.query_norm(state, inputs)
+    m = state.shape.model
+    functions = [
+        catalog.compile_op(
+            index_query.IndexQuery(
+                m.packed_width,
+                m.packed_columns["idx_w"][0],
+                tokens,
+                True,
+                m.index_rotation,
+                m.fp8_scale_format == "ue8m0",
+                rings,
+            ),
+            index_query.compile_args(),
+        )
+        for rings in (index_query.RINGS[tokens], (SINGLE_RING[tokens],) * 2)
+    ]
+    assert functions[0] is not functions[1], "two compiled kernels, one per pair of depths"
+    outs = [_launch_index_query(function, state, inputs, q_c, batch) for function in functions]
+    (q_split, w_split), (q_single, w_single) = outs
+    _check_index_query(q_split, w_split, ref.index_query(state, inputs, q_c), batch)
+    _check_index_query(q_single, w_single, ref.index_query(state, inputs, q_c), batch)
+    assert torch.equal(q_split, q_single), f"{int((q_split != q_single).sum())} codes differ"
+    assert torch.equal(w_split[:batch], w_single[:batch]), f"{int((w_split[:batch] != w_single[:batch]).sum())} differ"
 
 
 @pytest.mark.parametrize("model", ["rotation-fp32-scales", "plain"])

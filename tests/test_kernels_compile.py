@@ -362,27 +362,40 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     (entry,) = _entries(text)  # projection, RoPE, e4m3 and head weights in one kernel
     wait = entry.index("griddepcontrol.wait;")
     # every stage of each operand is one TMA tensor copy (wq_b's map: parameter 0, q_c's: 1):
-    # the ring's weight stages before the wait, every q_c stage after it; no per-thread copies
-    copies, ring = _tensor_copies(entry), index_query.RING[tokens]
+    # the weight ring's stages before the wait, every q_c stage after it; no per-thread copies
+    copies, (w_slots, q_slots) = _tensor_copies(entry), index_query.RINGS[tokens]
     weights = [at for at, param in copies if param == 0]
     q_c = [at for at, param in copies if param == 1]
     assert len(weights) == len(q_c) == J.STAGES and len(copies) == 2 * J.STAGES
-    assert sum(at < wait for at in weights) == ring and all(at > wait for at in q_c)
+    assert sum(at < wait for at in weights) == w_slots and all(at > wait for at in q_c)
     assert "cp.async.cg" not in entry and "cp.async.bulk.shared" not in entry
     assert entry.count("prefetch.tensormap") == 2
-    # one armed full barrier per fill (both operands' bytes), released stage by stage after a
-    # proxy fence by every thread (all but the last ring of stages, which are not refilled)
+    # one armed full barrier per fill (the operand's bytes: both rings armed at the start,
+    # then each refill), released stage by stage after a proxy fence by every thread (in
+    # each ring all but its last ring of stages, which are not refilled)
     armed = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", entry)
-    assert armed == [str(J.slot_bytes(tokens))] * J.STAGES
+    w_bytes, q_bytes = str(J.operand_bytes(J.ROWS)), str(J.operand_bytes(tokens))
+    assert armed[: w_slots + q_slots] == [w_bytes] * w_slots + [q_bytes] * q_slots
+    assert sorted(armed) == sorted([w_bytes] * J.STAGES + [q_bytes] * J.STAGES)
     lines = [line.strip() for line in entry.splitlines() if line.strip() and not line.strip().startswith("//")]
     releases = [i for i, line in enumerate(lines) if line.startswith("mbarrier.arrive.shared::cta.b64")]
-    assert len(releases) == J.STAGES - ring
-    for i in releases:
-        assert "fence.proxy.async.shared::cta;" in lines[max(0, i - 3) : i], lines[i - 3 : i + 1]
+    assert len(releases) == 2 * J.STAGES - w_slots - q_slots
+    for i in releases:  # no shared read between a release and the fence before it
+        fence = max(j for j in range(i) if lines[j] == "fence.proxy.async.shared::cta;")
+        assert i - fence <= 8 and not any("shared" in line for line in lines[fence + 1 : i] if "arrive" not in line)
     # no CTA barrier per stage: one before the wait (the mbarriers' initialization), three
     # after the loop (the ring free, then the two k-halves' sums into the result tile)
     assert entry[:wait].count("bar.sync") == 1 and entry.count("bar.sync") == 4
     assert not re.search(r"ld\.global", entry[:wait])
+    # the epilogue's reads per token (length, its RoPE row's cos and sin, the logits of w): at
+    # <= EARLY_READS tokens all between the wait and the first MMA, else after the last
+    reads = [m.start() for m in re.finditer(r"ld\.global\.(s32|nc\.v4\.f32|b32) ", entry)]
+    assert len(reads) == 4 * tokens // 16
+    first_mma, last_mma = entry.index("mma.sync"), entry.rindex("mma.sync")
+    if tokens <= index_query.EARLY_READS:
+        assert all(wait < at < first_mma for at in reads)
+    else:
+        assert all(at > last_mma for at in reads)
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
@@ -394,27 +407,43 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
 
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_index_query_fits_two_ctas_per_sm(tmp_path, tokens):
-    """Two CTAs per SM (so DsaIndex's CTAs fit beside one under PDL): <= 128 registers with no
-    spills, and at most half the SM's 228 KB of shared memory, less the 1 KB per CTA the
-    hardware reserves."""
+    """Two CTAs per SM (so two of DsaIndex's CTAs fit beside one under PDL): <= 128 registers
+    with no spills, and at most half the SM's 228 KB of shared memory, less the 1 KB per CTA
+    the hardware reserves: the launch's dynamic shared memory (a constant of the compiled
+    host code) is index_query.shared_bytes. Beside one, two DsaIndex CTAs' shared memory and
+    registers (64K per SM, allocated per warp in multiples of 8 a thread)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
-    from graphstep.kernels import projection as J
+    from graphstep.kernels import dsa_index
 
+    def registers(threads, regs):
+        return threads * -(-regs // 8) * 8
+
+    scorer_folder = tmp_path / "dsa_index"
+    scorer_folder.mkdir()
+    scorer_op = catalog.build(SHAPES["tp8"], "dsa_index", True)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(scorer_folder))](
+        scorer_op.op, *scorer_op.args, make_fake_stream()
+    )
+    (cubin,) = [p for p in scorer_folder.iterdir() if p.suffix == ".cubin"]
+    scorer_registers = registers(dsa_index.THREADS, _cubin_attributes(cubin.read_bytes())["regs"])
     for hadamard in (False, True):
         folder = tmp_path / f"h{hadamard}"
         folder.mkdir()
         op = index_query.IndexQuery(2304, 2240, tokens, True, hadamard)
-        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](
+        compiled = cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](
             op, *index_query.compile_args(), make_fake_stream()
         )
         (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
         found = _cubin_attributes(cubin.read_bytes())
         assert found["frame"] == 0 and found["regs"] <= 128, (tokens, hadamard, found)
-    ring = index_query.RING[tokens]
-    shared = J.ring_bytes(tokens, ring) + 16 * ring + 4 * tokens + 1024  # + barriers, maxima, alignment
-    assert shared <= 228 * 1024 // 2 - 1024, shared
+        shared = index_query.shared_bytes(tokens, hadamard)
+        assert f"llvm.mlir.constant({shared} : i64)" in str(compiled.ir_module), (tokens, hadamard, shared)
+        assert shared <= 228 * 1024 // 2 - 1024, shared
+        scorer = dsa_index.STAGES * dsa_index.PAGE_BYTES + dsa_index.QUERY_BYTES + 16 * dsa_index.STAGES
+        assert (shared + 1024) + 2 * (scorer + 1024) <= 228 * 1024, (shared, scorer)
+        assert registers(256, found["regs"]) + 2 * scorer_registers <= 65536, (found, scorer_registers)
 
 
 def _variant_ptx(op, args, folder) -> str:
