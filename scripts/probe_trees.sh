@@ -24,6 +24,8 @@ while read -r name seconds cmd; do
     summary+=("$n $name rc=missing-tree 0s")
     continue
   fi
+  # graphstep.kernels is kernels/ (pyproject's package-dir): a link makes the tree importable by path
+  [[ -e "$tree/graphstep/kernels" ]] || ln -s ../kernels "$tree/graphstep/kernels"
   if [[ "$installed" != "$tree" ]]; then  # graphstep imports from the tree being measured
     (cd "$tree" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .) >/tmp/probe_install.log 2>&1 \
       || { summary+=("$n $name rc=install-failed 0s"); tail -3 /tmp/probe_install.log; continue; }
@@ -32,7 +34,10 @@ while read -r name seconds cmd; do
   log="$out/probe_${name}_${n}.log"
   echo "=== $n $name: $cmd"
   start=$(date +%s)
-  (cd "$tree" && GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" bash -c "$cmd") >"$log" 2>&1
+  # the tree first on PYTHONPATH: bootstrap.sh puts the project root there, which would
+  # otherwise give every tree the root's graphstep beside the tree's own kernels
+  (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" GRAPHSTEP_WATCHDOG=$((seconds - 5)) \
+    timeout -s KILL "$seconds" bash -c "$cmd") >"$log" 2>&1
   rc=$?
   took=$(($(date +%s) - start))
   tail -n "${TAIL:-12}" "$log"
