@@ -154,16 +154,6 @@ def _consumer_sync():
     cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
 
 
-def _e4m3x4_to_f16x2x2(word) -> tuple:
-    """Four e4m3 (byte 0 first) -> two fp16x2 words (bytes 0-1, bytes 2-3); exact."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, {$r0};\n\t"
-        "cvt.rn.f16x2.e4m3x2 {$w0}, lo;\n\tcvt.rn.f16x2.e4m3x2 {$w1}, hi;\n\t}",
-        write_only_types=[Uint32, Uint32],
-        read_only_args=[word],
-    )
-
-
 def _e4m3x2_to_f16x2(word, high: int) -> Uint32:
     """Bytes 0-1 (high = 0) or 2-3 (high = 1) of a word -> one fp16x2 word; exact."""
     half = "hi" if high else "lo"
@@ -424,7 +414,7 @@ class DsaIndex:
                 halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
                 for r in cutlass.range_constexpr(2):
                     for k in cutlass.range_constexpr(8):
-                        f0, f1 = _e4m3x4_to_f16x2x2(frags[r][k])
+                        f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
                         halves[r] += [f0, f1]
                 # Release the stage to the producer's next bulk copy. The fence is what makes the
                 # release safe: ptxas schedules the arrive right after the four LDS.128 of the
