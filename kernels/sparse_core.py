@@ -66,10 +66,14 @@ cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was
 the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
 57.7 (bf16, H200, session 10). Over the fp8 cache it won only at B = 64 (60.0 against 64.3)
 while its consumers widened e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16;
-they now take f16 operands behind range guards (not yet measured). With the bulk warp the
-bound (one copy at a time from the SM's bulk-copy unit), the producer's other three warps now
-copy part of each block by 16-byte cp.async, the other path (MMA_BULK_SIXTEENTHS; not yet
-measured: ~38 us alone predicted at bf16 B = 64, near HBM's 35). Session
+they now take f16 operands behind range guards, and the producer's other three warps copy
+part of each block by 16-byte cp.async (MMA_BULK_SIXTEENTHS): fp8 27.7 / 45.3 us at B = 32 /
+64 (was 34.7 / 64.1 without the producer), bf16 unchanged by the split (49.3 us at B = 64
+either way; session 12). Every way of copying the rows takes the same time alone (bf16 ~50,
+fp8 ~39.5 us at B = 64 in the graph bench; under ncu 40.2 / 31.8 against a bare gather's 36.2 /
+23.6 for the same DRAM bytes, bench/probe_gather.cu): the loads are near the memory system's
+random-row rate, and what is left is 4 idle SMs, a fixed 1024-row share per CTA and the
+pipeline's fill. Session
 4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
 kernel between its own math, so a stage was refilled only after the CTA barrier that freed
 it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
@@ -165,12 +169,12 @@ PROBE = ""
 # cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
 # blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
 # 6.56 / 10.3 / 19.9 / 57.7; fp8 (consumers of bf16 operands, 48.0 us alone at B = 64) 9.72 /
-# 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 from 8 blocks (TP 8 B >= 32) as
-# predicted, not yet measured, for the f16 operands (their consumers ~40 us alone at B = 64):
-# ~52 us at B = 64, ~32 against ~35 at B = 32, ~22.5 against 20.9 at B = 16 (4 blocks: stays).
-# Their per-row range guard costs ~110 PTX instructions a block (992 against 882 without it;
-# session 9's f16 consumers 825 for 39.6 us, the bf16 ones 1229 for 48.0): maybe ~43 us alone,
-# so B = 32 is close. bench_sparse_core.py --paths msync,mws compares them.
+# 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 with the f16 operands and the
+# hybrid producer (session 12, same run): 8.83 / 13.9 / 20.0 / 27.7 / 45.3 at B = 1 / 4 / 16 /
+# 32 / 64 against msync's 6.91 / 11.1 / 20.7 / 34.7 / 64.1, so from 8 blocks (B >= 32); at 4
+# blocks (B = 16) the two tie within a run's spread (20.0 / 20.7, then 21.0 / 21.0). The
+# consumers alone take 40 us at B = 64 (their range guards included).
+# bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
@@ -183,7 +187,10 @@ PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
 # cp.async 84.8 / 50.6 ns per row (86.8 / 51.8 us), ~1.2 ns per 16-byte chunk. Bulk share =
 # t_cp / (t_bulk + t_cp): bf16 0.63 -> 10/16, fp8 0.56 -> 9/16. A 64-row block then takes
 # ~2.0 us of copies (bf16; bulk alone 3.2) and ~1.4 (fp8; 2.5) per SM, where HBM (4.3 TB/s
-# over 128 SMs) allows ~2.2 / ~1.25: bf16 bound by HBM, fp8 close to it. Not yet measured
+# over 128 SMs) allows ~2.2 / ~1.25. Measured (session 12, B = 64, producer alone): bf16
+# 49.7 / 50.1 / 51.3 us at 0 / 10 / 16 sixteenths, fp8 39.0 / 39.5 / 39.9 at 0 / 9 / 16: the
+# shares hardly matter, the per-copy cost was not the bound (the module docstring). With the
+# math, fp8 45.3 us at 9/16 against 51.4 at 16/16; bf16 49.3 at both
 # (bench_sparse_core.py --paths mws<N> sets N sixteenths; --probes no_math:N times the
 # producer alone at N: no_math:0 the cp.async warps alone, no_math:16 the bulk warp alone).
 MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
