@@ -22,7 +22,8 @@ msync = every thread copies (partial_mma_sync); default: the module's choice
 --probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
-the cp.async warps alone).
+the cp.async warps alone); no_combine: the module's path without its combine launch
+(sparse_core.COMBINE), the partial kernel's own time.
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -150,7 +151,9 @@ def main() -> int:
         help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,mwsN,msync (default: the module's)",
     )
     parser.add_argument(
-        "--probes", default="", help="producer-path probes: no_loads,no_math (NAME:N: N sixteenths bulk)"
+        "--probes",
+        default="",
+        help="probes: no_loads,no_math (the producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
     )
     parser.add_argument("--probe-batch", default="64")
     args = parse_args(parser)
@@ -159,7 +162,7 @@ def main() -> int:
         return 2
     batches = [int(b) for b in args.batch.split(",")]
     paths = [(p, "") for p in args.paths.split(",")] if args.paths else [("", "")]
-    paths += [("ws", probe) for probe in args.probes.split(",") if probe]
+    paths += [("" if probe == "no_combine" else "ws", probe) for probe in args.probes.split(",") if probe]
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
@@ -170,7 +173,7 @@ def main() -> int:
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
             known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
-            if (path not in known and not path.startswith("mws")) or probe not in sparse_core.PROBES:
+            if (path not in known and not path.startswith("mws")) or probe not in (*sparse_core.PROBES, "no_combine"):
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
             sixteenths = sparse_core.MMA_BULK_SIXTEENTHS
@@ -184,12 +187,14 @@ def main() -> int:
                     sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1)
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
-            sparse_core.PROBE = probe
+            sparse_core.PROBE = "" if probe == "no_combine" else probe
+            sparse_core.COMBINE = probe != "no_combine"
             try:
                 probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
+                sparse_core.COMBINE = True
                 sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
             for row in found:
                 row["path"] = (

@@ -165,6 +165,10 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # wait for each block and release it.
 PROBES = ("", "no_loads", "no_math")
 PROBE = ""
+# A device probe of any path (bench_sparse_core.py --probes no_combine): False launches no
+# combine kernel, so a split token's out and lse are never written (wrong results): the
+# partial kernel's own time in a graph, against which the combine's share is judged.
+COMBINE = True
 # 16-row CTAs with a producer warpgroup (partial_mma_ws) from this many blocks per CTA, per MLA
 # cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
 # blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
@@ -399,6 +403,7 @@ class SparseCore:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
         self.probe = PROBE if self.producer else ""
+        self.combine = COMBINE
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         if self.wgmma:
@@ -438,7 +443,7 @@ class SparseCore:
             # the consumers' setmaxnreg.inc would wait forever)
             min_blocks_per_mp=1 if self.producer else 0,
         )
-        if cutlass.const_expr(self.splits > 1):
+        if cutlass.const_expr(self.splits > 1 and self.combine):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
                 grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
             )

@@ -593,6 +593,33 @@ def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
     return variant.op, partial, found
 
 
+def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, monkeypatch):
+    """bench_sparse_core.py --probes no_combine (sparse_core.COMBINE = False): a split
+    variant's module holds the partial kernel alone, its PTX the default's (source lines
+    aside); the probe is its own compile-cache entry, so the default never runs without its
+    combine."""
+    modules, keys = {}, {}
+    for combine in (True, False):
+        monkeypatch.setattr(sparse_core, "COMBINE", combine)
+        variant = catalog.build(MMA_SHAPES["tp8"], "sparse_core", slots=64)
+        assert variant.op.splits == 32 and variant.op.combine == combine
+        keys[combine] = catalog._key(variant.op, "sm_90a")
+        catalog.compile_op(variant.op, variant.args, "sm_90a", str(tmp_path / str(combine)))
+        (ptx,) = [p.read_text() for p in (tmp_path / str(combine)).iterdir() if p.suffix == ".ptx"]
+        modules[combine] = {
+            short(re.match(r"\.entry (\w+)\(", e).group(1)): "\n".join(
+                line
+                for line in e[: e.rindex("\n}") + 2].splitlines()
+                if not line.lstrip().startswith((".loc", ".file"))
+            )  # (an entry's text ends at its closing brace)
+            for e in _entries(ptx)
+        }
+    assert sorted(modules[True]) == ["cute:sparse_core_combine", "cute:sparse_core_partial"]
+    assert sorted(modules[False]) == ["cute:sparse_core_partial"]
+    assert modules[False]["cute:sparse_core_partial"] == modules[True]["cute:sparse_core_partial"]
+    assert keys[True] != keys[False]
+
+
 @pytest.mark.parametrize("bulk", [None, 0, 3, 16], ids=lambda n: "default" if n is None else f"bulk{n}")
 @pytest.mark.parametrize("slots", [16, 32, 64, 1024, 2048])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
