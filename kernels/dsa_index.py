@@ -26,11 +26,13 @@ Predicted when written (us per launch, B = 1 / 4 / 16 / 64): 32K ~3 / 5.5 / 19 /
 ~6 / 19 / 70 / 275 -- the cache bytes at ~4.0 TB/s plus ~1.5-2 us of launch, first-page
 latency and the last page's compute. Measured on the H200 (bench/RESULTS.md, sessions 10
 and 12): 32K 4.04-4.36 / 8.95-9.39 / 22.6-23.3 / 77.2, 128K 8.79 / 24.6 / 77.5 / 288.4; the
-small batches miss by the per-CTA start and per-page chain (ncu, session 7). Per page and SM the tensor cores
-need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock), shared memory ~250 (16 KB of B reads,
-8 KB of key loads, 8.4 KB of copies), a consumer warp issues ~190 instructions (32 F2FP),
-against ~500 cycles of HBM time per page per SM at 4.3 TB/s: bandwidth-bound with 4 CTAs
-(16 pages) per SM in flight, if the F2FP rate is not below 16 per clock per SM.
+small batches miss by the per-CTA start and per-page chain (ncu, session 7).
+
+Per page and SM the tensor cores need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock),
+shared memory ~250 (16 KB of B reads, 8 KB of key loads, 8.4 KB of copies), a consumer warp
+issues ~190 instructions (32 F2FP), against ~500 cycles of HBM time per page per SM at 4.3
+TB/s: bandwidth-bound with 4 CTAs (16 pages) per SM in flight, if the F2FP rate is not below
+16 per clock per SM.
 
 Why fp16 wgmma and not e4m3: `mma.sync ... e4m3` is not native on sm_90 (ptxas emulates
 it: F2FP + two HMMA + four FADD per MMA, what v2 ran), and e4m3 wgmma accumulates in

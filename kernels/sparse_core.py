@@ -200,7 +200,7 @@ PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
 MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
-# bulk copies).
+# copies: bulk copies and 16-byte cp.async).
 MMA_CONSUMER_REGS, MMA_PRODUCER_REGS = 232, 40
 # partial_mma_ws over the fp8 cache: f16 MMA operands (e4m3 widens into f16 exactly), each
 # brought under f16's 65504 by a power of two undone in fp32 (consume_ring): bf16 query rows
@@ -264,9 +264,8 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
     (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
     with the fp8 cache), the row maxima and the mbarriers; the fp8 cache's query rows have
     their own space (with their f16 powers of two, and P x scale's bounds beside the row
-    maxima), the
-    bf16 cache's pass through the last stage into registers (three 64-row bf16 stages fit
-    only so)."""
+    maxima), the bf16 cache's pass through the last stage into registers (three 64-row bf16
+    stages fit only so)."""
     stage = block * ((FP8_ROW if mla_fp8 else STRIDE) + 4) + 4
     fixed = 16 * (2 * block + 16) * (4 if mla_fp8 else 1) + 4 * 8 * 16 + 64 + 1024
     fixed += 16 * STRIDE + 4 * 16 * (1 + COLS) if mla_fp8 else 0  # (+ the rows' powers of two, P x scale's bounds)
@@ -819,13 +818,10 @@ class SparseCore:
             if cutlass.const_expr(self.probe != "no_loads"):
                 stage = ring + s * (block * stride)
                 for i in cutlass.range_constexpr((rest + warps - 1) // warps):
-                    if cutlass.const_expr(warps * (i + 1) <= rest):  # every warp has an i-th row
-                        row = first + warps * i
-                        self.warp_copy_row(
-                            cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
-                        )
-                    elif w + warps * i < rest:
-                        row = first + warps * i
+                    row = first + warps * i
+                    # (known at trace time where every warp has an i-th row)
+                    has = True if warps * (i + 1) <= rest else w + warps * i < rest
+                    if has:
                         self.warp_copy_row(
                             cache, cute.arch.shuffle_sync(slot, i), stage + row * stride, lane, pool_slots
                         )
@@ -843,9 +839,7 @@ class SparseCore:
         src = cache + Int64(P.select_i32(live, slot, 0)) * self.row_bytes + 16 * lane
         dst = dst + 16 * lane
         for j in cutlass.range_constexpr((chunks + 31) // 32):
-            if cutlass.const_expr(32 * (j + 1) <= chunks):
-                P.cp_async_16(dst + 512 * j, src + 512 * j, live)
-            elif lane + 32 * j < chunks:
+            if True if 32 * (j + 1) <= chunks else lane + 32 * j < chunks:  # (static for whole rounds)
                 P.cp_async_16(dst + 512 * j, src + 512 * j, live)
 
     @cute.jit
