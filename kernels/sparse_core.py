@@ -183,14 +183,17 @@ COMBINE = True
 # bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
-# partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B >= 16) launches each token's
+# partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
 # split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
 # unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
 # s combines latent dims [512 s / splits, 512 (s + 1) / splits) of every row from all the
-# cluster's CTAs (DSMEM), with no partials in global memory and no combine launch. (A global
-# ticket instead, the last CTA combining from L2, was slower: its fence, atomic and load round
-# trips sat serially at the kernel's end; bench/RESULTS.md, session 12.)
-CLUSTER_SPLITS = 8
+# cluster's CTAs (DSMEM), with no partials in global memory and no combine launch. Measured
+# (H200, bench/RESULTS.md session 13): 2 splits at B = 64, -3.5 us bf16 / -5.9 fp8; 4 and 8
+# splits (B = 32 / 16, 128 CTAs of one SM each) +8 to +14 us, as a GPC holds fewer 4- or
+# 8-CTA clusters than 132 / 4 or 132 / 8 (whole GPCs only), so some clusters wait for a second
+# wave. (A global ticket instead, the last CTA combining from L2, was slower: its fence,
+# atomic and load round trips sat serially at the kernel's end; session 12.)
+CLUSTER_SPLITS = 2
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
 # completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
 # 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte

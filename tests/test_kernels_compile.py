@@ -627,13 +627,13 @@ def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, mo
 @pytest.mark.parametrize("slots", [64, 256, 512, 1024])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(tmp_path, shape_name, slots):
-    """partial_mma_ws with 2 .. CLUSTER_SPLITS splits (256 .. 1024 slots a CTA) has no combine
+    """partial_mma_ws with 2 .. CLUSTER_SPLITS splits (1024 slots a CTA at k 2048) has no combine
     kernel and stores no partials: each CTA stages its rows in shared memory, every thread of
     the CTA meets the cluster twice (barrier.cluster arrive / wait: the producer warps after
     their loops, the consumers around cluster_combine), and between the two barriers each
     consumer thread loads every split's (max, sum) and its dims of every split's rows over
     DSMEM (mapa + ld.shared::cluster: splits x (1 + dims / 4)); registers as the unclustered
-    variant (168, no spills). At 32 splits (64 slots) the combine kernel stays, no cluster."""
+    variant (168, no spills). At more splits the combine kernel stays, no cluster."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
