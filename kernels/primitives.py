@@ -694,6 +694,30 @@ def st_shared_f32(ptr, value):
     cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
+def st_shared_f32x2(ptr, a, b):
+    cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
+
+
+def dsmem_load_f32x2(address, cta) -> tuple:
+    """Two fp32 at shared address `address` (8-byte aligned) in CTA `cta` of the cluster."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "ld.shared::cluster.v2.f32 {{$w0}, {$w1}}, [remote];\n\t}",
+        write_only_types=[Float32] * 2,
+        read_only_args=[address, cta],
+    )
+
+
+def dsmem_load_f32x4(address, cta) -> tuple:
+    """Four fp32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote];\n\t}",
+        write_only_types=[Float32] * 4,
+        read_only_args=[address, cta],
+    )
+
+
 def st_shared_u32x4(ptr, words):
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",

@@ -45,12 +45,14 @@ combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 t
          the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
          splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
          before the weights are computed),
-         out = sum / total, lse = (max + log2(total)) x ln 2 (natural log).
+         out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Not launched
+         where partial_mma_ws has 2 .. CLUSTER_SPLITS splits: there a token's split CTAs
+         form one cluster and combine through distributed shared memory (cluster_combine).
 
 publish (the step's launch): the kernel that reads the query rows last also copies them to
 q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one split (each CTA
-its rows' only reader), else the combine (after every partial CTA) -- so no torch copy and
-fill follow the launch.
+its rows' only reader), else the combine (after every partial CTA; clustered: split 0's CTA
+after the cluster barrier) -- so no torch copy and fill follow the launch.
 
 `plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
 wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep). At
@@ -181,6 +183,17 @@ COMBINE = True
 # bench_sparse_core.py --paths msync,mws compares them.
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
+# partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
+# split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
+# unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
+# s combines latent dims [512 s / splits, 512 (s + 1) / splits) of every row from all the
+# cluster's CTAs (DSMEM), with no partials in global memory and no combine launch. Measured
+# (H200, bench/RESULTS.md session 13): 2 splits at B = 64, -3.5 us bf16 / -5.9 fp8; 4 and 8
+# splits (B = 32 / 16, 128 CTAs of one SM each) +8 to +14 us, as a GPC holds fewer 4- or
+# 8-CTA clusters than 132 / 4 or 132 / 8 (whole GPCs only), so some clusters wait for a second
+# wave. (A global ticket instead, the last CTA combining from L2, was slower: its fence,
+# atomic and load round trips sat serially at the kernel's end; session 12.)
+CLUSTER_SPLITS = 2
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
 # completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
 # 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
@@ -386,6 +399,7 @@ class SparseCore:
             default = self.heads == 16 and slots_per_cta // self.block >= least
             self.producer = default if producer is None else producer
         self.mma_ws = self.producer and not self.wgmma
+        self.clustered = self.mma_ws and 1 < self.splits <= CLUSTER_SPLITS  # the combine in the cluster
         # partial_mma_ws: rows 0 .. bulk_rows - 1 of each block by bulk copies, the rest by cp.async
         self.bulk_rows = 0
         if self.mma_ws:
@@ -398,6 +412,9 @@ class SparseCore:
             self.stages = 2
         elif self.mma_ws:
             self.stages = ws_stages(self.block, mla_fp8)
+            ring = self.stages * self.block * (FP8_ROW if mla_fp8 else STRIDE)
+            if self.clustered and ring < 16 * LATENT * 4 + 16 * 8:  # cluster_combine's staging
+                raise ValueError(f"SparseCore's ring ({ring} B) cannot stage a split's 16 rows for the cluster")
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
@@ -441,8 +458,9 @@ class SparseCore:
             # (168), the pool its setmaxnreg re-deals (left to itself it may take fewer, and
             # the consumers' setmaxnreg.inc would wait forever)
             min_blocks_per_mp=1 if self.producer else 0,
+            cluster=[self.splits, 1, 1] if self.clustered else [1, 1, 1],
         )
-        if cutlass.const_expr(self.splits > 1 and self.combine):
+        if cutlass.const_expr(self.splits > 1 and self.combine and not self.clustered):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
                 grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
             )
@@ -689,6 +707,10 @@ class SparseCore:
                     token,
                     pool_slots,
                 )
+            if cutlass.const_expr(self.clustered):  # cluster_combine's two barriers (every thread of the cluster)
+                for _ in cutlass.range_constexpr(2):
+                    cute.arch.cluster_arrive(aligned=True)
+                    cute.arch.cluster_wait()
         else:
             cute.arch.setmaxregister_increase(MMA_CONSUMER_REGS)
             self.consume_ring(
@@ -997,12 +1019,68 @@ class SparseCore:
                         P.store_f32x2(out + row + step * n, values[2 * n] * inverse, values[2 * n + 1] * inverse)
                     if col == 0 and t == 0:
                         P.store_f32(lse + token * self.gathered + head, self.lse_of(row_max[r], total))
+            elif cutlass.const_expr(self.clustered):  # into the ring (free: every consumer is past the loop)
+                local = mt * 16 + g + 8 * r
+                for n in cutlass.range_constexpr(ntiles):
+                    P.st_shared_f32x2(ring + 4 * (local * LATENT + dims + step * n), values[2 * n], values[2 * n + 1])
+                if col == 0 and t == 0:
+                    P.st_shared_f32x2(ring + 4 * (m * LATENT) + 8 * local, row_max[r], total)
             else:
                 row = (item * self.q_heads + head) * LATENT + dims
                 for n in cutlass.range_constexpr(ntiles):
                     P.store_f32x2(partial_o + row + step * n, values[2 * n], values[2 * n + 1])
                 if col == 0 and t == 0:
                     P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[r], total)
+        if cutlass.const_expr(self.clustered):
+            self.cluster_combine(ring, out, lse, q_rows, q_out, tid)
+
+    @cute.jit
+    def cluster_combine(self, ring, out, lse, q_rows, q_out, tid):
+        """The clustered combine (self.clustered): every CTA of the token's cluster has left its
+        split's unnormalized rows (fp32 [16][512], true dim order) and (max, sum) [16][2] at the
+        start of its ring; after a cluster barrier this CTA (split s of S) combines dims
+        [512 s / S, 512 (s + 1) / S) of all 16 rows from every CTA's copy (DSMEM loads), thread
+        (row = tid / 16, part = tid % 16) 512 / S / 16 contiguous dims of its row, as
+        sparse_core_combine does, and writes out (and lse: split 0); split 0 also publishes
+        the query rows (every reader of them is past the barrier). A second cluster barrier
+        keeps every CTA's shared memory alive until the last DSMEM load."""
+        split, group, token = cute.arch.block_idx()
+        m, splits, consumers = self.heads, self.splits, self.consumers
+        cute.arch.cluster_arrive(aligned=True)  # (release: this CTA's staged rows)
+        cute.arch.cluster_wait()  # (acquire: every CTA's)
+        threads_per_row = consumers // m
+        local, part = tid // threads_per_row, tid % threads_per_row
+        width = LATENT // splits // threads_per_row  # this thread's dims (4 .. 16)
+        first = split * (LATENT // splits) + part * width
+        base = ring.toint()
+        stats = [P.dsmem_load_f32x2(base + 4 * (m * LATENT) + 8 * local, Int32(s)) for s in range(splits)]
+        top = stats[0][0]
+        for s in cutlass.range_constexpr(1, splits):
+            top = cute.arch.fmax(top, stats[s][0])
+        use = P.select(top == Float32(-math.inf), Float32(0), top)
+        weights = [P.exp2_approx(stats[s][0] - use) for s in range(splits)]  # 0: a split with no live slot
+        total = Float32(0)
+        for s in cutlass.range_constexpr(splits):
+            total = total + weights[s] * stats[s][1]
+        sums = [Float32(0)] * width
+        for s in cutlass.range_constexpr(splits):
+            for q in cutlass.range_constexpr(width // 4):
+                v = P.dsmem_load_f32x4(base + 4 * (local * LATENT + first + 4 * q), Int32(s))
+                for e in cutlass.range_constexpr(4):
+                    sums[4 * q + e] = sums[4 * q + e] + weights[s] * v[e]
+        head = group * m + local
+        if head < self.gathered:
+            inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+            row = (token * self.gathered + head) * LATENT + first
+            for q in cutlass.range_constexpr(width // 2):
+                P.store_f32x2(out + row + 2 * q, sums[2 * q] * inverse, sums[2 * q + 1] * inverse)
+            if split == 0 and part == 0:
+                P.store_f32(lse + token * self.gathered + head, self.lse_of(top, total))
+        if cutlass.const_expr(self.publish):
+            if split == 0:
+                self.publish_rows(q_rows, q_out, token, group * m, m, tid, consumers)
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
 
     @cute.jit
     def consume_mma_block(

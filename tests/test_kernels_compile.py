@@ -55,8 +55,9 @@ def test_every_variant_compiled(ptx):
     assert len(ptx) == (10 + 6 + 2) + (14 + 6 + 2) + 2 * len(top_k.SPLITS)
 
 
-def _stages(variant: str, k: int) -> list[str]:
-    """The stage names a variant's kernels carry, in launch order."""
+def _stages(variant: str, k: int, shape=None) -> list[str]:
+    """The stage names a variant's kernels carry, in launch order (SparseCore's: of `shape`,
+    whose split decides whether the combine is its own kernel or done in a cluster)."""
     if variant.startswith("mla_query_"):
         norm = "tiled" if "_tiled" in variant else "rows"
         return [f"query_norm_{norm}", "mla_query_project", "mla_query_absorb"]
@@ -67,7 +68,9 @@ def _stages(variant: str, k: int) -> list[str]:
     if variant.startswith("top_k_"):
         return ["top_k_cluster"]
     if variant.startswith("sparse_core_s"):
-        return ["sparse_core_partial"] + (["sparse_core_combine"] if int(variant.split("_s")[-1]) < k else [])
+        slots = int(variant.split("_s")[-1].split("_")[0])
+        clustered = catalog.build(shape, "sparse_core", slots=slots).op.clustered
+        return ["sparse_core_partial"] + (["sparse_core_combine"] if slots < k and not clustered else [])
     return [variant]  # query_norm_rows / _tiled, index_key, dsa_index, top_k, dcp_merge, query_wait
 
 
@@ -94,7 +97,8 @@ def test_every_kernel_is_named_after_its_stage(ptx, kernel):
         if variant.startswith(kernel):
             found = True
             names = [short(name) for name in re.findall(r"\.entry (\w+)\(", text)]
-            assert names == [f"cute:{stage}" for stage in _stages(variant, 2048)], (shape, variant, names)
+            expect = [f"cute:{stage}" for stage in _stages(variant, 2048, SHAPES[shape])]
+            assert names == expect, (shape, variant, names)
     assert found
 
 
@@ -618,6 +622,55 @@ def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, mo
     assert sorted(modules[False]) == ["cute:sparse_core_partial"]
     assert modules[False]["cute:sparse_core_partial"] == modules[True]["cute:sparse_core_partial"]
     assert keys[True] != keys[False]
+
+
+@pytest.mark.parametrize("slots", [64, 256, 512, 1024])
+@pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
+def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(tmp_path, shape_name, slots):
+    """partial_mma_ws with 2 .. CLUSTER_SPLITS splits (1024 slots a CTA at k 2048) has no combine
+    kernel and stores no partials: each CTA stages its rows in shared memory, every thread of
+    the CTA meets the cluster twice (barrier.cluster arrive / wait: the producer warps after
+    their loops, the consumers around cluster_combine), and between the two barriers each
+    consumer thread loads every split's (max, sum) and its dims of every split's rows over
+    DSMEM (mapa + ld.shared::cluster: splits x (1 + dims / 4)); registers as the unclustered
+    variant (168, no spills). At more splits the combine kernel stays, no cluster."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    shape = MMA_SHAPES[shape_name]
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=True, producer=True)
+    op = variant.op
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    splits = shape.model.index_topk // slots
+    assert op.mma_ws and op.splits == splits and op.clustered == (splits <= sparse_core.CLUSTER_SPLITS)
+    names = [short(name) for name in re.findall(r"\.entry (\w+)\(", ptx)]
+    partial = next(e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0])
+    if not op.clustered:
+        assert names == ["cute:sparse_core_partial", "cute:sparse_core_combine"] and "barrier.cluster" not in partial
+        return
+    assert names == ["cute:sparse_core_partial"]
+    arrives = re.findall(r"barrier\.cluster\.arrive(?:\.release)?\.aligned;", partial)
+    waits = re.findall(r"barrier\.cluster\.wait(?:\.acquire)?(?:\.aligned)?;", partial)
+    assert len(arrives) == len(waits) == 4, (len(arrives), len(waits))  # 2 on each side of the warp split
+    width = 512 // splits // 16
+    assert partial.count("mapa.shared::cluster.u32") == splits * (1 + width // 4)
+    assert partial.count("ld.shared::cluster.v2.f32") == splits
+    assert partial.count("ld.shared::cluster.v4.f32") == splits * (width // 4)
+    assert "st.global.v2.f32" in partial  # out
+    first, last = partial.index("barrier.cluster.arrive"), partial.rindex("barrier.cluster.wait")
+    loads = [found.start() for found in re.finditer(r"ld\.shared::cluster", partial)]
+    assert all(first < at < last for at in loads)
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    producer = partial[dec:inc] if dec < inc else partial[dec:]
+    assert producer.count("barrier.cluster.arrive") == 2, "the producer warps meet both cluster barriers"
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, found
 
 
 @pytest.mark.parametrize("bulk", [None, 0, 3, 16], ids=lambda n: "default" if n is None else f"bulk{n}")
