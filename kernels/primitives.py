@@ -698,22 +698,15 @@ def st_shared_f32x2(ptr, a, b):
     cute.arch.inline_ptx("st.shared.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
 
 
-def dsmem_load_f32x2(address, cta) -> tuple:
-    """Two fp32 at shared address `address` (8-byte aligned) in CTA `cta` of the cluster."""
+def dsmem_load(address, cta, dtype, count: int) -> tuple:
+    """`count` (2 or 4) 32-bit values of `dtype` (Float32 or Int32) at shared address `address`
+    (aligned to their bytes) in CTA `cta` of the cluster (mapa, then ld.shared::cluster)."""
+    regs = "{" + ", ".join("{$w%d}" % i for i in range(count)) + "}"
+    kind = "f32" if dtype is Float32 else "b32"
     return cute.arch.inline_ptx(
         "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "ld.shared::cluster.v2.f32 {{$w0}, {$w1}}, [remote];\n\t}",
-        write_only_types=[Float32] * 2,
-        read_only_args=[address, cta],
-    )
-
-
-def dsmem_load_f32x4(address, cta) -> tuple:
-    """Four fp32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote];\n\t}",
-        write_only_types=[Float32] * 4,
+        + f"ld.shared::cluster.v{count}.{kind} {regs}, [remote];\n\t}}",
+        write_only_types=[dtype] * count,
         read_only_args=[address, cta],
     )
 

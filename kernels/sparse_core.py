@@ -1053,7 +1053,7 @@ class SparseCore:
         width = LATENT // splits // threads_per_row  # this thread's dims (4 .. 16)
         first = split * (LATENT // splits) + part * width
         base = ring.toint()
-        stats = [P.dsmem_load_f32x2(base + 4 * (m * LATENT) + 8 * local, Int32(s)) for s in range(splits)]
+        stats = [P.dsmem_load(base + 4 * (m * LATENT) + 8 * local, Int32(s), Float32, 2) for s in range(splits)]
         top = stats[0][0]
         for s in cutlass.range_constexpr(1, splits):
             top = cute.arch.fmax(top, stats[s][0])
@@ -1065,7 +1065,7 @@ class SparseCore:
         sums = [Float32(0)] * width
         for s in cutlass.range_constexpr(splits):
             for q in cutlass.range_constexpr(width // 4):
-                v = P.dsmem_load_f32x4(base + 4 * (local * LATENT + first + 4 * q), Int32(s))
+                v = P.dsmem_load(base + 4 * (local * LATENT + first + 4 * q), Int32(s), Float32, 4)
                 for e in cutlass.range_constexpr(4):
                     sums[4 * q + e] = sums[4 * q + e] + weights[s] * v[e]
         head = group * m + local

@@ -421,16 +421,6 @@ def list_entries(split: Split) -> int:
     return entries if 4 * entries >= own else 0
 
 
-def dsmem_load4(address, cta) -> tuple:
-    """The four Int32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "ld.shared::cluster.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [remote];\n\t}",
-        write_only_types=[Int32] * 4,
-        read_only_args=[address, cta],
-    )
-
-
 def dsmem_store4(address, cta, words):
     """Store four Int32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
     cute.arch.inline_ptx(
@@ -818,7 +808,7 @@ class ClusterTopK:
             first = cta * owned + 4 * (tid % quads)
             parts = []  # every load issued before any is summed
             for i in cutlass.range_constexpr(ctas):
-                parts.append(dsmem_load4(base_address + 4 * (hist + first), (cta + i) % ctas))
+                parts.append(P.dsmem_load(base_address + 4 * (hist + first), (cta + i) % ctas, Int32, 4))
             sums = list(parts[0])
             for i in cutlass.range_constexpr(1, ctas):
                 sums = [sums[j] + parts[i][j] for j in range(4)]
