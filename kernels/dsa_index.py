@@ -84,6 +84,16 @@ SMS = 132  # H100 / H200 SXM
 CTA_PAGES = (2, 4, 8, 16, 32)
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
+# How the consumers widen their key bytes to fp16 (scores bit-identical either way): "cvt"
+# every word by `cvt.rn.f16x2.e4m3x2` (the conversion unit); "int" by integer bit moves
+# (`primitives.e4m3x4_to_f16x2_scaled`: the key over 2^8, undone on the row's sum, exactly);
+# "split" rows g by cvt and rows g + 8 by bit moves, so the two pipes share the work.
+WIDENS = ("cvt", "int", "split")
+WIDEN = "cvt"
+# Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-variants): no_widen
+# feeds the key words to the wgmma unconverted, no_mma skips the wgmma.
+PROBES = ("", "no_widen", "no_mma")
+PROBE = ""
 
 
 def pages_per_cta(batch: int, pages_per_seq: int) -> int:
@@ -154,6 +164,11 @@ def _prefetch_l2(ptr, nbytes):
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[ptr, nbytes])
 
 
+def _as_f32(word) -> Float32:
+    """A 32-bit word's bits as an fp32 (the no_mma probe's stand-in accumulators)."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[word])
+
+
 def _consumer_sync():
     cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
 
@@ -201,6 +216,9 @@ def _wgmma_page(a, qbase) -> list:
 class DsaIndex:
     def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True):
         self.dcp, self.rank, self.pdl = dcp, rank, pdl
+        self.widen, self.probe = WIDEN, PROBE
+        if self.widen not in WIDENS or self.probe not in PROBES:
+            raise ValueError(f"dsa_index.WIDEN / PROBE: {self.widen!r} / {self.probe!r} not in {WIDENS} / {PROBES}")
 
     @cute.jit
     def __call__(
@@ -418,7 +436,12 @@ class DsaIndex:
                 halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
                 for r in cutlass.range_constexpr(2):
                     for k in cutlass.range_constexpr(8):
-                        f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
+                        if cutlass.const_expr(self.probe == "no_widen"):
+                            f0, f1 = frags[r][k], frags[r][k]
+                        elif cutlass.const_expr(self.bit_moves(r)):
+                            f0, f1 = P.e4m3x4_to_f16x2_scaled(frags[r][k])
+                        else:
+                            f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
                         halves[r] += [f0, f1]
                 # Release the stage to the producer's next bulk copy. The fence is what makes the
                 # release safe: ptxas schedules the arrive right after the four LDS.128 of the
@@ -433,8 +456,14 @@ class DsaIndex:
                 a = []
                 for s in cutlass.range_constexpr(8):
                     a += a_fragment(halves, s)
-                acc = _wgmma_page(a, qbase)
+                if cutlass.const_expr(self.probe == "no_mma"):
+                    acc = [_as_f32(a[k]) for k in range(32)]
+                else:
+                    acc = _wgmma_page(a, qbase)
                 sums = self.head_sums(acc, weights)
+                for r in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(self.bit_moves(r)):  # those keys were widened over 2^8
+                        sums[r] = sums[r] * Float32(256.0)
                 position = (first + i) * PAGE
                 if t == 0:
                     for r in cutlass.range_constexpr(2):
@@ -445,6 +474,10 @@ class DsaIndex:
         start, stop = (first + live) * PAGE, (first + count) * PAGE
         for p in range(start + tid, stop, CONSUMERS):
             P.store_f32(out + p, Float32(float("-inf")))
+
+    def bit_moves(self, r: int) -> bool:
+        """Whether a thread's key row g + 8 r is widened by bit moves (over 2^8) or by cvt."""
+        return self.widen == "int" or (self.widen == "split" and r == 1)
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):
