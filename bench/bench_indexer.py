@@ -9,7 +9,7 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...] [--splits ...]   # TopK variants
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
-    python bench/bench_indexer.py --dsa-variants cvt,int,split,no_widen,no_mma [--batch ...] [--context ...]
+    python bench/bench_indexer.py --dsa-probes no_widen,no_mma [--batch ...] [--context ...]   # DsaIndex probes
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
 rotates over enough weight copies and scoring over enough cache copies that each launch
@@ -20,10 +20,9 @@ move / time, against 4.3 TB/s. `--top-k-sweep` times only TopK, every variant th
 the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the data for
 `kernels/top_k.py`'s `PICKS` table. `--rotation` times IndexQuery (wq_b from HBM) and
 IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
-the rotation, and with neither: the cost of the rotation in the two kernels. `--dsa-variants`
-times only DsaIndex, once per key widening (`dsa_index.WIDENS`) or probe (`dsa_index.PROBES`:
-wrong scores, times only), on the same inputs; each exact widening's scores must equal
-"cvt"'s bit for bit (checked on the bench's data, reported in the `equal` column).
+the rotation, and with neither: the cost of the rotation in the two kernels. `--dsa-probes`
+times only DsaIndex, as it runs and once per listed probe (`dsa_index.PROBES`: wrong scores,
+times only), on the same inputs: what each left-out part costs.
 """
 
 from __future__ import annotations
@@ -306,9 +305,8 @@ def main_rotation(args) -> int:
     return 0
 
 
-def bench_dsa_variants(shape: RankShape, context: int, batches: list[int], variants: list[str], launches: int = 8):
-    """DsaIndex per widening / probe at each batch: {variant: us}, and whether each exact
-    widening's scores equal cvt's (torch.equal on this batch's inputs)."""
+def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes: list[str], launches: int = 8):
+    """DsaIndex as it runs ("") and under each probe, at each batch: {probe: us}."""
     m = shape.model
     state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
     kernels = Kernels(shape, state.weights)
@@ -324,50 +322,39 @@ def bench_dsa_variants(shape: RankShape, context: int, batches: list[int], varia
         hw = torch.empty(batch, m.index_heads, device="cuda")
         kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
         tables, lens = inputs.block_tables, inputs.context_lens
-        width = state.pages_per_seq * m.page_size
+        scores = torch.empty(batch, state.pages_per_seq * m.page_size, device="cuda")
         row = dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]))
-        scores = {}
-        for variant in variants:
-            probe = variant in dsa_index.PROBES
-            dsa_index.WIDEN, dsa_index.PROBE = ("cvt", variant) if probe else (variant, "")
+
+        def body():
+            for i in range(launches):
+                kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch)
+
+        for probe in ["", *probes]:
+            dsa_index.PROBE = probe
             try:
-                out = torch.full((batch, width), float("nan"), device="cuda")
-
-                def body(out=out):
-                    for i in range(launches):
-                        kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, out, batch)
-
-                print(f"  ctx={context} B={batch} dsa_index {variant} ...", file=sys.stderr, flush=True)
-                row[variant] = graph_time_us(body, launches, replays=10)
-                if not probe:
-                    out.fill_(float("nan"))
-                    kernels.dsa_index(q8, hw, state.caches.index_cache, tables, lens, out, batch)
-                    torch.cuda.synchronize()
-                    scores[variant] = out
+                print(f"  ctx={context} B={batch} dsa_index {probe or 'as it runs'} ...", file=sys.stderr, flush=True)
+                row[probe] = graph_time_us(body, launches, replays=10)
             finally:
-                dsa_index.WIDEN, dsa_index.PROBE = "cvt", ""
-        exact = [v for v in scores if v != "cvt"]
-        if "cvt" in scores:
-            row["equal"] = " ".join(f"{v}:{'yes' if torch.equal(scores[v], scores['cvt']) else 'NO'}" for v in exact)
+                dsa_index.PROBE = ""
         rows.append(row)
     return rows
 
 
-def main_dsa_variants(args, shape: RankShape) -> int:
-    variants = args.dsa_variants.split(",")
-    unknown = [v for v in variants if v not in dsa_index.WIDENS and v not in dsa_index.PROBES[1:]]
+def main_dsa_probes(args, shape: RankShape) -> int:
+    probes = args.dsa_probes.split(",")
+    unknown = [p for p in probes if p not in dsa_index.PROBES[1:]]
     if unknown:
-        raise SystemExit(f"unknown DsaIndex variants {unknown}: expected {dsa_index.WIDENS + dsa_index.PROBES[1:]}")
+        raise SystemExit(f"unknown DsaIndex probes {unknown}: expected some of {dsa_index.PROBES[1:]}")
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):
-        rows += bench_dsa_variants(shape, context, batches, variants)
+        rows += bench_dsa_probes(shape, context, batches, probes)
         torch.cuda.empty_cache()
     report(
         rows,
-        ["ctx", "B", "run", *variants, "equal to cvt"],
-        [[r["context"], r["batch"], r["run"], *(r[v] for v in variants), r.get("equal", "")] for r in rows],
-        "DsaIndex us per launch (median of graph replays) per key widening / probe (probes: wrong scores)",
+        ["ctx", "B", "run", "dsa_index", *probes],
+        [[r["context"], r["batch"], r["run"], *(r[p] for p in ["", *probes])] for r in rows],
+        "DsaIndex us per launch (median of graph replays), as it runs and under each probe (wrong scores)",
         args.json,
     )
     return 0
@@ -384,7 +371,7 @@ def main() -> int:
         "--rotation", action="store_true", help="time IndexQuery and IndexKey with and without the Hadamard rotation"
     )
     parser.add_argument(
-        "--dsa-variants", default="", help="time DsaIndex per widening / probe (names, comma-separated)"
+        "--dsa-probes", default="", help="time DsaIndex as it runs and under these probes (comma-separated)"
     )
     args = parse_args(parser)
     if args.rotation:
@@ -393,8 +380,8 @@ def main() -> int:
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
     if args.top_k_sweep:
         return main_top_k_sweep(args, shape)
-    if args.dsa_variants:
-        return main_dsa_variants(args, shape)
+    if args.dsa_probes:
+        return main_dsa_probes(args, shape)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):

@@ -84,14 +84,10 @@ SMS = 132  # H100 / H200 SXM
 CTA_PAGES = (2, 4, 8, 16, 32)
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
-# How the consumers widen their key bytes to fp16 (scores bit-identical either way): "cvt"
-# every word by `cvt.rn.f16x2.e4m3x2` (the conversion unit); "int" by integer bit moves
-# (`primitives.e4m3x4_to_f16x2_scaled`: the key over 2^8, undone on the row's sum, exactly);
-# "split" rows g by cvt and rows g + 8 by bit moves, so the two pipes share the work.
-WIDENS = ("cvt", "int", "split")
-WIDEN = "cvt"
-# Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-variants): no_widen
-# feeds the key words to the wgmma unconverted, no_mma skips the wgmma.
+# Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-probes): no_widen feeds
+# the key words to the wgmma unconverted, no_mma skips the wgmma. (H200, session 14: at 32K B = 4
+# they save 0.4 / 1.7 of 9.4 us; widening by integer bit moves instead of cvt, or half by each,
+# was slower everywhere: the conversions are not what bounds the kernel. bench/RESULTS.md)
 PROBES = ("", "no_widen", "no_mma")
 PROBE = ""
 
@@ -216,9 +212,9 @@ def _wgmma_page(a, qbase) -> list:
 class DsaIndex:
     def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True):
         self.dcp, self.rank, self.pdl = dcp, rank, pdl
-        self.widen, self.probe = WIDEN, PROBE
-        if self.widen not in WIDENS or self.probe not in PROBES:
-            raise ValueError(f"dsa_index.WIDEN / PROBE: {self.widen!r} / {self.probe!r} not in {WIDENS} / {PROBES}")
+        self.probe = PROBE
+        if self.probe not in PROBES:
+            raise ValueError(f"dsa_index.PROBE must be one of {PROBES}, got {self.probe!r}")
 
     @cute.jit
     def __call__(
@@ -438,8 +434,6 @@ class DsaIndex:
                     for k in cutlass.range_constexpr(8):
                         if cutlass.const_expr(self.probe == "no_widen"):
                             f0, f1 = frags[r][k], frags[r][k]
-                        elif cutlass.const_expr(self.bit_moves(r)):
-                            f0, f1 = P.e4m3x4_to_f16x2_scaled(frags[r][k])
                         else:
                             f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
                         halves[r] += [f0, f1]
@@ -461,9 +455,6 @@ class DsaIndex:
                 else:
                     acc = _wgmma_page(a, qbase)
                 sums = self.head_sums(acc, weights)
-                for r in cutlass.range_constexpr(2):
-                    if cutlass.const_expr(self.bit_moves(r)):  # those keys were widened over 2^8
-                        sums[r] = sums[r] * Float32(256.0)
                 position = (first + i) * PAGE
                 if t == 0:
                     for r in cutlass.range_constexpr(2):
@@ -474,10 +465,6 @@ class DsaIndex:
         start, stop = (first + live) * PAGE, (first + count) * PAGE
         for p in range(start + tid, stop, CONSUMERS):
             P.store_f32(out + p, Float32(float("-inf")))
-
-    def bit_moves(self, r: int) -> bool:
-        """Whether a thread's key row g + 8 r is widened by bit moves (over 2^8) or by cvt."""
-        return self.widen == "int" or (self.widen == "split" and r == 1)
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):

@@ -231,25 +231,6 @@ def e4m3x4_to_f16x2(word) -> tuple:
     )
 
 
-def e4m3x4_to_f16x2_scaled(word) -> tuple:
-    """As e4m3x4_to_f16x2, by integer bit moves instead of the conversion unit, and each value
-    times 2^-8 (exact): an e4m3 byte's exponent and mantissa bits, shifted left by 7, are the
-    f16 of the value over 2^8 (the biases differ by 8; e4m3 subnormals land on f16 subnormals
-    of the same value over 2^8). Per output word: the byte pair into the high bytes of the
-    halves (prmt), shifted right by 1, then the sign (now bit 14 / 30) added to itself so it
-    carries into bit 15 / 31. An e4m3 NaN byte becomes a finite f16; the caches hold none."""
-    lines = ["{", ".reg .b32 x, s, m;"]
-    for out, selector in ((0, 0x1404), (1, 0x3424)):
-        lines += [
-            f"prmt.b32 x, {{$r0}}, 0, {selector:#06x};",
-            "shr.b32 s, x, 1;",
-            "and.b32 m, s, 0x40004000;",
-            f"add.u32 {{$w{out}}}, s, m;",
-        ]
-    lines.append("}")
-    return cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Uint32, Uint32], read_only_args=[word])
-
-
 def abs_max_bits(values) -> Int32:
     """The largest |v| of fp32 values as its bits (an Int32 >= 0: for non-negative floats,
     integer order is float order; NaN above inf)."""

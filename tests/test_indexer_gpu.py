@@ -294,39 +294,6 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
     assert ((top >= 0).sum(1) == lens.clamp(max=2048)).all()
 
 
-@pytest.mark.parametrize("widen", ["int", "split"])
-@pytest.mark.parametrize("run", [None, 2])
-def test_dsa_index_widenings_give_the_cvt_scores_bit_for_bit(scoring, widen, run, monkeypatch):
-    """Keys widened by bit moves (over 2^8, the row's sum times 256) score exactly what cvt's
-    widening scores: torch.equal on every position, -inf tails included, e4m3 subnormal key
-    bytes among the random keys (dsa_index.WIDENS)."""
-    state, inputs, q_fp8, head_w, expect, lens = scoring
-    kernels = Kernels(state.shape, state.weights)
-    width = state.pages_per_seq * 64
-    out = {}
-    for variant in ("cvt", widen):
-        monkeypatch.setattr(dsa_index, "WIDEN", variant)
-        scores = torch.full((len(SCORE_LENGTHS), width), float("nan"), device="cuda")  # poison
-        kernels.dsa_index(
-            q_fp8,
-            head_w,
-            state.caches.index_cache,
-            inputs.block_tables,
-            inputs.context_lens,
-            scores,
-            len(SCORE_LENGTHS),
-            pages_per_cta=run,
-        )
-        torch.cuda.synchronize()
-        out[variant] = scores
-    keys = state.caches.index_cache[:, : dsa_index.KEY_BYTES]
-    assert (((keys & 0x78) == 0) & ((keys & 0x07) != 0)).any(), "the cache holds e4m3 subnormal key bytes"
-    assert not torch.isnan(out[widen]).any()
-    assert torch.equal(out[widen], out["cvt"])
-    for b, n in enumerate(lens.tolist()):
-        assert rel_err(out[widen][b, :n], expect[b, :n]) < 1e-5, b
-
-
 def _score_mismatches(scores, expect, lens, run, tol=1e-5):
     """Every wrong token of `scores` against `expect` (both [B, >= len]): one line per token
     with its rel_err, the -inf/finite checks, and its wrong positions grouped by page

@@ -1162,89 +1162,26 @@ def test_dcp_merge_reads_each_ranks_candidates_at_its_offset(ptx):
     assert "ld.global.s64" in text and text.index("griddepcontrol.wait") < text.index("ld.global.s64")
 
 
-def _dsa_index_ptx(tmp_path, monkeypatch, widen: str, probe: str = "") -> tuple:
-    """The DsaIndex variant for dsa_index.WIDEN / PROBE compiled for sm_90a: (op, PTX, the
-    kernel's cubin attributes)."""
+@pytest.mark.parametrize("probe", ["no_widen", "no_mma"])
+def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
+    """bench_indexer.py --dsa-probes (dsa_index.PROBE; wrong scores, times only): no_widen keeps
+    only the query rows' 32 cvt (not the keys' 32 a page), no_mma has no wgmma; both keep the
+    ring, its releases and no stack, and each is its own compile-cache entry."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
     from graphstep.kernels import dsa_index
 
-    monkeypatch.setattr(dsa_index, "WIDEN", widen)
+    default = catalog.build(SHAPES["tp8"], "dsa_index").op
     monkeypatch.setattr(dsa_index, "PROBE", probe)
     variant = catalog.build(SHAPES["tp8"], "dsa_index")
-    assert (variant.op.widen, variant.op.probe) == (widen, probe)
-    folder = tmp_path / f"{widen}{probe}"
-    folder.mkdir()
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(folder))](
+    assert variant.op.probe == probe and catalog._key(variant.op, "sm_90a") != catalog._key(default, "sm_90a")
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
-    (ptx,) = [p.read_text() for p in folder.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in folder.iterdir() if p.suffix == ".cubin"]
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     (found,) = _cubin_kernels(cubin.read_bytes()).values()
-    return variant.op, ptx, found
-
-
-@pytest.mark.parametrize("widen", ["cvt", "int", "split"])
-def test_dsa_index_widens_keys_by_cvt_by_bit_moves_or_both(tmp_path, monkeypatch, widen):
-    """The consumers' 16 key words a page become 32 fp16x2 words: by cvt (2 per word), by
-    bit moves (2 prmt per word, the row sum then times 256), or rows g by cvt and g + 8 by
-    bit moves; the query rows are widened by cvt in every variant (32 per CTA). Same
-    registers bound (4 CTAs of 160 threads per SM), no stack, and one compile-cache entry each."""
-    from graphstep.kernels import dsa_index
-
-    op, ptx, found = _dsa_index_ptx(tmp_path, monkeypatch, widen)
-    by_bits = {"cvt": 0, "int": 2, "split": 1}[widen]  # key rows a thread widens by bit moves
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 32 + 16 * (2 - by_bits)
-    assert ptx.count("prmt.b32") == 16 * by_bits
-    assert ("mul.f32" in ptx and "0f43800000" in ptx) == (by_bits > 0)  # x 256
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 8
-    assert found["frame"] == 0 and found["regs"] * dsa_index.THREADS * 4 <= 65536, found
-    others = {w for w in dsa_index.WIDENS if w != widen}
-    monkeypatch.setattr(dsa_index, "WIDEN", others.pop())
-    assert catalog._key(catalog.build(SHAPES["tp8"], "dsa_index").op, "sm_90a") != catalog._key(op, "sm_90a")
-
-
-def test_dsa_index_bit_moves_give_every_e4m3_over_256(tmp_path, monkeypatch):
-    """The int variant's widening as compiled (its prmt selectors and the sign mask read from
-    the PTX), run on every e4m3 byte at every byte position of a word: each output half is
-    the f16 of the byte's value / 256 (exact; +0 and -0 kept), lower pair from bytes 0, 1."""
-    import numpy as np
-
-    _, ptx, _ = _dsa_index_ptx(tmp_path, monkeypatch, "int")
-    selectors = [int(s, 16) for s in re.findall(r"prmt\.b32\s+\w+, %r\d+, 0, (0x[0-9a-fA-F]+);", ptx)]
-    assert sorted(set(selectors)) == [0x1404, 0x3424] and len(selectors) == 32
-    (mask,) = set(re.findall(r"and\.b32\s+\w+, \w+, (0x[0-9a-fA-F]+);\s*\n\s*add\.u32", ptx))
-    mask = int(mask, 0)
-    assert re.search(r"shr\.b32\s+\w+, \w+, 1;", ptx)
-
-    def widen(word: int, selector: int) -> int:
-        source = [(word >> 8 * i) & 0xFF for i in range(4)] + [0] * 4
-        x = sum(source[(selector >> 4 * i) & 0xF] << 8 * i for i in range(4))
-        s = x >> 1
-        return (s + (s & mask)) & 0xFFFFFFFF
-
-    def e4m3(b: int) -> float:
-        sign = -1.0 if b & 0x80 else 1.0
-        e, m = (b >> 3) & 0xF, b & 7
-        return sign * (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
-
-    for b in range(256):
-        if b & 0x7F == 0x7F:
-            continue  # NaN, never in a cache
-        for position in range(4):
-            out = widen(b << 8 * position, (0x1404, 0x3424)[position // 2])
-            half = (out >> 16 * (position % 2)) & 0xFFFF
-            value = np.array([half], dtype=np.uint16).view(np.float16)[0]
-            assert float(value) * 256 == e4m3(b) and np.signbit(value) == bool(b & 0x80), (b, position)
-            assert out & ~(0xFFFF << 16 * (position % 2)) == 0, (b, position)  # the other half stays 0
-
-
-@pytest.mark.parametrize("probe", ["no_widen", "no_mma"])
-def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
-    """bench_indexer.py --dsa-variants's probes (wrong scores, times only): no_widen has only
-    the query rows' 32 cvt, no_mma no wgmma; both keep the ring and its releases."""
-    _, ptx, found = _dsa_index_ptx(tmp_path, monkeypatch, "cvt", probe)
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == (32 if probe == "no_widen" else 64)
     assert ("wgmma.mma_async" in ptx) == (probe != "no_mma")
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
