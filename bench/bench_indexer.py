@@ -10,6 +10,7 @@ tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...] [--splits ...]   # TopK variants
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
     python bench/bench_indexer.py --dsa-probes no_widen,no_mma [--batch ...] [--context ...]   # DsaIndex probes
+    python bench/bench_indexer.py --dsa-trace [--batch ...] [--context ...]   # DsaIndex CTA timelines
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
 rotates over enough weight copies and scoring over enough cache copies that each launch
@@ -340,6 +341,104 @@ def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes:
     return rows
 
 
+def dsa_timeline(trace: torch.Tensor, run: int) -> dict:
+    """Summary of one traced DsaIndex launch (dsa_index.TRACE_SLOTS in each CTA's first
+    positions of `trace` [B, width] fp32, NaN where no CTA wrote): times in us from the
+    launch's first CTA start, per-CTA phases in us (medians over CTAs), %clock converted at
+    the median clock rate (cycles over globaltimer ns between a CTA's entry and exit)."""
+    slots = len(dsa_index.TRACE_SLOTS)
+    words = trace.view(torch.int32).reshape(trace.shape[0], -1, run * 64)[:, :, : slots + dsa_index.TRACE_PAGES]
+    words = words.reshape(-1, words.shape[-1]).cpu().long()
+    ok = words[:, 7] != torch.tensor([float("nan")]).view(torch.int32).long()
+    words = words[ok]
+    start = (words[:, 0] & 0xFFFFFFFF) | (words[:, 1] << 32)
+    end = (words[:, 2] & 0xFFFFFFFF) | (words[:, 3] << 32)
+    clk_end, clk_wait, clk_query, live = words[:, 4], words[:, 5], words[:, 6], words[:, 7]
+    ghz = (clk_end.double() / (end - start).clamp_min(1).double()).median().item()
+    us = 1e-3 / ghz  # us per clock
+
+    def med(x):
+        return float(x.double().median()) if len(x) else float("nan")
+
+    t0 = start.min()
+    rel = (start - t0).double() / 1e3
+    wait = rel + clk_wait.double() * us
+    finish = rel + clk_end.double() * us
+    pages = [words[i, slots : slots + min(int(live[i]), dsa_index.TRACE_PAGES)] for i in range(len(words))]
+    first = torch.stack([p[0] for p in pages])
+    last = torch.stack([p[-1] for p in pages])
+    per_page = torch.tensor([(p[-1] - p[0]).item() / (len(p) - 1) for p in pages if len(p) > 1] or [float("nan")])
+    return dict(
+        ctas=len(words),
+        ghz=ghz,
+        start_p50=med(rel),
+        start_max=float(rel.max()),
+        wait_min=float(wait.min()),
+        wait_max=float(wait.max()),
+        query=med(clk_query - clk_wait) * us,
+        first_page=med(first - clk_query) * us,
+        per_page=med(per_page) * us,
+        tail=med(clk_end - last) * us,
+        end_p50=med(finish),
+        end_max=float(finish.max()),
+    )
+
+
+def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
+    """Each CTA's timeline in the last of `launches` back-to-back DsaIndex launches in a
+    graph (the others as they run; PDL between them), per context and batch."""
+    m = shape.model
+    rows = []
+    for context in (int(c) for c in args.context.split(",")):
+        batches = [int(b) for b in args.batch.split(",")]
+        state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
+        kernels = Kernels(shape, state.weights)
+        for batch in batches:
+            inputs = state.inputs(batch, context_lens=context)
+            caches = [state.caches.index_cache] + [
+                state.caches.index_cache.clone()
+                for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
+            ]
+            qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
+            q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
+            hw = torch.empty(batch, m.index_heads, device="cuda")
+            kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
+            tables, lens = inputs.block_tables, inputs.context_lens
+            width = state.pages_per_seq * m.page_size
+            scores = torch.empty(batch, width, device="cuda")
+            trace = torch.full((batch, width), float("nan"), device="cuda")
+
+            def body():
+                for i in range(launches):
+                    last = i == launches - 1
+                    dsa_index.PROBE = "trace" if last else ""
+                    try:
+                        out = trace if last else scores
+                        kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, out, batch)
+                    finally:
+                        dsa_index.PROBE = ""
+
+            print(f"  ctx={context} B={batch} dsa_index trace ...", file=sys.stderr, flush=True)
+            per_launch = graph_time_us(body, launches, replays=10)
+            run = pages_per_cta(batch, tables.shape[1])
+            rows.append(dict(context=context, batch=batch, run=run, us=per_launch, **dsa_timeline(trace, run)))
+        del state
+        torch.cuda.empty_cache()
+    keys = ["ctas", "ghz", "start_p50", "start_max", "wait_min", "wait_max", "query", "first_page", "per_page"]
+    keys += ["tail", "end_p50", "end_max"]
+    report(
+        rows,
+        ["ctx", "B", "run", "us/launch", *keys],
+        [[r["context"], r["batch"], r["run"], r["us"], *(round(r[k], 2) for k in keys)] for r in rows],
+        "DsaIndex's last launch of 8 in a graph, traced (dsa_index PROBE trace: no score stores). Times in us:"
+        " start / wait / end from the launch's first CTA start (p50, max or min over CTAs); query (PDL wait ->"
+        " query rows staged), first_page (staged -> page 0 full), per_page (between full waits), tail (last"
+        " page full -> exit): medians over CTAs; ghz: the median %clock rate",
+        args.json,
+    )
+    return 0
+
+
 def main_dsa_probes(args, shape: RankShape) -> int:
     probes = args.dsa_probes.split(",")
     unknown = [p for p in probes if p not in dsa_index.PROBES[1:]]
@@ -373,6 +472,7 @@ def main() -> int:
     parser.add_argument(
         "--dsa-probes", default="", help="time DsaIndex as it runs and under these probes (comma-separated)"
     )
+    parser.add_argument("--dsa-trace", action="store_true", help="each DsaIndex CTA's timeline (the trace probe)")
     args = parse_args(parser)
     if args.rotation:
         return main_rotation(args)
@@ -382,6 +482,8 @@ def main() -> int:
         return main_top_k_sweep(args, shape)
     if args.dsa_probes:
         return main_dsa_probes(args, shape)
+    if args.dsa_trace:
+        return main_dsa_trace(args, shape)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):

@@ -85,11 +85,18 @@ CTA_PAGES = (2, 4, 8, 16, 32)
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
 # Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-probes): no_widen feeds
-# the key words to the wgmma unconverted, no_mma skips the wgmma. (H200, session 14: at 32K B = 4
-# they save 0.4 / 1.7 of 9.4 us; widening by integer bit moves instead of cvt, or half by each,
-# was slower everywhere: the conversions are not what bounds the kernel. bench/RESULTS.md)
-PROBES = ("", "no_widen", "no_mma")
+# the key words to the wgmma unconverted, no_mma skips the wgmma; trace stores no scores but each
+# CTA's timeline into its own first positions (TRACE_SLOTS; bench_indexer.py --dsa-trace).
+# (H200, session 14: at 32K B = 4 no_widen / no_mma save 0.4 / 1.7 of 9.4 us; widening by
+# integer bit moves instead of cvt, or half by each, was slower everywhere: the conversions
+# are not what bounds the kernel. bench/RESULTS.md)
+PROBES = ("", "no_widen", "no_mma", "trace")
 PROBE = ""
+# The trace probe's int32 slots from a CTA's first score position: globaltimer ns at entry
+# (2 words) and at exit (2), then %clock deltas from entry: exit, the PDL wait's return, the
+# query rows staged, the live pages, then page i's full-barrier wait done (i < TRACE_PAGES).
+TRACE_SLOTS = ("start", "start_hi", "end", "end_hi", "clk_end", "clk_wait", "clk_query", "live")
+TRACE_PAGES = 2 * PAGE - len(TRACE_SLOTS)  # a run of >= 2 pages has room
 
 
 def pages_per_cta(batch: int, pages_per_seq: int) -> int:
@@ -163,6 +170,14 @@ def _prefetch_l2(ptr, nbytes):
 def _as_f32(word) -> Float32:
     """A 32-bit word's bits as an fp32 (the no_mma probe's stand-in accumulators)."""
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[word])
+
+
+def _store_i32(ptr, value):
+    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
+def _store_i64(ptr, value):
+    cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
 def _consumer_sync():
@@ -254,6 +269,9 @@ class DsaIndex:
     ):
         tid, _, _ = cute.arch.thread_idx()
         chunk, token, _ = cute.arch.block_idx()
+        clock0, start = Int32(0), Int64(0)
+        if cutlass.const_expr(self.probe == "trace"):
+            clock0, start = cute.arch.clock(), P.globaltimer()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * PAGE_BYTES), byte_alignment=128)
@@ -285,6 +303,9 @@ class DsaIndex:
             _prefetch_l2(src + KEY_BYTES, (keys * 4 + 15) // 16 * 16)
         cute.arch.sync_threads()  # the mbarriers are initialized
         cute.arch.griddepcontrol_wait()
+        waited = Int32(0)
+        if cutlass.const_expr(self.probe == "trace"):
+            waited = cute.arch.clock() - clock0
         cute.arch.griddepcontrol_launch_dependents()
         if warp == CONSUMERS // 32:
             self.produce(
@@ -325,6 +346,7 @@ class DsaIndex:
                 mine,
                 pages_per_seq,
                 pool_pages,
+                (clock0, start, waited),
             )
 
     @cute.jit
@@ -396,17 +418,25 @@ class DsaIndex:
         mine,
         pages_per_seq,
         pool_pages,
+        times,
     ):
         """Warps 0-3. mine: block-table entry first + lane (as the producer's), so that a
-        page outside the pool scores -inf (the producer copied nothing into its stage)."""
+        page outside the pool scores -inf (the producer copied nothing into its stage).
+        times: (entry %clock, entry globaltimer, %clock delta at the PDL wait's return),
+        used by the trace probe only."""
         g, t = lane // 4, lane % 4
         out = scores + token * width
+        trace = out + first * PAGE  # the trace probe's slots (TRACE_SLOTS)
+        tracing = self.probe == "trace"
         if live > 0:
             self.stage_queries(q, token, qbase, tid)
             # this thread's heads: 8 j + 2 t and + 1
             weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
             P.fence_proxy_async()
             _consumer_sync()
+            staged = Int32(0)
+            if cutlass.const_expr(tracing):
+                staged = cute.arch.clock() - times[0]
             odd = g % 2
             for i in range(live):
                 stage = i % STAGES
@@ -414,6 +444,9 @@ class DsaIndex:
                     mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
                 page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
                 P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
+                if cutlass.const_expr(tracing):
+                    if tid == 0 and i < TRACE_PAGES:
+                        _store_i32(trace + len(TRACE_SLOTS) + i, cute.arch.clock() - times[0])
                 base = ring0 + stage * PAGE_BYTES
                 rows = [warp * 16 + g, warp * 16 + g + 8]
                 frags = []
@@ -456,15 +489,25 @@ class DsaIndex:
                     acc = _wgmma_page(a, qbase)
                 sums = self.head_sums(acc, weights)
                 position = (first + i) * PAGE
-                if t == 0:
-                    for r in cutlass.range_constexpr(2):
-                        key = position + rows[r]
-                        live_key = key < length and page_ok
-                        P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
-        # pages of the run past the length: -inf, never read
-        start, stop = (first + live) * PAGE, (first + count) * PAGE
-        for p in range(start + tid, stop, CONSUMERS):
-            P.store_f32(out + p, Float32(float("-inf")))
+                if cutlass.const_expr(not tracing):
+                    if t == 0:
+                        for r in cutlass.range_constexpr(2):
+                            key = position + rows[r]
+                            live_key = key < length and page_ok
+                            P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
+            if cutlass.const_expr(tracing):
+                if tid == 0:
+                    _store_i32(trace + 4, cute.arch.clock() - times[0])
+                    _store_i64(trace + 2, P.globaltimer())
+                    _store_i64(trace, times[1])
+                    _store_i32(trace + 5, times[2])
+                    _store_i32(trace + 6, staged)
+                    _store_i32(trace + 7, live)
+        if cutlass.const_expr(not tracing):
+            # pages of the run past the length: -inf, never read
+            start, stop = (first + live) * PAGE, (first + count) * PAGE
+            for p in range(start + tid, stop, CONSUMERS):
+                P.store_f32(out + p, Float32(float("-inf")))
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):

@@ -1162,11 +1162,12 @@ def test_dcp_merge_reads_each_ranks_candidates_at_its_offset(ptx):
     assert "ld.global.s64" in text and text.index("griddepcontrol.wait") < text.index("ld.global.s64")
 
 
-@pytest.mark.parametrize("probe", ["no_widen", "no_mma"])
+@pytest.mark.parametrize("probe", ["no_widen", "no_mma", "trace"])
 def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
-    """bench_indexer.py --dsa-probes (dsa_index.PROBE; wrong scores, times only): no_widen keeps
-    only the query rows' 32 cvt (not the keys' 32 a page), no_mma has no wgmma; both keep the
-    ring, its releases and no stack, and each is its own compile-cache entry."""
+    """bench_indexer.py --dsa-probes / --dsa-trace (dsa_index.PROBE; wrong scores, times only):
+    no_widen keeps only the query rows' 32 cvt (not the keys' 32 a page), no_mma has no wgmma,
+    trace stores no score but reads %clock and the globaltimer (which the kernel as it runs
+    never does); all keep the ring, its releases and no stack, each its own compile-cache entry."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
@@ -1184,5 +1185,8 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     (found,) = _cubin_kernels(cubin.read_bytes()).values()
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == (32 if probe == "no_widen" else 64)
     assert ("wgmma.mma_async" in ptx) == (probe != "no_mma")
+    tracing = probe == "trace"
+    assert ("st.global.f32" in ptx) != tracing and ("%clock" in ptx) == tracing
+    assert ptx.count("%globaltimer") == 2 * tracing and ("st.global.b64" in ptx) == tracing
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "fence.proxy.async.shared::cta" in ptx and found["frame"] == 0

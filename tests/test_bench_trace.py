@@ -1,0 +1,56 @@
+"""bench_indexer.py --dsa-trace's reading of DsaIndex's trace probe (dsa_index.TRACE_SLOTS),
+on a synthetic trace: the CPU half of the probe, whose kernel half is compiled and checked
+in test_kernels_compile.py."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from graphstep.kernels import dsa_index
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_indexer import dsa_timeline  # noqa: E402
+
+
+def _trace(batch: int, run: int, width: int, lives) -> torch.Tensor:
+    """CTA (chunk c, token b) at 2 GHz: starts at 1 s + 100 c + 1000 b ns (a high word of 1),
+    waits 1000 cycles, stages its query by 3000, then its pages 2000 cycles apart from 4000;
+    exits 1000 cycles after its last page. lives[c]: its pages (0: it writes nothing)."""
+    trace = torch.full((batch, width), float("nan"))
+    words = trace.view(torch.int32)
+    for b in range(batch):
+        for c, live in enumerate(lives):
+            if not live:
+                continue
+            o = c * run * 64
+            clk_end = 4000 + 2000 * (live - 1) + 1000
+            start = (1 << 32) + 1_000_000 + 100 * c + 1000 * b
+            end = start + clk_end // 2
+            words[b, o : o + 8] = torch.tensor(
+                [start & 0xFFFFFFFF, start >> 32, end & 0xFFFFFFFF, end >> 32, clk_end, 1000, 3000, live]
+            ).int()
+            for i in range(min(live, dsa_index.TRACE_PAGES)):
+                words[b, o + 8 + i] = 4000 + 2000 * i
+    return trace
+
+
+@pytest.mark.parametrize("run", [2, 32])
+def test_dsa_timeline_reads_each_ctas_phases(run):
+    width = 4 * run * 64
+    got = dsa_timeline(_trace(2, run, width, [run, run, run, 0]), run)
+    assert got["ctas"] == 6 and got["ghz"] == pytest.approx(2.0)
+    # starts 0, .1, .2, 1, 1.1, 1.2 us: torch's median is the lower middle one
+    assert got["start_p50"] == pytest.approx(0.2) and got["start_max"] == pytest.approx(1.2)
+    assert got["wait_min"] == pytest.approx(0.5) and got["wait_max"] == pytest.approx(1.7)
+    assert got["query"] == pytest.approx(1.0) and got["first_page"] == pytest.approx(0.5)
+    assert got["per_page"] == pytest.approx(1.0) and got["tail"] == pytest.approx(0.5)
+    last = (4000 + 2000 * (run - 1) + 1000) / 2000
+    assert got["end_max"] == pytest.approx(1.2 + last)
+
+
+def test_dsa_timeline_takes_the_traced_pages_of_a_run_longer_than_its_slots():
+    run = 128  # 128 live pages, TRACE_PAGES of them traced
+    got = dsa_timeline(_trace(1, run, run * 64, [run]), run)
+    assert dsa_index.TRACE_PAGES < run and got["per_page"] == pytest.approx(1.0)
+    assert got["tail"] > 1.0  # measured from the last traced page
