@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 
 import torch
@@ -369,6 +370,7 @@ def dsa_timeline(trace: torch.Tensor, run: int) -> dict:
     last = torch.stack([p[-1] for p in pages])
     per_page = torch.tensor([(p[-1] - p[0]).item() / (len(p) - 1) for p in pages if len(p) > 1] or [float("nan")])
     return dict(
+        t0_ns=int(t0),
         ctas=len(words),
         ghz=ghz,
         start_p50=med(rel),
@@ -384,56 +386,80 @@ def dsa_timeline(trace: torch.Tensor, run: int) -> dict:
     )
 
 
+def launch_gaps(timelines: list[dict]) -> dict:
+    """Between consecutive traced launches (dsa_timeline's, in launch order), medians in us:
+    `start_after_trigger` (a launch's first CTA start after the previous launch's first PDL
+    wait returned, where its CTAs trigger their dependents), `wait_after_end` (a launch's
+    first wait return after the previous launch's last CTA exit: the boundary the chain
+    pays), `period` (between first wait returns)."""
+
+    def at(t, key):  # absolute ns
+        return t["t0_ns"] + t[key] * 1e3
+
+    pairs = list(zip(timelines, timelines[1:]))
+    gaps = dict(
+        start_after_trigger=[(b["t0_ns"] - at(a, "wait_min")) / 1e3 for a, b in pairs],
+        wait_after_end=[(at(b, "wait_min") - at(a, "end_max")) / 1e3 for a, b in pairs],
+        period=[(at(b, "wait_min") - at(a, "wait_min")) / 1e3 for a, b in pairs],
+    )
+    return {k: statistics.median(v) for k, v in gaps.items()}
+
+
 def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
-    """Each CTA's timeline in the last of `launches` back-to-back DsaIndex launches in a
-    graph (the others as they run; PDL between them), per context and batch."""
+    """Each CTA's timeline in each of `launches` back-to-back traced DsaIndex launches in a
+    graph (the trace probe: no score stores), with PDL between them and without, per context
+    and batch: the last launch's phases and the medians of the gaps between launches."""
     m = shape.model
     rows = []
     for context in (int(c) for c in args.context.split(",")):
         batches = [int(b) for b in args.batch.split(",")]
         state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
-        kernels = Kernels(shape, state.weights)
-        for batch in batches:
-            inputs = state.inputs(batch, context_lens=context)
-            caches = [state.caches.index_cache] + [
-                state.caches.index_cache.clone()
-                for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
-            ]
-            qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-            q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
-            hw = torch.empty(batch, m.index_heads, device="cuda")
-            kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
-            tables, lens = inputs.block_tables, inputs.context_lens
-            width = state.pages_per_seq * m.page_size
-            scores = torch.empty(batch, width, device="cuda")
-            trace = torch.full((batch, width), float("nan"), device="cuda")
+        for pdl in (True, False):
+            kernels = Kernels(shape, state.weights, pdl=pdl)
+            for batch in batches:
+                inputs = state.inputs(batch, context_lens=context)
+                caches = [state.caches.index_cache] + [
+                    state.caches.index_cache.clone()
+                    for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
+                ]
+                qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
+                q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
+                hw = torch.empty(batch, m.index_heads, device="cuda")
+                kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
+                tables, lens = inputs.block_tables, inputs.context_lens
+                width = state.pages_per_seq * m.page_size
+                traces = [torch.full((batch, width), float("nan"), device="cuda") for _ in range(launches)]
 
-            def body():
-                for i in range(launches):
-                    last = i == launches - 1
-                    dsa_index.PROBE = "trace" if last else ""
+                def body():
+                    dsa_index.PROBE = "trace"
                     try:
-                        out = trace if last else scores
-                        kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, out, batch)
+                        for i in range(launches):
+                            kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, traces[i], batch)
                     finally:
                         dsa_index.PROBE = ""
 
-            print(f"  ctx={context} B={batch} dsa_index trace ...", file=sys.stderr, flush=True)
-            per_launch = graph_time_us(body, launches, replays=10)
-            run = pages_per_cta(batch, tables.shape[1])
-            rows.append(dict(context=context, batch=batch, run=run, us=per_launch, **dsa_timeline(trace, run)))
+                print(f"  ctx={context} B={batch} pdl={pdl} dsa_index trace ...", file=sys.stderr, flush=True)
+                per_launch = graph_time_us(body, launches, replays=10)
+                run = pages_per_cta(batch, tables.shape[1])
+                timelines = [dsa_timeline(t, run) for t in traces]
+                row = dict(context=context, batch=batch, pdl=pdl, run=run, us=per_launch, **timelines[-1])
+                rows.append({**row, **launch_gaps(timelines)})
         del state
         torch.cuda.empty_cache()
-    keys = ["ctas", "ghz", "start_p50", "start_max", "wait_min", "wait_max", "query", "first_page", "per_page"]
-    keys += ["tail", "end_p50", "end_max"]
+    keys = ["ctas", "ghz", "start_max", "wait_min", "query", "first_page", "per_page", "tail", "end_max"]
+    keys += ["start_after_trigger", "wait_after_end", "period"]
     report(
         rows,
-        ["ctx", "B", "run", "us/launch", *keys],
-        [[r["context"], r["batch"], r["run"], r["us"], *(round(r[k], 2) for k in keys)] for r in rows],
-        "DsaIndex's last launch of 8 in a graph, traced (dsa_index PROBE trace: no score stores). Times in us:"
-        " start / wait / end from the launch's first CTA start (p50, max or min over CTAs); query (PDL wait ->"
-        " query rows staged), first_page (staged -> page 0 full), per_page (between full waits), tail (last"
-        " page full -> exit): medians over CTAs; ghz: the median %clock rate",
+        ["ctx", "B", "PDL", "run", "us/launch", *keys],
+        [
+            [r["context"], r["batch"], "on" if r["pdl"] else "off", r["run"], r["us"], *(round(r[k], 2) for k in keys)]
+            for r in rows
+        ],
+        "DsaIndex traced (dsa_index PROBE trace: no score stores), 8 launches in a graph. The last launch, us from"
+        " its first CTA start: start_max, wait_min (first PDL wait return), end_max (last CTA exit); medians over"
+        " its CTAs: query (wait -> query rows staged), first_page (staged -> page 0 full), per_page (between full"
+        " waits), tail (last page -> exit); ghz: the median %clock rate. Between launches (medians):"
+        " start_after_trigger, wait_after_end (previous launch's last exit -> this one's first wait return), period",
         args.json,
     )
     return 0

@@ -54,3 +54,17 @@ def test_dsa_timeline_takes_the_traced_pages_of_a_run_longer_than_its_slots():
     got = dsa_timeline(_trace(1, run, run * 64, [run]), run)
     assert dsa_index.TRACE_PAGES < run and got["per_page"] == pytest.approx(1.0)
     assert got["tail"] > 1.0  # measured from the last traced page
+
+
+def test_launch_gaps_measure_each_boundary_from_the_previous_launch():
+    """Three launches (absolute ns: first CTA start t0, first wait return, last exit):
+    10000 / 10500 / 13000, 11500 / 15000 / 17500, 16500 / 20000 / 22500."""
+    from bench_indexer import launch_gaps
+
+    first = dict(t0_ns=10_000, wait_min=0.5, end_max=3.0)
+    second = dict(t0_ns=11_500, wait_min=3.5, end_max=6.0)
+    third = dict(t0_ns=16_500, wait_min=3.5, end_max=6.0)
+    got = launch_gaps([first, second, third])
+    assert got["start_after_trigger"] == pytest.approx(1.25)  # 11500 - 10500, 16500 - 15000
+    assert got["wait_after_end"] == pytest.approx(2.25)  # 15000 - 13000, 20000 - 17500
+    assert got["period"] == pytest.approx(4.75)  # 15000 - 10500, 20000 - 15000
