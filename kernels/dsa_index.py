@@ -85,16 +85,18 @@ CTA_PAGES = (2, 4, 8, 16, 32)
 # 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
 # Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-probes): no_widen feeds
-# the key words to the wgmma unconverted, no_mma skips the wgmma; trace stores no scores but each
-# CTA's timeline into its own first positions (TRACE_SLOTS; bench_indexer.py --dsa-trace).
+# the key words to the wgmma unconverted, no_mma skips the wgmma; trace runs the kernel as it is
+# and then writes each CTA's timeline over its own first scores (TRACE_SLOTS; bench_indexer.py
+# --dsa-trace; a probe that stored no scores let ptxas drop the head sums, 46 registers not 91).
 # (H200, session 14: at 32K B = 4 no_widen / no_mma save 0.4 / 1.7 of 9.4 us; widening by
 # integer bit moves instead of cvt, or half by each, was slower everywhere: the conversions
 # are not what bounds the kernel. bench/RESULTS.md)
 PROBES = ("", "no_widen", "no_mma", "trace")
 PROBE = ""
 # The trace probe's int32 slots from a CTA's first score position: globaltimer ns at entry
-# (2 words) and at exit (2), then %clock deltas from entry: exit, the PDL wait's return, the
-# query rows staged, the live pages, then page i's full-barrier wait done (i < TRACE_PAGES).
+# (2 words) and after its last page (2), then %clock deltas from entry: after the last page,
+# the PDL wait's return, the query rows staged, the live pages, then page i's full-barrier
+# wait done (i < TRACE_PAGES; kept in shared memory until the end).
 TRACE_SLOTS = ("start", "start_hi", "end", "end_hi", "clk_end", "clk_wait", "clk_query", "live")
 TRACE_PAGES = 2 * PAGE - len(TRACE_SLOTS)  # a run of >= 2 pages has room
 
@@ -178,6 +180,16 @@ def _store_i32(ptr, value):
 
 def _store_i64(ptr, value):
     cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
+def _st_shared_i32(address, value):
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(address), value])
+
+
+def _ld_shared_i32(address) -> Int32:
+    return cute.arch.inline_ptx(
+        "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(address)]
+    )
 
 
 def _consumer_sync():
@@ -277,6 +289,9 @@ class DsaIndex:
         ring = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * PAGE_BYTES), byte_alignment=128)
         queries = smem.allocate_tensor(Uint8, cute.make_layout(QUERY_BYTES), byte_alignment=128)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * STAGES), byte_alignment=8)
+        marks0 = Int32(0)
+        if cutlass.const_expr(self.probe == "trace"):
+            marks0 = smem.allocate_tensor(Int32, cute.make_layout(TRACE_PAGES), byte_alignment=16).iterator.toint()
         ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
         full0 = bars.iterator.toint()
         empty0 = full0 + 8 * STAGES
@@ -346,7 +361,7 @@ class DsaIndex:
                 mine,
                 pages_per_seq,
                 pool_pages,
-                (clock0, start, waited),
+                (clock0, start, waited, marks0),
             )
 
     @cute.jit
@@ -422,8 +437,8 @@ class DsaIndex:
     ):
         """Warps 0-3. mine: block-table entry first + lane (as the producer's), so that a
         page outside the pool scores -inf (the producer copied nothing into its stage).
-        times: (entry %clock, entry globaltimer, %clock delta at the PDL wait's return),
-        used by the trace probe only."""
+        times: (entry %clock, entry globaltimer, %clock delta at the PDL wait's return, the
+        shared page marks), used by the trace probe only."""
         g, t = lane // 4, lane % 4
         out = scores + token * width
         trace = out + first * PAGE  # the trace probe's slots (TRACE_SLOTS)
@@ -446,7 +461,7 @@ class DsaIndex:
                 P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
                 if cutlass.const_expr(tracing):
                     if tid == 0 and i < TRACE_PAGES:
-                        _store_i32(trace + len(TRACE_SLOTS) + i, cute.arch.clock() - times[0])
+                        _st_shared_i32(times[3] + 4 * i, cute.arch.clock() - times[0])
                 base = ring0 + stage * PAGE_BYTES
                 rows = [warp * 16 + g, warp * 16 + g + 8]
                 frags = []
@@ -489,25 +504,29 @@ class DsaIndex:
                     acc = _wgmma_page(a, qbase)
                 sums = self.head_sums(acc, weights)
                 position = (first + i) * PAGE
-                if cutlass.const_expr(not tracing):
-                    if t == 0:
-                        for r in cutlass.range_constexpr(2):
-                            key = position + rows[r]
-                            live_key = key < length and page_ok
-                            P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
+                if t == 0:
+                    for r in cutlass.range_constexpr(2):
+                        key = position + rows[r]
+                        live_key = key < length and page_ok
+                        P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
             if cutlass.const_expr(tracing):
+                # over this CTA's own scores, after all of them (the barrier); the -inf fill
+                # below starts at page `live`, past the 8 + min(live, TRACE_PAGES) slots
+                finished, ended = cute.arch.clock() - times[0], P.globaltimer()
+                _consumer_sync()
+                for j in range(tid, cutlass.min(live, TRACE_PAGES), CONSUMERS):
+                    _store_i32(trace + len(TRACE_SLOTS) + j, _ld_shared_i32(times[3] + 4 * j))
                 if tid == 0:
-                    _store_i32(trace + 4, cute.arch.clock() - times[0])
-                    _store_i64(trace + 2, P.globaltimer())
                     _store_i64(trace, times[1])
+                    _store_i64(trace + 2, ended)
+                    _store_i32(trace + 4, finished)
                     _store_i32(trace + 5, times[2])
                     _store_i32(trace + 6, staged)
                     _store_i32(trace + 7, live)
-        if cutlass.const_expr(not tracing):
-            # pages of the run past the length: -inf, never read
-            start, stop = (first + live) * PAGE, (first + count) * PAGE
-            for p in range(start + tid, stop, CONSUMERS):
-                P.store_f32(out + p, Float32(float("-inf")))
+        # pages of the run past the length: -inf, never read
+        start, stop = (first + live) * PAGE, (first + count) * PAGE
+        for p in range(start + tid, stop, CONSUMERS):
+            P.store_f32(out + p, Float32(float("-inf")))
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):
