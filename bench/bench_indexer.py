@@ -9,7 +9,7 @@ torch (cuBLAS GEMM, fp32 bmm over the dequantized cache, torch.topk), in CUDA gr
 tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...] [--splits ...]   # TopK variants
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
-    python bench/bench_indexer.py --dsa-probes no_widen,no_mma [--batch ...] [--context ...]   # DsaIndex probes
+    python bench/bench_indexer.py --dsa-probes no_widen,no_mma,ring4,ring8 [--batch ...] [--context ...]
     python bench/bench_indexer.py --dsa-trace [--batch ...] [--context ...]   # DsaIndex CTA timelines
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
@@ -23,7 +23,8 @@ the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the
 IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
 the rotation, and with neither: the cost of the rotation in the two kernels. `--dsa-probes`
 times only DsaIndex, as it runs and once per listed probe (`dsa_index.PROBES`: wrong scores,
-times only), on the same inputs: what each left-out part costs.
+times only; ringN: as it runs with an N-stage ring), on the same inputs: what each left-out
+part costs.
 """
 
 from __future__ import annotations
@@ -308,7 +309,8 @@ def main_rotation(args) -> int:
 
 
 def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes: list[str], launches: int = 8):
-    """DsaIndex as it runs ("") and under each probe, at each batch: {probe: us}."""
+    """DsaIndex as it runs ("") and under each probe, at each batch: {probe: us}. A probe
+    named ringN is the kernel as it runs with an N-stage ring (dsa_index.RINGS) forced."""
     m = shape.model
     state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
     kernels = Kernels(shape, state.weights)
@@ -327,11 +329,15 @@ def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes:
         scores = torch.empty(batch, state.pages_per_seq * m.page_size, device="cuda")
         row = dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]))
 
-        def body():
+        def body(ring=None):
             for i in range(launches):
-                kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch)
+                kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch, ring=ring)
 
         for probe in ["", *probes]:
+            if probe.startswith("ring"):
+                print(f"  ctx={context} B={batch} dsa_index {probe} ...", file=sys.stderr, flush=True)
+                row[probe] = graph_time_us(lambda ring=int(probe[4:]): body(ring), launches, replays=10)
+                continue
             dsa_index.PROBE = probe
             try:
                 print(f"  ctx={context} B={batch} dsa_index {probe or 'as it runs'} ...", file=sys.stderr, flush=True)
@@ -467,9 +473,10 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
 
 def main_dsa_probes(args, shape: RankShape) -> int:
     probes = args.dsa_probes.split(",")
-    unknown = [p for p in probes if p not in dsa_index.PROBES[1:]]
+    known = [*dsa_index.PROBES[1:], *(f"ring{n}" for n in dsa_index.RINGS)]
+    unknown = [p for p in probes if p not in known]
     if unknown:
-        raise SystemExit(f"unknown DsaIndex probes {unknown}: expected some of {dsa_index.PROBES[1:]}")
+        raise SystemExit(f"unknown DsaIndex probes {unknown}: expected some of {known}")
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):

@@ -533,6 +533,7 @@ class Kernels:
         batch: int,
         pages_per_cta: int | None = None,
         error: ErrorWord | None = None,
+        ring: int | None = None,
     ) -> None:
         """DsaIndex: score[b, i] = k_scale[i] x sum_h w[b, h] x relu(q[b, h] . k[i]) for every
         local position i a block table holds; -inf at and past the local length.
@@ -548,14 +549,20 @@ class Kernels:
         batch: B >= 1.
         pages_per_cta: the run of block-table pages each CTA streams, >= 1 (default: the
             host's choice for this batch and table width, `dsa_index.pages_per_cta`).
-        error: records a page of the used part outside the cache (scored -inf)."""
+        error: records a page of the used part outside the cache (scored -inf).
+        ring: the pages in flight per CTA, one of `dsa_index.RINGS` (default: the host's
+            choice for this launch, `dsa_index.ring_for`)."""
+        from .kernels.dsa_index import RINGS, ring_for
         from .kernels.dsa_index import pages_per_cta as choose
 
         pages = block_tables.shape[1]
         run = choose(batch, pages) if pages_per_cta is None else pages_per_cta
         if run < 1:
             raise ValueError(f"pages_per_cta must be >= 1, got {run}")
-        self.compiled("dsa_index")(
+        ring = ring_for(batch, pages, run) if ring is None else ring
+        if ring not in RINGS:
+            raise ValueError(f"ring must be one of {RINGS}, got {ring}")
+        self.compiled("dsa_index", stages=ring)(
             self._ptr(q),
             self._ptr(head_w),
             self._ptr(index_cache),

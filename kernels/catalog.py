@@ -166,8 +166,9 @@ def _index_query(shape, pdl, tokens: int):
     return f"index_query_{tokens}", op
 
 
-def _dsa_index(shape, pdl):
-    return "dsa_index", dsa_index.DsaIndex(shape.topology.dcp, shape.topology.rank, pdl)
+def _dsa_index(shape, pdl, stages: int = dsa_index.STAGES):
+    name = "dsa_index" if stages == dsa_index.STAGES else f"dsa_index_ring{stages}"
+    return name, dsa_index.DsaIndex(shape.topology.dcp, shape.topology.rank, pdl, stages)
 
 
 def _top_k(shape, pdl, split):
@@ -225,7 +226,7 @@ _BUILDERS = {
 def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
     launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote;
-    index_query: tokens; top_k: split (a top_k.Split, or None: one CTA per row);
+    index_query: tokens; dsa_index: stages (its ring); top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA), publish; the others none."""
     if kernel not in _BUILDERS:
         raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
@@ -258,7 +259,8 @@ def variants(
     out.append(build(shape, "index_key", pdl))
     for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
         out.append(build(shape, "index_query", pdl, tokens=tokens))
-    out.append(build(shape, "dsa_index", pdl))
+    for stages in dsa_index.RINGS:
+        out.append(build(shape, "dsa_index", pdl, stages=stages))
     if widths is None:
         splits = [None, *top_k.SPLITS]
     else:
@@ -280,7 +282,7 @@ def write_ptx(
 ) -> list[Path]:
     """Compile every variant for `arch` and write `<variant>.<arch>.ptx` files into out_dir.
     batch: only the variants that batch launches, `tiled` saying its QueryNorm / MlaQuery
-    variant (every TopK split is written: the choice depends on the context too).
+    variant (every DsaIndex ring and TopK split is written: the choice depends on the context too).
     written_one(path), if given, is called as each file is written."""
     if batch is None:
         norms, batches = (False, True), range(1, 65)

@@ -73,7 +73,9 @@ HEADS, DIM, PAGE = 64, 128, 64
 SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "page_size": (PAGE,)}
 KEY_BYTES = PAGE * DIM  # 8192: the page's keys, then its 64 fp32 scales
 PAGE_BYTES = KEY_BYTES + 4 * PAGE  # 8448 (graphstep/formats.py)
-STAGES = 4  # pages in flight per CTA
+STAGES = 4  # pages in flight per CTA (the default ring)
+DEEP_STAGES = 8  # a run of up to 8 pages all in flight at once (`ring_for`)
+RINGS = (STAGES, DEEP_STAGES)
 CONSUMERS = 128  # one warpgroup
 THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
@@ -111,6 +113,16 @@ def pages_per_cta(batch: int, pages_per_seq: int) -> int:
         if run >= min(2 * batch, 16) and batch * -(-pages_per_seq // run) <= WAVE_CTAS:
             return run
     return CTA_PAGES[-1]
+
+
+def ring_for(batch: int, pages_per_seq: int, run: int) -> int:
+    """The ring depth of a launch: DEEP_STAGES when the run is longer than STAGES but fits the
+    deep ring and the grid fits one wave of the deep ring's 2 CTAs per SM (84 KB each; at 32K
+    that is B = 3 / 4, 8-page runs), so every page of a CTA is in flight from the start instead of
+    the run's second half waiting for the first half's stages (session 14's trace at 32K B = 4:
+    0.41 us a page against 0.10 at B = 1, whose 2-page runs are all in flight); else STAGES."""
+    deep = STAGES < run <= DEEP_STAGES and batch * -(-pages_per_seq // run) <= 2 * SMS
+    return DEEP_STAGES if deep else STAGES
 
 
 def grid_for(batch: int, pages_per_seq: int, run: int) -> tuple[int, int]:
@@ -237,8 +249,11 @@ def _wgmma_page(a, qbase) -> list:
 
 
 class DsaIndex:
-    def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True):
-        self.dcp, self.rank, self.pdl = dcp, rank, pdl
+    def __init__(self, dcp: int = 1, rank: int = 0, pdl: bool = True, stages: int = STAGES):
+        """stages: the ring's depth, one of RINGS (the host's choice: `ring_for`)."""
+        if stages not in RINGS:
+            raise ValueError(f"DsaIndex ring of {stages} stages: expected one of {RINGS}")
+        self.dcp, self.rank, self.pdl, self.stages = dcp, rank, pdl, stages
         self.probe = PROBE
         if self.probe not in PROBES:
             raise ValueError(f"dsa_index.PROBE must be one of {PROBES}, got {self.probe!r}")
@@ -286,23 +301,23 @@ class DsaIndex:
             clock0, start = cute.arch.clock(), P.globaltimer()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint8, cute.make_layout(STAGES * PAGE_BYTES), byte_alignment=128)
+        ring = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * PAGE_BYTES), byte_alignment=128)
         queries = smem.allocate_tensor(Uint8, cute.make_layout(QUERY_BYTES), byte_alignment=128)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * STAGES), byte_alignment=8)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * self.stages), byte_alignment=8)
         marks0 = Int32(0)
         if cutlass.const_expr(self.probe == "trace"):
             marks0 = smem.allocate_tensor(Int32, cute.make_layout(TRACE_PAGES), byte_alignment=16).iterator.toint()
         ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
         full0 = bars.iterator.toint()
-        empty0 = full0 + 8 * STAGES
+        empty0 = full0 + 8 * self.stages
         if tid == 0:
-            for s in cutlass.range_constexpr(STAGES):
+            for s in cutlass.range_constexpr(self.stages):
                 P.mbar_init(full0 + 8 * s, 1)
                 P.mbar_init(empty0 + 8 * s, CONSUMERS)
             P.mbar_init_fence()
         # Before the PDL wait only what no kernel of the step writes: the length, the run's
         # first 32 block-table entries (one per lane), and an L2 prefetch of the run's first
-        # STAGES pages (live bytes only; no data reaches the SM, and L2 is the point of
+        # stages pages (live bytes only; no data reaches the SM, and L2 is the point of
         # coherence, so IndexKey's later write of the new key is what the copies read).
         length = cutlass.max((_ldg_nc_i32(context_lens + token) - self.rank + self.dcp - 1) // self.dcp, 0)
         first = chunk * run  # this CTA's first page (index into the token's block table)
@@ -311,7 +326,7 @@ class DsaIndex:
         width = pages_per_seq * PAGE
         table = block_tables + token * pages_per_seq
         mine = _ldg_nc_i32(table + cutlass.min(first + lane, pages_per_seq - 1))
-        if warp == CONSUMERS // 32 and lane < cutlass.min(live, STAGES) and P.in_range(mine, pool_pages):
+        if warp == CONSUMERS // 32 and lane < cutlass.min(live, self.stages) and P.in_range(mine, pool_pages):
             keys = cutlass.min(length - (first + lane) * PAGE, PAGE)
             src = cache + Int64(mine) * PAGE_BYTES
             _prefetch_l2(src, keys * DIM)
@@ -391,7 +406,7 @@ class DsaIndex:
             for j in range(0, cutlass.min(32, live - i0)):
                 i = i0 + j
                 page = cute.arch.shuffle_sync(mine, j)
-                stage, use = i % STAGES, i // STAGES
+                stage, use = i % self.stages, i // self.stages
                 if use > 0:
                     P.mbar_wait(empty0 + 8 * stage, (use - 1) % 2)
                 if lane == 0:
@@ -454,11 +469,11 @@ class DsaIndex:
                 staged = cute.arch.clock() - times[0]
             odd = g % 2
             for i in range(live):
-                stage = i % STAGES
+                stage = i % self.stages
                 if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
                     mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
                 page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
-                P.mbar_wait(full0 + 8 * stage, (i // STAGES) % 2)
+                P.mbar_wait(full0 + 8 * stage, (i // self.stages) % 2)
                 if cutlass.const_expr(tracing):
                     if tid == 0 and i < TRACE_PAGES:
                         _st_shared_i32(times[3] + 4 * i, cute.arch.clock() - times[0])

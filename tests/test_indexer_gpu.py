@@ -267,9 +267,10 @@ def scoring(request):
 
 
 # every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
-# launch), and runs that are not powers of two
+# launch), and runs that are not powers of two; each with the host's ring and the deep one
+@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
 @pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
-def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run):
+def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run, ring):
     state, inputs, q_fp8, head_w, expect, lens = scoring
     kernels = Kernels(state.shape, state.weights)
     width = state.pages_per_seq * 64
@@ -283,6 +284,7 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
         scores,
         len(SCORE_LENGTHS),
         pages_per_cta=run,
+        ring=ring,
     )
     torch.cuda.synchronize()
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
@@ -292,6 +294,31 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
         assert rel_err(scores[b, :n], expect[b, :n]) < 1e-5, (b, n, rel_err(scores[b, :n], expect[b, :n]))
     top = ref.topk_indices(scores, 2048)
     assert ((top >= 0).sum(1) == lens.clamp(max=2048)).all()
+
+
+@pytest.mark.parametrize("run", [8, 32])
+def test_dsa_index_rings_give_the_same_bits(scoring, run):
+    """The deep ring (every page of a run in flight) and the default one score alike, bit for
+    bit: the ring only changes when a page arrives."""
+    state, inputs, q_fp8, head_w, _, _ = scoring
+    kernels = Kernels(state.shape, state.weights)
+    out = []
+    for ring in dsa_index.RINGS:
+        scores = torch.full((len(SCORE_LENGTHS), state.pages_per_seq * 64), float("nan"), device="cuda")
+        kernels.dsa_index(
+            q_fp8,
+            head_w,
+            state.caches.index_cache,
+            inputs.block_tables,
+            inputs.context_lens,
+            scores,
+            len(SCORE_LENGTHS),
+            pages_per_cta=run,
+            ring=ring,
+        )
+        torch.cuda.synchronize()
+        out.append(scores)
+    assert not torch.isnan(out[0]).any() and torch.equal(out[0], out[1])
 
 
 def _score_mismatches(scores, expect, lens, run, tol=1e-5):

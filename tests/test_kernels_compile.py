@@ -49,10 +49,11 @@ def test_every_variant_compiled(ptx):
         "mla_query_tiled_poll",
     } <= names
     assert {"index_key", "index_query_16", "index_query_32", "index_query_64", "dsa_index", "top_k"} <= names
+    assert "dsa_index_ring8" in names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
     assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
-    # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, every TopK split
-    assert len(ptx) == (10 + 6 + 2) + (14 + 6 + 2) + 2 * len(top_k.SPLITS)
+    # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, 2 DsaIndex rings, every TopK split
+    assert len(ptx) == (10 + 6 + 2 + 1) + (14 + 6 + 2 + 1) + 2 * len(top_k.SPLITS)
 
 
 def _stages(variant: str, k: int, shape=None) -> list[str]:
@@ -67,6 +68,8 @@ def _stages(variant: str, k: int, shape=None) -> list[str]:
         return ["key_and_query_norm"]
     if variant.startswith("top_k_"):
         return ["top_k_cluster"]
+    if variant.startswith("dsa_index_ring"):
+        return ["dsa_index"]
     if variant.startswith("sparse_core_s"):
         slots = int(variant.split("_s")[-1].split("_")[0])
         clustered = catalog.build(shape, "sparse_core", slots=slots).op.clustered
@@ -288,8 +291,9 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     splits = sorted(f"top_k_{split.name}.sm_90a.ptx" for split in top_k.SPLITS)
-    assert files == [
+    assert files == [  # every DsaIndex ring and TopK split: the choice depends on the context too
         "dsa_index.sm_90a.ptx",
+        "dsa_index_ring8.sm_90a.ptx",
         "index_key.sm_90a.ptx",
         "index_query_16.sm_90a.ptx",
         "key_and_norm_rows.sm_90a.ptx",
@@ -300,7 +304,7 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         *splits,
     ]
     out = capsys.readouterr().out
-    assert f"{8 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
+    assert f"{9 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
 
 
 def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):
@@ -447,6 +451,10 @@ def test_index_query_fits_two_ctas_per_sm(tmp_path, tokens):
         assert shared <= 228 * 1024 // 2 - 1024, shared
         scorer = dsa_index.STAGES * dsa_index.PAGE_BYTES + dsa_index.QUERY_BYTES + 16 * dsa_index.STAGES
         assert (shared + 1024) + 2 * (scorer + 1024) <= 228 * 1024, (shared, scorer)
+        # the deep ring (B = 3 / 4 at 32K): one of its CTAs fits beside one, two beside none
+        deep = dsa_index.DEEP_STAGES * (dsa_index.PAGE_BYTES + 16) + dsa_index.QUERY_BYTES
+        assert (shared + 1024) + (deep + 1024) <= 228 * 1024 < (shared + 1024) + 2 * (deep + 1024)
+        assert 2 * (deep + 1024) <= 228 * 1024
         assert registers(256, found["regs"]) + 2 * scorer_registers <= 65536, (found, scorer_registers)
 
 

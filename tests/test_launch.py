@@ -365,6 +365,43 @@ def test_dsa_index_takes_any_positive_run(cpu_launches):
     assert cpu_launches == ["DsaIndex"] * 5
 
 
+def test_dsa_index_launches_the_ring_the_host_picks(cpu_launches):
+    """ring_for: the deep ring (every page of an 8-page run in flight) where the run is longer
+    than the default ring and the grid fits one wave of 2 deep CTAs per SM; the launcher
+    passes that choice (or the caller's) to the compiled variant, and refuses other depths."""
+    from graphstep.kernels import dsa_index
+
+    deep, default = dsa_index.DEEP_STAGES, dsa_index.STAGES
+    # 32K (512 pages a sequence): B = 3 / 4 run 8 pages (192 / 256 CTAs)
+    assert [dsa_index.pages_per_cta(b, 512) for b in (1, 2, 3, 4, 5, 16)] == [2, 4, 8, 8, 16, 16]
+    assert [dsa_index.ring_for(b, 512, dsa_index.pages_per_cta(b, 512)) for b in (1, 2, 3, 4, 5, 16)] == [
+        default,
+        default,
+        deep,
+        deep,
+        default,
+        default,
+    ]
+    assert dsa_index.ring_for(2, 2048, 8) == default  # 128K B = 2: 512 CTAs, two deep waves
+    assert dsa_index.ring_for(1, 512, 5) == deep and dsa_index.ring_for(1, 512, 9) == default
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=32768, seed=1)
+    kernels, inputs = Kernels(state.shape, state.weights), state.inputs(4)
+    args = (
+        torch.zeros(4, 64, 128, dtype=torch.uint8),
+        torch.zeros(4, 64),
+        state.caches.index_cache,
+        inputs.block_tables,
+        inputs.context_lens,
+        torch.zeros(4, state.pages_per_seq * 64),
+    )
+    kernels.dsa_index(*args, 4)
+    kernels.dsa_index(*args, 1)
+    kernels.dsa_index(*args, 1, ring=deep)
+    with pytest.raises(ValueError, match="ring must be one of"):
+        kernels.dsa_index(*args, 1, ring=6)
+    assert [op.stages for op in Launch.ops] == [deep, default, deep]
+
+
 def test_sparse_core_checks_its_publish_buffer(cpu_launches):
     """q_out (the step's copy of the rows read) must be uint8 [>= batch, gathered, row bytes]."""
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=256, seed=1)
