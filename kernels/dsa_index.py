@@ -6,8 +6,9 @@
 Grid: (page runs, tokens); 160 threads. A CTA owns one token and a run of `pages_per_cta`
 consecutive block-table pages (chosen on the host by `pages_per_cta(batch, pages)` so that
 B = 1 still fills the GPU and large batches are one or two waves). Warp 4 is the producer:
-one `cp.async.bulk` per live page (8448 B: 64 keys x 128 e4m3 | 64 fp32 scales) into a
-STAGES-deep ring of shared-memory stages, completing on a `full` mbarrier; a last, partial
+one `cp.async.bulk` per live page (8448 B: 64 keys x 128 e4m3 | 64 fp32 scales) into a ring
+of shared-memory stages (STAGES = 4, or DEEP_STAGES = 8 where `ring_for` picks it: a whole
+8-page run in flight, 2 CTAs per SM), completing on a `full` mbarrier; a last, partial
 page copies only its live keys and the 16-byte words of their scales, so keys past the
 length are never read. Warps 0-3 (one warpgroup) are the consumers: once per CTA they
 write the token's 64 query rows to shared memory as fp16 (e4m3 widens exactly) in the
@@ -25,8 +26,10 @@ lanes of a key, times the key's scale.
 Predicted when written (us per launch, B = 1 / 4 / 16 / 64): 32K ~3 / 5.5 / 19 / 70, 128K
 ~6 / 19 / 70 / 275 -- the cache bytes at ~4.0 TB/s plus ~1.5-2 us of launch, first-page
 latency and the last page's compute. Measured on the H200 (bench/RESULTS.md, sessions 10
-and 12): 32K 4.04-4.36 / 8.95-9.39 / 22.6-23.3 / 77.2, 128K 8.79 / 24.6 / 77.5 / 288.4; the
-small batches miss by the per-CTA start and per-page chain (ncu, session 7).
+to 14): 32K 4.04-4.74 / 8.95-9.81 / 22.6-23.4 / 76.7-77.2, 128K 8.79 / 24.0-24.6 / 75.9-77.5 /
+284-288. The small batches miss by each CTA's chain after the PDL wait (session 14's trace
+probe, 32K B = 1: 1.7 us staging the query rows, then 0.6-0.7 us a page of math), not by the
+pages' arrival or the conversions.
 
 Per page and SM the tensor cores need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock),
 shared memory ~250 (16 KB of B reads, 8 KB of key loads, 8.4 KB of copies), a consumer warp
