@@ -197,10 +197,6 @@ def _store_i64(ptr, value):
     cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
-def _st_shared_i32(address, value):
-    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(address), value])
-
-
 def _ld_shared_i32(address) -> Int32:
     return cute.arch.inline_ptx(
         "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(address)]
@@ -479,7 +475,7 @@ class DsaIndex:
                 P.mbar_wait(full0 + 8 * stage, (i // self.stages) % 2)
                 if cutlass.const_expr(tracing):
                     if tid == 0 and i < TRACE_PAGES:
-                        _st_shared_i32(times[3] + 4 * i, cute.arch.clock() - times[0])
+                        P.st_shared_u32(Int32(times[3] + 4 * i), cute.arch.clock() - times[0])
                 base = ring0 + stage * PAGE_BYTES
                 rows = [warp * 16 + g, warp * 16 + g + 8]
                 frags = []

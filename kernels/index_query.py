@@ -106,23 +106,6 @@ def cluster_wait():
     cute.arch.inline_ptx("barrier.cluster.wait.acquire.aligned;")
 
 
-def st_peer_f32(addr, rank, value):
-    """Store to the same shared offset in CTA `rank` of the cluster."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\tst.shared::cluster.f32 [a], {$r2};\n\t}",
-        read_only_args=[addr, rank, value],
-    )
-
-
-def st_peer_f32x4(addr, rank, values):
-    """16-byte store to the same shared offset in CTA `rank` of the cluster."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, {$r0}, {$r1};\n\t"
-        "st.shared::cluster.v4.f32 [a], {{$r2}, {$r3}, {$r4}, {$r5}};\n\t}",
-        read_only_args=[addr, rank, *values],
-    )
-
-
 class IndexQuery:
     def __init__(
         self,
@@ -333,7 +316,7 @@ class IndexQuery:
             cluster_arrive()  # this CTA's tile is read: the peer may overwrite it
             cluster_wait()
             for p in cutlass.range_constexpr(tokens // 16):
-                st_peer_f32x4(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, values[p])
+                P.dsmem_store(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, Float32, values[p])
             cluster_arrive()
             cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
             sign = P.select(rank == 0, Float32(1.0), Float32(-1.0))
@@ -356,7 +339,7 @@ class IndexQuery:
             cluster_wait()  # the peer CTA is running: its shared memory may be written
             if j == 0:
                 for p in cutlass.range_constexpr(tokens // 16):
-                    st_peer_f32(peer_base + 4 * (row0 + 16 * p), 1 - rank, amaxes[p])
+                    P.dsmem_store(peer_base + 4 * (row0 + 16 * p), 1 - rank, Float32, [amaxes[p]])
             cluster_arrive()
             cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 

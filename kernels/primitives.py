@@ -711,6 +711,20 @@ def dsmem_load(address, cta, dtype, count: int) -> tuple:
     )
 
 
+def dsmem_store(address, cta, dtype, values):
+    """Store 1, 2 or 4 32-bit values of `dtype` (Float32 or Int32) at shared address `address`
+    (aligned to their bytes) in CTA `cta` of the cluster (mapa, then st.shared::cluster)."""
+    count = len(values)
+    regs = "{$r2}" if count == 1 else "{" + ", ".join("{$r%d}" % (2 + i) for i in range(count)) + "}"
+    shape = "" if count == 1 else f".v{count}"
+    kind = "f32" if dtype is Float32 else "b32"
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        + f"st.shared::cluster{shape}.{kind} [remote], {regs};\n\t}}",
+        read_only_args=[address, cta, *values],
+    )
+
+
 def st_shared_u32x4(ptr, words):
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",

@@ -421,33 +421,6 @@ def list_entries(split: Split) -> int:
     return entries if 4 * entries >= own else 0
 
 
-def dsmem_store4(address, cta, words):
-    """Store four Int32 at shared address `address` (16-byte aligned) in CTA `cta` of the cluster."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "st.shared::cluster.v4.b32 [remote], {{$r2}, {$r3}, {$r4}, {$r5}};\n\t}",
-        read_only_args=[address, cta, *words],
-    )
-
-
-def dsmem_store1(address, cta, value):
-    """Store an Int32 at shared address `address` in CTA `cta` of the cluster."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "st.shared::cluster.b32 [remote], {$r2};\n\t}",
-        read_only_args=[address, cta, value],
-    )
-
-
-def dsmem_store2(address, cta, a, b):
-    """Store two Int32 at shared address `address` (8-byte aligned) in CTA `cta` of the cluster."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "st.shared::cluster.v2.b32 [remote], {{$r2}, {$r3}};\n\t}",
-        read_only_args=[address, cta, a, b],
-    )
-
-
 def store_zero4(address):
     cute.arch.inline_ptx(
         "{\n\t.reg .b32 z;\n\tmov.b32 z, 0;\n\tst.shared.v4.b32 [{$r0}], {z, z, z, z};\n\t}", read_only_args=[address]
@@ -817,10 +790,10 @@ class ClusterTopK:
                 group = group + cute.arch.shuffle_sync_bfly(group, offset=offset)
             if tid < quads:
                 for i in cutlass.range_constexpr(ctas):
-                    dsmem_store4(base_address + 4 * (SUMS + first), (cta + i) % ctas, sums)
+                    P.dsmem_store(base_address + 4 * (SUMS + first), (cta + i) % ctas, Int32, sums)
                 if lane % 8 == 0:
                     for i in cutlass.range_constexpr(ctas):
-                        dsmem_store1(base_address + 4 * (GROUPS + first // 32), (cta + i) % ctas, group)
+                        P.dsmem_store(base_address + 4 * (GROUPS + first // 32), (cta + i) % ctas, Int32, [group])
 
     @cute.jit
     def find_bin(self, hists, hist: int, groups: int, bins: int, need, lane):
@@ -860,7 +833,7 @@ class ClusterTopK:
         each CTA stores its counts into every higher CTA (one cluster barrier)."""
         ctas = self.ctas
         if tid > cta and tid < ctas:
-            dsmem_store2(offsets.iterator.toint() + 8 * cta, tid, cta_above, cta_at)
+            P.dsmem_store(offsets.iterator.toint() + 8 * cta, tid, Int32, [cta_above, cta_at])
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.cluster_wait()
         above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
