@@ -11,6 +11,7 @@ tune the host's table on the device.
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
     python bench/bench_indexer.py --dsa-probes no_widen,no_mma,ring4,ring8 [--batch ...] [--context ...]
     python bench/bench_indexer.py --dsa-trace [--batch ...] [--context ...]   # DsaIndex CTA timelines
+    python bench/bench_indexer.py --dsa-trace-step [--batch ...] [--context ...]   # the same inside the step
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
 rotates over enough weight copies and scoring over enough cache copies that each launch
@@ -471,6 +472,45 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
     return 0
 
 
+def main_dsa_trace_step(args, shape: RankShape, replays: int = 20) -> int:
+    """DsaIndex's CTA timelines inside the captured step (TP 8, fork, PDL): the step's
+    graphs are captured with the trace probe, so its DsaIndex writes each CTA's marks over
+    its first scores (TopK then selects from those scores: the step's times hold, its
+    outputs do not). Per batch, the last of `replays` replays; wait_min there is how long
+    the CTAs that started first waited on IndexQuery."""
+    from graphstep.step import DecodeStep
+    from graphstep.timing import load_batch, replay_us
+
+    rows = []
+    for context in (int(c) for c in args.context.split(",")):
+        sizes = [int(b) for b in args.batch.split(",")]
+        dsa_index.PROBE = "trace"
+        try:
+            step = DecodeStep(shape, capture_sizes=sizes, policy="fork", max_context=context, seed=3)
+            step.capture()
+        finally:
+            dsa_index.PROBE = ""
+        for size in sizes:
+            load_batch(step, size, context)
+            us = statistics.median(replay_us(step, size, replays=replays))
+            run = pages_per_cta(size, step.state.pages_per_seq)
+            timeline = dsa_timeline(step.buffers.scores[:size].contiguous(), run)
+            rows.append(dict(context=context, batch=size, run=run, step_us=us, **timeline))
+        del step
+        torch.cuda.empty_cache()
+    keys = ["ctas", "ghz", "start_max", "wait_min", "wait_max", "query", "first_page", "per_page", "tail", "end_max"]
+    report(
+        rows,
+        ["ctx", "B", "run", "step us", *keys],
+        [[r["context"], r["batch"], r["run"], r["step_us"], *(round(r[k], 2) for k in keys)] for r in rows],
+        "DsaIndex in the captured step (TP 8 fork), traced: us from its first CTA's start (start_max, wait_min / max:"
+        " the PDL wait's return, end_max: the last exit); medians over CTAs of query (wait -> query rows staged),"
+        " first_page, per_page, tail; step us: the traced step's replay (its TopK reads the marks)",
+        args.json,
+    )
+    return 0
+
+
 def main_dsa_probes(args, shape: RankShape) -> int:
     probes = args.dsa_probes.split(",")
     known = [*dsa_index.PROBES[1:], *(f"ring{n}" for n in dsa_index.RINGS)]
@@ -506,6 +546,9 @@ def main() -> int:
         "--dsa-probes", default="", help="time DsaIndex as it runs and under these probes (comma-separated)"
     )
     parser.add_argument("--dsa-trace", action="store_true", help="each DsaIndex CTA's timeline (the trace probe)")
+    parser.add_argument(
+        "--dsa-trace-step", action="store_true", help="DsaIndex's CTA timelines inside the captured step (TP 8 fork)"
+    )
     args = parse_args(parser)
     if args.rotation:
         return main_rotation(args)
@@ -517,6 +560,8 @@ def main() -> int:
         return main_dsa_probes(args, shape)
     if args.dsa_trace:
         return main_dsa_trace(args, shape)
+    if args.dsa_trace_step:
+        return main_dsa_trace_step(args, shape)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):
