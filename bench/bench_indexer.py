@@ -309,6 +309,21 @@ def main_rotation(args) -> int:
     return 0
 
 
+def dsa_inputs(state: LayerState, kernels: Kernels, batch: int, context: int) -> tuple:
+    """DsaIndex's inputs for `batch` tokens at `context`: (cache copies enough to stream from
+    HBM, IndexQuery's e4m3 rows and head weights of random q_c, block tables, lengths)."""
+    m = state.shape.model
+    inputs = state.inputs(batch, context_lens=context)
+    caches = [state.caches.index_cache] + [
+        state.caches.index_cache.clone() for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
+    ]
+    qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
+    q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
+    hw = torch.empty(batch, m.index_heads, device="cuda")
+    kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
+    return caches, q8, hw, inputs.block_tables, inputs.context_lens
+
+
 def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes: list[str], launches: int = 8):
     """DsaIndex as it runs ("") and under each probe, at each batch: {probe: us}. A probe
     named ringN is the kernel as it runs with an N-stage ring (dsa_index.RINGS) forced."""
@@ -317,16 +332,7 @@ def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes:
     kernels = Kernels(shape, state.weights)
     rows = []
     for batch in batches:
-        inputs = state.inputs(batch, context_lens=context)
-        caches = [state.caches.index_cache] + [
-            state.caches.index_cache.clone()
-            for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
-        ]
-        qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-        q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
-        hw = torch.empty(batch, m.index_heads, device="cuda")
-        kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
-        tables, lens = inputs.block_tables, inputs.context_lens
+        caches, q8, hw, tables, lens = dsa_inputs(state, kernels, batch, context)
         scores = torch.empty(batch, state.pages_per_seq * m.page_size, device="cuda")
         row = dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]))
 
@@ -424,16 +430,7 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
         for pdl in (True, False):
             kernels = Kernels(shape, state.weights, pdl=pdl)
             for batch in batches:
-                inputs = state.inputs(batch, context_lens=context)
-                caches = [state.caches.index_cache] + [
-                    state.caches.index_cache.clone()
-                    for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
-                ]
-                qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
-                q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
-                hw = torch.empty(batch, m.index_heads, device="cuda")
-                kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
-                tables, lens = inputs.block_tables, inputs.context_lens
+                caches, q8, hw, tables, lens = dsa_inputs(state, kernels, batch, context)
                 width = state.pages_per_seq * m.page_size
                 traces = [torch.full((batch, width), float("nan"), device="cuda") for _ in range(launches)]
 

@@ -266,16 +266,12 @@ def scoring(request):
     torch.cuda.empty_cache()
 
 
-# every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
-# launch), and runs that are not powers of two; each with the host's ring and the deep one
-@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
-@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
-def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run, ring):
-    state, inputs, q_fp8, head_w, expect, lens = scoring
-    kernels = Kernels(state.shape, state.weights)
-    width = state.pages_per_seq * 64
-    scores = torch.full((len(SCORE_LENGTHS), width), float("nan"), device="cuda")  # poison
-    kernels.dsa_index(
+def _scored(scoring, run, ring) -> torch.Tensor:
+    """DsaIndex's scores of the scoring fixture's tokens at this run and ring (None: the
+    host's), into a NaN-poisoned buffer, synchronized."""
+    state, inputs, q_fp8, head_w, _, _ = scoring
+    scores = torch.full((len(SCORE_LENGTHS), state.pages_per_seq * 64), float("nan"), device="cuda")
+    Kernels(state.shape, state.weights).dsa_index(
         q_fp8,
         head_w,
         state.caches.index_cache,
@@ -287,6 +283,16 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
         ring=ring,
     )
     torch.cuda.synchronize()
+    return scores
+
+
+# every run the host can pick (dsa_index.pages_per_cta), None (the host's own pick for this
+# launch), and runs that are not powers of two; each with the host's ring and the deep one
+@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
+@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
+def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run, ring):
+    state, inputs, q_fp8, head_w, expect, lens = scoring
+    scores = _scored(scoring, run, ring)
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
     for b, n in enumerate(lens.tolist()):
         assert torch.isneginf(scores[b, n:]).all(), (b, n)
@@ -300,24 +306,7 @@ def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, ru
 def test_dsa_index_rings_give_the_same_bits(scoring, run):
     """The deep ring (every page of a run in flight) and the default one score alike, bit for
     bit: the ring only changes when a page arrives."""
-    state, inputs, q_fp8, head_w, _, _ = scoring
-    kernels = Kernels(state.shape, state.weights)
-    out = []
-    for ring in dsa_index.RINGS:
-        scores = torch.full((len(SCORE_LENGTHS), state.pages_per_seq * 64), float("nan"), device="cuda")
-        kernels.dsa_index(
-            q_fp8,
-            head_w,
-            state.caches.index_cache,
-            inputs.block_tables,
-            inputs.context_lens,
-            scores,
-            len(SCORE_LENGTHS),
-            pages_per_cta=run,
-            ring=ring,
-        )
-        torch.cuda.synchronize()
-        out.append(scores)
+    out = [_scored(scoring, run, ring) for ring in dsa_index.RINGS]
     assert not torch.isnan(out[0]).any() and torch.equal(out[0], out[1])
 
 

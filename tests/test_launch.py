@@ -343,19 +343,25 @@ def test_split_for_covers_every_width():
     assert len({s.name for s in top_k.SPLITS}) == len(top_k.SPLITS)
 
 
-def test_dsa_index_takes_any_positive_run(cpu_launches):
-    """Any run >= 1 launches (longer runs reuse the ring); 0 and negatives are refused."""
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=2, max_context=4096, seed=1)
-    kernels, inputs = Kernels(state.shape, state.weights), state.inputs(2)
+def _dsa_index_args(batch: int, context: int) -> tuple:
+    """A TP 8 launcher and DsaIndex's tensor arguments for `batch` tokens at `context`."""
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=batch, max_context=context, seed=1)
+    inputs = state.inputs(batch)
     args = (
-        torch.zeros(2, 64, 128, dtype=torch.uint8),
-        torch.zeros(2, 64),
+        torch.zeros(batch, 64, 128, dtype=torch.uint8),
+        torch.zeros(batch, 64),
         state.caches.index_cache,
         inputs.block_tables,
         inputs.context_lens,
-        torch.zeros(2, state.pages_per_seq * 64),
-        2,
+        torch.zeros(batch, state.pages_per_seq * 64),
     )
+    return Kernels(state.shape, state.weights), args
+
+
+def test_dsa_index_takes_any_positive_run(cpu_launches):
+    """Any run >= 1 launches (longer runs reuse the ring); 0 and negatives are refused."""
+    kernels, args = _dsa_index_args(2, 4096)
+    args = (*args, 2)
     for run in (0, -4):
         with pytest.raises(ValueError, match="pages_per_cta must be >= 1"):
             kernels.dsa_index(*args, pages_per_cta=run)
@@ -384,16 +390,7 @@ def test_dsa_index_launches_the_ring_the_host_picks(cpu_launches):
     ]
     assert dsa_index.ring_for(2, 2048, 8) == default  # 128K B = 2: 512 CTAs, two deep waves
     assert dsa_index.ring_for(1, 512, 5) == deep and dsa_index.ring_for(1, 512, 9) == default
-    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=32768, seed=1)
-    kernels, inputs = Kernels(state.shape, state.weights), state.inputs(4)
-    args = (
-        torch.zeros(4, 64, 128, dtype=torch.uint8),
-        torch.zeros(4, 64),
-        state.caches.index_cache,
-        inputs.block_tables,
-        inputs.context_lens,
-        torch.zeros(4, state.pages_per_seq * 64),
-    )
+    kernels, args = _dsa_index_args(4, 32768)
     kernels.dsa_index(*args, 4)
     kernels.dsa_index(*args, 1)
     kernels.dsa_index(*args, 1, ring=deep)
