@@ -553,7 +553,7 @@ class Kernels:
         ring: the pages in flight per CTA, one of `dsa_index.RINGS` (default: the host's
             choice for this launch, `dsa_index.ring_for`)."""
         from .kernels.dsa_index import RINGS, ring_for
-        from .kernels.dsa_index import pages_per_cta as choose
+        from .kernels.dsa_index import pages_per_cta as choose  # (the argument has its name)
 
         pages = block_tables.shape[1]
         run = choose(batch, pages) if pages_per_cta is None else pages_per_cta

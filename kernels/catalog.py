@@ -245,8 +245,8 @@ def variants(
 ) -> list[Variant]:
     """The variants a step of `shape` can launch for these batch sizes. norms: the
     QueryNorm / MlaQuery variants (tiled or not: the caller's choice for these batches);
-    widths: the block tables' widths in scores, for TopK's split (None: TopK and every
-    split); polls: MlaQuery's polling variants under DCP; group: a rank of a DCP group
+    widths: the block tables' widths in scores, for DsaIndex's ring and TopK's split (None:
+    every ring, TopK and every split); polls: MlaQuery's polling variants under DCP; group: a rank of a DCP group
     whose kernels exchange through peer memory (MlaQuery's remote stores, CandidateSync)."""
     check(shape)
     dcp = shape.topology.dcp > 1
@@ -259,12 +259,14 @@ def variants(
     out.append(build(shape, "index_key", pdl))
     for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
         out.append(build(shape, "index_query", pdl, tokens=tokens))
-    for stages in dsa_index.RINGS:
-        out.append(build(shape, "dsa_index", pdl, stages=stages))
     if widths is None:
-        splits = [None, *top_k.SPLITS]
+        rings, splits = dsa_index.RINGS, [None, *top_k.SPLITS]
     else:
+        pages = [width // dsa_index.PAGE for width in widths]
+        rings = sorted({dsa_index.ring_for(b, n, dsa_index.pages_per_cta(b, n)) for n in pages for b in batches})
         splits = dict.fromkeys(top_k.split_for(width, b) for width in widths for b in batches)
+    for stages in rings:
+        out.append(build(shape, "dsa_index", pdl, stages=stages))
     for split in splits:
         out.append(build(shape, "top_k", pdl, split=split))
     for slots in sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in batches}):
