@@ -1,0 +1,117 @@
+"""The cost of the fork's join in the captured step, and whether the type of its edges moves it.
+
+In fork mode the sparse core's kernel node has two predecessors: TopK on the main stream and
+MlaQuery's last kernel on the side stream, both programmatic (PDL) edges as captured. Session
+15's trace (`graphstep trace`, 32K, B = 1 / 4) showed SparseCore's partial kernel starting
+1.4-1.7 us after TopK ended, where every single-predecessor kernel of the chain started under
+its predecessor. This script times the same step's graph (captured with keep_graph, edited
+before its first replay, so each variant is instantiated once) as captured, with the side
+stream's edge into the join turned into a full (default) edge, and with both join edges full;
+the serial mode (no join) for reference. Run on an sm_90 GPU:
+
+    python3 bench/bench_join.py --context 32768 --batch 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from cuda.bindings import driver as cu
+
+from graphstep.graphs import PROGRAMMATIC, _ok
+from graphstep.report import table
+from graphstep.shapes import RankShape, Topology, preset
+from graphstep.step import DecodeStep
+from graphstep.timing import load_batch, replay_us
+
+SIDE = ("mla_query", "query_wait")  # the side stream's kernels (by name fragment)
+
+
+def _edge(type_: int):
+    data = cu.CUgraphEdgeData()
+    data.type = type_
+    return data
+
+
+def _with_edge_data(name: str):
+    """The driver call that takes edge data: `name` in CUDA 13's bindings, `name`_v2 in 12's."""
+    return getattr(cu, name + "_v2", None) or getattr(cu, name)
+
+
+def retype_join(graph, which: str) -> list[str]:
+    """Turn edges into each join node (a kernel node with several predecessors) into full
+    edges: which = "side" (only those from the side stream's kernels) or "both". Returns the
+    edited edges as 'src -> dst' names."""
+    handle = cu.CUgraph(graph.raw_cuda_graph())
+    _, _, _, count = _ok(cu.cuGraphGetEdges(handle, 0))
+    src, dst, data, _ = _ok(cu.cuGraphGetEdges(handle, count))
+
+    def name(node) -> str:
+        if _ok(cu.cuGraphNodeGetType(node)) != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            return "-"
+        params = _ok(cu.cuGraphKernelNodeGetParams(node))
+        raw = _ok(cu.cuFuncGetName(params.func))
+        return (raw.decode() if isinstance(raw, bytes) else str(raw)).removeprefix("kernel_cutlass_")[:40]
+
+    into: dict[int, list[int]] = {}
+    for i, b in enumerate(dst):
+        into.setdefault(int(b), []).append(i)
+    edited = []
+    for edges in into.values():
+        if len(edges) < 2:
+            continue
+        for i in edges:
+            if int(data[i].type) != PROGRAMMATIC:
+                continue
+            if which == "side" and not any(s in name(src[i]) for s in SIDE):
+                continue
+            _ok(_with_edge_data("cuGraphRemoveDependencies")(handle, [src[i]], [dst[i]], [data[i]], 1))
+            _ok(_with_edge_data("cuGraphAddDependencies")(handle, [src[i]], [dst[i]], [_edge(0)], 1))
+            edited.append(f"{name(src[i])} -> {name(dst[i])}")
+    return edited
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=200)
+    args = parser.parse_args()
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
+    variants = {"as captured": None, "side edge full": "side", "both join edges full": "both"}
+    steps = {}
+    for label, which in variants.items():
+        step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context)
+        step.capture(modes=("serial",), keep_graph=True)
+        for size in args.batch:
+            if which:
+                edited = retype_join(step.graph(size, "fork"), which)
+                print(f"{label}, B = {size}: {edited}", file=sys.stderr)
+        steps[label] = step
+    rows = []
+    for size in args.batch:
+        for step in steps.values():
+            load_batch(step, size, args.context)
+        row = [size]
+        # interleaved twice, so a drift of the card shows as a spread
+        times = {label: [] for label in variants}
+        serial = []
+        for _ in range(2):
+            for label, step in steps.items():
+                times[label].append(statistics.median(replay_us(step, size, "fork", args.replays)))
+            serial.append(statistics.median(replay_us(steps["as captured"], size, "serial", args.replays)))
+        row += [" / ".join(f"{t:.1f}" for t in times[label]) for label in variants]
+        row.append(" / ".join(f"{t:.1f}" for t in serial))
+        rows.append(row)
+    print(table(["B", *[f"fork, {label}" for label in variants], "serial"], rows))
+    print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), two interleaved runs each")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.cuda.init()
+    sys.exit(main())
