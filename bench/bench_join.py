@@ -7,7 +7,8 @@ MlaQuery's last kernel on the side stream, both programmatic (PDL) edges as capt
 its predecessor. This script times the same step's graph (captured with keep_graph, edited
 before its first replay, so each variant is instantiated once) as captured, with the side
 stream's edge into the join turned into a full (default) edge, and with both join edges full;
-the serial mode (no join) for reference. Run on an sm_90 GPU:
+fork_poll (the sparse core polls its query rows and the side stream joins after it: no join
+before it) and the serial mode (no side stream) beside them. Run on an sm_90 GPU:
 
     python3 bench/bench_join.py --context 32768 --batch 1,4,16,64
 """
@@ -86,7 +87,7 @@ def main() -> int:
     steps = {}
     for label, which in variants.items():
         step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context)
-        step.capture(modes=("serial",), keep_graph=True)
+        step.capture(modes=("serial", "fork_poll"), keep_graph=True)
         for size in args.batch:
             if which:
                 edited = retype_join(step.graph(size, "fork"), which)
@@ -99,15 +100,16 @@ def main() -> int:
         row = [size]
         # interleaved twice, so a drift of the card shows as a spread
         times = {label: [] for label in variants}
-        serial = []
+        others = {"fork_poll": [], "serial": []}
         for _ in range(2):
             for label, step in steps.items():
                 times[label].append(statistics.median(replay_us(step, size, "fork", args.replays)))
-            serial.append(statistics.median(replay_us(steps["as captured"], size, "serial", args.replays)))
+            for mode, found in others.items():
+                found.append(statistics.median(replay_us(steps["as captured"], size, mode, args.replays)))
         row += [" / ".join(f"{t:.1f}" for t in times[label]) for label in variants]
-        row.append(" / ".join(f"{t:.1f}" for t in serial))
+        row += [" / ".join(f"{t:.1f}" for t in found) for found in others.values()]
         rows.append(row)
-    print(table(["B", *[f"fork, {label}" for label in variants], "serial"], rows))
+    print(table(["B", *[f"fork, {label}" for label in variants], *others], rows))
     print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), two interleaved runs each")
     return 0
 

@@ -62,14 +62,16 @@ def current_stream():
 
 
 class MailboxTimeout(RuntimeError):
-    """A mailbox chunk never landed within QueryWait's budget. heads: head rows per rank,
+    """A mailbox chunk never landed within a poll's budget (QueryWait's or MlaQuery's under
+    DCP, the sparse core's in fork_poll on one rank). heads: head rows per rank under DCP,
     to name the rank that owns the row (rank = row // heads) and never published it."""
 
     def __init__(self, token: int, row: int, chunk: int, heads: int | None = None):
         owner = "" if heads is None else f" (rank {row // heads}'s)"
+        where = "DCP mailbox" if heads is not None else "mailbox"
         super().__init__(
-            f"DCP mailbox: token {token}, head row {row}{owner}, chunk {chunk} was never published "
-            f"(QueryWait gave up after its budget; the step's outputs are invalid)"
+            f"{where}: token {token}, head row {row}{owner}, chunk {chunk} was never published "
+            f"(a poll gave up after its budget; the step's outputs are invalid)"
         )
         self.token, self.row, self.chunk = token, row, chunk
         self.rank = None if heads is None else row // heads
@@ -714,6 +716,7 @@ class Kernels:
         slots_per_cta: int | None = None,
         q_out=None,
         error: ErrorWord | None = None,
+        poll_budget_ns: int | None = None,
     ) -> None:
         """SparseCore: sparse MLA decode of every gathered query row over its token's selected
         MLA cache rows (online softmax, split over CTAs by the plan, then a combine).
@@ -735,7 +738,12 @@ class Kernels:
         q_out: uint8 [>= B, gathered, 576 x q_bytes] or None. Given (the step's launch), the
             rows read are copied there and re-armed (0xFF) in q_rows once every reader of
             them is done; None leaves q_rows as it was.
-        error: records a slot outside the cache (read as -1: a hole)."""
+        error: records a slot outside the cache (read as -1: a hole), and a query row chunk
+            still unpublished when a poll gives up.
+        poll_budget_ns: None, or each CTA first waits (before its PDL wait) until the query rows
+            it reads are published in q_rows, each chunk for at most this long (the step's
+            fork_poll on one rank: MlaQuery writes them on the side stream, joined after this
+            launch)."""
         spc = slots_per_cta or self.sparse_core_plan(batch)
         k = self.shape.model.index_topk
         needed = batch * k // spc if spc < k else 0  # one split: no partials
@@ -753,7 +761,8 @@ class Kernels:
                 f"SparseCore q_out must be uint8 [>= {batch}, {self.shape.gathered}, {q_rows.shape[-1]}], "
                 f"got {q_out.dtype} {tuple(q_out.shape)}"
             )
-        self.compiled("sparse_core", slots=spc, publish=q_out is not None)(
+        poll = poll_budget_ns is not None
+        self.compiled("sparse_core", slots=spc, publish=q_out is not None, poll=poll)(
             self._ptr(q_rows),
             self._ptr(slots),
             self._ptr(mla_cache.view(torch.uint8)),
@@ -765,6 +774,7 @@ class Kernels:
             self._i32(batch),
             self._ptr(self._error(error, slots).word, 8),
             self._i32(pool_slots(mla_cache, self.shape.model.page_size)),
+            self._i64(poll_budget_ns if poll else 0),
             self._stream(),
         )
 

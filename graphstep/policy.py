@@ -4,7 +4,9 @@ serial:    MlaQuery on the main stream writes q_c itself (store_qc) and, under D
            spins on the mailbox itself (poll).
 fork:      QueryNorm writes q_c on the main stream; MlaQuery and QueryWait run on
            the side stream, joined before the sparse core.
-fork_poll: fork, but MlaQuery polls the mailbox itself instead of QueryWait.
+fork_poll: fork, the mailbox polled by its readers: under DCP MlaQuery polls the peers' rows
+           itself instead of QueryWait; on one rank the sparse core polls its query rows and
+           the side stream joins after it.
 """
 
 from __future__ import annotations

@@ -82,6 +82,10 @@ class Stages(ABC):
     """One backend's stages. Each method runs one stage for the rows [0, size) on the
     current stream; what it reads and writes is in its docstring (b = the step's Buffers)."""
 
+    # whether sparse_core(poll=True) waits for the mailbox's rows itself (fork_poll on one rank
+    # then joins the side stream after the sparse core, not before it)
+    polls_query_rows = False
+
     def __init__(self, state: LayerState, buffers: Buffers, error: ErrorWord, budget_ns: int, pdl: bool = True):
         """error: the word the polls report a lost chunk in; budget_ns: how long a poll waits;
         pdl: chain the stages with Programmatic Dependent Launch (backends that launch kernels)."""
@@ -89,9 +93,9 @@ class Stages(ABC):
         self.transport: Transport | None = None  # the step's (DecodeStep sets it)
 
     @abstractmethod
-    def warm(self, sizes) -> None:
-        """Prepare everything a graph capture of these sizes cannot (compile, load
-        modules); no launches."""
+    def warm(self, sizes, modes=("fork",)) -> None:
+        """Prepare everything a graph capture of these sizes in these modes cannot (compile,
+        load modules); no launches."""
 
     @abstractmethod
     def guard(self, size: int) -> None:
@@ -152,14 +156,18 @@ class Stages(ABC):
         recording a chunk that never did in the step's error word."""
 
     @abstractmethod
-    def sparse_core(self, size: int) -> None:
+    def sparse_core(self, size: int, poll: bool = False) -> None:
         """Sparse MLA attention of the mailbox's query rows over the MLA cache rows at
         b.slots -> b.out, b.lse. As the rows' last reader it also copies them to b.q_out
-        (the step's returned query rows) and re-arms them in the mailbox for the next step."""
+        (the step's returned query rows) and re-arms them in the mailbox for the next step.
+        poll (backends with polls_query_rows): first wait until the rows are published,
+        recording a chunk that never was in the step's error word."""
 
 
 class CuteStages(Stages):
     """Every stage a CuTe DSL kernel, chained with Programmatic Dependent Launch."""
+
+    polls_query_rows = True
 
     def __init__(self, state: LayerState, buffers: Buffers, error: ErrorWord, budget_ns: int, pdl: bool = True):
         super().__init__(state, buffers, error, budget_ns, pdl)
@@ -167,10 +175,13 @@ class CuteStages(Stages):
         # SparseCore's split partials, for launches of up to max_batch tokens
         self.partial_o, self.partial_ml = self.kernels.sparse_core_buffers(buffers.qkv.shape[0], state.device)
 
-    def warm(self, sizes) -> None:
+    def warm(self, sizes, modes=("fork",)) -> None:
         shape = self.state.shape
         group = self.transport is not None and self.transport.mailbox_offsets is not None
-        polls = (False,) if group else (False, True)  # a group runs fork only (dcp_group.GROUP_POLICY)
+        # the polling variants: MlaQuery's under DCP (fork_poll and serial); SparseCore's on one
+        # rank in fork_poll only. A group runs fork only (dcp_group.GROUP_POLICY).
+        dcp = shape.topology.dcp > 1
+        polls = (False,) if group or not (dcp or "fork_poll" in modes) else (False, True)
         self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, polls, group)
         if shape.topology.dcp > 1:
             self.kernels.stacked_offsets(self.state.device)  # DcpMerge's, made before any capture
@@ -251,7 +262,7 @@ class CuteStages(Stages):
     def query_wait(self, size: int) -> None:
         self.kernels.query_wait(self.state.caches.mailbox, self.error, size, self.budget_ns)
 
-    def sparse_core(self, size: int) -> None:
+    def sparse_core(self, size: int, poll: bool = False) -> None:
         b, caches = self.buffers, self.state.caches
         self.kernels.sparse_core(
             caches.mailbox,
@@ -264,6 +275,7 @@ class CuteStages(Stages):
             size,
             q_out=b.q_out,
             error=self.error,
+            poll_budget_ns=self.budget_ns if poll else None,
         )  # (the kernel publishes: no copy or fill launch after it)
 
 
@@ -275,7 +287,7 @@ class TorchStages(Stages):
     def _inputs(self, size: int) -> StepInputs:
         return self.buffers.inputs(size)
 
-    def warm(self, sizes) -> None:
+    def warm(self, sizes, modes=("fork",)) -> None:
         pass  # nothing to compile: capture's warm-up pass creates the cuBLAS handles
 
     def guard(self, size: int) -> None:
@@ -328,7 +340,8 @@ class TorchStages(Stages):
     def query_wait(self, size: int) -> None:
         pass  # torch has no way to poll: the transport's rows are in place before MlaQuery runs
 
-    def sparse_core(self, size: int) -> None:
+    def sparse_core(self, size: int, poll: bool = False) -> None:
+        """poll is never asked (polls_query_rows is False): the step joins before this."""
         b, mailbox, gathered = self.buffers, self.state.caches.mailbox, self.state.shape.gathered
         torch_stages.sparse_core(self.state, self.state.caches, b.slots[:size], size, b.out[:size], b.lse[:size])
         b.q_out[:size] = mailbox[:size, :gathered]

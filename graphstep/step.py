@@ -8,7 +8,10 @@ Per captured size the policy (graphstep.policy.overlap_for) picks the mode:
   serial     main: MlaQuery(store_qc, poll under DCP) -> indexer -> sparse core
   fork       main: QueryNorm -> indexer ------------------------> join -> sparse core
              side:          MlaQuery -> QueryWait (DCP) ------/
-  fork_poll  fork, MlaQuery polling the mailbox itself, no QueryWait.
+  fork_poll  fork, the mailbox polled by its readers: under DCP MlaQuery polls the peers'
+             rows itself (no QueryWait); on one rank the sparse core polls its query rows
+             and the side stream joins after it (a kernel with two predecessors, the join,
+             is not launched early under PDL).
 The indexer is IndexKey (first, whatever the mode), wq_b, scoring, top-k and, under DCP,
 the merge with the other ranks' candidates. run_stages issues this data path; a backend
 (graphstep.stages) runs each stage: "cute" as CuTe DSL kernels chained with PDL, "torch"
@@ -238,9 +241,15 @@ class DecodeStep:
         def consume():
             if dcp:
                 stages.dcp_merge(peers[0], size)  # under DCP the indexer ends in the merge -> buffers.slots
-            if side is not None:
+            # fork_poll on one rank: the sparse core waits for its query rows itself, and the side
+            # stream joins after it, so its node keeps one predecessor (a join is not launched early)
+            poll = mode == "fork_poll" and not dcp and stages.polls_query_rows
+            if side is not None and not poll:
                 torch.cuda.current_stream(self.device).wait_stream(side)
-            stages.sparse_core(size)  # the query rows' last reader: it also copies them to q_out and re-arms them
+            # the query rows' last reader: it also copies them to q_out and re-arms them
+            stages.sparse_core(size, poll=poll)
+            if side is not None and poll:
+                torch.cuda.current_stream(self.device).wait_stream(side)
             transport.arm(size)
 
         def at_parity(phase):
@@ -274,7 +283,7 @@ class DecodeStep:
         if self.device.type != "cuda":
             raise RuntimeError("graph capture needs a CUDA device; on the CPU use step(..., eager=True)")
         plan = self.plan(modes)
-        self.stages.warm(self.sizes)
+        self.stages.warm(self.sizes, {mode for _, mode, _ in plan})
         if warm_up:
             warm = torch.cuda.Stream(self.device)
             warm.wait_stream(torch.cuda.current_stream(self.device))

@@ -293,7 +293,7 @@ def tune(args, shape: RankShape) -> int:
     from .policy import MODES, WIDE_MODES
 
     topo = shape.topology
-    modes = WIDE_MODES if topo.wide else MODES if topo.dcp > 1 else ("serial", "fork")  # fork_poll == fork without DCP
+    modes = WIDE_MODES if topo.wide else MODES
     step = DecodeStep(shape, capture_sizes=args.batch, policy="fork", max_context=args.context, seed=args.seed)
     step.capture(modes=tuple(modes))
     rows, picks = [], []

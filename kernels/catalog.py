@@ -186,11 +186,12 @@ def _dcp_merge(shape, pdl):
     return "dcp_merge", dcp_merge.DcpMerge(shape.model.index_topk, shape.topology.dcp, shape.topology.rank, pdl)
 
 
-def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | None = None):
+def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | None = None, poll: bool = False):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
     producer warpgroup or not; None: sparse_core.PRODUCER for the cache (64-row CTAs), or
-    MMA_PRODUCER_BLOCKS per cache (16 rows; the name says only a choice other than None)."""
+    MMA_PRODUCER_BLOCKS per cache (16 rows; the name says only a choice other than None).
+    poll: its CTAs wait for their query rows in the mailbox (the step's fork_poll on one rank)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,
@@ -203,9 +204,10 @@ def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | 
         pdl,
         publish,
         producer,
+        poll,
     )
     path = "" if producer is None else ("_ws" if producer else "_nows")
-    return f"sparse_core_s{slots}{'' if publish else '_read'}{path}", op
+    return f"sparse_core_s{slots}{'' if publish else '_read'}{path}{'_poll' if poll else ''}", op
 
 
 _BUILDERS = {
@@ -227,7 +229,7 @@ def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
     launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote;
     index_query: tokens; dsa_index: stages (its ring); top_k: split (a top_k.Split, or None: one CTA per row);
-    sparse_core: slots (per CTA), publish; the others none."""
+    sparse_core: slots (per CTA), publish, poll; the others none."""
     if kernel not in _BUILDERS:
         raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
     name, op = _BUILDERS[kernel](shape, pdl, **choice)
@@ -246,7 +248,8 @@ def variants(
     """The variants a step of `shape` can launch for these batch sizes. norms: the
     QueryNorm / MlaQuery variants (tiled or not: the caller's choice for these batches);
     widths: the block tables' widths in scores, for DsaIndex's ring and TopK's split (None:
-    every ring, TopK and every split); polls: MlaQuery's polling variants under DCP; group: a rank of a DCP group
+    every ring, TopK and every split); polls: the polling variants of the fork_poll mode
+    (MlaQuery's under DCP, SparseCore's on one rank); group: a rank of a DCP group
     whose kernels exchange through peer memory (MlaQuery's remote stores, CandidateSync)."""
     check(shape)
     dcp = shape.topology.dcp > 1
@@ -270,7 +273,8 @@ def variants(
     for split in splits:
         out.append(build(shape, "top_k", pdl, split=split))
     for slots in sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in batches}):
-        out.append(build(shape, "sparse_core", pdl, slots=slots))
+        for poll in (False,) if dcp else polls:
+            out.append(build(shape, "sparse_core", pdl, slots=slots, poll=poll))
     if dcp:
         out.append(build(shape, "dcp_merge", pdl))
         out.append(build(shape, "query_wait", pdl))

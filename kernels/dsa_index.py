@@ -458,11 +458,9 @@ class DsaIndex:
         trace = out + first * PAGE  # the trace probe's slots (TRACE_SLOTS)
         tracing = self.probe == "trace"
         if live > 0:
-            # this thread's heads: 8 j + 2 t and + 1. Loaded before the query rows, so both
-            # are one round trip to L2 after the wait (the PTX keeps the asm loads' order,
-            # and the rows' stores to shared memory would otherwise come first)
-            weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
             self.stage_queries(q, token, qbase, tid)
+            # this thread's heads: 8 j + 2 t and + 1
+            weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
             P.fence_proxy_async()
             _consumer_sync()
             staged = Int32(0)

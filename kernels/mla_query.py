@@ -370,6 +370,7 @@ class MlaQuery:
                 self.row_chunks,
                 self.head_base,
                 self.heads,
+                Int32(0),
             )
 
     def nope_word(self, workspace, row, head, k):

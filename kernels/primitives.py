@@ -555,11 +555,13 @@ def poll_mailbox(
     row_chunks: cutlass.Constexpr[int],
     skip_lo: cutlass.Constexpr[int],
     skip_n: cutlass.Constexpr[int],
+    reported_from: Int32,
 ):
     """Spin until every chunk of head rows [0, gathered) but [skip_lo, skip_lo + skip_n) of
     `batch` tokens is published, this thread taking chunks first, first + threads, ...
     with 8 volatile loads in flight. A chunk still missing at `deadline` (globaltimer ns)
-    goes to report_missing as its linear index over [batch, gathered, row_chunks]."""
+    goes to report_missing as its linear index over [batch, gathered, row_chunks], plus
+    reported_from (where `mailbox` starts in the whole mailbox's index)."""
     token_chunks = (gathered - skip_n) * row_chunks
     chunks = batch * token_chunks
     steps = (chunks + threads - 1) // threads
@@ -579,7 +581,7 @@ def poll_mailbox(
             while not landed and globaltimer() < deadline:
                 landed = chunk_published(load_u32x4_volatile(sources[i]))
             if not landed:
-                report_missing(error, (tokens[i] * gathered + rows[i]) * row_chunks + parts[i])
+                report_missing(error, reported_from + (tokens[i] * gathered + rows[i]) * row_chunks + parts[i])
 
 
 # -- warp MMA -----------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class QueryWait:
             self.row_chunks,
             0,
             0,
+            Int32(0),
         )
         # only once every thread of the CTA is done polling: an early-launched dependent
         # (the sparse core after the join) would hold SMs a peer on this GPU needs to publish

@@ -49,6 +49,17 @@ combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 t
          where partial_mma_ws has 2 .. CLUSTER_SPLITS splits: there a token's split CTAs
          form one cluster and combine through distributed shared memory (cluster_combine).
 
+poll (the step's fork_poll mode on one rank): before its PDL wait each partial CTA spins until
+the query rows it reads are published in the mailbox (every 16-byte chunk off the sentinel,
+`primitives.poll_mailbox`, bounded by budget_ns: a chunk still missing is recorded and the
+step raises MailboxTimeout), so the step joins MlaQuery's side stream after the sparse core
+rather than before it. A graph node with two predecessors (TopK and MlaQuery's last kernel)
+is not launched early under PDL: it started 1.4-1.7 us after TopK's end at TP 8 32K, where
+each single-predecessor kernel starts under its predecessor (bench/RESULTS.md, session 15).
+The rows' publisher ran after MlaQuery's KV insert (the kernel before it, griddepcontrol),
+so rows seen published mean the new tokens' cache rows are in place too. The CTAs spin on
+SMs the side stream may still need: the mode pays where MlaQuery ends well before TopK.
+
 publish (the step's launch): the kernel that reads the query rows last also copies them to
 q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one split (each CTA
 its rows' only reader), else the combine (after every partial CTA; clustered: split 0's CTA
@@ -372,10 +383,14 @@ class SparseCore:
         pdl: bool = True,
         publish: bool = False,
         producer: bool | None = None,
+        poll: bool = False,
     ):
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
         folded in here instead of a torch copy and fill after the launch.
+        poll: each partial CTA first waits, before its PDL wait, until the query rows it
+        reads are published (the module docstring): its rows below `gathered` (the padding
+        rows above are never published), so gathered must fit one CTA or fill every CTA.
         producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
         partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
         module's PRODUCER for the cache (64 rows), or partial_mma_ws from
@@ -385,6 +400,9 @@ class SparseCore:
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
         self.softmax_scale, self.slots_per_cta, self.pdl, self.publish = softmax_scale, slots_per_cta, pdl, publish
         self.heads = heads_per_cta(q_heads)
+        self.poll = poll
+        if poll and gathered > self.heads and gathered % self.heads:
+            raise ValueError(f"SparseCore's poll: gathered {gathered} neither fits nor fills {self.heads}-row CTAs")
         self.cols = COLS
         self.block = block_for(slots_per_cta)
         self.splits = k // slots_per_cta
@@ -445,10 +463,11 @@ class SparseCore:
         batch: Int32,
         error: cute.Pointer,
         pool_slots: Int32,
+        budget_ns: Int64,
         stream: cuda.CUstream,
     ):
         self.sparse_core_partial(
-            q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots
+            q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots, budget_ns
         ).launch(
             grid=[self.splits, self.q_heads // self.heads, batch],
             block=[self.threads, 1, 1],
@@ -480,7 +499,10 @@ class SparseCore:
         q_out: cute.Pointer,
         error: cute.Pointer,
         pool_slots: Int32,
+        budget_ns: Int64,
     ):
+        if cutlass.const_expr(self.poll):
+            self.await_query_rows(q_rows, error, budget_ns)
         if cutlass.const_expr(self.wgmma and self.producer):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.wgmma):
@@ -489,6 +511,32 @@ class SparseCore:
             self.partial_mma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         else:
             self.partial_mma_sync(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+
+    @cute.jit
+    def await_query_rows(self, q_rows, error, budget_ns):
+        """poll: spin until every chunk of the CTA's query rows is published, then a CTA
+        barrier (each thread polled a share). Before the PDL wait: the rows come from the side
+        stream, not the kernel before this one. A chunk missing past the budget is recorded as
+        its index over [batch, gathered, row chunks], the form MailboxTimeout names."""
+        tid, _, _ = cute.arch.thread_idx()
+        _, group, token = cute.arch.block_idx()
+        head0 = group * self.heads
+        row_chunks = self.q_bytes // 16
+        P.poll_mailbox(
+            q_rows + (token * self.q_heads + head0) * self.q_bytes,
+            error,
+            tid,
+            Int32(self.threads),
+            Int32(1),
+            P.globaltimer() + budget_ns,
+            min(self.heads, self.gathered),
+            self.q_heads,
+            row_chunks,
+            0,
+            0,
+            (token * self.gathered + head0) * row_chunks,
+        )
+        cute.arch.sync_threads()
 
     @cute.jit
     def partial_mma_sync(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
@@ -2176,4 +2224,5 @@ def compile_args():
         Int32(1),
         P.gmem_ptr(Int32, align=8),
         Int32(1),
+        Int64(1),
     )

@@ -81,7 +81,7 @@ class Recorder:
         Recorder.calls.append((type(self.op).__name__, pointers, scalars))
 
 
-@pytest.mark.parametrize("mode", ["serial", "fork"])
+@pytest.mark.parametrize("mode", ["serial", "fork", "fork_poll"])
 @pytest.mark.parametrize("topology", [Topology(tp=4), DCP], ids=["tp4", "dcp2"])
 def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monkeypatch, topology, mode):
     launch_on_cpu(monkeypatch, lambda op, args: Recorder(op))
@@ -101,7 +101,8 @@ def test_every_guarded_launch_gets_the_steps_error_word_and_the_pool_bounds(monk
         "DsaIndex": lambda s: s[:2] == [4, pps] and s[3:] == [index_pages],
         "ClusterTopK": [4, pps, index_pages],
         "DcpMerge": [4, pps, index_pages, topology.dcp * shape.model.index_topk],  # stacked: dcp x k per token
-        "SparseCore": [4, mla_slots],
+        # its poll's budget: fork_poll on one rank only (under DCP MlaQuery or QueryWait polls)
+        "SparseCore": [4, mla_slots, DEFAULT_BUDGET_NS if mode == "fork_poll" and topology.dcp == 1 else 0],
     }
     seen = set()
     for name, pointers, scalars in Recorder.calls:

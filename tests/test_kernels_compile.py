@@ -52,8 +52,9 @@ def test_every_variant_compiled(ptx):
     assert "dsa_index_ring8" in names
     assert ("kimi-dcp2-fp8", "dcp_merge") in ptx and ("tp8", "dcp_merge") not in ptx
     assert {f"top_k_{split.name}" for split in top_k.SPLITS} <= names
-    # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, 2 DsaIndex rings, every TopK split
-    assert len(ptx) == (10 + 6 + 2 + 1) + (14 + 6 + 2 + 1) + 2 * len(top_k.SPLITS)
+    # + 6 SparseCore splits (32 .. 1024 slots per CTA), 3 IndexQuery sizes, 2 DsaIndex rings, every TopK split;
+    # on one rank (tp8) each SparseCore split also polls (fork_poll)
+    assert len(ptx) == (10 + 2 * 6 + 2 + 1) + (14 + 6 + 2 + 1) + 2 * len(top_k.SPLITS)
 
 
 def _stages(variant: str, k: int, shape=None) -> list[str]:
@@ -122,6 +123,7 @@ def test_kernels_import_nothing_from_graphstep():
 # What a kernel may read from global memory before its griddepcontrol.wait: only what no
 # kernel of the step writes (weights, and inputs the host copies in before the graph runs).
 # Everything else a predecessor may still be writing.
+POLL_READS = {"ld.volatile.global.v4.b32", "red.global.min.s32"}
 BEFORE_WAIT = {
     "query_norm": {"ld.global.nc.v4.b32"},  # gamma
     "mla_query": {
@@ -140,6 +142,9 @@ BEFORE_WAIT = {
         "ld.global.nc.s32",  # context_lens and a block-table entry (host-written inputs)
         "cp.async.bulk.prefetch.L2.global",
     },  # the first pages into L2
+    # fork_poll on one rank: the query rows the side stream publishes (polled, a missing chunk
+    # recorded), never what the kernel before it (TopK) writes
+    "sparse_core_s": lambda name: POLL_READS if name.endswith("_poll") else set(),
 }
 _OPCODE = re.compile(r"^\s*\{?\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)", re.M)
 _READS = re.compile(r"(ld|ldu|ldmatrix|cp\.async|cp\.reduce|prefetch|prefetchu|atom|red|tex|tld4|suld|multimem)(\.|$)")
@@ -198,6 +203,7 @@ def test_every_kernel_waits_and_releases(ptx):
         entries = _entries(text)
         assert entries, (shape, name)
         allowed = next((forms for prefix, forms in BEFORE_WAIT.items() if name.startswith(prefix)), set())
+        allowed = allowed(name) if callable(allowed) else allowed
         for entry in entries:
             assert "griddepcontrol.wait;" in entry, (shape, name)
             assert "griddepcontrol.launch_dependents;" in entry, (shape, name)
@@ -287,6 +293,36 @@ def test_polling_is_volatile_and_bounded(ptx):
     assert text.rindex("ld.volatile.global.v4.b32") < text.index("griddepcontrol.launch_dependents;")
 
 
+def test_the_sparse_cores_poll_comes_before_its_pdl_wait(ptx):
+    """fork_poll on one rank: each SparseCore split has a polling variant whose partial kernel
+    spins on its query rows (volatile, bounded by the global timer, a missing chunk recorded)
+    before griddepcontrol.wait -- the rows come from the side stream, not the kernel before --
+    and is otherwise the same kernel; the default variants poll nothing. Under DCP the step
+    polls in MlaQuery or QueryWait instead, so there is no polling SparseCore there."""
+    polling = sorted(name for s, name in ptx if s == "tp8" and name.endswith("_poll") and "sparse_core" in name)
+    assert len(polling) == 6
+    for name in polling:
+
+        def kernels(variant):
+            entries = _entries(ptx[("tp8", variant)])
+            partial = [e for e in entries if "sparse_core_partial" in e.split("(")[0]]
+            return partial[0], [e for e in entries if e not in partial]
+
+        (partial, rest), (plain, plain_rest) = kernels(name), kernels(name.removesuffix("_poll"))
+        spin = partial.index("ld.volatile.global.v4.b32")
+        assert spin < partial.index("griddepcontrol.wait;") and "%globaltimer" in partial
+        assert "red.global.min.s32" in partial
+        assert "ld.volatile" not in plain and rest == plain_rest  # the combine, if any, unchanged
+    assert not any(name.endswith("_poll") and "sparse_core" in name for s, name in ptx if s == "kimi-dcp2-fp8")
+
+
+def test_a_sparse_core_poll_needs_rows_that_fit_or_fill_its_ctas():
+    kimi = RankShape(preset("kimi-k3.1"), Topology(tp=8))  # 8 rows in a 16-row CTA: its 8 are polled
+    assert catalog.build(kimi, "sparse_core", slots=64, poll=True).op.poll
+    with pytest.raises(ValueError, match="neither fits nor fills"):
+        sparse_core.SparseCore(64, 80, 2048, False, False, 0.1, 64, poll=True)
+
+
 def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert main(["ptx", "--tp", "8", "--out", str(tmp_path), "--batch-size", "4"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -300,11 +336,12 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         "mla_query_rows.sm_90a.ptx",
         "query_norm_rows.sm_90a.ptx",
         "sparse_core_s64.sm_90a.ptx",
+        "sparse_core_s64_poll.sm_90a.ptx",
         "top_k.sm_90a.ptx",
         *splits,
     ]
     out = capsys.readouterr().out
-    assert f"{9 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
+    assert f"{10 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
 
 
 def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):
@@ -549,7 +586,9 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
     rows dequantized in shared memory; the variants MMA_PRODUCER_BLOCKS puts on partial_mma_ws
     have their own PTX test below."""
     for shape_name, shape in SHAPES.items():
-        names = sorted(name for s, name in ptx if s == shape_name and name.startswith("sparse_core"))
+        names = sorted(
+            name for s, name in ptx if s == shape_name and name.startswith("sparse_core") and not name.endswith("_poll")
+        )
         choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
         fp8 = shape.topology.mla_cache == "fp8"

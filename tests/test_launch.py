@@ -10,7 +10,7 @@ from graphstep.kernels import catalog, top_k
 
 from conftest import launch_on_cpu
 from graphstep import launch
-from graphstep.launch import ErrorWord, Kernels
+from graphstep.launch import DEFAULT_BUDGET_NS, ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -54,7 +54,8 @@ TOPOLOGIES = [Topology(tp=8), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_
 
 def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool) -> list[str]:
     """Every launcher once for `b` tokens with its own variant choices (QueryWait and
-    DcpMerge under DCP); returns the kernels it launched, in order."""
+    DcpMerge under DCP); returns the kernels it launched, in order. poll: the fork_poll
+    mode's variants (MlaQuery's under DCP, SparseCore's on one rank)."""
     s, m, dcp = state.shape, state.shape.model, state.shape.topology.dcp
     inputs = state.inputs(b)
     c = state.caches
@@ -79,7 +80,7 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
         error,
         b,
         store_qc=True,
-        poll=poll,
+        poll=poll and dcp > 1,
     )
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
     kernels.key_and_query_norm(inputs.qkv, qc, inputs.context_lens, inputs.slot_mapping, c.index_cache, b)
@@ -96,6 +97,7 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
         f32(b, s.gathered),
         b,
         q_out=torch.zeros(b, s.gathered, c.mailbox.shape[-1], dtype=torch.uint8),
+        poll_budget_ns=DEFAULT_BUDGET_NS if poll and dcp == 1 else None,
     )
     launched = [
         "QueryNorm",
@@ -181,7 +183,7 @@ def test_the_launchers_build_only_catalog_variants_and_warm_compiles_them(cpu_la
     launched = {}
     for b in range(1, 65):
         Launch.ops.clear()
-        for poll in (False, True) if topology.dcp > 1 else (False,):
+        for poll in (False, True):
             _launch_every_kernel(kernels, state, b, poll)
         launched[b] = {catalog._config(op) for op in Launch.ops}
     listed = [catalog._config(variant.op) for variant in catalog.variants(state.shape)]

@@ -11,7 +11,7 @@ import torch
 from conftest import rel_err
 from graphstep import formats
 from graphstep import reference as ref
-from graphstep.launch import Kernels
+from graphstep.launch import ErrorWord, Kernels, MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
 
@@ -331,3 +331,45 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     assert (box1[:batch, : s.gathered] == formats.SENTINEL_BYTE).all(), "the rows read are re-armed"
     assert torch.equal(box1[:batch, s.gathered :], before[:batch, s.gathered :]), "pad rows untouched"
     assert torch.equal(box1[batch:], before[batch:]), "rows past the batch untouched"
+
+
+@pytest.mark.parametrize("slots_per_cta", [None, 2048])  # the plan (a combine or a cluster), one split
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q128-tp1-fp8"])
+def test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, slots_per_cta):
+    """poll_budget_ns (the step's fork_poll on one rank): with every row published, out and
+    lse equal the launch without the poll bit for bit and nothing is recorded; with one chunk
+    still armed, the CTAs give up after the budget and MailboxTimeout names that chunk."""
+    state, batch = _state(case), 3
+    s, m = state.shape, state.shape.model
+    kernels = Kernels(s, state.weights)
+    rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3
+    mailbox = formats.arm(torch.empty(batch, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
+    mailbox[:, : s.gathered] = formats.encode_q_rows(rows, CASES[case][1].q_format).view(batch, s.gathered, -1)
+    total = state.caches.mla_cache.view(-1, state.caches.mla_cache.shape[-1]).shape[0]
+    slots = _slots(total, batch, m.index_topk)
+    spc = slots_per_cta or kernels.sparse_core_plan(batch)
+    n = max(batch * m.index_topk // spc, 1)
+
+    def launch(box, budget_ns):
+        error = ErrorWord.new(torch.device("cuda"))
+        out = torch.full((batch, s.gathered, m.kv_lora_rank), float("nan"), device="cuda")
+        lse = torch.full((batch, s.gathered), float("nan"), device="cuda")
+        partial_o = torch.full((n, s.q_heads, m.kv_lora_rank), float("nan"), device="cuda")
+        partial_ml = torch.full((n, s.q_heads, 2), float("nan"), device="cuda")
+        kernels.sparse_core(
+            box, slots, state.caches.mla_cache, partial_o, partial_ml, out, lse, batch, spc, error=error,
+            poll_budget_ns=budget_ns,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        return out, lse, error
+
+    out0, lse0, _ = launch(mailbox.clone(), None)
+    out1, lse1, published = launch(mailbox.clone(), 1_000_000_000)
+    published.check(s.gathered, s.mailbox_row_chunks)  # nothing recorded
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    token, row, chunk = 2, s.gathered - 1, 5
+    lost = mailbox.clone()
+    lost[token, row, 16 * chunk : 16 * (chunk + 1)] = formats.SENTINEL_BYTE
+    _, _, gave_up = launch(lost, 2_000_000)
+    with pytest.raises(MailboxTimeout, match=f"mailbox: token {token}, head row {row}, chunk {chunk} "):
+        gave_up.check(s.gathered, s.mailbox_row_chunks)

@@ -29,7 +29,7 @@ def tp8():
         max_context=2048,
         seed=_seed(),
     )
-    step.capture(modes=("serial",), keep_graph=True)
+    step.capture(modes=("serial", "fork_poll"), keep_graph=True)
     return step
 
 
@@ -43,8 +43,8 @@ def _equal(a, b):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("mode", ["fork", "serial"])
-def test_replay_equals_eager_and_fork_equals_serial(tp8, size, mode):
+@pytest.mark.parametrize("mode", ["fork", "serial", "fork_poll"])
+def test_replay_equals_eager_and_the_modes_agree(tp8, size, mode):
     inputs = tp8.state.inputs(size, seed=_seed())
     tp8.load(inputs)
     tp8.run_stages(size, mode)
@@ -53,12 +53,13 @@ def test_replay_equals_eager_and_fork_equals_serial(tp8, size, mode):
     tp8.replay(size, mode)
     torch.cuda.synchronize()
     assert _equal(_outputs(tp8), eager), "graph replay must equal eager launches bit for bit"
-    other = "serial" if mode == "fork" else "fork"
-    tp8.replay(size, other)
-    torch.cuda.synchronize()
-    assert _equal(_outputs(tp8), eager), "fork and serial must agree bit for bit"
-    # the sparse core re-armed every row it read: the whole mailbox holds the sentinel again
-    assert bool((tp8.caches.mailbox == formats.SENTINEL_BYTE).all()), "a mailbox chunk left published"
+    for other in ("fork", "serial", "fork_poll"):
+        tp8.replay(size, other)
+        torch.cuda.synchronize()
+        assert _equal(_outputs(tp8), eager), f"{mode} and {other} must agree bit for bit"
+        tp8.error.check(tp8.shape.gathered, tp8.shape.mailbox_row_chunks)  # no poll gave up
+        # the sparse core re-armed every row it read: the whole mailbox holds the sentinel again
+        assert bool((tp8.caches.mailbox == formats.SENTINEL_BYTE).all()), "a mailbox chunk left published"
 
 
 def test_step_matches_the_reference(tp8):
@@ -103,8 +104,8 @@ def test_bad_inputs_raise(tp8):
     )
     with pytest.raises(ValueError, match="batch 17 exceeds the largest captured size 16"):
         tp8.step(too_big)
-    with pytest.raises(RuntimeError, match="no graph captured for batch 4 in mode 'fork_poll'"):
-        tp8.replay(4, "fork_poll")
+    with pytest.raises(RuntimeError, match="no graph captured for batch 8 in mode 'fork_poll'"):
+        tp8.replay(8, "fork_poll")
     saved = tp8.buffers.qc
     tp8.buffers.qc = saved.clone()
     try:
@@ -169,6 +170,20 @@ def test_graph_edges_show_pdl_fork_and_join(tp8):
     assert len(fork.programmatic) >= 6 and len(serial.programmatic) >= 7
     assert (len(fork.roots) >= 2 or fork.forks) and fork.joins
     assert not serial.forks and not serial.joins and len(serial.roots) == 1
+
+
+def test_fork_poll_keeps_the_sparse_core_off_the_join(tp8):
+    """fork_poll on one rank: the sparse core's partial kernel has TopK as its one (PDL)
+    predecessor; no node joins the streams (the side stream ends in its own sink), where
+    fork's partial kernel is the join of TopK and MlaQuery's absorb."""
+    fork, poll = inspect(tp8.graph(4, "fork")), inspect(tp8.graph(4, "fork_poll"))
+    top_k, absorb = _kernel(fork, "top_k_cluster"), _kernel(fork, "mla_query_absorb")
+    assert sorted(fork.predecessors(_kernel(fork, "sparse_core_partial"))) == sorted([top_k, absorb])
+    partial = _kernel(poll, "sparse_core_partial")
+    assert poll.predecessors(partial) == [_kernel(poll, "top_k_cluster")]
+    assert all(e.type == 1 for e in poll.edges if e.dst == partial)
+    assert not poll.joins and not poll.successors(_kernel(poll, "mla_query_absorb"))
+    assert sorted(_stages(poll)) == sorted(_stages(fork))
 
 
 @pytest.fixture(scope="module")
