@@ -18,11 +18,12 @@ MODES = ("serial", "fork", "fork_poll")
 WIDE_MODES = ("serial", "fork")
 TOPOLOGIES = ("tp1", "tp", "dcp", "dcp_split")
 
-# Per-topology default tables ("rows:mode,..." or one mode). They start as fork
-# everywhere; `graphstep tune` measures every mode and prints the table to put here
-# (not yet: with the indexer still in torch, serial and fork differ by 1-2%, one run
-# each on the H200, bench/RESULTS.md; too close to call a policy from).
-QUERY_OVERLAP: dict[str, str] = {topology: "fork" for topology in TOPOLOGIES}
+# Per-topology default tables ("rows:mode,..." or one mode); `graphstep tune` measures every
+# mode and prints the table to put here. One rank ("tp": TP 8, and TP 1 unsplit): fork_poll,
+# measured faster than fork at every size (H200, 32K, bench/RESULTS.md session 15: TP 8
+# B = 1 / 4 / 16 -2.1 / -1.1 / -2.1 us, B = 64 within the run's spread; TP 1 -3.8 / -3.7 /
+# -2.1 / -0.4). The others stay fork until measured.
+QUERY_OVERLAP: dict[str, str] = {topology: "fork" for topology in TOPOLOGIES} | {"tp": "fork_poll"}
 
 
 def batch_table(policy: str) -> dict[int, str]:

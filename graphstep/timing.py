@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import floor
+from .policy import overlap_for
 from .report import Progress, table
 from .shapes import RankShape
 from .step import DecodeStep
@@ -214,7 +215,8 @@ def bench(args, shape: RankShape) -> int:
         "cute_nopdl": DecodeStep(shape, policy="fork", pdl=False, **common),
         "torch": DecodeStep(shape, policy="fork", backend="torch", **common),
     }
-    steps["cute"].capture(modes=("serial",))
+    poll = not shape.topology.wide  # fork_poll (TP 1's split query has no mailbox to poll)
+    steps["cute"].capture(modes=("serial", "fork_poll") if poll else ("serial",))
     steps["cute_nopdl"].capture()
     steps["torch"].capture()
     smallest = min(sizes)
@@ -226,23 +228,31 @@ def bench(args, shape: RankShape) -> int:
             load_batch(step, size, args.context, args.seed)
         t = {
             "cute_fork": statistics.median(replay_us(steps["cute"], size, "fork", args.replays)),
+            "cute_fork_poll": statistics.median(replay_us(steps["cute"], size, "fork_poll", args.replays))
+            if poll
+            else None,
             "cute_serial": statistics.median(replay_us(steps["cute"], size, "serial", args.replays)),
             "cute_fork_nopdl": statistics.median(replay_us(steps["cute_nopdl"], size, "fork", args.replays)),
             "torch_fork": statistics.median(replay_us(steps["torch"], size, "fork", args.replays)),
         }
         bound = floor.step_floor(shape, size, args.context)
+        default = overlap_for(size, None, shape.topology.dcp > 1, shape.topology.wide, shape.topology.split)
+        step_us = t[f"cute_{default}"]  # the mode a step uses by default at this size
         record = dict(batch=size, context=args.context, floor_us=bound.us, indexer_floor_us=bound.indexer_us, **t)
+        record.update(default_mode=default, default_us=step_us)
         records.append(record)
         rows.append(
             [
                 size,
                 t["cute_fork"],
+                "-" if t["cute_fork_poll"] is None else t["cute_fork_poll"],
                 t["cute_serial"],
                 t["cute_fork_nopdl"],
                 t["torch_fork"],
                 bound.us,
-                t["cute_fork"] / bound.us,
-                t["torch_fork"] / t["cute_fork"],
+                default,
+                step_us / bound.us,
+                t["torch_fork"] / step_us,
                 t["cute_serial"] / t["cute_fork"],
                 t["cute_fork_nopdl"] / t["cute_fork"],
             ]
@@ -254,12 +264,14 @@ def bench(args, shape: RankShape) -> int:
     headers = [
         "batch",
         "cute fork",
+        "cute fork_poll",
         "cute serial",
         "fork no-PDL",
         "torch",
         "floor",
-        "fork/floor",
-        "torch/fork",
+        "default",
+        "default/floor",
+        "torch/default",
         "serial/fork",
         "no-PDL/fork",
     ]
@@ -345,6 +357,7 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in [
         ("cute_fork", "cute fork"),
+        ("default_us", "cute (default mode)"),
         ("cute_serial", "cute serial"),
         ("torch_fork", "torch"),
         ("floor_us", "bytes floor"),

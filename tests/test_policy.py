@@ -4,8 +4,11 @@ from graphstep import policy
 from graphstep.policy import MODES, WIDE_MODES, batch_table, overlap_for
 
 
-def test_defaults_are_fork_everywhere():
-    for dcp, wide, split in [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]:
+def test_defaults_one_rank_polls_the_others_fork():
+    """One rank (TP 8, TP 1 unsplit): fork_poll at every size (measured faster, session 15);
+    DCP, its split query and TP 1's split query: fork."""
+    assert [overlap_for(b) for b in (1, 4, 16, 64)] == ["fork_poll"] * 4
+    for dcp, wide, split in [(True, False, False), (False, True, False), (True, False, True)]:
         assert overlap_for(1, dcp=dcp, wide=wide, split=split) == "fork"
 
 
