@@ -93,13 +93,13 @@ def prioritize_main(graph) -> list[str]:
     """Give the main stream's kernel nodes the device's highest scheduling priority (the side
     stream's keep the default, the lowest); returns the names raised."""
     _, _least, greatest = cu.cuCtxGetStreamPriorityRange()
-    value = cu.CUlaunchAttributeValue()
+    value = cu.CUkernelNodeAttrValue()
     value.priority = greatest
     raised = []
     for node, name in _kernel_nodes(graph):
         if any(s in name for s in SIDE) or name.startswith(SIDE_NORM):
             continue
-        _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
+        _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
         raised.append(name[:24])
     return raised
 

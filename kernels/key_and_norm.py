@@ -7,8 +7,7 @@ grid     norm CTAs + key CTAs of 256 threads: CTAs [0, norm.ctas(batch)) run Que
 Both read only the step's inputs, so the main stream's PDL chain opens with one launch
 instead of two in series (IndexKey -> QueryNorm -> IndexQuery becomes KeyAndNorm ->
 IndexQuery): IndexQuery's CTAs launch, and its weight loads go out, as soon as this grid
-starts (it lets its dependents launch first thing, before its parts' weight loads) instead
-of after IndexKey's whole grid. Each part runs the very device code
+passes its wait instead of after IndexKey's whole grid. Each part runs the very device code
 of its own kernel, so the keys and q_c are bit-identical to IndexKey's and QueryNorm's (and
 so to the q_c MlaQuery computes for itself). Guards and records as IndexKey's
 (kernels/guards.py).
@@ -84,10 +83,6 @@ class KeyAndNorm:
         pool_slots: Int32,
         rope_rows: Int32,
     ):
-        # IndexQuery may launch at once: it reads nothing of this grid before its own wait, and
-        # its weight stream then starts a round trip earlier than after the parts' weight loads
-        # (each part's own launch_dependents after its wait is then a no-op)
-        cute.arch.griddepcontrol_launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
