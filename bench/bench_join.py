@@ -8,9 +8,10 @@ its predecessor. This script times the same step's graph (captured with keep_gra
 before its first replay, so each variant is instantiated once) as captured, with the side
 stream's edge into the join turned into a full (default) edge, and with both join edges full;
 fork_poll (the sparse core polls its query rows and the side stream joins after it: no join
-before it), fork_poll with the main stream's kernel nodes at the highest scheduling priority
-(so IndexQuery's CTAs are placed before MlaQuery's pending ones), and the serial mode (no side
-stream) beside them. Run on an sm_90 GPU:
+before it), fork_poll with one stream's kernel nodes at the device's highest scheduling
+priority (--first main: IndexQuery's CTAs placed before MlaQuery's pending ones; --first side:
+MlaQuery's first, the longer branch at TP 1), and the serial mode (no side stream) beside them.
+Run on an sm_90 GPU:
 
     python3 bench/bench_join.py --context 32768 --batch 1,4,16,64
 """
@@ -89,15 +90,15 @@ def _kernel_nodes(graph):
             yield node, (raw.decode() if isinstance(raw, bytes) else str(raw)).removeprefix("kernel_cutlass_")
 
 
-def prioritize_main(graph) -> list[str]:
-    """Give the main stream's kernel nodes the device's highest scheduling priority (the side
-    stream's keep the default, the lowest); returns the names raised."""
+def prioritize(graph, first: str) -> list[str]:
+    """Give one stream's kernel nodes (first: "main" or "side") the device's highest
+    scheduling priority (the other's keep the default, the lowest); returns the names raised."""
     _, _least, greatest = cu.cuCtxGetStreamPriorityRange()
     value = cu.CUkernelNodeAttrValue()
     value.priority = greatest
     raised = []
     for node, name in _kernel_nodes(graph):
-        if any(s in name for s in SIDE) or name.startswith(SIDE_NORM):
+        if (any(s in name for s in SIDE) or name.startswith(SIDE_NORM)) != (first == "side"):
             continue
         _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
         raised.append(name[:24])
@@ -110,6 +111,7 @@ def main() -> int:
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--first", choices=("main", "side"), default="main", help="the stream prioritized")
     args = parser.parse_args()
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
     variants = {"as captured": None, "side edge full": "side", "both join edges full": "both"}
@@ -121,8 +123,8 @@ def main() -> int:
             if which:
                 edited = retype_join(step.graph(size, "fork"), which)
                 print(f"{label}, B = {size}: {edited}", file=sys.stderr)
-            if label == "side edge full":  # this step's fork_poll graphs: the main stream first
-                print(f"main first, B = {size}: {prioritize_main(step.graph(size, 'fork_poll'))}", file=sys.stderr)
+            if label == "side edge full":  # this step's fork_poll graphs: one stream first
+                print(f"{args.first} first, B = {size}: {prioritize(step.graph(size, 'fork_poll'), args.first)}")
         steps[label] = step
     rows = []
     for size in args.batch:
@@ -131,13 +133,14 @@ def main() -> int:
         row = [size]
         # interleaved twice, so a drift of the card shows as a spread
         times = {label: [] for label in variants}
-        others = {"fork_poll": [], "fork_poll, main first": [], "serial": []}
+        first = f"fork_poll, {args.first} first"
+        others = {"fork_poll": [], first: [], "serial": []}
         for _ in range(2):
             for label, step in steps.items():
                 times[label].append(statistics.median(replay_us(step, size, "fork", args.replays)))
             for label, found in others.items():
                 step, mode = steps["as captured"], label
-                if label == "fork_poll, main first":
+                if label == first:
                     step, mode = steps["side edge full"], "fork_poll"
                 found.append(statistics.median(replay_us(step, size, mode, args.replays)))
         row += [" / ".join(f"{t:.1f}" for t in times[label]) for label in variants]
