@@ -6,7 +6,8 @@ fork:      QueryNorm writes q_c on the main stream; MlaQuery and QueryWait run o
            the side stream, joined before the sparse core.
 fork_poll: fork, the mailbox polled by its readers: under DCP MlaQuery polls the peers' rows
            itself instead of QueryWait; on one rank the sparse core polls its query rows and
-           the side stream joins after it.
+           the side stream joins after it. Its spinning CTAs need the side stream at no
+           lower priority than the main one (docs/design.md, Fork and join).
 """
 
 from __future__ import annotations
