@@ -330,12 +330,6 @@ class DsaIndex:
             src = cache + Int64(mine) * PAGE_BYTES
             _prefetch_l2(src, keys * DIM)
             _prefetch_l2(src + KEY_BYTES, (keys * 4 + 15) // 16 * 16)
-        if warp == CONSUMERS // 32 and lane == 31 and live > 0:
-            # the token's query rows and head weights, IndexQuery's output, read right after the
-            # wait: their lines into L2 and their pages' translations warm (the lines IndexQuery
-            # then writes are what the loads after the wait see: L2 is the point of coherence)
-            _prefetch_l2(q + token * HEADS * DIM, Int32(HEADS * DIM))
-            _prefetch_l2(head_w + token * HEADS, Int32(HEADS * 4))
         cute.arch.sync_threads()  # the mbarriers are initialized
         cute.arch.griddepcontrol_wait()
         waited = Int32(0)

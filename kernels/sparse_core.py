@@ -503,12 +503,6 @@ class SparseCore:
     ):
         if cutlass.const_expr(self.poll):
             self.await_query_rows(q_rows, error, budget_ns)
-        tid, _, _ = cute.arch.thread_idx()
-        if tid == 0:
-            # this CTA's slot ids, TopK's output, read right after the wait: their lines into L2
-            # and their page's translation warm (TopK's writes land in L2, what the loads see)
-            split, _, token = cute.arch.block_idx()
-            P.prefetch_l2(slots + token * self.k + split * self.slots_per_cta, self.slots_per_cta * 4)
         if cutlass.const_expr(self.wgmma and self.producer):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.wgmma):

@@ -124,7 +124,6 @@ def test_kernels_import_nothing_from_graphstep():
 # kernel of the step writes (weights, and inputs the host copies in before the graph runs).
 # Everything else a predecessor may still be writing.
 POLL_READS = {"ld.volatile.global.v4.b32", "red.global.min.s32"}
-PREFETCH = {"cp.async.bulk.prefetch.L2.global"}
 BEFORE_WAIT = {
     "query_norm": {"ld.global.nc.v4.b32"},  # gamma
     "mla_query": {
@@ -145,8 +144,7 @@ BEFORE_WAIT = {
     },  # the first pages into L2
     # fork_poll on one rank: the query rows the side stream publishes (polled, a missing chunk
     # recorded), never what the kernel before it (TopK) writes
-    # the CTA's slot ids into L2 (TopK writes them; read after the wait); polling, the query rows
-    "sparse_core_s": lambda name: PREFETCH | (POLL_READS if name.endswith("_poll") else set()),
+    "sparse_core_s": lambda name: POLL_READS if name.endswith("_poll") else set(),
 }
 _OPCODE = re.compile(r"^\s*\{?\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)", re.M)
 _READS = re.compile(r"(ld|ldu|ldmatrix|cp\.async|cp\.reduce|prefetch|prefetchu|atom|red|tex|tld4|suld|multimem)(\.|$)")
@@ -768,8 +766,7 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     if op.bulk_rows:
         assert bulk_copies and len(bulk_copies) % per_lane == 0 and set(bulk_copies) == {str(op.row_bytes)}
         assert str(op.bulk_rows * op.row_bytes) in producer  # the bytes expected
-    # the consumers copy no cache rows (the other bulk op: the slot ids' L2 prefetch before the wait)
-    assert len(bulk_copies) == len(re.findall(r"cp\.async\.bulk\.(?!prefetch)", partial))
+    assert len(bulk_copies) == len(re.findall(r"cp\.async\.bulk\.", partial))  # the consumers copy no cache rows
     assert "mbarrier.arrive.expect_tx.shared::cta.b64" in producer and "cp.async.ca" not in producer
     lsu = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16(, %r\d+)?;", producer)
     assert all(lsu), lsu  # every one with its zero-fill operand
