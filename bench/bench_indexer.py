@@ -469,40 +469,45 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
     return 0
 
 
+TRACE_STEP_PROBES = ("trace", "trace_no_rows")  # as it runs; without the query rows' loads
+
+
 def main_dsa_trace_step(args, shape: RankShape, replays: int = 20) -> int:
-    """DsaIndex's CTA timelines inside the captured step (TP 8, fork, PDL): the step's
-    graphs are captured with the trace probe, so its DsaIndex writes each CTA's marks over
-    its first scores (TopK then selects from those scores: the step's times hold, its
-    outputs do not). Per batch, the last of `replays` replays; wait_min there is how long
-    the CTAs that started first waited on IndexQuery."""
+    """DsaIndex's CTA timelines inside the captured step (TP 8, its default mode, PDL): the
+    step's graphs are captured with a trace probe, so its DsaIndex writes each CTA's marks
+    over its first scores (TopK then selects from those scores: the step's times hold, its
+    outputs do not). Per batch and probe (TRACE_STEP_PROBES), the last of `replays` replays;
+    wait_min there is how long the CTAs that started first waited on IndexQuery."""
     from graphstep.step import DecodeStep
     from graphstep.timing import load_batch, replay_us
 
     rows = []
     for context in (int(c) for c in args.context.split(",")):
         sizes = [int(b) for b in args.batch.split(",")]
-        dsa_index.PROBE = "trace"
-        try:
-            step = DecodeStep(shape, capture_sizes=sizes, policy="fork", max_context=context, seed=3)
-            step.capture()
-        finally:
-            dsa_index.PROBE = ""
-        for size in sizes:
-            load_batch(step, size, context)
-            us = statistics.median(replay_us(step, size, replays=replays))
-            run = pages_per_cta(size, step.state.pages_per_seq)
-            timeline = dsa_timeline(step.buffers.scores[:size].contiguous(), run)
-            rows.append(dict(context=context, batch=size, run=run, step_us=us, **timeline))
-        del step
-        torch.cuda.empty_cache()
+        for probe in TRACE_STEP_PROBES:
+            dsa_index.PROBE = probe
+            try:
+                step = DecodeStep(shape, capture_sizes=sizes, max_context=context, seed=3)
+                step.capture()
+            finally:
+                dsa_index.PROBE = ""
+            for size in sizes:
+                load_batch(step, size, context)
+                us = statistics.median(replay_us(step, size, replays=replays))
+                run = pages_per_cta(size, step.state.pages_per_seq)
+                timeline = dsa_timeline(step.buffers.scores[:size].contiguous(), run)
+                rows.append(dict(context=context, batch=size, probe=probe, run=run, step_us=us, **timeline))
+            del step
+            torch.cuda.empty_cache()
     keys = ["ctas", "ghz", "start_max", "wait_min", "wait_max", "query", "first_page", "per_page", "tail", "end_max"]
     report(
         rows,
-        ["ctx", "B", "run", "step us", *keys],
-        [[r["context"], r["batch"], r["run"], r["step_us"], *(round(r[k], 2) for k in keys)] for r in rows],
-        "DsaIndex in the captured step (TP 8 fork), traced: us from its first CTA's start (start_max, wait_min / max:"
+        ["ctx", "B", "probe", "run", "step us", *keys],
+        [[r["context"], r["batch"], r["probe"], r["run"], r["step_us"], *(round(r[k], 2) for k in keys)] for r in rows],
+        "DsaIndex in the captured step (TP 8), traced: us from its first CTA's start (start_max, wait_min / max:"
         " the PDL wait's return, end_max: the last exit); medians over CTAs of query (wait -> query rows staged),"
-        " first_page, per_page, tail; step us: the traced step's replay (its TopK reads the marks)",
+        " first_page, per_page, tail; step us: the traced step's replay (its TopK reads the marks). trace_no_rows:"
+        " the rows widened from constants, not loaded",
         args.json,
     )
     return 0
@@ -544,7 +549,9 @@ def main() -> int:
     )
     parser.add_argument("--dsa-trace", action="store_true", help="each DsaIndex CTA's timeline (the trace probe)")
     parser.add_argument(
-        "--dsa-trace-step", action="store_true", help="DsaIndex's CTA timelines inside the captured step (TP 8 fork)"
+        "--dsa-trace-step",
+        action="store_true",
+        help="DsaIndex's CTA timelines inside the captured step (TP 8), as it runs and without the rows' loads",
     )
     args = parse_args(parser)
     if args.rotation:

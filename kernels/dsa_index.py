@@ -95,8 +95,10 @@ WAVE_CTAS = 4 * SMS
 # --dsa-trace; a probe that stored no scores let ptxas drop the head sums, 46 registers not 91).
 # (H200, session 14: at 32K B = 4 no_widen / no_mma save 0.4 / 1.7 of 9.4 us; widening by
 # integer bit moves instead of cvt, or half by each, was slower everywhere: the conversions
-# are not what bounds the kernel. bench/RESULTS.md)
-PROBES = ("", "no_widen", "no_mma", "trace")
+# are not what bounds the kernel. bench/RESULTS.md) trace_no_rows traces a kernel that widens
+# constant words instead of loading the query rows: what the rows' loads cost of the 1.5-2 us
+# from the PDL wait to the rows staged (session 15: not their order, nor a cold line).
+PROBES = ("", "no_widen", "no_mma", "trace", "trace_no_rows")
 PROBE = ""
 # The trace probe's int32 slots from a CTA's first score position: globaltimer ns at entry
 # (2 words) and after its last page (2), then %clock deltas from entry: after the last page,
@@ -256,6 +258,7 @@ class DsaIndex:
         self.probe = PROBE
         if self.probe not in PROBES:
             raise ValueError(f"dsa_index.PROBE must be one of {PROBES}, got {self.probe!r}")
+        self.tracing = self.probe.startswith("trace")
 
     @cute.jit
     def __call__(
@@ -296,7 +299,7 @@ class DsaIndex:
         tid, _, _ = cute.arch.thread_idx()
         chunk, token, _ = cute.arch.block_idx()
         clock0, start = Int32(0), Int64(0)
-        if cutlass.const_expr(self.probe == "trace"):
+        if cutlass.const_expr(self.tracing):
             clock0, start = cute.arch.clock(), P.globaltimer()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
@@ -304,7 +307,7 @@ class DsaIndex:
         queries = smem.allocate_tensor(Uint8, cute.make_layout(QUERY_BYTES), byte_alignment=128)
         bars = smem.allocate_tensor(Int64, cute.make_layout(2 * self.stages), byte_alignment=8)
         marks0 = Int32(0)
-        if cutlass.const_expr(self.probe == "trace"):
+        if cutlass.const_expr(self.tracing):
             marks0 = smem.allocate_tensor(Int32, cute.make_layout(TRACE_PAGES), byte_alignment=16).iterator.toint()
         ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
         full0 = bars.iterator.toint()
@@ -333,7 +336,7 @@ class DsaIndex:
         cute.arch.sync_threads()  # the mbarriers are initialized
         cute.arch.griddepcontrol_wait()
         waited = Int32(0)
-        if cutlass.const_expr(self.probe == "trace"):
+        if cutlass.const_expr(self.tracing):
             waited = cute.arch.clock() - clock0
         cute.arch.griddepcontrol_launch_dependents()
         if warp == CONSUMERS // 32:
@@ -456,7 +459,7 @@ class DsaIndex:
         g, t = lane // 4, lane % 4
         out = scores + token * width
         trace = out + first * PAGE  # the trace probe's slots (TRACE_SLOTS)
-        tracing = self.probe == "trace"
+        tracing = self.tracing
         if live > 0:
             self.stage_queries(q, token, qbase, tid)
             # this thread's heads: 8 j + 2 t and + 1
@@ -552,7 +555,10 @@ class DsaIndex:
         src = q + (token * HEADS + n) * DIM + 64 * half
         words = []
         for k in cutlass.range_constexpr(4):
-            words += list(P.load_u32x4(src + 16 * k))
+            if cutlass.const_expr(self.probe == "trace_no_rows"):
+                words += [Uint32(0x38383838 + k)] * 4  # e4m3 1.0s: no load (wrong scores)
+            else:
+                words += list(P.load_u32x4(src + 16 * k))
         for cc in cutlass.range_constexpr(8):
             pairs = [query_source(cc, tt) for tt in range(4)]
             P.st_shared_u32x4(

@@ -1209,14 +1209,14 @@ def test_dcp_merge_reads_each_ranks_candidates_at_its_offset(ptx):
     assert "ld.global.s64" in text and text.index("griddepcontrol.wait") < text.index("ld.global.s64")
 
 
-@pytest.mark.parametrize("probe", ["no_widen", "no_mma", "trace"])
+@pytest.mark.parametrize("probe", ["no_widen", "no_mma", "trace", "trace_no_rows"])
 def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     """bench_indexer.py --dsa-probes / --dsa-trace (dsa_index.PROBE; wrong scores, times only):
     no_widen keeps only the query rows' 32 cvt (not the keys' 32 a page), no_mma has no wgmma,
     trace keeps the scores' stores (without them ptxas drops the head sums) and adds %clock,
     the globaltimer (which the kernel as it runs never reads) and its slots' stores within the
-    registers of 4 CTAs per SM; all keep the ring, its releases and no stack, each its own
-    compile-cache entry."""
+    registers of 4 CTAs per SM, trace_no_rows the same without the query rows' four 16-byte
+    loads; all keep the ring, its releases and no stack, each its own compile-cache entry."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
@@ -1234,7 +1234,8 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     (found,) = _cubin_kernels(cubin.read_bytes()).values()
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == (32 if probe == "no_widen" else 64)
     assert ("wgmma.mma_async" in ptx) == (probe != "no_mma")
-    tracing = probe == "trace"
+    tracing = probe.startswith("trace")
+    assert ptx.count("ld.global.v4.b32") == (0 if probe == "trace_no_rows" else 4)  # the query rows
     assert "st.global.f32" in ptx and ("%clock" in ptx) == tracing
     assert ptx.count("%globaltimer") == 2 * tracing and ("st.global.b64" in ptx) == tracing
     assert found["regs"] * dsa_index.THREADS * 4 <= 65536, found
