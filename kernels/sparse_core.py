@@ -679,7 +679,7 @@ class SparseCore:
             dims = 8 * ntiles * col + 2 * t
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
-                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    inverse = self.inverse_of(total)
                     row = (token * self.gathered + head) * LATENT + dims
                     for n in cutlass.range_constexpr(ntiles):
                         P.store_f32x2(out + row + 8 * n, acc_o[n][2 * r] * inverse, acc_o[n][2 * r + 1] * inverse)
@@ -1061,7 +1061,7 @@ class SparseCore:
             step = 2 if self.mla_fp8 else 8  # between this thread's dim pairs
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
-                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    inverse = self.inverse_of(total)
                     row = (token * self.gathered + head) * LATENT + dims
                     for n in cutlass.range_constexpr(ntiles):
                         P.store_f32x2(out + row + step * n, values[2 * n] * inverse, values[2 * n + 1] * inverse)
@@ -1105,7 +1105,7 @@ class SparseCore:
         top = stats[0][0]
         for s in cutlass.range_constexpr(1, splits):
             top = cute.arch.fmax(top, stats[s][0])
-        use = P.select(top == Float32(-math.inf), Float32(0), top)
+        use = self.merge_max(top)
         weights = [P.exp2_approx(stats[s][0] - use) for s in range(splits)]  # 0: a split with no live slot
         total = Float32(0)
         for s in cutlass.range_constexpr(splits):
@@ -1118,7 +1118,7 @@ class SparseCore:
                     sums[4 * q + e] = sums[4 * q + e] + weights[s] * v[e]
         head = group * m + local
         if head < self.gathered:
-            inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+            inverse = self.inverse_of(total)
             row = (token * self.gathered + head) * LATENT + first
             for q in cutlass.range_constexpr(width // 2):
                 P.store_f32x2(out + row + 2 * q, sums[2 * q] * inverse, sums[2 * q + 1] * inverse)
@@ -1511,7 +1511,7 @@ class SparseCore:
             dims = wg * (LATENT // 2) + 2 * t
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
-                    inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+                    inverse = self.inverse_of(total)
                     at = out + (token * self.gathered + head) * LATENT + dims
                     for j in cutlass.range_constexpr(32):
                         P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr] * inverse, acc_o[4 * j + 2 * rr + 1] * inverse)
@@ -1999,6 +1999,17 @@ class SparseCore:
             P.store_u32x4(src, [Uint32(SENTINEL_WORD)] * 4)
 
     @cute.jit
+    def merge_max(self, top) -> Float32:
+        """The max the splits' weights 2^(max_s - max) are taken against: 0 where every split
+        is empty (max -inf), so each weight is 0, not NaN."""
+        return P.select(top == Float32(-math.inf), Float32(0), top)
+
+    @cute.jit
+    def inverse_of(self, total) -> Float32:
+        """1 / the softmax sum, 0 for a row with no live slot (its out is 0)."""
+        return P.select(total > Float32(0), Float32(1) / total, Float32(0))
+
+    @cute.jit
     def lse_of(self, top, total) -> Float32:
         """Natural-log lse from the log2-unit max and the sum at that max (-inf: no slot)."""
         return P.select(total > Float32(0), (top + cute.math.log2(total)) * Float32(math.log(2.0)), Float32(-math.inf))
@@ -2163,7 +2174,7 @@ class SparseCore:
         for i in cutlass.range_constexpr(len(stats)):
             top = cute.arch.fmax(top, stats[i][0])
         top = self.block_reduce(top, red, lane, warp, True)
-        use = P.select(top == Float32(-math.inf), Float32(0), top)
+        use = self.merge_max(top)
         total = Float32(0)
         for i in cutlass.range_constexpr(len(stats)):
             split_max, split_sum, live = stats[i]
@@ -2183,7 +2194,7 @@ class SparseCore:
             red[warp * 128 + 4 * lane + d] = sums[d]
         cute.arch.sync_threads()
         if warp == 0:
-            inverse = P.select(total > Float32(0), Float32(1) / total, Float32(0))
+            inverse = self.inverse_of(total)
             o = []
             for d in cutlass.range_constexpr(4):
                 v = red[4 * lane + d] + red[128 + 4 * lane + d] + red[256 + 4 * lane + d] + red[384 + 4 * lane + d]
