@@ -94,18 +94,6 @@ def launches(batch: int) -> list[tuple[int, int, int]]:
 # -- cluster primitives -----------------------------------------------------------------
 
 
-def cluster_arrive_relaxed():
-    cute.arch.inline_ptx("barrier.cluster.arrive.relaxed.aligned;")
-
-
-def cluster_arrive():
-    cute.arch.inline_ptx("barrier.cluster.arrive.release.aligned;")
-
-
-def cluster_wait():
-    cute.arch.inline_ptx("barrier.cluster.wait.acquire.aligned;")
-
-
 class IndexQuery:
     def __init__(
         self,
@@ -212,7 +200,7 @@ class IndexQuery:
         weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, w_bars.iterator)
         queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
         if cutlass.const_expr(not self.hadamard):
-            cluster_arrive_relaxed()  # waited on before the first store into the peer CTA
+            cute.arch.cluster_arrive_relaxed(aligned=True)  # waited on before the first store into the peer CTA
 
         # Warp 0 produces: lane 0 initializes the barriers and arms each fill (one arrival
         # expecting the operand's bytes); the copies are cute.copy's, which issues each from
@@ -313,12 +301,12 @@ class IndexQuery:
             values.append(v)
 
         if cutlass.const_expr(self.hadamard):
-            cluster_arrive()  # this CTA's tile is read: the peer may overwrite it
-            cluster_wait()
+            cute.arch.cluster_arrive(aligned=True)  # this CTA's tile is read: the peer may overwrite it
+            cute.arch.cluster_wait()
             for p in cutlass.range_constexpr(tokens // 16):
                 P.dsmem_store(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, Float32, values[p])
-            cluster_arrive()
-            cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
+            cute.arch.cluster_arrive(aligned=True)
+            cute.arch.cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
             sign = P.select(rank == 0, Float32(1.0), Float32(-1.0))
             for p in cutlass.range_constexpr(tokens // 16):
                 own = values[p]
@@ -336,12 +324,12 @@ class IndexQuery:
                 amaxes.append(amax)
         else:
             peer_base = peer_amax.iterator.toint()
-            cluster_wait()  # the peer CTA is running: its shared memory may be written
+            cute.arch.cluster_wait()  # the peer CTA is running: its shared memory may be written
             if j == 0:
                 for p in cutlass.range_constexpr(tokens // 16):
                     P.dsmem_store(peer_base + 4 * (row0 + 16 * p), 1 - rank, Float32, [amaxes[p]])
-            cluster_arrive()
-            cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
+            cute.arch.cluster_arrive(aligned=True)
+            cute.arch.cluster_wait()  # both halves' maxima are in; no shared access crosses CTAs after this
 
         for p in cutlass.range_constexpr(tokens // 16):
             token = row0 + 16 * p
