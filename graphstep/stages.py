@@ -82,9 +82,10 @@ class Stages(ABC):
     """One backend's stages. Each method runs one stage for the rows [0, size) on the
     current stream; what it reads and writes is in its docstring (b = the step's Buffers)."""
 
-    # whether sparse_core(poll=True) waits for the mailbox's rows itself (fork_poll on one rank
-    # then joins the side stream after the sparse core, not before it)
-    polls_query_rows = False
+    def polls_query_rows(self, size: int) -> bool:
+        """Whether sparse_core(size, poll=True) waits for the mailbox's rows itself, so that
+        fork_poll on one rank joins the side stream after the sparse core rather than before."""
+        return False
 
     def __init__(self, state: LayerState, buffers: Buffers, error: ErrorWord, budget_ns: int, pdl: bool = True):
         """error: the word the polls report a lost chunk in; budget_ns: how long a poll waits;
@@ -160,14 +161,12 @@ class Stages(ABC):
         """Sparse MLA attention of the mailbox's query rows over the MLA cache rows at
         b.slots -> b.out, b.lse. As the rows' last reader it also copies them to b.q_out
         (the step's returned query rows) and re-arms them in the mailbox for the next step.
-        poll (backends with polls_query_rows): first wait until the rows are published,
+        poll (where polls_query_rows(size)): first wait until the rows are published,
         recording a chunk that never was in the step's error word."""
 
 
 class CuteStages(Stages):
     """Every stage a CuTe DSL kernel, chained with Programmatic Dependent Launch."""
-
-    polls_query_rows = True
 
     def __init__(self, state: LayerState, buffers: Buffers, error: ErrorWord, budget_ns: int, pdl: bool = True):
         super().__init__(state, buffers, error, budget_ns, pdl)
@@ -262,6 +261,10 @@ class CuteStages(Stages):
     def query_wait(self, size: int) -> None:
         self.kernels.query_wait(self.state.caches.mailbox, self.error, size, self.budget_ns)
 
+    def polls_query_rows(self, size: int) -> bool:
+        # where the partial launch leaves SMs to MlaQuery (sparse_core.POLL_MAX_CTAS)
+        return self.kernels.sparse_core_polls(size)
+
     def sparse_core(self, size: int, poll: bool = False) -> None:
         b, caches = self.buffers, self.state.caches
         self.kernels.sparse_core(
@@ -342,6 +345,8 @@ class TorchStages(Stages):
 
     def sparse_core(self, size: int, poll: bool = False) -> None:
         """poll is never asked (polls_query_rows is False): the step joins before this."""
+        if poll:
+            raise RuntimeError("the torch backend cannot poll the mailbox: join the side stream before its sparse core")
         b, mailbox, gathered = self.buffers, self.state.caches.mailbox, self.state.shape.gathered
         torch_stages.sparse_core(self.state, self.state.caches, b.slots[:size], size, b.out[:size], b.lse[:size])
         b.q_out[:size] = mailbox[:size, :gathered]

@@ -23,7 +23,9 @@ kernels write nothing for them, the torch stages write to the state's spare page
 context length 1. A batch above the largest captured size is an error. The mailbox's
 query rows are re-armed inside the step by the sparse core, their last reader (in its
 kernel; the transport's arm() re-arms whatever else its exchanges need); a poll that
-gives up raises MailboxTimeout from step().
+gives up raises MailboxTimeout: under DCP from step() itself, on one rank (fork_poll's
+sparse core) from check() or the next step with check_values=True, before it runs; either
+way the mailbox is armed again first.
 
 Range guards: an id out of range (a slot, a block-table page, a length past the RoPE table)
 that reaches the kernels (check_values=False) writes nothing, reads a hole or a clamped RoPE
@@ -42,7 +44,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from . import formats
-from .launch import DEFAULT_BUDGET_NS, ErrorWord, guard_bounds
+from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, guard_bounds
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
 from .stages import Buffers, CuteStages, Stages, TorchStages
@@ -73,8 +75,8 @@ class DecodeStep:
             the block tables and the caches (max_batch x max_context tokens, sharded by DCP).
         seed: int. Seed of the random weights and caches (LayerState).
         pdl: bool. Chain the cute kernels with Programmatic Dependent Launch.
-        budget_ns: int. How long a poll of the DCP mailbox waits for a chunk before it gives
-            up (step() then raises MailboxTimeout).
+        budget_ns: int. How long a poll of the mailbox (DCP's, or fork_poll's sparse core on
+            one rank) waits for a chunk before it gives up (MailboxTimeout, see above).
         transport: callable (shape, mailbox) -> Transport, or None. This rank's end of the
             DCP exchanges (graphstep.transport); None: SimulatedPeers under DCP (the other
             ranks played from step()'s `peers`), SingleRank without.
@@ -243,7 +245,7 @@ class DecodeStep:
                 stages.dcp_merge(peers[0], size)  # under DCP the indexer ends in the merge -> buffers.slots
             # fork_poll on one rank: the sparse core waits for its query rows itself, and the side
             # stream joins after it, so its node keeps one predecessor (a join is not launched early)
-            poll = mode == "fork_poll" and not dcp and stages.polls_query_rows
+            poll = mode == "fork_poll" and not dcp and stages.polls_query_rows(size)
             if side is not None and not poll:
                 torch.cuda.current_stream(self.device).wait_stream(side)
             # the query rows' last reader: it also copies them to q_out and re-arms them
@@ -394,18 +396,28 @@ class DecodeStep:
     def check(self) -> None:
         """Synchronize with the device and raise what the steps so far left in the error word:
         InputRangeError (a kernel met an id out of range: which kernel, token, value and the
-        range expected) or MailboxTimeout (a DCP poll gave up). The word is then reset, so
-        the next step runs normally. Costs one synchronization: call it when you choose."""
+        range expected) or MailboxTimeout (a mailbox poll gave up; the mailbox is armed
+        again). The word is then reset, so the next step runs normally. Costs one
+        synchronization: call it when you choose."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._raise_recorded()
 
     def _raise_recorded(self, words: list[int] | None = None) -> None:
         """Raise what the error word holds (ErrorWord.check) and reset it; words: its values
-        if already read."""
+        if already read. A poll that gave up also leaves the mailbox as the late publisher
+        left it (rows published after their reader re-armed them), which the next step's
+        poll would take for its own: it is armed again first (the device is idle here: the
+        word was read)."""
         dcp = self.shape.topology.dcp > 1
         heads, rank = (self.shape.heads, self.shape.topology.rank) if dcp else (None, None)
-        self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds, words, rank)
+        try:
+            self.error.check(self.shape.gathered, self.shape.mailbox_row_chunks, heads, self.bounds, words, rank)
+        except MailboxTimeout:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            formats.arm(self.caches.mailbox)
+            raise
 
     def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
         m = self.shape.model

@@ -272,9 +272,13 @@ def variants(
         out.append(build(shape, "dsa_index", pdl, stages=stages))
     for split in splits:
         out.append(build(shape, "top_k", pdl, split=split))
-    for slots in sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in batches}):
-        for poll in (False,) if dcp else polls:
-            out.append(build(shape, "sparse_core", pdl, slots=slots, poll=poll))
+    k = shape.model.index_topk
+    for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in batches}):
+        out.append(build(shape, "sparse_core", pdl, slots=slots))
+    if not dcp and True in polls:  # fork_poll's, at the batches whose launch may poll (POLL_MAX_CTAS)
+        polling = [b for b in batches if sparse_core.partial_ctas(b, shape.q_heads, k) <= sparse_core.POLL_MAX_CTAS]
+        for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in polling}):
+            out.append(build(shape, "sparse_core", pdl, slots=slots, poll=True))
     if dcp:
         out.append(build(shape, "dcp_merge", pdl))
         out.append(build(shape, "query_wait", pdl))

@@ -168,6 +168,12 @@ def fence_acq_rel_sys():
     cute.arch.inline_ptx("fence.acq_rel.sys;")
 
 
+def fence_acq_rel_gpu():
+    """Order this thread's earlier-observed writes before its later accesses, GPU-wide: after a
+    poll saw data another grid published, the reads that follow see what that grid saw."""
+    cute.arch.inline_ptx("fence.acq_rel.gpu;")
+
+
 def store_release_i32(ptr, value):
     """A store ordered after every write this thread has seen, system-wide (the writer's
     side of a ready flag: a completed kernel's writes before it are seen with it)."""

@@ -296,6 +296,18 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
     return max(2, min(4, (SMEM_BYTES - fixed) // stage))
 
 
+# poll: the most partial CTAs one launch may have spinning on the mailbox before their PDL wait.
+# Each can hold a whole SM (its ring fills the shared memory), so at most this many leave 4 of
+# an H100 / H200's 132 SMs to MlaQuery's kernels, whatever the timing: the rows' publisher always
+# progresses. Larger launches (B = 24, 40, 48, 56 by `plan`) join the side stream instead.
+POLL_MAX_CTAS = 128
+
+
+def partial_ctas(batch: int, q_heads: int, k: int) -> int:
+    """The partial kernel's CTAs for a launch of `batch` tokens: splits x row groups x tokens."""
+    return batch * (q_heads // heads_per_cta(q_heads)) * (k // plan(batch, q_heads, k))
+
+
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
     """Partial-output rows (token x split) a launch of `batch` tokens needs (0: one split,
     the partial kernel writes out and lse itself)."""
@@ -514,8 +526,8 @@ class SparseCore:
 
     @cute.jit
     def await_query_rows(self, q_rows, error, budget_ns):
-        """poll: spin until every chunk of the CTA's query rows is published, then a CTA
-        barrier (each thread polled a share). Before the PDL wait: the rows come from the side
+        """poll: spin until every chunk of the CTA's query rows is published, then an acquire
+        fence and a CTA barrier (each thread polled a share). Before the PDL wait: the rows come from the side
         stream, not the kernel before this one. A chunk missing past the budget is recorded as
         its index over [batch, gathered, row chunks], the form MailboxTimeout names."""
         tid, _, _ = cute.arch.thread_idx()
@@ -536,6 +548,9 @@ class SparseCore:
             0,
             (token * self.gathered + head0) * row_chunks,
         )
+        # acquire: the rows seen published (relaxed volatile loads) order the reads after this,
+        # of the rows and of the cache rows MlaQuery inserted before publishing them
+        P.fence_acq_rel_gpu()
         cute.arch.sync_threads()
 
     @cute.jit

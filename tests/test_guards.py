@@ -13,7 +13,7 @@ from graphstep.kernels import guards
 
 from conftest import SMALL, launch_on_cpu
 from graphstep import InputRangeError
-from graphstep.launch import DEFAULT_BUDGET_NS, INT32_MAX, ErrorWord
+from graphstep.launch import DEFAULT_BUDGET_NS, INT32_MAX, ErrorWord, MailboxTimeout
 from graphstep.shapes import RankShape, Topology
 from graphstep.stages import CuteStages
 from graphstep.step import DecodeStep
@@ -241,3 +241,19 @@ def test_dcp_raises_in_the_step_itself():
     with pytest.raises(InputRangeError, match=r"DsaIndex: token 1's block_tables value \d+"):
         step.step(bad, peers, eager=True, check_values=False)
     step.step(good, peers, eager=True, check_values=False)
+
+
+def test_a_poll_that_gave_up_raises_once_and_leaves_the_mailbox_armed():
+    """A mailbox poll that gave up (fork_poll's sparse core on one rank; QueryWait under DCP)
+    left its chunk in the error word, and its late publisher rows the readers had already
+    re-armed: check() names the chunk and arms the mailbox again, so the next step's poll
+    cannot take the stale rows for its own; the word is reset."""
+    step = _step()
+    gathered, chunks = step.shape.gathered, step.shape.mailbox_row_chunks
+    step.caches.mailbox[2, 1, :16] = 0x11  # the late publisher's chunk 0 of token 2, row 1
+    step.error.word[0] = 1
+    step.error.word[1] = (2 * gathered + 1) * chunks + 3
+    with pytest.raises(MailboxTimeout, match=r"^mailbox: token 2, head row 1, chunk 3 was never published"):
+        step.check()
+    assert bool((step.caches.mailbox == 0xFF).all())
+    step.check()  # reset: nothing left to raise

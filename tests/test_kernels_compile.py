@@ -309,8 +309,10 @@ def test_the_sparse_cores_poll_comes_before_its_pdl_wait(ptx):
             return partial[0], [e for e in entries if e not in partial]
 
         (partial, rest), (plain, plain_rest) = kernels(name), kernels(name.removesuffix("_poll"))
-        spin = partial.index("ld.volatile.global.v4.b32")
-        assert spin < partial.index("griddepcontrol.wait;") and "%globaltimer" in partial
+        spin, wait = partial.index("ld.volatile.global.v4.b32"), partial.index("griddepcontrol.wait;")
+        assert spin < wait and "%globaltimer" in partial
+        # the acquire after the poll, before any read of the rows (or of the cache rows)
+        assert partial.rindex("ld.volatile.global.v4.b32") < partial.index("fence.acq_rel.gpu;") < wait
         assert "red.global.min.s32" in partial
         assert "ld.volatile" not in plain and rest == plain_rest  # the combine, if any, unchanged
     assert not any(name.endswith("_poll") and "sparse_core" in name for s, name in ptx if s == "kimi-dcp2-fp8")

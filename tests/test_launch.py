@@ -97,7 +97,7 @@ def _launch_every_kernel(kernels: Kernels, state: LayerState, b: int, poll: bool
         f32(b, s.gathered),
         b,
         q_out=torch.zeros(b, s.gathered, c.mailbox.shape[-1], dtype=torch.uint8),
-        poll_budget_ns=DEFAULT_BUDGET_NS if poll and dcp == 1 else None,
+        poll_budget_ns=DEFAULT_BUDGET_NS if poll and dcp == 1 and kernels.sparse_core_polls(b) else None,
     )
     launched = [
         "QueryNorm",
@@ -423,4 +423,35 @@ def test_sparse_core_checks_its_publish_buffer(cpu_launches):
         with pytest.raises(ValueError, match="q_out must be uint8"):
             kernels.sparse_core(*args, *outs, q_out=bad)
     kernels.sparse_core(*args, *outs, q_out=torch.zeros(5, s.gathered, row, dtype=torch.uint8))
+    assert cpu_launches == ["SparseCore"]
+
+
+def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publisher(cpu_launches):
+    """fork_poll's polling launch: each partial CTA may hold an SM while it spins, so the
+    launcher polls only where the plan's grid has at most POLL_MAX_CTAS CTAs (every default
+    capture size but 24, 40, 48 and 56 tokens) and refuses a polling launch past that, or at a
+    slots_per_cta other than the plan's."""
+    from graphstep.kernels import sparse_core
+
+    from graphstep.step import DEFAULT_CAPTURE_SIZES
+
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=64, max_context=256, seed=1)
+    s, m, c = state.shape, state.shape.model, state.caches
+    kernels = Kernels(s, state.weights)
+    polls = {b: kernels.sparse_core_polls(b) for b in DEFAULT_CAPTURE_SIZES}
+    assert [b for b, ok in polls.items() if not ok] == [24, 40, 48, 56]
+    for b in DEFAULT_CAPTURE_SIZES:
+        ctas = sparse_core.partial_ctas(b, s.q_heads, m.index_topk)
+        assert ctas == b * (m.index_topk // kernels.sparse_core_plan(b)) and polls[b] == (ctas <= 128)
+    partial_o, partial_ml = kernels.sparse_core_buffers(64, "cpu")
+
+    def launch(b, **kw):
+        slots = torch.zeros(b, m.index_topk, dtype=torch.int32)
+        outs = (torch.zeros(b, s.gathered, m.kv_lora_rank), torch.zeros(b, s.gathered))
+        kernels.sparse_core(c.mailbox, slots, c.mla_cache, partial_o, partial_ml, *outs, b, **kw)
+
+    launch(16, poll_budget_ns=DEFAULT_BUDGET_NS)
+    for b, kw in ((24, {}), (56, {}), (16, {"slots_per_cta": kernels.sparse_core_plan(16)})):
+        with pytest.raises(ValueError, match="polling launch of"):
+            launch(b, poll_budget_ns=DEFAULT_BUDGET_NS, **kw)
     assert cpu_launches == ["SparseCore"]

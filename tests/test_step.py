@@ -1,6 +1,8 @@
 """DecodeStep on the CPU: construction, validation, padding, and the torch backend's
 eager step against the reference."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -201,3 +203,25 @@ def test_torch_backend_dcp_step_equals_the_reference():
     assert rel_err(got.out, expect.out) < 4e-2
     with pytest.raises(ValueError, match="peers"):
         step.step(inputs, eager=True)
+
+
+def test_the_cute_stages_compile_the_sparse_cores_polling_variants_only_for_fork_poll(monkeypatch):
+    """CuteStages.warm asks the launcher for the polling variants (fork_poll's sparse core on
+    one rank; MlaQuery's under DCP, in every mode) only where a captured mode can launch them,
+    so a step that never polls compiles none."""
+    from graphstep.launch import DEFAULT_BUDGET_NS
+    from graphstep.stages import CuteStages
+
+    asked = []
+    for topology, modes, polls in (
+        (Topology(tp=4), ("fork",), (False,)),
+        (Topology(tp=4), ("fork", "serial"), (False,)),
+        (Topology(tp=4), ("fork_poll",), (False, True)),
+        (Topology(tp=4, dcp=2, rank=1), ("fork",), (False, True)),
+    ):
+        shape = RankShape(dataclasses.replace(SMALL, index_heads=64), topology)  # the kernels' indexer geometry
+        step = DecodeStep(shape, capture_sizes=(4,), backend="torch", device="cpu", max_context=200)
+        stages = CuteStages(step.state, step.buffers, step.error, DEFAULT_BUDGET_NS)
+        monkeypatch.setattr(stages.kernels, "warm", lambda sizes, width, p, group: asked.append(p))
+        stages.warm((4,), modes)
+        assert asked[-1] == polls, (topology, modes)
