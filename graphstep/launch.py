@@ -273,14 +273,16 @@ class Kernels:
 
         return plan(batch, self.shape.q_heads, self.shape.model.index_topk)
 
-    def sparse_core_polls(self, batch: int) -> bool:
-        """Whether a launch of `batch` tokens may poll the mailbox (fork_poll): its partial CTAs,
-        each of which may hold an SM while it spins, leave some SMs to the rows' publisher
-        (sparse_core.POLL_MAX_CTAS)."""
+    def sparse_core_polls(self, batch: int, slots_per_cta: int | None = None) -> bool:
+        """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) may poll
+        the mailbox (fork_poll): its partial CTAs, each of which may hold an SM while it spins,
+        leave some SMs to the rows' publisher (sparse_core.POLL_MAX_CTAS)."""
         from .kernels import sparse_core
 
         s = self.shape
-        return sparse_core.partial_ctas(batch, s.q_heads, s.model.index_topk) <= sparse_core.POLL_MAX_CTAS
+        spc = slots_per_cta or self.sparse_core_plan(batch)
+        ctas = batch * (s.q_heads // sparse_core.heads_per_cta(s.q_heads)) * (s.model.index_topk // spc)
+        return ctas <= sparse_core.POLL_MAX_CTAS
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,
@@ -752,7 +754,7 @@ class Kernels:
         poll_budget_ns: None, or each CTA first waits (before its PDL wait) until the query rows
             it reads are published in q_rows, each chunk for at most this long (the step's
             fork_poll on one rank: MlaQuery writes them on the side stream, joined after this
-            launch); only where `sparse_core_polls(batch)` (the plan of slots_per_cta)."""
+            launch); only where `sparse_core_polls(batch, slots_per_cta)`."""
         spc = slots_per_cta or self.sparse_core_plan(batch)
         k = self.shape.model.index_topk
         needed = batch * k // spc if spc < k else 0  # one split: no partials
@@ -771,10 +773,10 @@ class Kernels:
                 f"got {q_out.dtype} {tuple(q_out.shape)}"
             )
         poll = poll_budget_ns is not None
-        if poll and (slots_per_cta is not None or not self.sparse_core_polls(batch)):
+        if poll and not self.sparse_core_polls(batch, spc):
             raise ValueError(
-                f"SparseCore: a polling launch of {batch} tokens would have more partial CTAs than may spin "
-                f"beside the rows' publisher (the plan's, at most sparse_core.POLL_MAX_CTAS)"
+                f"SparseCore: a polling launch of {batch} tokens at {spc} slots per CTA would have more partial "
+                f"CTAs than may spin beside the rows' publisher (sparse_core.POLL_MAX_CTAS)"
             )
         self.compiled("sparse_core", slots=spc, publish=q_out is not None, poll=poll)(
             self._ptr(q_rows),

@@ -429,8 +429,8 @@ def test_sparse_core_checks_its_publish_buffer(cpu_launches):
 def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publisher(cpu_launches):
     """fork_poll's polling launch: each partial CTA may hold an SM while it spins, so the
     launcher polls only where the plan's grid has at most POLL_MAX_CTAS CTAs (every default
-    capture size but 24, 40, 48 and 56 tokens) and refuses a polling launch past that, or at a
-    slots_per_cta other than the plan's."""
+    capture size but 24, 40, 48 and 56 tokens) and refuses a polling launch past that, at the
+    plan's slots_per_cta or one given."""
     from graphstep.kernels import sparse_core
 
     from graphstep.step import DEFAULT_CAPTURE_SIZES
@@ -451,7 +451,8 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
         kernels.sparse_core(c.mailbox, slots, c.mla_cache, partial_o, partial_ml, *outs, b, **kw)
 
     launch(16, poll_budget_ns=DEFAULT_BUDGET_NS)
-    for b, kw in ((24, {}), (56, {}), (16, {"slots_per_cta": kernels.sparse_core_plan(16)})):
+    launch(4, poll_budget_ns=DEFAULT_BUDGET_NS, slots_per_cta=2048)  # one split: 4 CTAs
+    for b, kw in ((24, {}), (56, {}), (3, {"slots_per_cta": 32})):  # 192, 224, 192 CTAs
         with pytest.raises(ValueError, match="polling launch of"):
             launch(b, poll_budget_ns=DEFAULT_BUDGET_NS, **kw)
-    assert cpu_launches == ["SparseCore"]
+    assert cpu_launches == ["SparseCore"] * 2

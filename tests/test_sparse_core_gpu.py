@@ -333,15 +333,27 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     assert torch.equal(box1[batch:], before[batch:]), "rows past the batch untouched"
 
 
-@pytest.mark.parametrize("slots_per_cta", [None, 2048])  # the plan (a combine or a cluster), one split
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q128-tp1-fp8"])
-def test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, slots_per_cta):
+@pytest.mark.parametrize(
+    "case, batch, slots_per_cta",
+    [
+        ("q16-tp8-bf16", 4, None),  # the plan: a combine
+        ("q16-tp8-bf16", 3, 2048),  # one split: the partial normalizes itself
+        ("q16-tp8-bf16", 64, None),  # 2 splits: the clustered combine (128 CTAs)
+        ("q16-tp8-fp8cache", 4, None),
+        ("q8-kimi-tp8-bf16", 4, None),  # 8 gathered rows in a 16-row CTA: only they are polled
+        ("q128-tp1-fp8", 2, None),  # 64-row CTAs, two row groups a token
+    ],
+)
+def test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, batch, slots_per_cta):
     """poll_budget_ns (the step's fork_poll on one rank): with every row published, out and
-    lse equal the launch without the poll bit for bit and nothing is recorded; with one chunk
-    still armed, the CTAs give up after the budget and MailboxTimeout names that chunk."""
-    state, batch = _state(case), 3
+    lse equal the launch without the poll bit for bit and nothing is recorded; with the last
+    chunk of the last gathered row (the last row group's) published late from another stream,
+    the CTAs wait for it and the result is the same; with it never published, the CTAs give up
+    after the budget and MailboxTimeout names that chunk."""
+    state = _state(case)
     s, m = state.shape, state.shape.model
     kernels = Kernels(s, state.weights)
+    assert kernels.sparse_core_polls(batch, slots_per_cta)
     rows = torch.randn(batch, s.gathered, m.query_row, device="cuda") * 0.3
     mailbox = formats.arm(torch.empty(batch, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
     mailbox[:, : s.gathered] = formats.encode_q_rows(rows, CASES[case][1].q_format).view(batch, s.gathered, -1)
@@ -350,12 +362,18 @@ def test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, slots_p
     spc = slots_per_cta or kernels.sparse_core_plan(batch)
     n = max(batch * m.index_topk // spc, 1)
 
-    def launch(box, budget_ns):
+    def launch(box, budget_ns, publish_late=None):
         error = ErrorWord.new(torch.device("cuda"))
         out = torch.full((batch, s.gathered, m.kv_lora_rank), float("nan"), device="cuda")
         lse = torch.full((batch, s.gathered), float("nan"), device="cuda")
         partial_o = torch.full((n, s.q_heads, m.kv_lora_rank), float("nan"), device="cuda")
         partial_ml = torch.full((n, s.q_heads, 2), float("nan"), device="cuda")
+        if publish_late is not None:
+            publisher = torch.cuda.Stream()
+            publisher.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(publisher):
+                torch.cuda._sleep(4_000_000)  # ~2 ms: the CTAs are spinning by then
+                publish_late()
         kernels.sparse_core(
             box, slots, state.caches.mla_cache, partial_o, partial_ml, out, lse, batch, spc, error=error,
             poll_budget_ns=budget_ns,
@@ -367,7 +385,17 @@ def test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, slots_p
     out1, lse1, published = launch(mailbox.clone(), 1_000_000_000)
     published.check(s.gathered, s.mailbox_row_chunks)  # nothing recorded
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
-    token, row, chunk = 2, s.gathered - 1, 5
+    token, row, chunk = batch - 1, s.gathered - 1, s.mailbox_row_chunks - 1
+    whole = mailbox.view(torch.complex128)  # 16-byte elements: a chunk lands in one store
+    late = whole.clone()
+    late.view(torch.uint8)[token, row, 16 * chunk : 16 * (chunk + 1)] = formats.SENTINEL_BYTE
+
+    def publish():
+        late[token, row, chunk] = whole[token, row, chunk]
+
+    out2, lse2, waited = launch(late.view(torch.uint8), 1_000_000_000, publish)
+    waited.check(s.gathered, s.mailbox_row_chunks)
+    assert torch.equal(out0, out2) and torch.equal(lse0, lse2), "the poll did not wait for the late chunk"
     lost = mailbox.clone()
     lost[token, row, 16 * chunk : 16 * (chunk + 1)] = formats.SENTINEL_BYTE
     _, _, gave_up = launch(lost, 2_000_000)

@@ -225,3 +225,32 @@ def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
     assert (lost.value.token, lost.value.row, lost.value.chunk) == (2, 5, 9)
     out = dcp2.step(inputs, peers)
     assert torch.isfinite(out.out).all()
+
+
+def test_fork_poll_joins_where_the_sparse_core_may_not_poll():
+    """At 24 tokens the partial grid (192 CTAs, one an SM) could hold every SM while it spins
+    (sparse_core.POLL_MAX_CTAS): there fork_poll's graph joins the side stream before the
+    sparse core, as fork's does, and gives fork's outputs bit for bit."""
+    step = DecodeStep(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
+        capture_sizes=(24,),
+        policy="fork_poll",
+        max_context=2048,
+        seed=_seed(),
+    )
+    step.capture(modes=("fork",), keep_graph=True)
+    assert not step.stages.polls_query_rows(24)
+    for mode in ("fork", "fork_poll"):
+        info = inspect(step.graph(24, mode))
+        top_k = [n.index for n in info.kernels() if short(n.name).startswith("cute:top_k")]
+        expect = sorted(top_k + [_kernel(info, "mla_query_absorb")])
+        assert sorted(info.predecessors(_kernel(info, "sparse_core_partial"))) == expect, mode
+    inputs = step.state.inputs(24, seed=_seed())
+    results = {}
+    for mode in ("fork", "fork_poll"):
+        step.load(inputs)
+        step.replay(24, mode)
+        torch.cuda.synchronize()
+        results[mode] = _outputs(step)
+    assert _equal(results["fork"], results["fork_poll"])
+    step.check()
