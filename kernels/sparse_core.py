@@ -57,8 +57,10 @@ rather than before it. A graph node with two predecessors (TopK and MlaQuery's l
 is not launched early under PDL: it started 1.4-1.7 us after TopK's end at TP 8 32K, where
 each single-predecessor kernel starts under its predecessor (bench/RESULTS.md, session 15).
 The rows' publisher ran after MlaQuery's KV insert (the kernel before it, griddepcontrol),
-so rows seen published mean the new tokens' cache rows are in place too. The CTAs spin on
-SMs the side stream may still need: the mode pays where MlaQuery ends well before TopK.
+so rows seen published (then an acquire fence) mean the new tokens' cache rows are in place
+too. The CTAs spin on SMs the side stream may still need: a launch polls only where its grid
+has at most POLL_MAX_CTAS CTAs (graphstep's launcher refuses more), so some SMs always stay
+free for MlaQuery's kernels.
 
 publish (the step's launch): the kernel that reads the query rows last also copies them to
 q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one split (each CTA
@@ -527,9 +529,10 @@ class SparseCore:
     @cute.jit
     def await_query_rows(self, q_rows, error, budget_ns):
         """poll: spin until every chunk of the CTA's query rows is published, then an acquire
-        fence and a CTA barrier (each thread polled a share). Before the PDL wait: the rows come from the side
-        stream, not the kernel before this one. A chunk missing past the budget is recorded as
-        its index over [batch, gathered, row chunks], the form MailboxTimeout names."""
+        fence and a CTA barrier (each thread polled a share). Before the PDL wait: the rows
+        come from the side stream, not the kernel before this one. A chunk missing past the
+        budget is recorded as its index over [batch, gathered, row chunks], the form
+        MailboxTimeout names."""
         tid, _, _ = cute.arch.thread_idx()
         _, group, token = cute.arch.block_idx()
         head0 = group * self.heads
