@@ -469,6 +469,88 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
     return 0
 
 
+def _cell(value):
+    return round(value, 2) if isinstance(value, float) else value
+
+
+def top_k_timeline(out: torch.Tensor, ctas: int) -> dict:
+    """Summary of one traced ClusterTopK launch (top_k.TRACE_SLOTS per CTA at the start of
+    each row of `out` [B, k] int32): medians over CTAs, in us, of wait (entry -> the PDL
+    wait's return), load (-> the slice loaded: the start barrier), round0 (-> round 0's bin),
+    round1 / round2 (over the CTAs that ran them, the share of which is `rounds_12`),
+    compact (the last round's bin -> the compaction's end) and tail (-> exit); %clock at
+    the median clock rate (cycles over globaltimer ns between entry and exit)."""
+    slots = len(top_k_kernels.TRACE_SLOTS)
+    words = out[:, : slots * ctas].reshape(-1, slots).cpu().long()
+    field = {name: words[:, i] for i, name in enumerate(top_k_kernels.TRACE_SLOTS)}
+    start = (field["start"] & 0xFFFFFFFF) | (field["start_hi"] << 32)
+    end = (field["end"] & 0xFFFFFFFF) | (field["end_hi"] << 32)
+    ghz = (field["clk_end"].double() / (end - start).clamp_min(1).double()).median().item()
+    us = 1e-3 / ghz
+
+    def med(x):
+        return float(x.double().median()) * us if len(x) else float("nan")
+
+    rounds = [field[f"clk_round{r}"] for r in range(3)]
+    last = torch.where(rounds[2] > 0, rounds[2], torch.where(rounds[1] > 0, rounds[1], rounds[0]))
+    ran1, ran2 = rounds[1] > 0, rounds[2] > 0
+    return dict(
+        ctas=len(words),
+        ghz=ghz,
+        wait=med(field["clk_wait"]),
+        load=med(field["clk_loaded"] - field["clk_wait"]),
+        round0=med(rounds[0] - field["clk_loaded"]),
+        round1=med((rounds[1] - rounds[0])[ran1]),
+        round2=med((rounds[2] - rounds[1])[ran2]),
+        rounds_12=f"{float(ran1.double().mean()):.2f} / {float(ran2.double().mean()):.2f}",
+        compact=med(field["clk_compacted"] - last),
+        tail=med(field["clk_end"] - field["clk_compacted"]),
+        total=med(field["clk_end"] - field["clk_wait"]),
+    )
+
+
+def main_top_k_trace_step(args, shape: RankShape, replays: int = 20) -> int:
+    """ClusterTopK's CTA timelines inside the captured step (TP 8, its default mode): the
+    step's graphs are captured with top_k.PROBE = "trace", so its TopK writes each CTA's marks
+    over the row's first slots (the sparse core then reads those as slots: the step's times
+    hold, its outputs do not). Per batch, the last of `replays` replays."""
+    from graphstep.step import DecodeStep
+    from graphstep.timing import load_batch, replay_us
+
+    rows = []
+    for context in (int(c) for c in args.context.split(",")):
+        sizes = [int(b) for b in args.batch.split(",")]
+        top_k_kernels.PROBE = "trace"
+        try:
+            step = DecodeStep(shape, capture_sizes=sizes, max_context=context, seed=3)
+            step.capture()
+        finally:
+            top_k_kernels.PROBE = ""
+        width = step.state.pages_per_seq * shape.model.page_size
+        for size in sizes:
+            load_batch(step, size, context)
+            us = statistics.median(replay_us(step, size, replays=replays))
+            split = top_k_kernels.split_for(width, size)
+            if split is None:
+                continue  # the one-CTA TopK has no trace
+            timeline = top_k_timeline(step.buffers.slots[:size], split.ctas)
+            rows.append(dict(context=context, batch=size, split=split.name, step_us=us, **timeline))
+            step.error.reset()  # the marks read as slots: out-of-pool records, not input errors
+        del step
+        torch.cuda.empty_cache()
+    keys = ["ctas", "ghz", "wait", "load", "round0", "round1", "round2", "rounds_12", "compact", "tail", "total"]
+    report(
+        rows,
+        ["ctx", "B", "split", "step us", *keys],
+        [[r["context"], r["batch"], r["split"], r["step_us"], *(_cell(r[k]) for k in keys)] for r in rows],
+        "ClusterTopK in the captured step (TP 8), traced: medians over CTAs in us of wait (entry -> the PDL wait's"
+        " return), load (-> slice loaded), round0..2 (-> each round's bin; rounds_12: the share of CTAs that ran rounds"
+        " 1 and 2), compact, tail (-> exit), total (wait's return -> exit)",
+        args.json,
+    )
+    return 0
+
+
 TRACE_STEP_PROBES = ("trace", "trace_no_rows")  # as it runs; without the query rows' loads
 
 
@@ -553,6 +635,11 @@ def main() -> int:
         action="store_true",
         help="DsaIndex's CTA timelines inside the captured step (TP 8), as it runs and without the rows' loads",
     )
+    parser.add_argument(
+        "--top-k-trace-step",
+        action="store_true",
+        help="ClusterTopK's CTA timelines inside the captured step (TP 8): where its time after the wait goes",
+    )
     args = parse_args(parser)
     if args.rotation:
         return main_rotation(args)
@@ -566,6 +653,8 @@ def main() -> int:
         return main_dsa_trace(args, shape)
     if args.dsa_trace_step:
         return main_dsa_trace_step(args, shape)
+    if args.top_k_trace_step:
+        return main_top_k_trace_step(args, shape)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for context in (int(c) for c in args.context.split(",")):

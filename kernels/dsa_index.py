@@ -199,12 +199,6 @@ def _store_i64(ptr, value):
     cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
-def _ld_shared_i32(address) -> Int32:
-    return cute.arch.inline_ptx(
-        "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(address)]
-    )
-
-
 def _consumer_sync():
     cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
 
@@ -532,7 +526,7 @@ class DsaIndex:
                 finished, ended = cute.arch.clock() - times[0], P.globaltimer()
                 _consumer_sync()
                 for j in range(tid, cutlass.min(live, TRACE_PAGES), CONSUMERS):
-                    _store_i32(trace + len(TRACE_SLOTS) + j, _ld_shared_i32(times[3] + 4 * j))
+                    _store_i32(trace + len(TRACE_SLOTS) + j, P.ld_shared_i32(times[3] + 4 * j))
                 if tid == 0:
                     _store_i64(trace, times[1])
                     _store_i64(trace + 2, ended)

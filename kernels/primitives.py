@@ -688,6 +688,12 @@ def ld_shared_u32x2(ptr) -> tuple:
     )
 
 
+def ld_shared_i32(address) -> Int32:
+    return cute.arch.inline_ptx(
+        "ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(address)]
+    )
+
+
 def ld_shared_f32(ptr) -> Float32:
     return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr])
 

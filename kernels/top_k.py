@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from . import guards
 from . import primitives as P
@@ -334,6 +334,19 @@ class Split:
         return f"c{self.ctas}x{self.threads}x{4 * self.loads}"
 
 
+# A device probe of ClusterTopK (bench/bench_indexer.py --top-k-trace-step; wrong outputs, times
+# only): trace runs the kernel as it is, then, after a closing cluster barrier, each CTA's thread 0
+# writes its marks over the row's first outputs (TRACE_SLOTS words from 2 x TRACE_SLOTS x cta):
+# globaltimer ns at entry and exit (2 words each), then %clock deltas from entry at the exit,
+# after the PDL wait, once the slice is loaded (the start barrier), after each round's bin is
+# chosen (0: the search ended before that round) and after the compaction. (levers.md Part K.)
+PROBES = ("", "trace")
+PROBE = ""
+TRACE_SLOTS = ("start", "start_hi", "end", "end_hi", "clk_end", "clk_wait", "clk_loaded")
+TRACE_SLOTS += tuple(f"clk_round{r}" for r in range(3)) + ("clk_compacted",)
+TRACE_MARKS = len(TRACE_SLOTS) - 5  # the %clock marks kept in shared memory until the end
+
+
 # Every split the host can choose (each compiled in kernels/catalog.py), smallest first.
 SPLITS = (
     Split(4, 512, 1),  # rows up to 8K
@@ -493,6 +506,10 @@ class ClusterTopK:
         if max(b for _, b in HISTS) // (4 * split.ctas) > split.threads:
             raise ValueError(f"unsupported split {split}: fewer threads than 4-bin quads of a CTA's bins")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
+        self.probe = PROBE
+        if self.probe not in PROBES:
+            raise ValueError(f"top_k.PROBE must be one of {PROBES}, got {self.probe!r}")
+        self.tracing = self.probe == "trace"
         self.ctas, self.threads, self.loads = split.ctas, split.threads, split.loads
         self.stashed, self.held = split.stashed, split.held
         self.entries = list_entries(split)
@@ -560,6 +577,12 @@ class ClusterTopK:
                 Int32, cute.make_layout(4 * threads * self.stashed), byte_alignment=16
             ).iterator.toint()
         base_address = hists.iterator.toint()
+        clock0, start, marks = Int32(0), Int64(0), Int32(0)
+        if cutlass.const_expr(self.tracing):
+            clock0, start = cute.arch.clock(), P.globaltimer()
+            marks = smem.allocate_tensor(Int32, cute.make_layout(TRACE_MARKS), byte_alignment=16).iterator.toint()
+            if tid < TRACE_MARKS:
+                P.st_shared_u32(marks + 4 * tid, Uint32(0))  # a round not run stays 0
         # Zero this CTA's histograms and the overflow flag before the PDL wait (no global
         # reads; the summed ones are stored whole). The cluster barrier this arrives on,
         # waited on below before the first histogram atomics, is what orders this CTA's
@@ -570,6 +593,7 @@ class ClusterTopK:
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        self.mark(marks, "clk_wait", clock0, tid)
 
         # The slice's scores up to the row's width and its block table entries, loaded
         # alongside the length (not after it: one global latency, not two).
@@ -596,13 +620,14 @@ class ClusterTopK:
         if cutlass.const_expr(self.stashed > 0):
             P.cp_async_wait(0)  # this thread's stashed scores (read back by this thread only)
         cute.arch.cluster_wait()
+        self.mark(marks, "clk_loaded", clock0, tid)
 
         if n > self.k:
             # where the list overflows, the later passes re-read the held loads from global
             # memory (rare: so the keys need not stay in registers past the list's pass)
             again = (row, in_row)
             threshold, need, listed, fill = self.find_threshold(
-                keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta
+                keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta, (marks, clock0)
             )
             out_args = (out, out_scores, pages, token, base, error, pool_pages)
             list_args = (hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args)
@@ -634,23 +659,45 @@ class ClusterTopK:
                             error,
                             pool_pages,
                         )
+        self.mark(marks, "clk_compacted", clock0, tid)
         for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
             P.store_i32(out + token * self.k + i, Int32(-1))
             if cutlass.const_expr(self.dcp > 1):
                 P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
+        if cutlass.const_expr(self.tracing):
+            finished, ended = cute.arch.clock() - clock0, P.globaltimer()
+            cute.arch.cluster_arrive(aligned=True)  # every CTA's outputs are stored: the marks go over them
+            cute.arch.cluster_wait()
+            if tid == 0:
+                trace_at = out + token * self.k + len(TRACE_SLOTS) * cta
+                for i, time_word in enumerate((start, start >> 32, ended, ended >> 32)):
+                    P.store_i32(trace_at + i, Int32(time_word))
+                P.store_i32(trace_at + 4, finished)
+                for i in cutlass.range_constexpr(TRACE_MARKS):
+                    P.store_i32(trace_at + 5 + i, P.ld_shared_i32(marks + 4 * i))
 
     @cute.jit
-    def find_threshold(self, keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta):
+    def mark(self, marks, slot: str, clock0, tid):
+        """The trace probe: thread 0's %clock delta from entry into the shared mark `slot`."""
+        if cutlass.const_expr(self.tracing):
+            if tid == 0:
+                P.st_shared_u32(marks + 4 * (TRACE_SLOTS.index(slot) - 5), Uint32(cute.arch.clock() - clock0))
+
+    @cute.jit
+    def find_threshold(
+        self, keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta, trace
+    ):
         """(T, need, listed, fill) over the cluster's row: the k best are every key > T and
         the first `need` keys == T (need = ALL: every one); listed: whether the candidate
         list holds every key >= round 0's bin (this CTA's), and fill this warp's count of
-        them. The row has more than k scores."""
+        them. The row has more than k scores. trace: (marks, clock0) of the trace probe."""
         threshold, need = Uint32(0), Int32(self.k)
         prefix, done = Uint32(0), Int32(0)
         self.histogram(keys, stash, limit, hists, 0, prefix, tid)
         threshold, need, prefix, done = self.choose_bin(
             0, hists, base_address, threshold, need, prefix, done, tid, lane, cta
         )
+        self.mark(trace[0], "clk_round0", trace[1], tid)
         listed, fill = cutlass.Boolean(False), Int32(0)
         if cutlass.const_expr(self.entries > 0):
             fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
@@ -670,6 +717,7 @@ class ClusterTopK:
                 threshold, need, prefix, done = self.choose_bin(
                     r, hists, base_address, threshold, need, prefix, done, tid, lane, cta
                 )
+                self.mark(trace[0], f"clk_round{r}", trace[1], tid)
         return threshold, need, listed, fill
 
     @cute.jit

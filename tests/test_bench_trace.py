@@ -68,3 +68,31 @@ def test_launch_gaps_measure_each_boundary_from_the_previous_launch():
     assert got["start_after_trigger"] == pytest.approx(1.25)  # 11500 - 10500, 16500 - 15000
     assert got["wait_after_end"] == pytest.approx(2.25)  # 15000 - 13000, 20000 - 17500
     assert got["period"] == pytest.approx(4.75)  # 15000 - 10500, 20000 - 15000
+
+
+def test_top_k_timeline_reads_each_ctas_phases():
+    """top_k.TRACE_SLOTS per CTA at the start of each row, at 2 GHz (exit 6000 cycles after
+    entry over 3000 ns): wait 1000 cycles, loaded at 2000, round 0's bin at 3000, round 1's at
+    4000 in half the CTAs (round 2 in none), compacted at 5000; the medians in us."""
+    from bench_indexer import top_k_timeline
+    from graphstep.kernels import top_k
+
+    batch, ctas, k = 2, 8, 2048
+    out = torch.full((batch, k), -1, dtype=torch.int32)
+    slots = len(top_k.TRACE_SLOTS)
+    for b in range(batch):
+        for c in range(ctas):
+            start = (1 << 32) + 1_000_000 + 100 * c
+            end = start + 3000
+            round1 = 4000 if c % 2 else 0
+            marks = {"start": start & 0xFFFFFFFF, "start_hi": start >> 32, "end": end & 0xFFFFFFFF, "end_hi": end >> 32}
+            marks |= {"clk_end": 6000, "clk_wait": 1000, "clk_loaded": 2000, "clk_round0": 3000}
+            marks |= {"clk_round1": round1, "clk_round2": 0, "clk_compacted": 5000}
+            out[b, slots * c : slots * (c + 1)] = torch.tensor([marks[name] for name in top_k.TRACE_SLOTS]).int()
+    got = top_k_timeline(out, ctas)
+    assert got["ctas"] == batch * ctas and got["ghz"] == pytest.approx(2.0)
+    for name, us in (("wait", 0.5), ("load", 0.5), ("round0", 0.5), ("round1", 0.5), ("tail", 0.5), ("total", 2.5)):
+        assert got[name] == pytest.approx(us), name
+    assert got["rounds_12"] == "0.50 / 0.00" and got["round2"] != got["round2"]  # NaN: no CTA ran it
+    # compact: from the last round each CTA ran (4000 or 3000) to 5000: 0.5 or 1.0 us, median of the two
+    assert got["compact"] in (pytest.approx(0.5), pytest.approx(1.0))

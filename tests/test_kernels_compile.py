@@ -1243,3 +1243,36 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     assert found["regs"] * dsa_index.THREADS * 4 <= 65536, found
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "fence.proxy.async.shared::cta" in ptx and found["frame"] == 0
+
+
+@pytest.mark.parametrize("split", [top_k.Split(8, 512, 2), top_k.Split(2, 1024, 16, 12)], ids=lambda s: s.name)
+def test_top_k_trace_probe_adds_only_its_marks(tmp_path, monkeypatch, split):
+    """bench_indexer.py --top-k-trace-step (top_k.PROBE = "trace"; outputs wrong, times only):
+    the kernel as it runs plus %clock at entry, after the wait, the load, each round and the
+    compaction and at exit (8), the globaltimer at entry and exit, one closing cluster barrier
+    and the marks' stores; within the registers of a full CTA and without a stack; its own
+    compile-cache entry. The default variant reads no clock."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    default = catalog.build(SHAPES["tp8"], "top_k", split=split)
+    monkeypatch.setattr(top_k, "PROBE", "trace")
+    variant = catalog.build(SHAPES["tp8"], "top_k", split=split)
+    assert variant.op.tracing and catalog._key(variant.op, "sm_90a") != catalog._key(default.op, "sm_90a")
+    texts = {}
+    for name, v in (("default", default), ("trace", variant)):
+        folder = tmp_path / name
+        folder.mkdir()
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(folder))](
+            v.op, *v.args, make_fake_stream()
+        )
+        (ptx,) = [p.read_text() for p in folder.iterdir() if p.suffix == ".ptx"]
+        (cubin,) = [p for p in folder.iterdir() if p.suffix == ".cubin"]
+        (found,) = _cubin_kernels(cubin.read_bytes()).values()
+        texts[name] = (ptx, found)
+    (plain, _), (traced, found) = texts["default"], texts["trace"]
+    assert "%clock" not in plain and "%globaltimer" not in plain
+    assert traced.count("%clock") == 8 and traced.count("%globaltimer") == 2
+    assert traced.count("barrier.cluster.arrive") == plain.count("barrier.cluster.arrive") + 1
+    assert found["regs"] * split.threads <= 65536 and found["frame"] == 0, found
