@@ -336,7 +336,7 @@ class Split:
 
 # A device probe of ClusterTopK (bench/bench_indexer.py --top-k-trace-step; wrong outputs, times
 # only): trace runs the kernel as it is, then, after a closing cluster barrier, each CTA's thread 0
-# writes its marks over the row's first outputs (TRACE_SLOTS words from 2 x TRACE_SLOTS x cta):
+# writes its marks over the row's first outputs (len(TRACE_SLOTS) words from that x its rank):
 # globaltimer ns at entry and exit (2 words each), then %clock deltas from entry at the exit,
 # after the PDL wait, once the slice is loaded (the start barrier), after each round's bin is
 # chosen (0: the search ended before that round) and after the compaction. (levers.md Part K.)
