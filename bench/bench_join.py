@@ -25,7 +25,7 @@ import sys
 import torch
 from cuda.bindings import driver as cu
 
-from graphstep.graphs import PROGRAMMATIC, _ok
+from graphstep.graphs import PROGRAMMATIC, _ok, kernel_name
 from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.step import DecodeStep
@@ -57,9 +57,7 @@ def retype_join(graph, which: str) -> list[str]:
     def name(node) -> str:
         if _ok(cu.cuGraphNodeGetType(node)) != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             return "-"
-        params = _ok(cu.cuGraphKernelNodeGetParams(node))
-        raw = _ok(cu.cuFuncGetName(params.func))
-        return (raw.decode() if isinstance(raw, bytes) else str(raw)).removeprefix("kernel_cutlass_")[:40]
+        return kernel_name(node).removeprefix("kernel_cutlass_")[:40]
 
     into: dict[int, list[int]] = {}
     for i, b in enumerate(dst):
@@ -85,9 +83,7 @@ def _kernel_nodes(graph):
     nodes, _ = _ok(cu.cuGraphGetNodes(handle, count))
     for node in nodes:
         if _ok(cu.cuGraphNodeGetType(node)) == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            params = _ok(cu.cuGraphKernelNodeGetParams(node))
-            raw = _ok(cu.cuFuncGetName(params.func))
-            yield node, (raw.decode() if isinstance(raw, bytes) else str(raw)).removeprefix("kernel_cutlass_")
+            yield node, kernel_name(node).removeprefix("kernel_cutlass_")
 
 
 def prioritize(graph, first: str) -> list[str]:

@@ -82,7 +82,7 @@ class GraphInfo:
         return [n for n in self.nodes if n.kind == "kernel" and contains in n.name]
 
 
-def _kernel_name(node) -> str:
+def kernel_name(node) -> str:
     try:
         params = _ok(cu.cuGraphKernelNodeGetParams(node))
         name = _ok(cu.cuFuncGetName(params.func))
@@ -109,7 +109,7 @@ def inspect(graph) -> GraphInfo:
     for i, node in enumerate(raw_nodes):
         kind = _ok(cu.cuGraphNodeGetType(node))
         label = kind.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
-        nodes.append(Node(i, label, _kernel_name(node) if label == "kernel" else ""))
+        nodes.append(Node(i, label, kernel_name(node) if label == "kernel" else ""))
     _, _, _, n_edges = _ok(cu.cuGraphGetEdges(handle, 0))
     src, dst, data, _ = _ok(cu.cuGraphGetEdges(handle, n_edges))
     edges = [Edge(index[int(a)], index[int(b)], int(d.type), int(d.from_port)) for a, b, d in zip(src, dst, data)]

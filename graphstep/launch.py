@@ -279,9 +279,7 @@ class Kernels:
         leave some SMs to the rows' publisher (sparse_core.POLL_MAX_CTAS)."""
         from .kernels import sparse_core
 
-        s = self.shape
-        spc = slots_per_cta or self.sparse_core_plan(batch)
-        ctas = batch * (s.q_heads // sparse_core.heads_per_cta(s.q_heads)) * (s.model.index_topk // spc)
+        ctas = sparse_core.partial_ctas(batch, self.shape.q_heads, self.shape.model.index_topk, slots_per_cta)
         return ctas <= sparse_core.POLL_MAX_CTAS
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:

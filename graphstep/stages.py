@@ -82,16 +82,16 @@ class Stages(ABC):
     """One backend's stages. Each method runs one stage for the rows [0, size) on the
     current stream; what it reads and writes is in its docstring (b = the step's Buffers)."""
 
-    def polls_query_rows(self, size: int) -> bool:
-        """Whether sparse_core(size, poll=True) waits for the mailbox's rows itself, so that
-        fork_poll on one rank joins the side stream after the sparse core rather than before."""
-        return False
-
     def __init__(self, state: LayerState, buffers: Buffers, error: ErrorWord, budget_ns: int, pdl: bool = True):
         """error: the word the polls report a lost chunk in; budget_ns: how long a poll waits;
         pdl: chain the stages with Programmatic Dependent Launch (backends that launch kernels)."""
         self.state, self.buffers, self.error, self.budget_ns = state, buffers, error, budget_ns
         self.transport: Transport | None = None  # the step's (DecodeStep sets it)
+
+    def polls_query_rows(self, size: int) -> bool:
+        """Whether sparse_core(size, poll=True) waits for the mailbox's rows itself, so that
+        fork_poll on one rank joins the side stream after the sparse core rather than before."""
+        return False
 
     @abstractmethod
     def warm(self, sizes, modes=("fork",)) -> None:

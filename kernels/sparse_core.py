@@ -305,9 +305,10 @@ def ws_stages(block: int, mla_fp8: bool) -> int:
 POLL_MAX_CTAS = 128
 
 
-def partial_ctas(batch: int, q_heads: int, k: int) -> int:
-    """The partial kernel's CTAs for a launch of `batch` tokens: splits x row groups x tokens."""
-    return batch * (q_heads // heads_per_cta(q_heads)) * (k // plan(batch, q_heads, k))
+def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> int:
+    """The partial kernel's CTAs for a launch of `batch` tokens (at the plan's slots_per_cta
+    unless given): splits x row groups x tokens."""
+    return batch * (q_heads // heads_per_cta(q_heads)) * (k // (slots_per_cta or plan(batch, q_heads, k)))
 
 
 def partial_rows(batch: int, q_heads: int, k: int) -> int:
