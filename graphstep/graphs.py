@@ -83,6 +83,7 @@ class GraphInfo:
 
 
 def kernel_name(node) -> str:
+    """A kernel node's function name, as the driver gives it (a placeholder if it cannot)."""
     try:
         params = _ok(cu.cuGraphKernelNodeGetParams(node))
         name = _ok(cu.cuFuncGetName(params.func))
