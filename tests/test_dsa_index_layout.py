@@ -47,19 +47,24 @@ def _a_registers(values):
 
 def _query_smem(values):
     """The fp16 query rows in shared memory, by byte offset -> value, as stage_queries
-    writes them (thread: head tid % 64, half tid // 64; 16 words of 4 bytes)."""
+    writes them (thread tid = 32 warp + lane, load j: the 16 bytes at query_slice, word m of
+    them, byte pair `high` of the word to query_target's chunk and position)."""
     smem = {}
+    loaded = set()
     for tid in range(D.CONSUMERS):
-        n, half = tid % HEADS, tid // HEADS
-        region = values[n, 64 * half : 64 * half + 64]
-        for cc in range(8):
-            base = D.query_offset(8 * half + cc, n)
-            for tt in range(4):
-                word, high = D.query_source(cc, tt)
-                for j in range(2):
-                    offset = base + 4 * tt + 2 * j
-                    assert offset not in smem
-                    smem[offset] = region[4 * word + 2 * high + j]
+        lane, warp = tid % 32, tid // 32
+        for j in range(4):
+            head, byte = D.query_slice(j, lane, warp)
+            assert byte % 16 == 0 and (head, byte) not in loaded
+            loaded.add((head, byte))
+            for m in range(4):
+                for high in range(2):
+                    chunk, tt = D.query_target(byte, m, high)
+                    for e in range(2):
+                        offset = D.query_offset(chunk, head) + 4 * tt + 2 * e
+                        assert offset not in smem
+                        smem[offset] = values[head, byte + 4 * m + 2 * high + e]
+    assert len(loaded) == HEADS * DIM // 16, "every 16 bytes of the rows loaded once"
     assert len(smem) == HEADS * DIM and max(smem) < D.QUERY_BYTES
     return smem
 
