@@ -29,7 +29,8 @@ latency and the last page's compute. Measured on the H200 (bench/RESULTS.md, ses
 to 14): 32K 4.04-4.74 / 8.95-9.81 / 22.6-23.4 / 76.7-77.2, 128K 8.79 / 24.0-24.6 / 75.9-77.5 /
 284-288. The small batches miss by each CTA's chain after the PDL wait (session 14's trace
 probe, 32K B = 1: 1.7 us staging the query rows, then 0.6-0.7 us a page of math), not by the
-pages' arrival or the conversions.
+pages' arrival or the conversions. Staged by coalesced loads since session 16 (`stage_queries`),
+the rows take 0.9-1.3 us (the step 0.4-1.2 us faster at B <= 16).
 
 Per page and SM the tensor cores need ~256 cycles (8 m64n64k16 at 4096 FLOP/clock),
 shared memory ~250 (16 KB of B reads, 8 KB of key loads, 8.4 KB of copies), a consumer warp
