@@ -562,6 +562,8 @@ class DsaIndex:
             if cutlass.const_expr(self.probe == "trace_no_rows"):
                 words.append([Uint32(0x38383838 + j)] * 4)  # e4m3 1.0s: no load (wrong scores)
             else:
+                # query_slice's bytes, the offset added term by term: written through query_slice,
+                # ptxas no longer folds the 512 j into the loads' immediates (+32 SASS; not measured)
                 words.append(P.load_u32x4(q + token * HEADS * DIM + 2048 * warp + 512 * j + 16 * lane))
         for j in cutlass.range_constexpr(4):
             head, byte = query_slice(j, lane, warp)
