@@ -201,14 +201,6 @@ def _as_f32(word) -> Float32:
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[word])
 
 
-def _store_i32(ptr, value):
-    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[ptr, value])
-
-
-def _store_i64(ptr, value):
-    cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
-
-
 def _consumer_sync():
     cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
 
@@ -536,14 +528,14 @@ class DsaIndex:
                 finished, ended = cute.arch.clock() - times[0], P.globaltimer()
                 _consumer_sync()
                 for j in range(tid, cutlass.min(live, TRACE_PAGES), CONSUMERS):
-                    _store_i32(trace + len(TRACE_SLOTS) + j, P.ld_shared_i32(times[3] + 4 * j))
+                    P.store_i32(trace + len(TRACE_SLOTS) + j, P.ld_shared_i32(times[3] + 4 * j))
                 if tid == 0:
-                    _store_i64(trace, times[1])
-                    _store_i64(trace + 2, ended)
-                    _store_i32(trace + 4, finished)
-                    _store_i32(trace + 5, times[2])
-                    _store_i32(trace + 6, staged)
-                    _store_i32(trace + 7, live)
+                    P.store_i64(trace, times[1])
+                    P.store_i64(trace + 2, ended)
+                    P.store_i32(trace + 4, finished)
+                    P.store_i32(trace + 5, times[2])
+                    P.store_i32(trace + 6, staged)
+                    P.store_i32(trace + 7, live)
         # pages of the run past the length: -inf, never read
         start, stop = (first + live) * PAGE, (first + count) * PAGE
         for p in range(start + tid, stop, CONSUMERS):

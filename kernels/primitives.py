@@ -111,6 +111,10 @@ def store_i32(ptr, value):
     cute.arch.inline_ptx("st.global.s32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
 
+def store_i64(ptr, value):
+    cute.arch.inline_ptx("st.global.b64 [{$r0}], {$r1};", read_only_args=[ptr, value])
+
+
 def store_f32(ptr, value):
     cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, value])
 
