@@ -277,11 +277,19 @@ class DecodeStep:
             for parity in range(self.transport.parities)
         ]
 
-    def capture(self, modes: tuple[str, ...] | None = None, keep_graph: bool = False, warm_up: bool = True) -> None:
+    def capture(
+        self,
+        modes: tuple[str, ...] | None = None,
+        keep_graph: bool = False,
+        warm_up: bool = True,
+        raise_recorded: bool = True,
+    ) -> None:
         """Compile and warm every kernel, then capture one graph per size (and per extra mode
         in `modes`, and per parity of the transport), largest first, into one memory pool,
         with garbage collection paused. warm_up=False: the caller has run every graph's
-        stages eagerly once already (a DcpGroup, whose ranks must run them together)."""
+        stages eagerly once already (a DcpGroup, whose ranks must run them together).
+        raise_recorded=False: range errors the warm-up records are cleared, not raised (a
+        probe whose outputs are marks, not slots: bench_indexer.py --top-k-trace-step)."""
         if self.device.type != "cuda":
             raise RuntimeError("graph capture needs a CUDA device; on the CPU use step(..., eager=True)")
         plan = self.plan(modes)
@@ -294,7 +302,10 @@ class DecodeStep:
                     self.run_stages(size, mode, parity)  # module loads, cuBLAS handles, allocator warm-up
             torch.cuda.current_stream(self.device).wait_stream(warm)
             torch.cuda.synchronize(self.device)
-            self._raise_recorded()
+            if raise_recorded:
+                self._raise_recorded()
+            else:
+                self.error.reset()
         pool = torch.cuda.graph_pool_handle()
         gc.collect()
         gc.disable()  # a compiled kernel's finalizer unloads its module: none may run mid-capture
