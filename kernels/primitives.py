@@ -743,6 +743,19 @@ def dsmem_store(address, cta, dtype, values):
     )
 
 
+def dsmem_push_u32x4(address, cta, words, bar):
+    """st.async: 4 words to shared address `address` (16-byte aligned) in CTA `cta` of the
+    cluster, their 16 bytes counted (complete_tx) on that CTA's mbarrier at `bar`: a one-way
+    hand-off the receiver waits for with `mbar_wait_cluster`, no cluster barrier."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote, remote_bar;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "mapa.shared::cluster.u32 remote_bar, {$r2}, {$r1};\n\t"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [remote], "
+        "{{$r3}, {$r4}, {$r5}, {$r6}}, [remote_bar];\n\t}",
+        read_only_args=[address, cta, bar, *words],
+    )
+
+
 def st_shared_u32x4(ptr, words):
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
@@ -816,6 +829,17 @@ def mbar_wait(addr, parity):
     cute.arch.inline_ptx(
         "{\n\t.reg .pred done;\n\tWAIT:\n\t"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
+        "@!done bra WAIT;\n\t}",
+        read_only_args=[addr, parity],
+    )
+
+
+def mbar_wait_cluster(addr, parity):
+    """mbar_wait with cluster-scope acquire: what other CTAs stored into this CTA (st.async
+    completing on this mbarrier) is visible once the phase completes."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
         "@!done bra WAIT;\n\t}",
         read_only_args=[addr, parity],
     )

@@ -26,8 +26,8 @@ Two kernels give that output. `TopK`, one CTA of 1024 threads per row, streams t
 over a thread-block cluster (`Split`: CTAs x threads x scores per thread), each CTA holding
 its slice in registers (the larger splits keep part of it in shared memory), so the row is
 read from global memory once; after round 0 a CTA lists the scores that can be kept, and
-the later rounds and the compaction read only that list; the CTAs sum their histograms and
-exchange their counts through distributed shared memory (see its docstring). The host picks the variant with
+the later rounds and the compaction read only that list; the CTAs exchange their histograms
+by one-way pushes into each other's shared memory (see its docstring). The host picks the variant with
 `split_for(width, batch)` (graphstep/launch.py), by the row width of the block table and
 the batch (the measured PICKS table); every split in SPLITS is compiled by
 kernels/catalog.py. TopK runs rows wider than every split.
@@ -399,17 +399,27 @@ def split_for(width: int, batch: int) -> Split | None:
     return next((s for s in SPLITS if s.capacity >= width), None)
 
 
-# Shared words of the histograms, in order: the cluster-summed histogram (one for every round:
-# round r + 1's sums are stored after a cluster barrier that every CTA passes only once done
-# with round r's) and its 32-bin group sums; then, zeroed each launch, the CTA's own
-# histograms of rounds 1 and 2, the list's overflow flag and round 0's histogram, whose
-# words (free once round 0 is summed) begin the candidate list.
-SUMS = 0
-GROUPS = SUMS + 2048
-HISTS = ((GROUPS + 64 + 2048 + 1024 + 4, 2048), (GROUPS + 64, 2048), (GROUPS + 64 + 2048, 1024))  # (offset, bins)
-OVERFLOW = GROUPS + 64 + 2048 + 1024  # and the CTA's kept count in the next word
+# Shared words of the CTA's own histograms, zeroed each launch: rounds 1 and 2, the list's
+# overflow flag (and 3 words of padding), then round 0's, whose words (free once round 0's
+# bin is chosen) begin the candidate list.
+HISTS = ((2048 + 1024 + 4, 2048), (0, 2048), (2048, 1024))  # (offset, bins) of each round
+OVERFLOW = 2048 + 1024
 LIST = HISTS[0][0]
-ZEROED = (HISTS[1][0], LIST + HISTS[0][1])  # [from, to)
+ZEROED = (0, LIST + HISTS[0][1])  # [from, to)
+GROUP = 32  # bins of a group: a round's bin is found as a group, then a bin of that group
+
+
+def inbox(ctas: int) -> tuple:
+    """The words each CTA receives in the rounds' exchanges, from every CTA of the cluster (a
+    slot per source CTA, single use): per round, (offset of hop 1: each source's group sums,
+    offset of hop 2: each source's bins of the chosen group); and the words in all."""
+    offsets, at = [], 0
+    for _, bins in HISTS:
+        offsets.append((at, at + ctas * (bins // GROUP)))
+        at += ctas * (bins // GROUP + GROUP)
+    return tuple(offsets), at
+
+
 SMEM_PER_SM = 233472  # sm_90: 228 KB, of which 1 KB per resident CTA is reserved
 ROW_SLACK = 256  # bytes of alignment padding the allocator may add
 
@@ -424,7 +434,9 @@ def list_entries(split: Split) -> int:
     groups = split.loads * warps
     fixed = (
         4 * LIST
-        + 4 * (2 * groups + warps + 2 * split.ctas + split.per_cta // PAGE)
+        + 4 * (2 * groups + warps + split.per_cta // PAGE)
+        + 4 * inbox(split.ctas)[1]
+        + 8 * 2 * len(ROUNDS)
         + 16 * split.threads * split.stashed
         + ROW_SLACK
     )
@@ -463,6 +475,12 @@ def lowest_lane(mask) -> Int32:
     return cute.arch.popc((mask & (Int32(0) - mask)) - Int32(1))
 
 
+def warp_sum_i32(value) -> Int32:
+    for offset in (16, 8, 4, 2, 1):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+    return value
+
+
 class ClusterTopK:
     """TopK's contract (see the module docstring) with a row split over a cluster of CTAs.
 
@@ -471,13 +489,17 @@ class ClusterTopK:
     loads), so index order is (CTA, load, thread, word); a split's last `stashed` loads go
     to shared memory instead (cp.async), each thread re-reading its own 16 bytes in every
     pass. Each radix round (11 + 11 + 10 key bits, as TopK) histograms the CTA's candidates
-    in shared memory (atomics); after a cluster barrier CTA c sums its 1 / ctas slice of
-    the bins over the cluster (16-byte distributed shared memory loads from every CTA) and
-    stores the sums, and the sums of every 32 bins, into every CTA's summed histogram; after
-    a second cluster barrier every warp finds the bin holding the need-th key on its own
-    (32-bin groups, then the group's bins: two warp scans, no CTA barrier). This pull
-    moves bins / 4 16-byte loads and stores per CTA and round, where adding each non-zero
-    bin into every CTA (`red.shared::cluster`) cost up to bins x ctas remote atomics.
+    in shared memory (atomics), then exchanges them in two one-way hops, with no cluster
+    barrier: each CTA pushes the sums of its 32-bin groups into a slot of its own in every
+    CTA (16-byte `st.async`, counted on that CTA's mbarrier for the hop); every warp sums
+    the slots and finds the group holding the need-th key, the same in every CTA; each CTA
+    pushes its 32 bins of that group likewise, and every warp finds the bin. A hop's slots
+    and mbarrier are used once (2 a round, set up before the PDL wait and published by the
+    kernel's one cluster barrier), so a CTA ahead never overwrites what one behind reads,
+    and each CTA waits for all it expects before it exits. From the same per-CTA counts
+    each CTA also sums the lower CTAs' keys above the chosen bins and in the last one: the
+    offsets of its kept keys in the row. (A pull of every CTA's bins between two cluster
+    barriers a round took ~2 us a round at 32K, bench/RESULTS.md session 16.)
 
     Only two passes read the whole slice (a pass costs each thread a few instructions per
     score it holds, which bounds the kernel). Round 0 histograms every score. The second
@@ -492,19 +514,12 @@ class ClusterTopK:
     over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
     held loads from global memory; a split with no room for a list (list_entries 0) always
     runs them over its slice, from its registers and stash. Either way a CTA's kept scores
-    are offset by the lower CTAs' counts, exchanged through distributed shared memory (one
-    more cluster barrier). Rows of at most k scores keep every score at its own index (no
-    search, no exchange)."""
+    are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
+    scores keep every score at its own index (no search, no exchange)."""
 
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
         if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
             raise ValueError(f"unsupported split {split}")
-        # sum_histograms: each CTA owns whole 32-bin groups of every round's bins, a thread
-        # per 4 of them
-        if split.ctas & (split.ctas - 1) or min(b for _, b in HISTS) // split.ctas % 32:
-            raise ValueError(f"unsupported split {split}: ctas must be a power of two up to 16")
-        if max(b for _, b in HISTS) // (4 * split.ctas) > split.threads:
-            raise ValueError(f"unsupported split {split}: fewer threads than 4-bin quads of a CTA's bins")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
         self.probe = PROBE
         if self.probe not in PROBES:
@@ -569,7 +584,8 @@ class ClusterTopK:
         if cutlass.const_expr(self.entries > 0):
             sizes = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
             scratch = smem.allocate_tensor(Int32, cute.make_layout(warps), byte_alignment=16)
-        offsets = smem.allocate_tensor(Int32, cute.make_layout(2 * ctas), byte_alignment=16)
+        received = smem.allocate_tensor(Int32, cute.make_layout(inbox(ctas)[1]), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * len(ROUNDS)), byte_alignment=8).iterator.toint()
         pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
         stash = Int32(0)
         if cutlass.const_expr(self.stashed > 0):
@@ -577,19 +593,26 @@ class ClusterTopK:
                 Int32, cute.make_layout(4 * threads * self.stashed), byte_alignment=16
             ).iterator.toint()
         base_address = hists.iterator.toint()
+        exchange = (received.iterator.toint(), bars)
         clock0, start, marks = Int32(0), Int64(0), Int32(0)
         if cutlass.const_expr(self.tracing):
             clock0, start = cute.arch.clock(), P.globaltimer()
             marks = smem.allocate_tensor(Int32, cute.make_layout(TRACE_MARKS), byte_alignment=16).iterator.toint()
             if tid < TRACE_MARKS:
                 P.st_shared_u32(marks + 4 * tid, Uint32(0))  # a round not run stays 0
-        # Zero this CTA's histograms and the overflow flag before the PDL wait (no global
-        # reads; the summed ones are stored whole). The cluster barrier this arrives on,
-        # waited on below before the first histogram atomics, is what orders this CTA's
-        # zeroing before its own atomics (every exchange between CTAs has its own barriers in
-        # find_threshold and the compaction).
+        # Before the PDL wait (no global reads): zero this CTA's histograms and the overflow
+        # flag, and set up the exchanges' mbarriers (one a round and hop, single use), each
+        # expecting every CTA's bytes. The cluster barrier this arrives on, waited on below
+        # before the first histogram atomics, orders the zeroing before this CTA's atomics
+        # and the mbarriers before any CTA's push: it is the kernel's only cluster barrier.
         for i in range(tid, (ZEROED[1] - ZEROED[0]) // 4, threads):
             store_zero4(base_address + 4 * ZEROED[0] + 16 * i)
+        for r in cutlass.range_constexpr(len(ROUNDS)):
+            for hop in cutlass.range_constexpr(2):
+                if tid == 2 * r + hop:
+                    P.mbar_init(bars + 8 * (2 * r + hop), 1)
+                    P.mbar_expect(bars + 8 * (2 * r + hop), Int32(self.hop_bytes(r, hop)))
+                    P.mbar_init_fence()
         cute.arch.cluster_arrive(aligned=True)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
@@ -626,20 +649,33 @@ class ClusterTopK:
             # where the list overflows, the later passes re-read the held loads from global
             # memory (rare: so the keys need not stay in registers past the list's pass)
             again = (row, in_row)
-            threshold, need, listed, fill = self.find_threshold(
-                keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta, (marks, clock0)
+            threshold, need, listed, fill, lower = self.find_threshold(
+                keys,
+                again,
+                stash,
+                limit,
+                hists,
+                counts,
+                sizes,
+                base_address,
+                exchange,
+                tid,
+                lane,
+                warp,
+                cta,
+                (marks, clock0),
             )
             out_args = (out, out_scores, pages, token, base, error, pool_pages)
-            list_args = (hists, base_address, threshold, need, counts, sizes, scratch, offsets, fill, out_args)
+            list_args = (hists, base_address, threshold, need, counts, sizes, scratch, lower, fill, out_args)
             if cutlass.const_expr(self.entries == 0):
-                self.compact(keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
+                self.compact(keys, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp)
             elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
-                self.compact_list(*list_args, tid, lane, warp, cta)
+                self.compact_list(*list_args, tid, lane, warp)
             else:
                 if listed:
-                    self.compact_list(*list_args, tid, lane, warp, cta)
+                    self.compact_list(*list_args, tid, lane, warp)
                 else:
-                    self.compact(again, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta)
+                    self.compact(again, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp)
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
             for u in cutlass.range_constexpr(loads):
@@ -685,17 +721,20 @@ class ClusterTopK:
 
     @cute.jit
     def find_threshold(
-        self, keys, again, stash, limit, hists, counts, sizes, base_address, tid, lane, warp, cta, trace
+        self, keys, again, stash, limit, hists, counts, sizes, base_address, exchange, tid, lane, warp, cta, trace
     ):
-        """(T, need, listed, fill) over the cluster's row: the k best are every key > T and
-        the first `need` keys == T (need = ALL: every one); listed: whether the candidate
+        """(T, need, listed, fill, lower) over the cluster's row: the k best are every key > T
+        and the first `need` keys == T (need = ALL: every one); listed: whether the candidate
         list holds every key >= round 0's bin (this CTA's), and fill this warp's count of
-        them. The row has more than k scores. trace: (marks, clock0) of the trace probe."""
+        them; lower: the lower CTAs' (keys > T, keys == T), summed from the exchanges (where
+        need = ALL, only their sum, the keys >= T, matters). The row has more than k scores.
+        trace: (marks, clock0) of the trace probe."""
         threshold, need = Uint32(0), Int32(self.k)
         prefix, done = Uint32(0), Int32(0)
+        lower_above, lower_in = Int32(0), Int32(0)
         self.histogram(keys, stash, limit, hists, 0, prefix, tid)
-        threshold, need, prefix, done = self.choose_bin(
-            0, hists, base_address, threshold, need, prefix, done, tid, lane, cta
+        threshold, need, prefix, done, lower_above, lower_in = self.choose_bin(
+            0, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
         )
         self.mark(trace[0], "clk_round0", trace[1], tid)
         listed, fill = cutlass.Boolean(False), Int32(0)
@@ -714,11 +753,11 @@ class ClusterTopK:
                         self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
                     else:
                         self.histogram(again, stash, limit, hists, r, prefix, tid)
-                threshold, need, prefix, done = self.choose_bin(
-                    r, hists, base_address, threshold, need, prefix, done, tid, lane, cta
+                threshold, need, prefix, done, lower_above, lower_in = self.choose_bin(
+                    r, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
                 )
                 self.mark(trace[0], f"clk_round{r}", trace[1], tid)
-        return threshold, need, listed, fill
+        return threshold, need, listed, fill, (lower_above, lower_in)
 
     @cute.jit
     def histogram(self, keys, stash, limit, hists, r: int, prefix, tid):
@@ -749,27 +788,108 @@ class ClusterTopK:
                 digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
                 cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
 
+    def hop_bytes(self, r: int, hop: int) -> int:
+        """The bytes a CTA receives in round r's hop: every CTA's group sums, then every CTA's
+        bins of the chosen group."""
+        return 4 * self.ctas * (HISTS[r][1] // GROUP if hop == 0 else GROUP)
+
     @cute.jit
-    def choose_bin(self, r: int, hists, base_address, threshold, need, prefix, done, tid, lane, cta):
-        """Round r's exchange: sum the CTAs' histograms over the cluster and find the bin
-        holding the need-th key. -> (threshold, need, prefix, done)."""
+    def choose_bin(
+        self, r: int, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
+    ):
+        """Round r's exchange, in two one-way hops with no cluster barrier: each CTA pushes
+        its histogram's group sums into every CTA (hop 1); every warp sums them over the
+        CTAs and finds the group holding the need-th key (the same in every CTA); warp 0
+        pushes its CTA's bins of that group into every CTA (hop 2); every warp finds the bin.
+        Each hop lands in its own slots and completes its own mbarrier, so a CTA ahead never
+        overwrites what a CTA behind still reads. The lower CTAs' counts above the chosen
+        bin are added to lower_above. -> (threshold, need, prefix, done, lower_above, the
+        lower CTAs' count in the bin)."""
         shift, bits = ROUNDS[r]
         hist, bins = HISTS[r]
-        # Every CTA's histogram of this round is complete; then CTA c sums its slice of the
-        # bins over the cluster and stores the sums into every CTA.
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-        self.sum_histograms(base_address, hist, bins, tid, lane, cta)
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-        digit, above, count = self.find_bin(hists, SUMS, GROUPS, bins, need, lane)
-        prefix = (prefix << Uint32(bits)) | Uint32(digit)
+        groups = bins // GROUP
+        received, bars = exchange
+        hop1, hop2 = inbox(self.ctas)[0][r]
+        cute.arch.sync_threads()  # this CTA's histogram of the round is complete
+        self.push_group_sums(
+            base_address + 4 * hist, bins, received + 4 * (hop1 + groups * cta), bars + 16 * r, tid, lane
+        )
+        P.mbar_wait_cluster(bars + 16 * r, 0)
+        group, above, lower_groups = self.find_group(received + 4 * hop1, groups, need, lane, cta)
+        if warp == 0:
+            self.push_group_bins(
+                base_address + 4 * (hist + GROUP * group), received + 4 * (hop2 + GROUP * cta), bars + 16 * r + 8, lane
+            )
+        P.mbar_wait_cluster(bars + 16 * r + 8, 0)
+        bin_in_group, above, count, lower_bins, lower_in = self.find_in_group(
+            received + 4 * hop2, above, need, lane, cta
+        )
+        prefix = (prefix << Uint32(bits)) | Uint32(GROUP * group + bin_in_group)
         need = need - above
         threshold = prefix << Uint32(shift)
         if count == need:  # the bin is taken whole: every key >= its lowest
             need = Int32(ALL)
             done = Int32(1)
-        return threshold, need, prefix, done
+        return threshold, need, prefix, done, lower_above + lower_groups + lower_bins, lower_in
+
+    @cute.jit
+    def push_group_sums(self, hist_address, bins: int, slot, bar, tid, lane):
+        """Hop 1: this CTA's sum of each 32-bin group of its histogram at `hist_address`,
+        pushed into `slot` (its own, the same address in every CTA) of every CTA: a thread
+        sums 4 bins, 8 lanes a group, and lane d of each warp pushes the warp's 4 group sums
+        (16 bytes) to CTA d."""
+        quads = bins // 4  # a multiple of 32: whole warps
+        for p in cutlass.range_constexpr((quads + self.threads - 1) // self.threads):
+            quad = tid + self.threads * p
+            if quad - lane < quads:
+                words = P.ld_shared_u32x4(hist_address + 16 * quad)
+                total = Int32(words[0]) + Int32(words[1]) + Int32(words[2]) + Int32(words[3])
+                for offset in (1, 2, 4):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                sums = [cute.arch.shuffle_sync(total, offset=8 * i) for i in range(4)]
+                if lane < self.ctas:
+                    P.dsmem_push_u32x4(slot + 4 * ((quad - lane) // 8), lane, sums, bar)
+
+    @cute.jit
+    def push_group_bins(self, bins_address, slot, bar, lane):
+        """Hop 2 (one warp): this CTA's 32 bins at `bins_address` (the chosen group) pushed
+        into `slot` of every CTA: lane l sends quad l % 8 to CTAs l / 8, l / 8 + 4, ..."""
+        quad = lane % 8
+        words = P.ld_shared_u32x4(bins_address + 16 * quad)
+        for p in cutlass.range_constexpr((8 * self.ctas + 31) // 32):
+            if lane // 8 + 4 * p < self.ctas:
+                P.dsmem_push_u32x4(slot + 16 * quad, lane // 8 + 4 * p, words, bar)
+
+    @cute.jit
+    def find_group(self, received, groups: int, need, lane, cta):
+        """(the group holding the need-th highest key, the count above that group, the lower
+        CTAs' count above it) from every CTA's group sums at `received` (a warp on its own).
+        Lanes take groups in descending order (two each of 64)."""
+        high, low, lower_high, lower_low = Int32(0), Int32(0), Int32(0), Int32(0)
+        for c in cutlass.range_constexpr(self.ctas):  # every load issued before the sums need them
+            source_high, source_low = Int32(0), Int32(0)
+            if cutlass.const_expr(groups == 64):
+                pair = P.ld_shared_u32x2(received + 4 * (64 * c + 62 - 2 * lane))
+                source_low, source_high = Int32(pair[0]), Int32(pair[1])
+            else:
+                source_high = P.ld_shared_i32(received + 4 * (32 * c + 31 - lane))
+            high, low = high + source_high, low + source_low
+            lower_high = lower_high + P.select_i32(c < cta, source_high, 0)
+            lower_low = lower_low + P.select_i32(c < cta, source_low, 0)
+        own = high + low
+        inclusive = inclusive_scan(own, lane)
+        chosen = lowest_lane(cute.arch.vote_ballot_sync(inclusive >= need))
+        above = cute.arch.shuffle_sync(inclusive - own, offset=chosen)
+        lower = P.select_i32(lane < chosen, lower_high + lower_low, 0)
+        group = groups - 1 - chosen
+        if cutlass.const_expr(groups == 64):
+            chosen_high = cute.arch.shuffle_sync(high, offset=chosen)
+            group = 63 - 2 * chosen
+            if above + chosen_high < need:
+                group = group - 1
+                above = above + chosen_high
+                lower = lower + P.select_i32(lane == chosen, lower_high, 0)
+        return group, above, warp_sum_i32(lower)
 
     @cute.jit
     def collect(self, keys, stash, limit, counts, sizes, base_address, low, tid, lane, warp):
@@ -817,79 +937,27 @@ class ClusterTopK:
         return [order_key(w) for w in P.ld_shared_u32x4(stash + 16 * (self.threads * (u - self.held) + tid))]
 
     @cute.jit
-    def sum_histograms(self, base_address, hist: int, bins: int, tid, lane, cta):
-        """CTA c owns bins [c x bins / ctas, (c + 1) x bins / ctas) of the round's histogram at
-        `hist`: a thread per 4 owned bins reads them from every CTA's histogram (one 16-byte
-        distributed shared memory load per CTA), sums them, and stores the sums, and the sum of
-        each 32-bin group (8 lanes), into every CTA's summed histogram and group sums."""
-        ctas = self.ctas
-        owned = bins // ctas  # a multiple of 32: whole groups
-        quads = owned // 4
-        if tid // 32 * 32 < quads:  # whole warps (a warp past `quads` re-reads, stores nothing)
-            first = cta * owned + 4 * (tid % quads)
-            parts = []  # every load issued before any is summed
-            for i in cutlass.range_constexpr(ctas):
-                parts.append(P.dsmem_load(base_address + 4 * (hist + first), (cta + i) % ctas, Int32, 4))
-            sums = list(parts[0])
-            for i in cutlass.range_constexpr(1, ctas):
-                sums = [sums[j] + parts[i][j] for j in range(4)]
-            group = sums[0] + sums[1] + sums[2] + sums[3]
-            for offset in (1, 2, 4):
-                group = group + cute.arch.shuffle_sync_bfly(group, offset=offset)
-            if tid < quads:
-                for i in cutlass.range_constexpr(ctas):
-                    P.dsmem_store(base_address + 4 * (SUMS + first), (cta + i) % ctas, Int32, sums)
-                if lane % 8 == 0:
-                    for i in cutlass.range_constexpr(ctas):
-                        P.dsmem_store(base_address + 4 * (GROUPS + first // 32), (cta + i) % ctas, Int32, [group])
-
-    @cute.jit
-    def find_bin(self, hists, hist: int, groups: int, bins: int, need, lane):
-        """(the bin holding the need-th highest key, the count above it, its count) of the
-        summed histogram at `hist` with its 32-bin group sums at `groups`; every warp on
-        its own. Lanes take groups, then the chosen group's bins, in descending order."""
-        ngroups = bins // 32
-        high = Int32(0)
-        own = Int32(0)
-        if cutlass.const_expr(ngroups == 64):
-            high = hists[groups + 63 - 2 * lane]
-            own = high + hists[groups + 62 - 2 * lane]
-        else:
-            high = hists[groups + 31 - lane]
-            own = high
-        inclusive = inclusive_scan(own, lane)
-        chosen = lowest_lane(cute.arch.vote_ballot_sync(inclusive >= need))
-        above = cute.arch.shuffle_sync(inclusive - own, offset=chosen)
-        group = Int32(0)
-        if cutlass.const_expr(ngroups == 64):
-            chosen_high = cute.arch.shuffle_sync(high, offset=chosen)
-            group = 63 - 2 * chosen
-            if above + chosen_high < need:
-                group = group - 1
-                above = above + chosen_high
-        else:
-            group = 31 - chosen
-        count = hists[hist + 32 * group + 31 - lane]
+    def find_in_group(self, received, above, need, lane, cta):
+        """(the chosen group's bin holding the need-th highest key, the count above that bin,
+        its count, the lower CTAs' count above it in the group, theirs in it) from every
+        CTA's bins of the group at `received`, given the count `above` the group (a warp on
+        its own). Lane l takes bin 31 - l."""
+        count, lower = Int32(0), Int32(0)
+        for c in cutlass.range_constexpr(self.ctas):
+            word = P.ld_shared_i32(received + 4 * (GROUP * c + GROUP - 1 - lane))
+            count = count + word
+            lower = lower + P.select_i32(c < cta, word, 0)
         inclusive = inclusive_scan(count, lane)
         chosen = lowest_lane(cute.arch.vote_ballot_sync(above + inclusive >= need))
         above = above + cute.arch.shuffle_sync(inclusive - count, offset=chosen)
-        return 32 * group + 31 - chosen, above, cute.arch.shuffle_sync(count, offset=chosen)
-
-    @cute.jit
-    def lower_ctas(self, cta_above, cta_at, offsets, tid, lane, cta) -> tuple:
-        """(kept keys > T, == T) of the lower CTAs of the cluster, from this CTA's counts:
-        each CTA stores its counts into every higher CTA (one cluster barrier)."""
-        ctas = self.ctas
-        if tid > cta and tid < ctas:
-            P.dsmem_store(offsets.iterator.toint() + 8 * cta, tid, Int32, [cta_above, cta_at])
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-        above_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas)], 0)
-        at_before = P.select_i32(lane < cta, offsets[2 * (lane % ctas) + 1], 0)
-        for offset in (16, 8, 4, 2, 1):
-            above_before = above_before + cute.arch.shuffle_sync_bfly(above_before, offset=offset)
-            at_before = at_before + cute.arch.shuffle_sync_bfly(at_before, offset=offset)
-        return above_before, at_before
+        lower_above = warp_sum_i32(P.select_i32(lane < chosen, lower, 0))
+        return (
+            GROUP - 1 - chosen,
+            above,
+            cute.arch.shuffle_sync(count, offset=chosen),
+            lower_above,
+            cute.arch.shuffle_sync(lower, offset=chosen),
+        )
 
     @cute.jit
     def compact_list(
@@ -901,13 +969,12 @@ class ClusterTopK:
         counts,
         sizes,
         scratch,
-        offsets,
+        lower,
         fill,
         out_args,
         tid,
         lane,
         warp,
-        cta,
     ):
         """Write the kept candidates of the list at their places: (kept keys > T before them
         in the row) + min(kept keys == T before them, need). A group's candidates (one
@@ -930,11 +997,8 @@ class ClusterTopK:
         before = P.block_exclusive_sum(count, scratch, lane, warp, warps)
         if tid < groups:
             counts[tid] = before
-        if tid == threads - 1:
-            hists[OVERFLOW + 1] = before + count
         cute.arch.sync_threads()
-        total = hists[OVERFLOW + 1]
-        above_before, at_before = self.lower_ctas(total & 0xFFFF, total >> 16, offsets, tid, lane, cta)
+        above_before, at_before = lower  # the lower CTAs' kept keys, from the exchanges
 
         lower_lanes = (Int32(1) << lane) - Int32(1)
         start = Int32(0)
@@ -962,7 +1026,7 @@ class ClusterTopK:
             start = start + size
 
     @cute.jit
-    def compact(self, keys, stash, limit, threshold, need, counts, offsets, out_args, tid, lane, warp, cta):
+    def compact(self, keys, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
         the row) + min(kept keys == T before them, need), from its whole slice."""
         threads, loads = self.threads, self.loads
@@ -979,15 +1043,7 @@ class ClusterTopK:
             if lane == 0:
                 counts[u * warps + warp] = warp_count
         cute.arch.sync_threads()
-        # this CTA's counts to every higher CTA of the cluster
-        lane_total = Int32(0)  # a warp's counts over the loads: each half at most 2048
-        for u in cutlass.range_constexpr(loads):
-            lane_total = lane_total + P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
-        cta_above, cta_at = lane_total & 0xFFFF, lane_total >> 16  # the CTA's: up to per_cta each
-        for offset in (16, 8, 4, 2, 1):
-            cta_above = cta_above + cute.arch.shuffle_sync_bfly(cta_above, offset=offset)
-            cta_at = cta_at + cute.arch.shuffle_sync_bfly(cta_at, offset=offset)
-        above_before, at_before = self.lower_ctas(cta_above, cta_at, offsets, tid, lane, cta)
+        above_before, at_before = lower  # the lower CTAs' kept keys, from the exchanges
 
         lower_lanes = (Int32(1) << lane) - Int32(1)
         for u in cutlass.range_constexpr(loads):

@@ -555,6 +555,34 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
 
 
+@pytest.mark.parametrize("split", top_k_kernels.SPLITS, ids=_variant_id)
+def test_top_k_back_to_back_launches_all_equal_the_reference(split):
+    """40 launches in a row with no sync between them (PDL lets one launch's start overlap
+    the last one's exchanges), on rows that end after rounds 1 and 2 (continuous scores,
+    ties) and rows of at most k scores: every launch's output equals the reference. A push
+    counted on the wrong mbarrier or read before it lands shows here as a wrong or hung
+    launch, not once in a hundred single launches."""
+    width = _variant_width(split)
+    lengths = [width, width - 3, 2048, split.per_cta + 5, width, 3 * 2048 + 1][: max(2, width // 2048)]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scores = torch.randn(len(lengths), width, device="cuda")
+    scores[1::2] = scores[1::2].round(decimals=1)  # ties: round 2 runs
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    tables = _tables(len(lengths), width, seed=11)
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=1, max_context=256, seed=1, device="cuda"
+    )
+    kernels = Kernels(state.shape, state.weights)
+    outs = torch.full((40, len(lengths), 2048), -7, dtype=torch.int32, device="cuda")
+    out_scores = torch.full((len(lengths), 2048), float("nan"), device="cuda")
+    for out in outs:
+        kernels.top_k(scores, tables, lens, out, out_scores, len(lengths), split=split)
+    torch.cuda.synchronize()
+    expect = ref.to_slots(ref.topk_indices(scores, 2048), tables, 64)
+    wrong = [i for i, out in enumerate(outs) if not torch.equal(out, expect)]
+    assert not wrong, f"launches {wrong} differ from the reference"
+
+
 @pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
 def test_top_k_ties_minus_zero_with_plus_zero(split):
     """-0.0 == +0.0: a threshold among zeros of both signs takes the lower indices first, as

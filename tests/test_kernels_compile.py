@@ -857,34 +857,39 @@ def test_sparse_core_mma_path_without_a_producer(tmp_path, shape_name, slots):
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
-def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, split):
+def test_cluster_top_k_exchanges_histograms_by_one_way_pushes(ptx, split):
     for shape in SHAPES:
         text = ptx[(shape, f"top_k_{split.name}")]
         (entry,) = _entries(text)
         # the CTA's own histogram in shared memory; ballots and scans rank the kept scores
         assert "atom.shared.add" in entry and "bar.sync" in entry
         assert "vote.sync.ballot.b32" in entry and "shfl.sync.up.b32" in entry
-        # each round, a CTA pulls its slice of the bins from every CTA's histogram (16-byte
-        # loads), and stores the sums and their 32-bin group sums into every CTA: no remote
-        # atomics; the lower CTAs' counts go to the higher CTAs' shared memory
-        assert "mapa.shared::cluster.u32" in entry
-        assert "ld.shared::cluster.v4.b32" in entry and "st.shared::cluster.v4.b32" in entry
-        assert "st.shared::cluster.b32" in entry and "st.shared::cluster.v2.b32" in entry
+        # each round's exchange is two one-way hops: 16-byte st.async pushes (the CTA's group
+        # sums, then its bins of the chosen group) into every CTA, each completing its own
+        # mbarrier there (2 a round, single use, set up before the start barrier), waited on
+        # with cluster-scope acquire: no remote loads, no remote atomics
+        assert "mapa.shared::cluster.u32" in entry and "%cluster_ctarank" in entry
+        push = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
+        rounds = len(top_k.ROUNDS)
+        # a site a round for hop 1 (lane d of each warp to CTA d), and for hop 2 one per 4
+        # CTAs (lane l to CTA l / 8 + 4 p: 8 lanes a CTA)
+        assert entry.count(push) == rounds * (1 + -(-8 * split.ctas // 32))
+        assert entry.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2 * rounds
+        assert entry.count("mbarrier.init.shared::cta.b64") == 2 * rounds
+        assert entry.count("mbarrier.arrive.expect_tx.shared::cta.b64") == 2 * rounds
+        assert "ld.shared::cluster" not in entry and "st.shared::cluster" not in entry
         assert "red.shared::cluster" not in entry and "atom.shared::cluster" not in entry
-        assert "%cluster_ctarank" in entry
-        # one cluster barrier after zeroing, two per radix round (the CTAs' histograms are
-        # complete; the sums are stored), one for the counts (in each compaction: the
-        # list's, and the whole slice's where the list can overflow or there is none)
+        # the kernel's only cluster barrier: arrived after zeroing the histograms and setting
+        # up the mbarriers (no global reads: before the PDL wait), waited on after the slice's
+        # loads, before the first histogram atomics and so before any push
         entries = top_k.list_entries(split)
         compactions = 2 if 0 < entries < 128 * split.loads else 1
-        assert entry.count("barrier.cluster.arrive.aligned;") == 1 + 2 * len(top_k.ROUNDS) + compactions
-        assert entry.count("barrier.cluster.wait;") == 1 + 2 * len(top_k.ROUNDS) + compactions
-        # the histograms are zeroed (no global reads) before the PDL wait; the cluster
-        # barrier that arrives after it is waited on before the first histogram atomics (it
-        # orders the zeroing before them) and so before any remote load
+        assert entry.count("barrier.cluster.arrive.aligned;") == 1 and entry.count("barrier.cluster.wait;") == 1
         wait = entry.index("griddepcontrol.wait;")
-        assert entry.index("st.shared.v4.b32") < entry.index("barrier.cluster.arrive.aligned;") < wait
-        assert wait < entry.index("barrier.cluster.wait;") < entry.index("ld.shared::cluster")
+        arrive = entry.index("barrier.cluster.arrive.aligned;")
+        assert entry.index("st.shared.v4.b32") < arrive and entry.index("fence.mbarrier_init.release.cluster") < arrive
+        assert arrive < wait < entry.index("barrier.cluster.wait;") < entry.index("atom.shared.add")
+        assert entry.index("barrier.cluster.wait;") < entry.index(push)
         # the slice is read once: 16-byte loads predicated by the row's length into
         # registers, and (the stashed loads) 16-byte cp.async copies into shared memory,
         # waited on before the first cluster barrier's wait and read back with 16-byte loads;
@@ -900,6 +905,24 @@ def test_cluster_top_k_sums_histograms_through_distributed_shared_memory(ptx, sp
     # DCP: positions and scores; a single rank: cache slots through the block table
     name = f"top_k_{split.name}"
     assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")
+
+
+@pytest.mark.parametrize("ctas", [2, 4, 8, 16])
+def test_cluster_top_k_inbox_slots_are_disjoint_and_aligned(ctas):
+    """Each round's two hops land in their own slots, one a source CTA, 16-byte aligned (the
+    pushes are 16-byte st.async), covering the inbox with no overlap (no CTA ahead can
+    overwrite what a CTA behind reads); each hop's mbarrier expects exactly what every
+    source pushes: its histogram's group sums (a word per 32 bins), then 32 bins."""
+    offsets, words = top_k.inbox(ctas)
+    op = top_k.ClusterTopK(split=top_k.Split(ctas, 512, 4))
+    taken = []
+    for r, ((hop1, hop2), (_, bins)) in enumerate(zip(offsets, top_k.HISTS)):
+        for hop, start, per_source in ((0, hop1, bins // 32), (1, hop2, 32)):
+            assert op.hop_bytes(r, hop) == 4 * ctas * per_source
+            for c in range(ctas):
+                assert (start + c * per_source) % 4 == 0
+                taken.extend(range(start + c * per_source, start + (c + 1) * per_source))
+    assert sorted(taken) == list(range(words))
 
 
 def _cubin_kernels(cubin: bytes) -> dict:
