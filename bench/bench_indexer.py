@@ -478,8 +478,11 @@ def top_k_timeline(out: torch.Tensor, ctas: int) -> dict:
     each row of `out` [B, k] int32): medians over CTAs, in us, of wait (entry -> the PDL
     wait's return), load (-> the slice loaded: the start barrier), round0 (-> round 0's bin),
     round1 / round2 (over the CTAs that ran them, the share of which is `rounds_12`),
-    compact (the last round's bin -> the compaction's end) and tail (-> exit); %clock at
-    the median clock rate (cycles over globaltimer ns between entry and exit)."""
+    compact (the last round's bin -> the compaction's end) and tail (-> exit); and each
+    round's parts, "hist / hop1 / hop2" (-> the CTA's histogram complete, -> every CTA's
+    group sums landed, -> the bin chosen; round 1's hist counts from the list written),
+    with list (round 0's bin -> the candidate list written); %clock at the median clock
+    rate (cycles over globaltimer ns between entry and exit)."""
     slots = len(top_k_kernels.TRACE_SLOTS)
     words = out[:, : slots * ctas].reshape(-1, slots).cpu().long()
     field = {name: words[:, i] for i, name in enumerate(top_k_kernels.TRACE_SLOTS)}
@@ -494,6 +497,13 @@ def top_k_timeline(out: torch.Tensor, ctas: int) -> dict:
     rounds = [field[f"clk_round{r}"] for r in range(3)]
     last = torch.where(rounds[2] > 0, rounds[2], torch.where(rounds[1] > 0, rounds[1], rounds[0]))
     ran1, ran2 = rounds[1] > 0, rounds[2] > 0
+    listed = field["clk_listed"] > 0
+    starts = [field["clk_loaded"], torch.where(listed, field["clk_listed"], rounds[0]), rounds[1]]
+    parts = {}
+    for r, ran in enumerate((rounds[0] > 0, ran1, ran2)):
+        hist, groups = field[f"clk_hist{r}"], field[f"clk_groups{r}"]
+        spans = (hist - starts[r], groups - hist, rounds[r] - groups)
+        parts[f"parts{r}"] = " / ".join(f"{med(x[ran]):.2f}" for x in spans)
     return dict(
         ctas=len(words),
         ghz=ghz,
@@ -506,6 +516,8 @@ def top_k_timeline(out: torch.Tensor, ctas: int) -> dict:
         compact=med(field["clk_compacted"] - last),
         tail=med(field["clk_end"] - field["clk_compacted"]),
         total=med(field["clk_end"] - field["clk_wait"]),
+        list=med((field["clk_listed"] - rounds[0])[listed]),
+        **parts,
     )
 
 
@@ -539,13 +551,16 @@ def main_top_k_trace_step(args, shape: RankShape, replays: int = 20) -> int:
         del step
         torch.cuda.empty_cache()
     keys = ["ctas", "ghz", "wait", "load", "round0", "round1", "round2", "rounds_12", "compact", "tail", "total"]
+    keys += ["list", "parts0", "parts1", "parts2"]
     report(
         rows,
         ["ctx", "B", "split", "step us", *keys],
         [[r["context"], r["batch"], r["split"], r["step_us"], *(_cell(r[k]) for k in keys)] for r in rows],
         "ClusterTopK in the captured step (TP 8), traced: medians over CTAs in us of wait (entry -> the PDL wait's"
         " return), load (-> slice loaded), round0..2 (-> each round's bin; rounds_12: the share of CTAs that ran rounds"
-        " 1 and 2), compact, tail (-> exit), total (wait's return -> exit)",
+        " 1 and 2), compact, tail (-> exit), total (wait's return -> exit); list (round 0's bin -> the candidate"
+        " list written) and each round's parts hist / hop1 / hop2 (-> its histogram complete, -> every CTA's group"
+        " sums landed, -> its bin; round 1's from the list written)",
         args.json,
     )
     return 0

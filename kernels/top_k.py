@@ -339,11 +339,14 @@ class Split:
 # writes its marks over the row's first outputs (len(TRACE_SLOTS) words from that x its rank):
 # globaltimer ns at entry and exit (2 words each), then %clock deltas from entry at the exit,
 # after the PDL wait, once the slice is loaded (the start barrier), after each round's bin is
-# chosen (0: the search ended before that round) and after the compaction. (levers.md Part K.)
+# chosen (0: the search ended before that round), after the compaction, after the candidate
+# list is written, and per round once the CTA's histogram is complete and once every CTA's
+# group sums have landed (hop 1). (levers.md Part K.)
 PROBES = ("", "trace")
 PROBE = ""
 TRACE_SLOTS = ("start", "start_hi", "end", "end_hi", "clk_end", "clk_wait", "clk_loaded")
-TRACE_SLOTS += tuple(f"clk_round{r}" for r in range(3)) + ("clk_compacted",)
+TRACE_SLOTS += tuple(f"clk_round{r}" for r in range(3)) + ("clk_compacted", "clk_listed")
+TRACE_SLOTS += tuple(f"clk_hist{r}" for r in range(3)) + tuple(f"clk_groups{r}" for r in range(3))
 TRACE_MARKS = len(TRACE_SLOTS) - 5  # the %clock marks kept in shared memory until the end
 
 
@@ -734,7 +737,7 @@ class ClusterTopK:
         lower_above, lower_in = Int32(0), Int32(0)
         self.histogram(keys, stash, limit, hists, 0, prefix, tid)
         threshold, need, prefix, done, lower_above, lower_in = self.choose_bin(
-            0, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
+            0, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta, trace
         )
         self.mark(trace[0], "clk_round0", trace[1], tid)
         listed, fill = cutlass.Boolean(False), Int32(0)
@@ -742,6 +745,7 @@ class ClusterTopK:
             fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
             cute.arch.sync_threads()  # the list and its overflow flag
             listed = hists[OVERFLOW] == 0
+            self.mark(trace[0], "clk_listed", trace[1], tid)
         for r in cutlass.range_constexpr(1, len(ROUNDS)):
             if done == 0:
                 if cutlass.const_expr(self.entries == 0):
@@ -754,7 +758,7 @@ class ClusterTopK:
                     else:
                         self.histogram(again, stash, limit, hists, r, prefix, tid)
                 threshold, need, prefix, done, lower_above, lower_in = self.choose_bin(
-                    r, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
+                    r, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta, trace
                 )
                 self.mark(trace[0], f"clk_round{r}", trace[1], tid)
         return threshold, need, listed, fill, (lower_above, lower_in)
@@ -795,7 +799,7 @@ class ClusterTopK:
 
     @cute.jit
     def choose_bin(
-        self, r: int, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta
+        self, r: int, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta, trace
     ):
         """Round r's exchange, in two one-way hops with no cluster barrier: each CTA pushes
         its histogram's group sums into every CTA (hop 1); every warp sums them over the
@@ -804,17 +808,19 @@ class ClusterTopK:
         Each hop lands in its own slots and completes its own mbarrier, so a CTA ahead never
         overwrites what a CTA behind still reads. The lower CTAs' counts above the chosen
         bin are added to lower_above. -> (threshold, need, prefix, done, lower_above, the
-        lower CTAs' count in the bin)."""
+        lower CTAs' count in the bin). trace: (marks, clock0) of the trace probe."""
         shift, bits = ROUNDS[r]
         hist, bins = HISTS[r]
         groups = bins // GROUP
         received, bars = exchange
         hop1, hop2 = inbox(self.ctas)[0][r]
         cute.arch.sync_threads()  # this CTA's histogram of the round is complete
+        self.mark(trace[0], f"clk_hist{r}", trace[1], tid)
         self.push_group_sums(
             base_address + 4 * hist, bins, received + 4 * (hop1 + groups * cta), bars + 16 * r, tid, lane
         )
         P.mbar_wait_cluster(bars + 16 * r, 0)
+        self.mark(trace[0], f"clk_groups{r}", trace[1], tid)
         group, above, lower_groups = self.find_group(received + 4 * hop1, groups, need, lane, cta)
         if warp == 0:
             self.push_group_bins(

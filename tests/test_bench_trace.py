@@ -73,7 +73,9 @@ def test_launch_gaps_measure_each_boundary_from_the_previous_launch():
 def test_top_k_timeline_reads_each_ctas_phases():
     """top_k.TRACE_SLOTS per CTA at the start of each row, at 2 GHz (exit 6000 cycles after
     entry over 3000 ns): wait 1000 cycles, loaded at 2000, round 0's bin at 3000, round 1's at
-    4000 in half the CTAs (round 2 in none), compacted at 5000; the medians in us."""
+    4000 in half the CTAs (round 2 in none), compacted at 5000; the list written at 3200;
+    round 0's histogram complete at 2600 and its group sums landed at 2800, round 1's at
+    3600 and 3800; the medians in us."""
     from bench_indexer import top_k_timeline
     from graphstep.kernels import top_k
 
@@ -87,7 +89,9 @@ def test_top_k_timeline_reads_each_ctas_phases():
             round1 = 4000 if c % 2 else 0
             marks = {"start": start & 0xFFFFFFFF, "start_hi": start >> 32, "end": end & 0xFFFFFFFF, "end_hi": end >> 32}
             marks |= {"clk_end": 6000, "clk_wait": 1000, "clk_loaded": 2000, "clk_round0": 3000}
-            marks |= {"clk_round1": round1, "clk_round2": 0, "clk_compacted": 5000}
+            marks |= {"clk_round1": round1, "clk_round2": 0, "clk_compacted": 5000, "clk_listed": 3200}
+            marks |= {"clk_hist0": 2600, "clk_groups0": 2800, "clk_hist1": 3600 if round1 else 0, "clk_hist2": 0}
+            marks |= {"clk_groups1": 3800 if round1 else 0, "clk_groups2": 0}
             out[b, slots * c : slots * (c + 1)] = torch.tensor([marks[name] for name in top_k.TRACE_SLOTS]).int()
     got = top_k_timeline(out, ctas)
     assert got["ctas"] == batch * ctas and got["ghz"] == pytest.approx(2.0)
@@ -96,3 +100,6 @@ def test_top_k_timeline_reads_each_ctas_phases():
     assert got["rounds_12"] == "0.50 / 0.00" and got["round2"] != got["round2"]  # NaN: no CTA ran it
     # compact: from the last round each CTA ran (4000 or 3000) to 5000: 0.5 or 1.0 us, median of the two
     assert got["compact"] in (pytest.approx(0.5), pytest.approx(1.0))
+    assert got["list"] == pytest.approx(0.1)
+    assert got["parts0"] == "0.30 / 0.10 / 0.10" and got["parts1"] == "0.20 / 0.10 / 0.10"
+    assert got["parts2"] == "nan / nan / nan"

@@ -1271,8 +1271,9 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
 @pytest.mark.parametrize("split", [top_k.Split(8, 512, 2), top_k.Split(2, 1024, 16, 12)], ids=lambda s: s.name)
 def test_top_k_trace_probe_adds_only_its_marks(tmp_path, monkeypatch, split):
     """bench_indexer.py --top-k-trace-step (top_k.PROBE = "trace"; outputs wrong, times only):
-    the kernel as it runs plus %clock at entry, after the wait, the load, each round and the
-    compaction and at exit (8), the globaltimer at entry and exit, one closing cluster barrier
+    the kernel as it runs plus %clock at entry, after the wait, the load, each round (and its
+    histogram and its first hop), the list and the compaction and at exit, the globaltimer
+    at entry and exit, one closing cluster barrier
     and the marks' stores; within the registers of a full CTA and without a stack; its own
     compile-cache entry. The default variant reads no clock."""
     import cutlass.cute as cute
@@ -1296,6 +1297,8 @@ def test_top_k_trace_probe_adds_only_its_marks(tmp_path, monkeypatch, split):
         texts[name] = (ptx, found)
     (plain, _), (traced, found) = texts["default"], texts["trace"]
     assert "%clock" not in plain and "%globaltimer" not in plain
-    assert traced.count("%clock") == 8 and traced.count("%globaltimer") == 2
+    # %clock at entry and exit and one per mark (no list: no list mark)
+    marks = top_k.TRACE_MARKS - (top_k.list_entries(split) == 0)
+    assert traced.count("%clock") == 2 + marks and traced.count("%globaltimer") == 2
     assert traced.count("barrier.cluster.arrive") == plain.count("barrier.cluster.arrive") + 1
     assert found["regs"] * split.threads <= 65536 and found["frame"] == 0, found
