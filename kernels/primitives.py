@@ -375,6 +375,14 @@ def warp_max(value) -> Float32:
     return value
 
 
+def warp_sum_i32(value) -> Int32:
+    """The sum of an Int32 over the warp, in every lane: one `redux.sync` (a 5-shuffle
+    butterfly is five dependent round trips)."""
+    return cute.arch.inline_ptx(
+        "redux.sync.add.s32 {$w0}, {$r0}, 0xffffffff;", write_only_types=[Int32], read_only_args=[Int32(value)]
+    )
+
+
 @cute.jit
 def block_exclusive_sum(value, scratch, lane, warp, warps: int) -> Int32:
     """The sum of `value` over the CTA's lower threads (Int32; every thread calls it).

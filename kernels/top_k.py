@@ -478,12 +478,6 @@ def lowest_lane(mask) -> Int32:
     return cute.arch.popc((mask & (Int32(0) - mask)) - Int32(1))
 
 
-def warp_sum_i32(value) -> Int32:
-    for offset in (16, 8, 4, 2, 1):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
-    return value
-
-
 class ClusterTopK:
     """TopK's contract (see the module docstring) with a row split over a cluster of CTAs.
 
@@ -826,6 +820,7 @@ class ClusterTopK:
             self.push_group_bins(
                 base_address + 4 * (hist + GROUP * group), received + 4 * (hop2 + GROUP * cta), bars + 16 * r + 8, lane
             )
+        lower_above = lower_above + P.warp_sum_i32(lower_groups)  # after the push: off its path
         P.mbar_wait_cluster(bars + 16 * r + 8, 0)
         bin_in_group, above, count, lower_bins, lower_in = self.find_in_group(
             received + 4 * hop2, above, need, lane, cta
@@ -836,7 +831,8 @@ class ClusterTopK:
         if count == need:  # the bin is taken whole: every key >= its lowest
             need = Int32(ALL)
             done = Int32(1)
-        return threshold, need, prefix, done, lower_above + lower_groups + lower_bins, lower_in
+        lower_above = lower_above + P.warp_sum_i32(lower_bins)
+        return threshold, need, prefix, done, lower_above, lower_in
 
     @cute.jit
     def push_group_sums(self, hist_address, bins: int, slot, bar, tid, lane):
@@ -868,9 +864,10 @@ class ClusterTopK:
 
     @cute.jit
     def find_group(self, received, groups: int, need, lane, cta):
-        """(the group holding the need-th highest key, the count above that group, the lower
-        CTAs' count above it) from every CTA's group sums at `received` (a warp on its own).
-        Lanes take groups in descending order (two each of 64)."""
+        """(the group holding the need-th highest key, the count above that group, this lane's
+        part of the lower CTAs' count above it: summed over the warp after the hop-2 push,
+        off its path) from every CTA's group sums at `received` (a warp on its own). Lanes
+        take groups in descending order (two each of 64)."""
         high, low, lower_high, lower_low = Int32(0), Int32(0), Int32(0), Int32(0)
         for c in cutlass.range_constexpr(self.ctas):  # every load issued before the sums need them
             source_high, source_low = Int32(0), Int32(0)
@@ -895,7 +892,7 @@ class ClusterTopK:
                 group = group - 1
                 above = above + chosen_high
                 lower = lower + P.select_i32(lane == chosen, lower_high, 0)
-        return group, above, warp_sum_i32(lower)
+        return group, above, lower
 
     @cute.jit
     def collect(self, keys, stash, limit, counts, sizes, base_address, low, tid, lane, warp):
@@ -945,9 +942,9 @@ class ClusterTopK:
     @cute.jit
     def find_in_group(self, received, above, need, lane, cta):
         """(the chosen group's bin holding the need-th highest key, the count above that bin,
-        its count, the lower CTAs' count above it in the group, theirs in it) from every
-        CTA's bins of the group at `received`, given the count `above` the group (a warp on
-        its own). Lane l takes bin 31 - l."""
+        its count, this lane's part of the lower CTAs' count above it in the group, theirs
+        in it) from every CTA's bins of the group at `received`, given the count `above` the
+        group (a warp on its own). Lane l takes bin 31 - l."""
         count, lower = Int32(0), Int32(0)
         for c in cutlass.range_constexpr(self.ctas):
             word = P.ld_shared_i32(received + 4 * (GROUP * c + GROUP - 1 - lane))
@@ -956,12 +953,11 @@ class ClusterTopK:
         inclusive = inclusive_scan(count, lane)
         chosen = lowest_lane(cute.arch.vote_ballot_sync(above + inclusive >= need))
         above = above + cute.arch.shuffle_sync(inclusive - count, offset=chosen)
-        lower_above = warp_sum_i32(P.select_i32(lane < chosen, lower, 0))
         return (
             GROUP - 1 - chosen,
             above,
             cute.arch.shuffle_sync(count, offset=chosen),
-            lower_above,
+            P.select_i32(lane < chosen, lower, 0),
             cute.arch.shuffle_sync(lower, offset=chosen),
         )
 

@@ -879,6 +879,8 @@ def test_cluster_top_k_exchanges_histograms_by_one_way_pushes(ptx, split):
         assert entry.count("mbarrier.arrive.expect_tx.shared::cta.b64") == 2 * rounds
         assert "ld.shared::cluster" not in entry and "st.shared::cluster" not in entry
         assert "red.shared::cluster" not in entry and "atom.shared::cluster" not in entry
+        # the lower CTAs' counts (the compaction's offsets): a warp reduction a hop
+        assert entry.count("redux.sync.add.s32") == 2 * rounds
         # the kernel's only cluster barrier: arrived after zeroing the histograms and setting
         # up the mbarriers (no global reads: before the PDL wait), waited on after the slice's
         # loads, before the first histogram atomics and so before any push
