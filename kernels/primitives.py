@@ -819,12 +819,13 @@ def mbar_init(addr, count: int):
 
 
 def mbar_init_fence():
-    """The mbarrier initializations visible to the async proxy (bulk copies)."""
+    """The mbarrier initializations visible to the async proxy (bulk copies) and to the
+    cluster's other CTAs (st.async pushes), before the barrier that publishes them."""
     cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
 
 
 def mbar_expect(addr, nbytes):
-    """Arrive once and expect `nbytes` more of bulk copies in the current phase."""
+    """Arrive once and expect `nbytes` more in the current phase (bulk copies, st.async)."""
     cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[addr, nbytes])
 
 

@@ -369,7 +369,8 @@ SPLITS = (
 # it runs only rows wider than every split). Measured on the H200 (2026-12-03, with the
 # candidate list: every split in one process, on DsaIndex's scores; bench/RESULTS.md): more
 # CTAs per row win while the batch leaves SMs idle; once the clusters fill the GPU, fewer
-# and larger CTAs do (one wave of rows, fewer cluster barriers). 32K: 8 CTAs of 4K to B = 8
+# and larger CTAs do (one wave of rows, fewer CTAs to exchange with; measured with the
+# cluster-barrier exchange before K1, not swept again since). 32K: 8 CTAs of 4K to B = 8
 # (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
 # 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
 # 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
@@ -495,8 +496,9 @@ class ClusterTopK:
     kernel's one cluster barrier), so a CTA ahead never overwrites what one behind reads,
     and each CTA waits for all it expects before it exits. From the same per-CTA counts
     each CTA also sums the lower CTAs' keys above the chosen bins and in the last one: the
-    offsets of its kept keys in the row. (A pull of every CTA's bins between two cluster
-    barriers a round took ~2 us a round at 32K, bench/RESULTS.md session 16.)
+    offsets of its kept keys in the row. (The pull this replaced, every CTA's bins between
+    two cluster barriers, took ~1.9-2.1 us a round at 32K B = 1; the hops take ~1.3-1.5,
+    most of it hop 2's find-push-land-find chain: bench/RESULTS.md session 17.)
 
     Only two passes read the whole slice (a pass costs each thread a few instructions per
     score it holds, which bounds the kernel). Round 0 histograms every score. The second
@@ -855,9 +857,13 @@ class ClusterTopK:
     @cute.jit
     def push_group_bins(self, bins_address, slot, bar, lane):
         """Hop 2 (one warp): this CTA's 32 bins at `bins_address` (the chosen group) pushed
-        into `slot` of every CTA: lane l sends quad l % 8 to CTAs l / 8, l / 8 + 4, ..."""
+        into `slot` of every CTA: lane l sends quad l % 8 to CTAs l / 8, l / 8 + 4, ...
+        Round 0's histogram becomes the candidate list once every warp has passed hop 2,
+        which needs this CTA's own push, so the warp's loads are done before it is rewritten
+        (the sync_warp makes that formal for the lanes that push only to other CTAs)."""
         quad = lane % 8
         words = P.ld_shared_u32x4(bins_address + 16 * quad)
+        cute.arch.sync_warp()
         for p in cutlass.range_constexpr((8 * self.ctas + 31) // 32):
             if lane // 8 + 4 * p < self.ctas:
                 P.dsmem_push_u32x4(slot + 16 * quad, lane // 8 + 4 * p, words, bar)
@@ -1000,7 +1006,7 @@ class ClusterTopK:
         if tid < groups:
             counts[tid] = before
         cute.arch.sync_threads()
-        above_before, at_before = lower  # the lower CTAs' kept keys, from the exchanges
+        above_before, at_before = lower  # the lower CTAs' keys > T and == T (find_threshold)
 
         lower_lanes = (Int32(1) << lane) - Int32(1)
         start = Int32(0)
@@ -1045,7 +1051,7 @@ class ClusterTopK:
             if lane == 0:
                 counts[u * warps + warp] = warp_count
         cute.arch.sync_threads()
-        above_before, at_before = lower  # the lower CTAs' kept keys, from the exchanges
+        above_before, at_before = lower  # the lower CTAs' keys > T and == T (find_threshold)
 
         lower_lanes = (Int32(1) << lane) - Int32(1)
         for u in cutlass.range_constexpr(loads):

@@ -555,32 +555,63 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
 
 
+def _round0_exit_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose search ends at round 0: exactly k (2048) scores at or above 2.0, 100 of
+    them in [4, 8) and the rest in round 0's bin [2, 2.5) (a quarter exactly 2.0), at random
+    positions (so in every CTA of a split), every other score in [0, 0.9)."""
+    scores = torch.rand(rows, width, device="cuda", generator=gen) * 0.9
+    for row in scores:
+        where = torch.randperm(width, device="cuda", generator=gen)[:2048]
+        row[where[:100]] = 4 + 4 * torch.rand(100, device="cuda", generator=gen)
+        bin_scores = 2 + 0.5 * torch.rand(1948, device="cuda", generator=gen)
+        bin_scores[::4] = 2.0
+        row[where[100:]] = bin_scores
+    return scores
+
+
+@pytest.mark.parametrize("split", top_k_kernels.SPLITS, ids=_variant_id)
+def test_top_k_search_that_ends_at_round_0(split):
+    """Round 0's bin is needed whole: the compaction's offsets come from round 0's exchange
+    alone (the lower CTAs' keys above the bin and in it), as no other row kind reaches."""
+    width = _variant_width(split)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    scores = _round0_exit_rows(3, width, gen)
+    lens = torch.full((3,), width, dtype=torch.int32, device="cuda")
+    tables = _tables(3, width, seed=17)
+    out, _ = _run_variant(split, scores, tables, lens)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
 @pytest.mark.parametrize("split", top_k_kernels.SPLITS, ids=_variant_id)
 def test_top_k_back_to_back_launches_all_equal_the_reference(split):
     """40 launches in a row with no sync between them (PDL lets one launch's start overlap
-    the last one's exchanges), on rows that end after rounds 1 and 2 (continuous scores,
-    ties) and rows of at most k scores: every launch's output equals the reference. A push
-    counted on the wrong mbarrier or read before it lands shows here as a wrong or hung
-    launch, not once in a hundred single launches."""
+    the last one's exchanges), each on its own rows (so a CTA that read an exchange slot
+    before its push landed would find the last launch's different counts): rows that end
+    after rounds 0, 1 and 2 (continuous scores, ties) and rows of at most k scores; every
+    launch's output equals its own reference."""
     width = _variant_width(split)
-    lengths = [width, width - 3, 2048, split.per_cta + 5, width, 3 * 2048 + 1][: max(2, width // 2048)]
+    launches = 40
+    lengths = [width, width - 3, 2048, split.per_cta + 5, width, 3 * 2048 + 1][: max(3, width // 2048)]
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    scores = torch.randn(len(lengths), width, device="cuda")
-    scores[1::2] = scores[1::2].round(decimals=1)  # ties: round 2 runs
-    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
-    tables = _tables(len(lengths), width, seed=11)
+    rows = len(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    scores = torch.randn(launches, rows, width, device="cuda", generator=gen)
+    scores[:, 1::2] = scores[:, 1::2].round(decimals=1)  # ties: round 2 runs
+    scores[:, 0] = _round0_exit_rows(launches, width, gen)
+    scores = scores.masked_fill(torch.arange(width, device="cuda") >= lens[:, None].long(), float("-inf"))
+    tables = _tables(rows, width, seed=11)
     state = LayerState(
         RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=1, max_context=256, seed=1, device="cuda"
     )
     kernels = Kernels(state.shape, state.weights)
-    outs = torch.full((40, len(lengths), 2048), -7, dtype=torch.int32, device="cuda")
-    out_scores = torch.full((len(lengths), 2048), float("nan"), device="cuda")
-    for out in outs:
-        kernels.top_k(scores, tables, lens, out, out_scores, len(lengths), split=split)
+    outs = torch.full((launches, rows, 2048), -7, dtype=torch.int32, device="cuda")
+    out_scores = torch.full((rows, 2048), float("nan"), device="cuda")
+    for launch in range(launches):
+        kernels.top_k(scores[launch], tables, lens, outs[launch], out_scores, rows, split=split)
     torch.cuda.synchronize()
-    expect = ref.to_slots(ref.topk_indices(scores, 2048), tables, 64)
-    wrong = [i for i, out in enumerate(outs) if not torch.equal(out, expect)]
-    assert not wrong, f"launches {wrong} differ from the reference"
+    expect = [ref.to_slots(ref.topk_indices(scores[i], 2048), tables, 64) for i in range(launches)]
+    wrong = [i for i in range(launches) if not torch.equal(outs[i], expect[i])]
+    assert not wrong, f"launches {wrong} differ from their references"
 
 
 @pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)

@@ -876,7 +876,10 @@ def test_cluster_top_k_exchanges_histograms_by_one_way_pushes(ptx, split):
         assert entry.count(push) == rounds * (1 + -(-8 * split.ctas // 32))
         assert entry.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2 * rounds
         assert entry.count("mbarrier.init.shared::cta.b64") == 2 * rounds
-        assert entry.count("mbarrier.arrive.expect_tx.shared::cta.b64") == 2 * rounds
+        # each hop's mbarrier expects the bytes its pushes carry
+        op = top_k.ClusterTopK(split=split)
+        expected = sorted(op.hop_bytes(r, hop) for r in range(rounds) for hop in (0, 1))
+        assert sorted(map(int, re.findall(r"expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", entry))) == expected
         assert "ld.shared::cluster" not in entry and "st.shared::cluster" not in entry
         assert "red.shared::cluster" not in entry and "atom.shared::cluster" not in entry
         # the lower CTAs' counts (the compaction's offsets): a warp reduction a hop
@@ -909,22 +912,39 @@ def test_cluster_top_k_exchanges_histograms_by_one_way_pushes(ptx, split):
     assert ptx[("kimi-dcp2-fp8", name)].count("st.global.b32") > ptx[("tp8", name)].count("st.global.b32")
 
 
-@pytest.mark.parametrize("ctas", [2, 4, 8, 16])
-def test_cluster_top_k_inbox_slots_are_disjoint_and_aligned(ctas):
-    """Each round's two hops land in their own slots, one a source CTA, 16-byte aligned (the
-    pushes are 16-byte st.async), covering the inbox with no overlap (no CTA ahead can
-    overwrite what a CTA behind reads); each hop's mbarrier expects exactly what every
-    source pushes: its histogram's group sums (a word per 32 bins), then 32 bins."""
+@pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)
+def test_cluster_top_k_pushes_fill_every_slot_once_with_the_expected_bytes(split):
+    """A model of the two hops' pushes as push_group_sums and push_group_bins address them
+    (thread tid, lane, pass p): every CTA receives each word of every source's slot exactly
+    once, 16-byte aligned, inside its own round's and hop's part of the inbox (the parts
+    disjoint), and as many bytes as its mbarrier for the hop expects (hop_bytes)."""
+    ctas, threads = split.ctas, split.threads
     offsets, words = top_k.inbox(ctas)
-    op = top_k.ClusterTopK(split=top_k.Split(ctas, 512, 4))
-    taken = []
-    for r, ((hop1, hop2), (_, bins)) in enumerate(zip(offsets, top_k.HISTS)):
-        for hop, start, per_source in ((0, hop1, bins // 32), (1, hop2, 32)):
-            assert op.hop_bytes(r, hop) == 4 * ctas * per_source
-            for c in range(ctas):
-                assert (start + c * per_source) % 4 == 0
-                taken.extend(range(start + c * per_source, start + (c + 1) * per_source))
-    assert sorted(taken) == list(range(words))
+    op = top_k.ClusterTopK(split=split)
+    parts = []
+    for r, (_, bins) in enumerate(top_k.HISTS):
+        groups, quads = bins // top_k.GROUP, bins // 4
+        hop1, hop2 = offsets[r]
+        sent = [[], []]  # (destination, first word) of each 16-byte push, per hop
+        for source in range(ctas):
+            for p in range(-(-quads // threads)):
+                for tid in range(threads):
+                    quad, lane = tid + threads * p, tid % 32
+                    if quad - lane < quads and lane < ctas:
+                        sent[0].append((lane, hop1 + groups * source + (quad - lane) // 8))
+            for lane in range(32):
+                for p in range(-(-8 * ctas // 32)):
+                    if lane // 8 + 4 * p < ctas:
+                        sent[1].append((lane // 8 + 4 * p, hop2 + top_k.GROUP * source + 4 * (lane % 8)))
+        for hop, (start, per_source) in enumerate(((hop1, groups), (hop2, top_k.GROUP))):
+            part = set(range(start, start + ctas * per_source))
+            parts.append(part)
+            for cta in range(ctas):
+                landed = [w + i for d, w in sent[hop] if d == cta for i in range(4)]
+                assert all(w % 4 == 0 for d, w in sent[hop] if d == cta)
+                assert sorted(landed) == sorted(part), (r, hop, cta)  # each word once, nothing outside
+                assert 4 * len(landed) == op.hop_bytes(r, hop)
+    assert sum(len(p) for p in parts) == len(set().union(*parts)) == words
 
 
 def _cubin_kernels(cubin: bytes) -> dict:
