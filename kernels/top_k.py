@@ -440,7 +440,7 @@ def list_entries(split: Split) -> int:
         4 * LIST
         + 4 * (2 * groups + warps + split.per_cta // PAGE)
         + 4 * inbox(split.ctas)[1]
-        + 8 * 2 * len(ROUNDS)
+        + (8 * 2 + 16) * len(ROUNDS)
         + 16 * split.threads * split.stashed
         + ROW_SLACK
     )
@@ -584,7 +584,9 @@ class ClusterTopK:
             sizes = smem.allocate_tensor(Int32, cute.make_layout(loads * warps), byte_alignment=16)
             scratch = smem.allocate_tensor(Int32, cute.make_layout(warps), byte_alignment=16)
         received = smem.allocate_tensor(Int32, cute.make_layout(inbox(ctas)[1]), byte_alignment=16)
-        bars = smem.allocate_tensor(Int64, cute.make_layout(2 * len(ROUNDS)), byte_alignment=8).iterator.toint()
+        # the exchanges' mbarriers (2 a round), then each round's chosen group and the count
+        # above it (16 bytes a round), which warp 0 hands to the other warps
+        bars = smem.allocate_tensor(Int64, cute.make_layout(4 * len(ROUNDS)), byte_alignment=16).iterator.toint()
         pages = smem.allocate_tensor(Int32, cute.make_layout(per_cta // PAGE), byte_alignment=16)
         stash = Int32(0)
         if cutlass.const_expr(self.stashed > 0):
@@ -608,8 +610,8 @@ class ClusterTopK:
             store_zero4(base_address + 4 * ZEROED[0] + 16 * i)
         for r in cutlass.range_constexpr(len(ROUNDS)):
             for hop in cutlass.range_constexpr(2):
-                if tid == 2 * r + hop:
-                    P.mbar_init(bars + 8 * (2 * r + hop), 1)
+                if tid == 2 * r + hop:  # hop 2's also waits for warp 0's arrival (its group written)
+                    P.mbar_init(bars + 8 * (2 * r + hop), 1 + hop)
                     P.mbar_expect(bars + 8 * (2 * r + hop), Int32(self.hop_bytes(r, hop)))
                     P.mbar_init_fence()
         cute.arch.cluster_arrive(aligned=True)
@@ -798,9 +800,11 @@ class ClusterTopK:
         self, r: int, base_address, exchange, threshold, need, prefix, done, lower_above, tid, lane, warp, cta, trace
     ):
         """Round r's exchange, in two one-way hops with no cluster barrier: each CTA pushes
-        its histogram's group sums into every CTA (hop 1); every warp sums them over the
-        CTAs and finds the group holding the need-th key (the same in every CTA); warp 0
-        pushes its CTA's bins of that group into every CTA (hop 2); every warp finds the bin.
+        its histogram's group sums into every CTA (hop 1); warp 0 alone sums them over the
+        CTAs, finds the group holding the need-th key (the same in every CTA), pushes its
+        CTA's bins of that group into every CTA (hop 2) and hands the group to the other
+        warps through shared memory and its arrival on hop 2's mbarrier (they wait there,
+        leaving warp 0's scheduler to it); every warp finds the bin.
         Each hop lands in its own slots and completes its own mbarrier, so a CTA ahead never
         overwrites what a CTA behind still reads. The lower CTAs' counts above the chosen
         bin are added to lower_above. -> (threshold, need, prefix, done, lower_above, the
@@ -815,15 +819,21 @@ class ClusterTopK:
         self.push_group_sums(
             base_address + 4 * hist, bins, received + 4 * (hop1 + groups * cta), bars + 16 * r, tid, lane
         )
-        P.mbar_wait_cluster(bars + 16 * r, 0)
-        self.mark(trace[0], f"clk_groups{r}", trace[1], tid)
-        group, above, lower_groups = self.find_group(received + 4 * hop1, groups, need, lane, cta)
+        chosen_at = bars + 16 * (len(ROUNDS) + r)
         if warp == 0:
+            P.mbar_wait_cluster(bars + 16 * r, 0)
+            self.mark(trace[0], f"clk_groups{r}", trace[1], tid)
+            group, above = self.find_group(received + 4 * hop1, groups, need, lane)
             self.push_group_bins(
                 base_address + 4 * (hist + GROUP * group), received + 4 * (hop2 + GROUP * cta), bars + 16 * r + 8, lane
             )
-        lower_above = lower_above + P.warp_sum_i32(lower_groups)  # after the push: off its path
+            if lane == 0:
+                P.st_shared_u32(chosen_at, Uint32(group))
+                P.st_shared_u32(chosen_at + 4, Uint32(above))
+                P.mbar_arrive(bars + 16 * r + 8)  # release: the other warps' wait acquires the words
         P.mbar_wait_cluster(bars + 16 * r + 8, 0)
+        chosen = P.ld_shared_u32x2(chosen_at)
+        group, above = Int32(chosen[0]), Int32(chosen[1])
         bin_in_group, above, count, lower_bins, lower_in = self.find_in_group(
             received + 4 * hop2, above, need, lane, cta
         )
@@ -833,7 +843,8 @@ class ClusterTopK:
         if count == need:  # the bin is taken whole: every key >= its lowest
             need = Int32(ALL)
             done = Int32(1)
-        lower_above = lower_above + P.warp_sum_i32(lower_bins)
+        lower_groups = self.lower_above_group(received + 4 * hop1, groups, group, lane, cta)
+        lower_above = lower_above + lower_groups + P.warp_sum_i32(lower_bins)
         return threshold, need, prefix, done, lower_above, lower_in
 
     @cute.jit
@@ -869,27 +880,21 @@ class ClusterTopK:
                 P.dsmem_push_u32x4(slot + 16 * quad, lane // 8 + 4 * p, words, bar)
 
     @cute.jit
-    def find_group(self, received, groups: int, need, lane, cta):
-        """(the group holding the need-th highest key, the count above that group, this lane's
-        part of the lower CTAs' count above it: summed over the warp after the hop-2 push,
-        off its path) from every CTA's group sums at `received` (a warp on its own). Lanes
-        take groups in descending order (two each of 64)."""
-        high, low, lower_high, lower_low = Int32(0), Int32(0), Int32(0), Int32(0)
+    def find_group(self, received, groups: int, need, lane):
+        """(the group holding the need-th highest key, the count above that group) from every
+        CTA's group sums at `received` (a warp on its own). Lanes take groups in descending
+        order (two each of 64)."""
+        high, low = Int32(0), Int32(0)
         for c in cutlass.range_constexpr(self.ctas):  # every load issued before the sums need them
-            source_high, source_low = Int32(0), Int32(0)
             if cutlass.const_expr(groups == 64):
                 pair = P.ld_shared_u32x2(received + 4 * (64 * c + 62 - 2 * lane))
-                source_low, source_high = Int32(pair[0]), Int32(pair[1])
+                low, high = low + Int32(pair[0]), high + Int32(pair[1])
             else:
-                source_high = P.ld_shared_i32(received + 4 * (32 * c + 31 - lane))
-            high, low = high + source_high, low + source_low
-            lower_high = lower_high + P.select_i32(c < cta, source_high, 0)
-            lower_low = lower_low + P.select_i32(c < cta, source_low, 0)
+                high = high + P.ld_shared_i32(received + 4 * (32 * c + 31 - lane))
         own = high + low
         inclusive = inclusive_scan(own, lane)
         chosen = lowest_lane(cute.arch.vote_ballot_sync(inclusive >= need))
         above = cute.arch.shuffle_sync(inclusive - own, offset=chosen)
-        lower = P.select_i32(lane < chosen, lower_high + lower_low, 0)
         group = groups - 1 - chosen
         if cutlass.const_expr(groups == 64):
             chosen_high = cute.arch.shuffle_sync(high, offset=chosen)
@@ -897,8 +902,23 @@ class ClusterTopK:
             if above + chosen_high < need:
                 group = group - 1
                 above = above + chosen_high
-                lower = lower + P.select_i32(lane == chosen, lower_high, 0)
-        return group, above, lower
+        return group, above
+
+    @cute.jit
+    def lower_above_group(self, received, groups: int, group, lane, cta):
+        """The lower CTAs' (rank < cta) count above `group`, from their group sums at
+        `received` (every warp, after hop 2 has landed: off warp 0's path to its push)."""
+        lower = Int32(0)
+        for c in cutlass.range_constexpr(self.ctas - 1):  # c < cta
+            if c < cta:
+                if cutlass.const_expr(groups == 64):
+                    pair = P.ld_shared_u32x2(received + 4 * (64 * c + 62 - 2 * lane))
+                    lower = lower + P.select_i32(62 - 2 * lane > group, Int32(pair[0]), 0)
+                    lower = lower + P.select_i32(63 - 2 * lane > group, Int32(pair[1]), 0)
+                else:
+                    word = P.ld_shared_i32(received + 4 * (32 * c + 31 - lane))
+                    lower = lower + P.select_i32(31 - lane > group, word, 0)
+        return P.warp_sum_i32(lower)
 
     @cute.jit
     def collect(self, keys, stash, limit, counts, sizes, base_address, low, tid, lane, warp):

@@ -876,6 +876,8 @@ def test_cluster_top_k_exchanges_histograms_by_one_way_pushes(ptx, split):
         assert entry.count(push) == rounds * (1 + -(-8 * split.ctas // 32))
         assert entry.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2 * rounds
         assert entry.count("mbarrier.init.shared::cta.b64") == 2 * rounds
+        # warp 0 alone chooses the group and hands it to the other warps by its arrival on hop 2's
+        assert entry.count("mbarrier.arrive.shared::cta.b64") == rounds
         # each hop's mbarrier expects the bytes its pushes carry
         op = top_k.ClusterTopK(split=split)
         expected = sorted(op.hop_bytes(r, hop) for r in range(rounds) for hop in (0, 1))
