@@ -489,9 +489,10 @@ class ClusterTopK:
     pass. Each radix round (11 + 11 + 10 key bits, as TopK) histograms the CTA's candidates
     in shared memory (atomics), then exchanges them in two one-way hops, with no cluster
     barrier: each CTA pushes the sums of its 32-bin groups into a slot of its own in every
-    CTA (16-byte `st.async`, counted on that CTA's mbarrier for the hop); every warp sums
-    the slots and finds the group holding the need-th key, the same in every CTA; each CTA
-    pushes its 32 bins of that group likewise, and every warp finds the bin. A hop's slots
+    CTA (16-byte `st.async`, counted on that CTA's mbarrier for the hop); warp 0 sums the
+    slots and finds the group holding the need-th key, the same in every CTA, pushes its
+    CTA's 32 bins of that group likewise and hands the group to its CTA's other warps
+    (which wait for hop 2 meanwhile); every warp finds the bin. A hop's slots
     and mbarrier are used once (2 a round, set up before the PDL wait and published by the
     kernel's one cluster barrier), so a CTA ahead never overwrites what one behind reads,
     and each CTA waits for all it expects before it exits. From the same per-CTA counts
