@@ -754,7 +754,7 @@ def dsmem_store(address, cta, dtype, values):
 def dsmem_push_u32x4(address, cta, words, bar):
     """st.async: 4 words to shared address `address` (16-byte aligned) in CTA `cta` of the
     cluster, their 16 bytes counted (complete_tx) on that CTA's mbarrier at `bar`: a one-way
-    hand-off the receiver waits for with `mbar_wait_cluster`, no cluster barrier."""
+    hand-off the receiver waits for with `mbar_wait(..., cluster=True)`, no cluster barrier."""
     cute.arch.inline_ptx(
         "{\n\t.reg .b32 remote, remote_bar;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
         "mapa.shared::cluster.u32 remote_bar, {$r2}, {$r1};\n\t"
@@ -833,22 +833,14 @@ def mbar_arrive(addr):
     cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
 
 
-def mbar_wait(addr, parity):
-    """Spin until the mbarrier's phase with this parity has completed."""
+def mbar_wait(addr, parity, cluster: bool = False):
+    """Spin until the mbarrier's phase with this parity has completed. cluster: acquire at
+    cluster scope, so what other CTAs stored into this CTA (st.async completing on this
+    mbarrier) is visible once the phase completes."""
+    order = ".acquire.cluster" if cluster else ""
     cute.arch.inline_ptx(
         "{\n\t.reg .pred done;\n\tWAIT:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
-        "@!done bra WAIT;\n\t}",
-        read_only_args=[addr, parity],
-    )
-
-
-def mbar_wait_cluster(addr, parity):
-    """mbar_wait with cluster-scope acquire: what other CTAs stored into this CTA (st.async
-    completing on this mbarrier) is visible once the phase completes."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [{$r0}], {$r1};\n\t"
+        f"mbarrier.try_wait.parity{order}.shared::cta.b64 done, [{{$r0}}], {{$r1}};\n\t"
         "@!done bra WAIT;\n\t}",
         read_only_args=[addr, parity],
     )

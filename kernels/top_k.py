@@ -668,7 +668,7 @@ class ClusterTopK:
                 (marks, clock0),
             )
             out_args = (out, out_scores, pages, token, base, error, pool_pages)
-            list_args = (hists, base_address, threshold, need, counts, sizes, scratch, lower, fill, out_args)
+            list_args = (base_address, threshold, need, counts, sizes, scratch, lower, fill, out_args)
             if cutlass.const_expr(self.entries == 0):
                 self.compact(keys, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp)
             elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
@@ -822,7 +822,7 @@ class ClusterTopK:
         )
         chosen_at = bars + 16 * (len(ROUNDS) + r)
         if warp == 0:
-            P.mbar_wait_cluster(bars + 16 * r, 0)
+            P.mbar_wait(bars + 16 * r, 0, cluster=True)
             self.mark(trace[0], f"clk_groups{r}", trace[1], tid)
             group, above = self.find_group(received + 4 * hop1, groups, need, lane)
             self.push_group_bins(
@@ -832,7 +832,7 @@ class ClusterTopK:
                 P.st_shared_u32(chosen_at, Uint32(group))
                 P.st_shared_u32(chosen_at + 4, Uint32(above))
                 P.mbar_arrive(bars + 16 * r + 8)  # release: the other warps' wait acquires the words
-        P.mbar_wait_cluster(bars + 16 * r + 8, 0)
+        P.mbar_wait(bars + 16 * r + 8, 0, cluster=True)
         chosen = P.ld_shared_u32x2(chosen_at)
         group, above = Int32(chosen[0]), Int32(chosen[1])
         bin_in_group, above, count, lower_bins, lower_in = self.find_in_group(
@@ -991,7 +991,6 @@ class ClusterTopK:
     @cute.jit
     def compact_list(
         self,
-        hists,
         base_address,
         threshold,
         need,
