@@ -101,6 +101,20 @@ def prioritize(graph, first: str) -> list[str]:
     return raised
 
 
+def delay_side(graph) -> list[str]:
+    """Make the side stream start after IndexQuery: a full edge from IndexQuery's node to the
+    side stream's first kernel (its QueryNorm), so MlaQuery's Q_B stream no longer shares HBM
+    with IndexQuery's weight stream (levers.md L.4 C3). Returns the edges added."""
+    nodes = list(_kernel_nodes(graph))
+    src = [node for node, name in nodes if name.startswith("index_query")]
+    dst = [node for node, name in nodes if name.startswith(SIDE_NORM)]
+    if len(src) != 1 or len(dst) != 1:
+        raise SystemExit(f"delay_side: expected one IndexQuery and one side QueryNorm node, got {len(src)}, {len(dst)}")
+    handle = cu.CUgraph(graph.raw_cuda_graph())
+    _ok(_with_edge_data("cuGraphAddDependencies")(handle, src, dst, [_edge(0)], 1))
+    return [f"{kernel_name(src[0])[:40]} -> {kernel_name(dst[0])[:40]}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
@@ -108,7 +122,14 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--first", choices=("main", "side"), default="main", help="the stream prioritized")
+    parser.add_argument(
+        "--late-side",
+        action="store_true",
+        help="only fork_poll as captured against fork_poll with the side stream started after IndexQuery",
+    )
     args = parser.parse_args()
+    if args.late_side:
+        return main_late_side(args)
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
     variants = {"as captured": None, "side edge full": "side", "both join edges full": "both"}
     steps = {}
@@ -144,6 +165,33 @@ def main() -> int:
         rows.append(row)
     print(table(["B", *[f"fork, {label}" for label in variants], *others], rows))
     print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), two interleaved runs each")
+    return 0
+
+
+def main_late_side(args) -> int:
+    """fork_poll as captured against fork_poll with a full edge IndexQuery -> the side
+    stream's first kernel (delay_side), each graph instantiated once, replays interleaved
+    three times."""
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
+    steps = {}
+    for label in ("as captured", "side after IndexQuery"):
+        step = DecodeStep(shape, capture_sizes=args.batch, policy="fork_poll", max_context=args.context)
+        step.capture(modes=("fork_poll",), keep_graph=True)
+        if label != "as captured":
+            for size in args.batch:
+                print(f"{label}, B = {size}: {delay_side(step.graph(size, 'fork_poll'))}", file=sys.stderr)
+        steps[label] = step
+    rows = []
+    for size in args.batch:
+        for step in steps.values():
+            load_batch(step, size, args.context)
+        times = {label: [] for label in steps}
+        for _ in range(3):
+            for label, step in steps.items():
+                times[label].append(statistics.median(replay_us(step, size, "fork_poll", args.replays)))
+        rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
+    print(table(["B", *[f"fork_poll, {label}" for label in steps]], rows))
+    print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), three interleaved runs")
     return 0
 
 
