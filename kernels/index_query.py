@@ -26,9 +26,15 @@ finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 th
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
-         cluster: each CTA puts its half into the peer's tile (read by then: two cluster
-         barriers instead of the start's and the maxima's), and both compute all 128
-         outputs' |max| alike, so the maxima need no swap.
+         cluster with no cluster barrier but the start's (its relaxed arrive after the PDL
+         wait, its wait here): once a CTA's threads have read its tile (a CTA barrier), one
+         thread arrives remotely (release) on the peer's `free` mbarrier; each thread waits on
+         its own `free` (the peer's tile read), pushes its half into the peer's tile (16-byte
+         st.async onto the peer's `ready` mbarrier, armed at the start for all the pushes'
+         bytes) and waits on its own `ready`. Every remote access into a CTA lands before its
+         `ready` completes, so either may exit after it. Both compute all 128 outputs' |max|
+         alike, so the maxima need no swap. (Before: two cluster barriers, each ~0.2-0.4 us of
+         MEMBAR.ALL.GPU and cluster arrive / wait, docs/levers.md L.1 and L.4 C2.)
 
 RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads row 0 (that
 token's query is garbage, in bounds) and is recorded for token first_token + t
@@ -76,9 +82,9 @@ EARLY_READS = 32  # the variants up to this many tokens read the epilogue's inpu
 def shared_bytes(tokens: int, hadamard: bool, rings: tuple[int, int] | None = None) -> int:
     """The CTA's shared memory as the kernel allocates it (each ring 1024-byte aligned and a
     multiple of 1 KB): both rings, their full and empty mbarriers, and without the rotation
-    the peer CTA's maxima."""
+    the peer CTA's maxima, with it the two mbarriers of its exchange."""
     w_ring, q_ring = rings or RINGS[tokens]
-    return J.ring_bytes(tokens, w_ring, q_ring) + 16 * (w_ring + q_ring) + (0 if hadamard else 4 * tokens)
+    return J.ring_bytes(tokens, w_ring, q_ring) + 16 * (w_ring + q_ring) + (16 if hadamard else 4 * tokens)
 
 
 def launches(batch: int) -> list[tuple[int, int, int]]:
@@ -193,6 +199,8 @@ class IndexQuery:
         q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
         if cutlass.const_expr(not self.hadamard):
             peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
+        else:  # the rotation's exchange: the peer's tile read (`free`), the peer's half landed (`ready`)
+            swap = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=8)
         s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
         # per ring: (slots, its full mbarriers' address, its empty ones', the bytes of a fill)
         w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
@@ -214,10 +222,15 @@ class IndexQuery:
                     for slot in cutlass.range_constexpr(slots):
                         P.mbar_init(full + 8 * slot, 1)
                         P.mbar_init(empty + 8 * slot, J.THREADS)
+                if cutlass.const_expr(self.hadamard):
+                    P.mbar_init(swap.iterator.toint(), 1)
+                    P.mbar_init(swap.iterator.toint() + 8, 1)
                 P.mbar_init_fence()
                 for slots, full, _, nbytes in (w_sync, q_sync):
                     for slot in cutlass.range_constexpr(slots):
                         P.mbar_expect(full + 8 * slot, Int32(nbytes))
+                if cutlass.const_expr(self.hadamard):  # armed before any push can land: no negative tx count
+                    P.mbar_expect(swap.iterator.toint() + 8, Int32(tokens * J.ROWS * 4))
         # the mbarriers are initialized before anyone waits on them or a copy completes on
         # them (init, fence, CTA barrier, then the copies: CUTLASS's and DsaIndex's order)
         cute.arch.sync_threads()
@@ -226,6 +239,9 @@ class IndexQuery:
                 J.issue(weights, stage)
         cute.arch.griddepcontrol_wait()  # q_c, context_lens and qkv come from earlier kernels
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.hadamard):
+            # publishes the swap mbarriers (initialized and fenced above); waited on in the epilogue
+            cute.arch.cluster_arrive_relaxed(aligned=True)
         ntok = cutlass.min(batch, tokens)
         if warp == 0:
             for stage in cutlass.range_constexpr(q_slots):
@@ -301,12 +317,18 @@ class IndexQuery:
             values.append(v)
 
         if cutlass.const_expr(self.hadamard):
-            cute.arch.cluster_arrive(aligned=True)  # this CTA's tile is read: the peer may overwrite it
-            cute.arch.cluster_wait()
+            free, ready = swap.iterator.toint(), swap.iterator.toint() + 8
+            cute.arch.sync_threads()  # this CTA's tile is read (into values)
+            cute.arch.cluster_wait()  # the peer's swap mbarriers are initialized
+            if tid == 0:
+                P.mbar_arrive_remote(free, 1 - rank)  # the peer may overwrite this CTA's tile
+            P.mbar_wait(free, 0, cluster=True)  # the peer's tile is read
             for p in cutlass.range_constexpr(tokens // 16):
-                P.dsmem_store(out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j, 1 - rank, Float32, values[p])
-            cute.arch.cluster_arrive(aligned=True)
-            cute.arch.cluster_wait()  # the peer's half is in; no shared access crosses CTAs after this
+                at = out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j
+                P.dsmem_push_u32x4(at, 1 - rank, values[p], ready)
+            # the peer's half is in: every remote access into this CTA (the peer's arrival, its
+            # pushes) is done, so it may exit whenever; no shared access crosses CTAs after this
+            P.mbar_wait(ready, 0, cluster=True)
             sign = P.select(rank == 0, Float32(1.0), Float32(-1.0))
             for p in cutlass.range_constexpr(tokens // 16):
                 own = values[p]

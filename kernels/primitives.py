@@ -764,6 +764,17 @@ def dsmem_push_u32x4(address, cta, words, bar):
     )
 
 
+def mbar_arrive_remote(addr, cta):
+    """Arrive once on the mbarrier at shared address `addr` in CTA `cta` of the cluster, with
+    release at cluster scope: what this CTA read or wrote before (ordered by a CTA barrier)
+    happens before whatever the receiver does once its wait (cluster=True) sees the phase."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}",
+        read_only_args=[addr, cta],
+    )
+
+
 def st_shared_u32x4(ptr, words):
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",

@@ -423,7 +423,10 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     armed = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", entry)
     w_bytes, q_bytes = str(J.operand_bytes(J.ROWS)), str(J.operand_bytes(tokens))
     assert armed[: w_slots + q_slots] == [w_bytes] * w_slots + [q_bytes] * q_slots
-    assert sorted(armed) == sorted([w_bytes] * J.STAGES + [q_bytes] * J.STAGES)
+    # (the preset rotates: the rotation's `ready` mbarrier, armed at the start with the peer's pushes)
+    swap = str(tokens * J.ROWS * 4)
+    assert armed[w_slots + q_slots] == swap
+    assert sorted(armed) == sorted([w_bytes] * J.STAGES + [q_bytes] * J.STAGES + [swap])
     lines = [line.strip() for line in entry.splitlines() if line.strip() and not line.strip().startswith("//")]
     releases = [i for i, line in enumerate(lines) if line.startswith("mbarrier.arrive.shared::cta.b64")]
     assert len(releases) == 2 * J.STAGES - w_slots - q_slots
@@ -431,8 +434,9 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
         fence = max(j for j in range(i) if lines[j] == "fence.proxy.async.shared::cta;")
         assert i - fence <= 8 and not any("shared" in line for line in lines[fence + 1 : i] if "arrive" not in line)
     # no CTA barrier per stage: one before the wait (the mbarriers' initialization), three
-    # after the loop (the ring free, then the two k-halves' sums into the result tile)
-    assert entry[:wait].count("bar.sync") == 1 and entry.count("bar.sync") == 4
+    # after the loop (the ring free, then the two k-halves' sums into the result tile), and
+    # the rotation's: the tile read before the peer is told it may overwrite it
+    assert entry[:wait].count("bar.sync") == 1 and entry.count("bar.sync") == 5
     assert not re.search(r"ld\.global", entry[:wait])
     # the epilogue's reads per token (length, its RoPE row's cos and sin, the logits of w): at
     # <= EARLY_READS tokens all between the wait and the first MMA, else after the last
@@ -446,9 +450,11 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)
-    # the head's two CTAs swap their halves (rotated: DeepSeek-V3.2) through distributed shared memory
-    assert "mapa.shared::cluster.u32" in entry and "st.shared::cluster.v4.f32" in entry
-    assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
+    # the head's two CTAs swap their halves (rotated: DeepSeek-V3.2) through distributed shared
+    # memory: one-way pushes onto mbarriers after the start's cluster barrier, no other
+    push = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
+    assert "mapa.shared::cluster.u32" in entry and entry.count(push) == tokens // 16
+    assert entry.count("barrier.cluster.arrive") == 1 and entry.count("barrier.cluster.wait") == 1
     assert "cvt.rn.satfinite.e4m3x2.f32" in entry and ".minnctapersm 2" in entry
 
 
@@ -544,9 +550,11 @@ def test_index_key_rotation_is_a_warp_butterfly(tmp_path, ue8m0):
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
     """IndexQuery with the rotation: per token group of 16 threads, 16 shuffles for the stages
-    h = 4 .. 32 inside the CTA's 64 dims, the last stage (i, i + 64) through one 16-byte store
-    into the peer CTA's shared memory per thread and token, two cluster barriers as without
-    it (the start's relaxed one moves after the tile is read), and no amax swap."""
+    h = 4 .. 32 inside the CTA's 64 dims, the last stage (i, i + 64) through one 16-byte push
+    (st.async onto the peer's `ready` mbarrier) into the peer CTA's tile per thread and token,
+    once the peer has read it (its remote arrival on this CTA's `free`), and no amax swap:
+    one cluster barrier (the start's relaxed arrive after the PDL wait, waited before the
+    exchange) against the two without it."""
 
     def variant(hadamard, ue8m0):
         op = index_query.IndexQuery(2304, 2240, tokens, True, hadamard, ue8m0)
@@ -562,14 +570,20 @@ def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
     # 16 across the threads, 8 for the last stage (this rank's output and the other's for |max|)
     assert after["fma.rn.f32"] - before["fma.rn.f32"] == 24 * groups
     assert after["mul.rn.f32"] - before["mul.rn.f32"] == 9 * groups  # 8 x 128^-0.5, 1 ue8m0 scale
+    push = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
     assert plain.count("st.shared::cluster.f32") == groups and "st.shared::cluster.v4" not in plain
-    assert rotated.count("st.shared::cluster.v4.f32") == groups and "st.shared::cluster.f32" not in rotated
-    assert "barrier.cluster.arrive.relaxed" in plain and "barrier.cluster.arrive.relaxed" not in rotated
+    assert rotated.count(push) == groups and "st.shared::cluster" not in rotated and push not in plain
+    assert rotated.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
+    assert rotated.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2  # free, ready
+    assert "barrier.cluster.arrive.relaxed" in plain and "barrier.cluster.arrive.relaxed" in rotated
+    assert plain.count("barrier.cluster.arrive") == 2 and plain.count("barrier.cluster.wait") == 2
+    assert rotated.count("barrier.cluster.arrive") == 1 and rotated.count("barrier.cluster.wait") == 1
     for entry in (plain, rotated):
-        assert entry.count("barrier.cluster.arrive") == 2 and entry.count("barrier.cluster.wait") == 2
         assert ".local" not in entry
     wait = rotated.index("griddepcontrol.wait;")
     assert "barrier.cluster" not in rotated[:wait]
+    # the start's arrive follows the swap mbarriers' initialization and its fence
+    assert rotated.index("fence.mbarrier_init.release.cluster") < rotated.index("barrier.cluster.arrive.relaxed")
 
 
 def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
