@@ -558,6 +558,11 @@ class ClusterTopK:
         # the list's scan packs a group's (above, at) counts in one word: a CTA's sums < 2^16
         if self.entries and split.per_cta >= 1 << 16:
             raise ValueError(f"unsupported split {split}: a listed CTA holds fewer than 2^16 scores")
+        # the slice's compaction scans (keys > T) | (keys == T) << at_shift in one word: a CTA
+        # has at most k keys >= T where need = ALL, fewer than k > T otherwise, per_cta == T
+        self.at_shift = k.bit_length()
+        if self.entries < 128 * split.loads and self.at_shift + split.per_cta.bit_length() > 31:
+            raise ValueError(f"unsupported k {k} for split {split}: the compaction's counts overflow a word")
 
     @cute.jit
     def __call__(
@@ -1132,7 +1137,7 @@ class ClusterTopK:
             store_words(table_a + 4 * counted * warp, above_inclusive)
         cute.arch.sync_threads()
 
-        # 3. one scan of the (load, warp) groups' counts in index order (above | at << 12)
+        # 3. one scan of the (load, warp) groups' counts in index order (above | at << at_shift)
         group = Int32(0)
         if tid < loads * warps:
             u, w = tid // warps, tid % warps
@@ -1140,7 +1145,7 @@ class ClusterTopK:
             shift = 8 * ((u % 8) // 2)
             group = (P.ld_shared_i32(table_a + 4 * (counted * w + q)) >> shift) & 0xFF
             if ties:
-                group = group | (((P.ld_shared_i32(table_e + 4 * (counted * w + q)) >> shift) & 0xFF) << 12)
+                group = group | (((P.ld_shared_i32(table_e + 4 * (counted * w + q)) >> shift) & 0xFF) << self.at_shift)
         before = P.block_exclusive_sum(group, counts, lane, warp, warps)
         if tid < loads * warps:
             hists[bases + (tid % warps) * loads + tid // warps] = before
@@ -1160,10 +1165,14 @@ class ClusterTopK:
                 byte = 8 * (b >> 3)
                 odd = ((b >> 2) & 1) == 1
                 group = hists[bases + warp * loads + u]
-                above_before = above_lower + (group & 0xFFF) + Int32(cute.arch.popc((above[i] >> nibble) & earlier))
+                above_before = (
+                    above_lower
+                    + (group & ((1 << self.at_shift) - 1))
+                    + Int32(cute.arch.popc((above[i] >> nibble) & earlier))
+                )
                 lanes = P.select_i32(odd, above_lanes[2 * i + 1], above_lanes[2 * i])
                 above_before = above_before + ((lanes >> byte) & 0xFF)
-                at_before = at_lower + (group >> 12) + Int32(cute.arch.popc((equal[i] >> nibble) & earlier))
+                at_before = at_lower + (group >> self.at_shift) + Int32(cute.arch.popc((equal[i] >> nibble) & earlier))
                 lanes = P.select_i32(odd, at_lanes[2 * i + 1], at_lanes[2 * i])
                 at_before = at_before + ((lanes >> byte) & 0xFF)
                 if ((above[i] >> Uint32(b)) & Uint32(1)) == Uint32(1) or at_before < need:
