@@ -538,7 +538,7 @@ class ClusterTopK:
     warp's part holds all its scores (the list never overflows) except where a split's
     stash leaves too little shared memory (list_entries): there, where a warp's candidates
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
-    over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
+    over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts: compact), re-reading its
     held loads from global memory; a split with no room for a list (list_entries 0) always
     runs them over its slice, from its registers and stash. Either way a CTA's kept scores
     are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
@@ -1092,8 +1092,38 @@ class ClusterTopK:
     @cute.jit
     def compact(self, keys, again, stash, limit, threshold, need, counts, hists, lower, out_args, tid, lane, warp):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
-        the row) + min(kept keys == T before them, need), from its whole slice (no list).
-        ESTIMATE"""
+        the row) + min(kept keys == T before them, need), from its whole slice (no list),
+        with a thread's kept scores as bits (no ballot or branch per score):
+
+        1. One pass over the slice sets bit 4 (u % 8) + j of mask word u // 8 for each of the
+           thread's keys >= T (load u, word j; stashed and re-read words compared raw,
+           `raw_bound`), ANDed with `valid_masks` (the scores below `limit`). Only where T's
+           keys are split (need < ALL) a second pass marks those == T (E); A = (>= T) & ~E.
+           With need = ALL every key >= T is an A (and the lower CTAs' two counts one sum).
+        2. The set bits of each nibble (a load's 4 words) as bytes, 4 loads a word (a SWAR
+           popcount), scanned over the warp's lanes with one 5-shuffle scan a word (a warp's
+           load holds at most 128 keys: no carry between bytes); lane 31 stores the warp's
+           totals, then a CTA barrier.
+        3. Thread u x warps + w takes warp w's totals of load u, A | E << at_shift, and one
+           block scan in index order (load, warp) gives each group the keys before it; each
+           group's result goes to shared memory (round 1's histogram words, free by now).
+        4. Each thread visits only its set bits, lowest first (a loop a mask word, which the
+           warp runs as often as its busiest lane: ~2.4 times a word at ~1 kept score a
+           thread): place = lower CTAs + the group's before + the lanes' before (byte u) +
+           its own bits before in the nibble; a key == T is kept while that count is < need.
+
+        Issue estimate, c2x1024x64 (64 scores a thread, 12 of 16 loads stashed; 32 warps on
+        4 schedulers), from the SASS (ptxas via CuTe DSL 4.8.1, nvdisasm 13) at ~1,000 kept
+        scores a CTA, need = ALL; the us are not yet measured. Before (ballots): per (load,
+        warp) ~62 instructions to count (8 ballots, 8 POPC), ~122 to rank (8 ballots, 8
+        POPC, a 7-shuffle scan, the stash re-read and order keys, a branch per score) and
+        ~22 more for each of the 4 words where any lane keeps one (~40%): ~3,500 a warp,
+        112K an SM, 256 POPC a warp: ~28K issue cycles a scheduler, 14 us at 1.98 GHz at
+        one instruction a cycle (traced 29.2 us: ~0.5 IPC, dependent ballot/POPC/shuffle
+        chains). Now: pass 1 ~262 a warp, step 2 ~87 (20 shuffles), step 3 ~86 (4 CTA
+        barriers), step 4 ~55 an iteration x ~4.75 ~260: ~700 a warp (5x fewer), ~14 POPC;
+        at the same IPC ~5.6K issue cycles, ~3-6 us. Where T's keys are split, + ~360 (the
+        second pass) + ~87 (its scan) and a longer loop where many keys equal T."""
         threads, loads = self.threads, self.loads
         warps = threads // 32
         words = (4 * loads + 31) // 32  # mask words: loads 8i .. 8i + 7 in word i
