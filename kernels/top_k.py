@@ -538,8 +538,8 @@ class ClusterTopK:
     warp's part holds all its scores (the list never overflows) except where a split's
     stash leaves too little shared memory (list_entries): there, where a warp's candidates
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
-    over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts: compact), re-reading its
-    held loads from global memory; a split with no room for a list (list_entries 0) always
+    over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts:
+    `compact`), re-reading its held loads from global memory; a split with no room for a list (list_entries 0) always
     runs them over its slice, from its registers and stash. Either way a CTA's kept scores
     are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
     scores keep every score at its own index (no search, no exchange)."""
