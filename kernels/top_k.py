@@ -375,8 +375,9 @@ SPLITS = (
 # 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
 # 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
 # B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
-# 24), 8 of 16K at B = 32 (30.8; 4 of 32K 31.4), 4 of 32K to B = 48 (two waves, 34.4),
-# 2 of 64K above (43.3 at 64, where 4 of 32K took 48.7).
+# 24), 2 of 64K above: with the bit-mask compaction (session 18: its whole-slice compaction
+# fell from ~29 to ~5 us) it takes 25.8 / 27.0 / 27.8 us at B = 32 / 48 / 64, where 8 of
+# 16K took 29.8 at 32 and 4 of 32K 31.3 at 48 (H200, bench/RESULTS.md session 18, call D).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
@@ -386,8 +387,6 @@ PICKS = (
             (4, Split(16, 512, 4)),
             (12, Split(8, 1024, 4)),
             (24, Split(4, 1024, 8, 4)),
-            (32, Split(8, 1024, 4)),
-            (48, Split(4, 1024, 8, 4)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),
