@@ -375,8 +375,9 @@ SPLITS = (
 # 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
 # 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
 # B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
-# 24), 8 of 16K at B = 32 (30.8; 4 of 32K 31.4), 4 of 32K to B = 48 (two waves, 34.4),
-# 2 of 64K above (43.3 at 64, where 4 of 32K took 48.7).
+# 24), 2 of 64K above: with the bit-mask compaction (session 18: its whole-slice compaction
+# fell from ~29 to ~5 us) it takes 25.8 / 27.0 / 27.8 us at B = 32 / 48 / 64, where 8 of
+# 16K took 29.8 at 32 and 4 of 32K 31.3 at 48 (H200, bench/RESULTS.md session 18, call D).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
@@ -386,8 +387,6 @@ PICKS = (
             (4, Split(16, 512, 4)),
             (12, Split(8, 1024, 4)),
             (24, Split(4, 1024, 8, 4)),
-            (32, Split(8, 1024, 4)),
-            (48, Split(4, 1024, 8, 4)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),
@@ -479,6 +478,33 @@ def lowest_lane(mask) -> Int32:
     return cute.arch.popc((mask & (Int32(0) - mask)) - Int32(1))
 
 
+def raw_bound(threshold) -> tuple:
+    """(flip, bound): a raw fp32 word w has order_key(w) >= T exactly when (w ^ flip) >= bound
+    (unsigned), with no order key made. T above +0.0's key: only w >= 0 can be, compared as
+    signed ints (flip the sign bit); else every w >= 0 and -0.0 are, and a negative w where
+    ~w >= T (flip every bit; +0.0's own T takes -0.0, ~w = 0x7FFFFFFF, too)."""
+    flip = Uint32(cutlass.select_(threshold > Uint32(0x80000000), Uint32(0x80000000), Uint32(0xFFFFFFFF)))
+    bound = threshold - Uint32(cutlass.select_(threshold == Uint32(0x80000000), Uint32(1), Uint32(0)))
+    return flip, bound
+
+
+def nibble_counts(mask) -> list:
+    """The set bits of each 4-bit nibble of `mask` (a load's 4 words), as bytes: [the even
+    nibbles' counts (nibble 2m in byte m), the odd ones' (2m + 1 in byte m)]."""
+    mask = mask - ((mask >> Uint32(1)) & Uint32(0x55555555))
+    mask = (mask & Uint32(0x33333333)) + ((mask >> Uint32(2)) & Uint32(0x33333333))
+    return [mask & Uint32(0x0F0F0F0F), (mask >> Uint32(4)) & Uint32(0x0F0F0F0F)]
+
+
+def store_words(address, words):
+    """2 or 4 words at shared address `address` (16-byte aligned for 4)."""
+    if len(words) == 4:
+        P.st_shared_u32x4(address, words)
+    else:
+        for i, word in enumerate(words):
+            P.st_shared_u32(address + 4 * i, word)
+
+
 class ClusterTopK:
     """TopK's contract (see the module docstring) with a row split over a cluster of CTAs.
 
@@ -511,8 +537,8 @@ class ClusterTopK:
     warp's part holds all its scores (the list never overflows) except where a split's
     stash leaves too little shared memory (list_entries): there, where a warp's candidates
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
-    over its whole slice (ballots and a scan of per-(load, warp) counts), re-reading its
-    held loads from global memory; a split with no room for a list (list_entries 0) always
+    over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts:
+    `compact`), re-reading its held loads from global memory; a split with no room for a list (list_entries 0) always
     runs them over its slice, from its registers and stash. Either way a CTA's kept scores
     are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
     scores keep every score at its own index (no search, no exchange)."""
@@ -531,6 +557,11 @@ class ClusterTopK:
         # the list's scan packs a group's (above, at) counts in one word: a CTA's sums < 2^16
         if self.entries and split.per_cta >= 1 << 16:
             raise ValueError(f"unsupported split {split}: a listed CTA holds fewer than 2^16 scores")
+        # the slice's compaction scans (keys > T) | (keys == T) << at_shift in one word: a CTA
+        # has at most k keys >= T where need = ALL, fewer than k > T otherwise, per_cta == T
+        self.at_shift = k.bit_length()
+        if self.entries < 128 * split.loads and self.at_shift + split.per_cta.bit_length() > 31:
+            raise ValueError(f"unsupported k {k} for split {split}: the compaction's counts overflow a word")
 
     @cute.jit
     def __call__(
@@ -670,14 +701,18 @@ class ClusterTopK:
             out_args = (out, out_scores, pages, token, base, error, pool_pages)
             list_args = (base_address, threshold, need, counts, sizes, scratch, lower, fill, out_args)
             if cutlass.const_expr(self.entries == 0):
-                self.compact(keys, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp)
+                self.compact(
+                    keys, again, stash, limit, threshold, need, counts, hists, lower, out_args, tid, lane, warp
+                )
             elif cutlass.const_expr(self.entries == 128 * loads):  # the list holds every candidate
                 self.compact_list(*list_args, tid, lane, warp)
             else:
                 if listed:
                     self.compact_list(*list_args, tid, lane, warp)
                 else:
-                    self.compact(again, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp)
+                    self.compact(
+                        again, again, stash, limit, threshold, need, counts, hists, lower, out_args, tid, lane, warp
+                    )
         else:  # every score is kept, at its own index
             cute.arch.sync_threads()  # the block table entries
             for u in cutlass.range_constexpr(loads):
@@ -1054,53 +1089,196 @@ class ClusterTopK:
             start = start + size
 
     @cute.jit
-    def compact(self, keys, stash, limit, threshold, need, counts, lower, out_args, tid, lane, warp):
+    def compact(self, keys, again, stash, limit, threshold, need, counts, hists, lower, out_args, tid, lane, warp):
         """Write the kept scores of this CTA at their places: (kept keys > T before them in
-        the row) + min(kept keys == T before them, need), from its whole slice."""
+        the row) + min(kept keys == T before them, need), from its whole slice (no list),
+        with a thread's kept scores as bits (no ballot or branch per score):
+
+        1. One pass over the slice sets bit 4 (u % 8) + j of mask word u // 8 for each of the
+           thread's keys >= T (load u, word j; stashed and re-read words compared raw,
+           `raw_bound`), ANDed with `valid_masks` (the scores below `limit`). Only where T's
+           keys are split (need < ALL) a second pass marks those == T (E); A = (>= T) & ~E.
+           With need = ALL every key >= T is an A (and the lower CTAs' two counts one sum).
+        2. The set bits of each nibble (a load's 4 words) as bytes, 4 loads a word (a SWAR
+           popcount), scanned over the warp's lanes with one 5-shuffle scan a word (a warp's
+           load holds at most 128 keys: no carry between bytes); lane 31 stores the warp's
+           totals, then a CTA barrier.
+        3. Thread u x warps + w takes warp w's totals of load u, A | E << at_shift, and one
+           block scan in index order (load, warp) gives each group the keys before it; each
+           group's result goes to shared memory (round 1's histogram words, free by now).
+        4. Each thread visits only its set bits, lowest first (a loop a mask word, which the
+           warp runs as often as its busiest lane: ~2.4 times a word at ~1 kept score a
+           thread): place = lower CTAs + the group's before + the lanes' before (byte u) +
+           its own bits before in the nibble; a key == T is kept while that count is < need.
+
+        Issue estimate, c2x1024x64 (64 scores a thread, 12 of 16 loads stashed; 32 warps on
+        4 schedulers), from the SASS (ptxas via CuTe DSL 4.8.1, nvdisasm 13) at ~1,000 kept
+        scores a CTA, need = ALL; the us are not yet measured. Before (ballots): per (load,
+        warp) ~62 instructions to count (8 ballots, 8 POPC), ~122 to rank (8 ballots, 8
+        POPC, a 7-shuffle scan, the stash re-read and order keys, a branch per score) and
+        ~22 more for each of the 4 words where any lane keeps one (~40%): ~3,500 a warp,
+        112K an SM, 256 POPC a warp: ~28K issue cycles a scheduler, 14 us at 1.98 GHz at
+        one instruction a cycle (traced 29.2 us: ~0.5 IPC, dependent ballot/POPC/shuffle
+        chains). Now: pass 1 ~262 a warp, step 2 ~87 (20 shuffles), step 3 ~86 (4 CTA
+        barriers), step 4 ~55 an iteration x ~4.75 ~260: ~700 a warp (5x fewer), ~14 POPC;
+        at the same IPC ~5.6K issue cycles, ~3-6 us. Where T's keys are split, + ~360 (the
+        second pass) + ~87 (its scan) and a longer loop where many keys equal T."""
         threads, loads = self.threads, self.loads
         warps = threads // 32
-        # this warp's counts per load, (above | at << 16): each at most 128
-        for u in cutlass.range_constexpr(loads):
-            warp_count = Int32(0)
-            quad = self.quad(keys, stash, u, tid)
-            for j in cutlass.range_constexpr(4):
-                valid = 4 * threads * u + j < limit
-                key = quad[j]
-                warp_count = warp_count + cute.arch.popc(cute.arch.vote_ballot_sync(valid and key > threshold))
-                warp_count = warp_count + (cute.arch.popc(cute.arch.vote_ballot_sync(valid and key == threshold)) << 16)
-            if lane == 0:
-                counts[u * warps + warp] = warp_count
-        cute.arch.sync_threads()
-        above_before, at_before = lower  # the lower CTAs' keys > T and == T (find_threshold)
+        words = (4 * loads + 31) // 32  # mask words: loads 8i .. 8i + 7 in word i
+        counted = 2 * words  # byte-count words: (even loads, odd loads) of each mask word
+        table_a = hists.iterator.toint()  # per warp, its totals (a byte a load) of keys > T ...
+        table_e = table_a + 4 * warps * counted  # ... and of keys == T
+        bases = 2 * warps * counted  # hists[bases + warp x loads + u]: the groups before (u, warp)
+        ties = need != Int32(ALL)  # T's keys are split: those == T counted apart
+        above_lower, at_lower = lower  # the lower CTAs' keys > T and == T (find_threshold)
+        above_lower = above_lower + P.select_i32(ties, 0, at_lower)  # need = ALL: one count
+        at_lower = P.select_i32(ties, at_lower, 0)
 
-        lower_lanes = (Int32(1) << lane) - Int32(1)
+        # 1. a pass over the slice: the keys >= T as bits, then (ties only) those == T
+        valid = self.valid_masks(limit)
+        flip, bound = raw_bound(threshold)
+        at_least = [Uint32(0)] * words
         for u in cutlass.range_constexpr(loads):
-            # the counts of the warps before this one in load u
-            count = P.select_i32(lane < warps, counts[u * warps + lane % warps], 0)
-            inclusive = inclusive_scan(count, lane)
-            before = cute.arch.shuffle_sync(inclusive - count, offset=warp)
-            total = cute.arch.shuffle_sync(inclusive, offset=31)
-            above, at = [], []
+            quad, keyed = self.raw_quad(keys, stash, u, tid)
+            for j in cutlass.range_constexpr(4):
+                hit = quad[j] >= threshold if keyed else (quad[j] ^ flip) >= bound
+                bit = Uint32(1 << (4 * (u % 8) + j))
+                at_least[u // 8] = at_least[u // 8] | Uint32(cutlass.select_(hit, bit, Uint32(0)))
+        at_least = [at_least[i] & valid[i] for i in range(words)]
+        equal0, equal1 = Uint32(0), Uint32(0)
+        if ties:
+            equal0, equal1 = self.equal_masks(keys, stash, threshold, valid, tid)
+        equal = [equal0, equal1][:words]
+        above = [at_least[i] & ~equal[i] for i in range(words)]
+
+        # 2. per-load counts (a byte each), scanned over the warp's lanes
+        above_counts = []
+        for i in cutlass.range_constexpr(words):
+            above_counts += nibble_counts(above[i])
+        above_inclusive = [inclusive_scan(Int32(c), lane) for c in above_counts]
+        above_lanes = [above_inclusive[q] - Int32(above_counts[q]) for q in range(counted)]
+        at0, at1, at2, at3 = Int32(0), Int32(0), Int32(0), Int32(0)
+        if ties:
+            at0, at1, at2, at3 = self.scan_equal(equal, table_e, lane, warp)
+        at_lanes = [at0, at1, at2, at3][:counted]
+        if lane == 31:
+            store_words(table_a + 4 * counted * warp, above_inclusive)
+        cute.arch.sync_threads()
+
+        # 3. one scan of the (load, warp) groups' counts in index order (above | at << at_shift)
+        group = Int32(0)
+        if tid < loads * warps:
+            u, w = tid // warps, tid % warps
+            q = 2 * (u // 8) + u % 2
+            shift = 8 * ((u % 8) // 2)
+            group = (P.ld_shared_i32(table_a + 4 * (counted * w + q)) >> shift) & 0xFF
+            if ties:
+                group = group | (((P.ld_shared_i32(table_e + 4 * (counted * w + q)) >> shift) & 0xFF) << self.at_shift)
+        before = P.block_exclusive_sum(group, counts, lane, warp, warps)
+        if tid < loads * warps:
+            hists[bases + (tid % warps) * loads + tid // warps] = before
+        cute.arch.sync_threads()
+
+        # 4. each thread's set bits, lowest first, at their places
+        for i in cutlass.range_constexpr(words):
+            pending = at_least[i] | equal[i]
+            while pending != Uint32(0):
+                low = pending & (Uint32(0) - pending)
+                b = Int32(cute.arch.popc(low - Uint32(1)))
+                pending = pending ^ low
+                u = 8 * i + (b >> 2)
+                j = b & 3
+                nibble = Uint32(b & ~3)
+                earlier = (Uint32(1) << Uint32(j)) - Uint32(1)
+                byte = 8 * (b >> 3)
+                odd = ((b >> 2) & 1) == 1
+                group = hists[bases + warp * loads + u]
+                above_before = (
+                    above_lower
+                    + (group & ((1 << self.at_shift) - 1))
+                    + Int32(cute.arch.popc((above[i] >> nibble) & earlier))
+                )
+                lanes = P.select_i32(odd, above_lanes[2 * i + 1], above_lanes[2 * i])
+                above_before = above_before + ((lanes >> byte) & 0xFF)
+                at_before = at_lower + (group >> self.at_shift) + Int32(cute.arch.popc((equal[i] >> nibble) & earlier))
+                lanes = P.select_i32(odd, at_lanes[2 * i + 1], at_lanes[2 * i])
+                at_before = at_before + ((lanes >> byte) & 0xFF)
+                if ((above[i] >> Uint32(b)) & Uint32(1)) == Uint32(1) or at_before < need:
+                    offset = 4 * (threads * u + tid) + j
+                    key = self.key_at(again, stash, u, offset, tid)
+                    self.place(out_args, above_before + cutlass.min(at_before, need), offset, key)
+
+    def valid_masks(self, limit) -> list:
+        """The mask words of this thread's valid scores (offset 4 (threads u + tid) + j <
+        that + limit): a prefix of the bits, as the loads' valid counts never grow with u."""
+        threads, loads = self.threads, self.loads
+        full = cutlass.min(cutlass.max(limit - 1, 0) // (4 * threads), loads)  # the loads before the last valid one
+        count = P.select_i32(full >= loads, 4 * loads, 4 * full + cutlass.min(limit - 4 * threads * full, 4))
+        count = cutlass.max(count, 0)
+        masks = []
+        for i in range((4 * loads + 31) // 32):
+            bits = cutlass.min(cutlass.max(count - 32 * i, 0), 32)
+            part = (Uint32(1) << Uint32(cutlass.min(bits, 31))) - Uint32(1)
+            masks.append(Uint32(cutlass.select_(bits >= 32, Uint32(0xFFFFFFFF), part)))
+        return masks
+
+    def raw_quad(self, keys, stash, u: int, tid) -> tuple:
+        """(the 4 words of this thread's load u, whether they are order keys): the held
+        loads' keys from registers (keys: a list) or their raw words read again from
+        global memory (keys: (row, in_row)); the stashed loads' raw words."""
+        if u < self.held:
+            if isinstance(keys, list):
+                return keys[4 * u : 4 * u + 4], True
+            row, in_row = keys
+            live = 4 * self.threads * u < in_row
+            return list(P.load_u32x4_if(row + 4 * (self.threads * u + tid), live)), False
+        return list(P.ld_shared_u32x4(stash + 16 * (self.threads * (u - self.held) + tid))), False
+
+    def equal_masks(self, keys, stash, threshold, valid, tid) -> tuple:
+        """The mask words (two, the second 0 where one holds every load) of this thread's
+        valid keys == T: a second pass over the slice, only where T's keys are split."""
+        equal = [Uint32(0), Uint32(0)]
+        for u in range(self.loads):
             quad = self.quad(keys, stash, u, tid)
-            for j in cutlass.range_constexpr(4):
-                valid = 4 * threads * u + j < limit
-                key = quad[j]
-                above.append(cute.arch.vote_ballot_sync(valid and key > threshold))
-                at.append(cute.arch.vote_ballot_sync(valid and key == threshold))
-            lane_above = above_before + (before & 0xFFFF)
-            lane_at = at_before + (before >> 16)
-            for j in cutlass.range_constexpr(4):
-                lane_above = lane_above + cute.arch.popc(above[j] & lower_lanes)
-                lane_at = lane_at + cute.arch.popc(at[j] & lower_lanes)
-            for j in cutlass.range_constexpr(4):
-                mine_above = (above[j] >> lane) & 1
-                mine_at = (at[j] >> lane) & 1
-                if mine_above == 1 or (mine_at == 1 and lane_at < need):
-                    self.place(out_args, lane_above + cutlass.min(lane_at, need), 4 * (threads * u + tid) + j, quad[j])
-                lane_above = lane_above + mine_above
-                lane_at = lane_at + mine_at
-            above_before = above_before + (total & 0xFFFF)
-            at_before = at_before + (total >> 16)
+            for j in range(4):
+                bit = Uint32(1 << (4 * (u % 8) + j))
+                equal[u // 8] = equal[u // 8] | Uint32(cutlass.select_(quad[j] == threshold, bit, Uint32(0)))
+        for i in range(len(valid)):
+            equal[i] = equal[i] & valid[i]
+        return equal[0], equal[1]
+
+    @cute.jit
+    def scan_equal(self, equal, table_e, lane, warp) -> tuple:
+        """compact's step 2 for the keys == T: this lane's counts before it in the warp
+        (bytes), four words (zero where unused); lane 31 stores the warp's totals."""
+        counted = 2 * len(equal)
+        counts = []
+        for i in cutlass.range_constexpr(len(equal)):
+            counts += nibble_counts(equal[i])
+        inclusive = [inclusive_scan(Int32(c), lane) for c in counts]
+        if lane == 31:
+            store_words(table_e + 4 * counted * warp, inclusive)
+        lanes = [inclusive[q] - Int32(counts[q]) for q in range(counted)] + [Int32(0)] * (4 - counted)
+        return lanes[0], lanes[1], lanes[2], lanes[3]
+
+    @cute.jit
+    def key_at(self, again, stash, u, offset, tid):
+        """The order key of score `offset` (in load u) of this CTA's slice, for DCP's score
+        output (0 without DCP, which writes no scores): a stashed one from shared memory, a
+        held one read again from global memory (again: (row, in_row))."""
+        key = Uint32(0)
+        if cutlass.const_expr(self.dcp > 1):
+            row, _ = again
+            if cutlass.const_expr(self.stashed == 0):
+                key = order_key(P.load_u32(row + offset))
+            else:
+                if u < self.held:
+                    key = order_key(P.load_u32(row + offset))
+                else:
+                    address = stash + 16 * (self.threads * (u - self.held) + tid) + 4 * (offset % 4)
+                    key = order_key(Uint32(P.ld_shared_i32(address)))
+        return key
 
     @cute.jit
     def place(self, out_args, position, offset, key):

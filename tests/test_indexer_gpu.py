@@ -698,3 +698,47 @@ def test_every_top_k_variant_gives_the_dcp_candidates(split, ties, dcp, rank):
     expect = ref.local_candidates(scores, 2048, dcp, rank)
     assert torch.equal(out, expect.positions)
     assert torch.equal(out_scores, expect.scores)
+
+
+def _compaction_rows(split, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows that load ClusterTopK's compaction over a slice unevenly (on the splits with a
+    candidate list they test the list's compaction): 0, one thread's every score (every
+    load) among the best, so its loop over its set bits visits them all; 1, one score above
+    the rest in every (load, warp) group of 128 (every group holds a kept score); 2, the
+    best 3000 in one stretch across a CTA boundary (most groups hold none, a few are full);
+    3, 600 copies of the 1500th highest at random places (ties at T spread over loads,
+    threads and CTAs: the lower indices among them are kept)."""
+    threads, loads = split.threads, split.loads
+    rows = torch.rand(4, width, device="cuda", generator=gen)
+    t0 = 37 % threads
+    own = torch.arange(loads, device="cuda")[:, None] * 4 * threads + 4 * t0 + torch.arange(4, device="cuda")[None]
+    rows[0, own.flatten()] = 2 + torch.rand(own.numel(), device="cuda", generator=gen)
+    groups = width // 128
+    pick = torch.arange(groups, device="cuda") * 128 + torch.randint(0, 128, (groups,), device="cuda", generator=gen)
+    rows[1, pick] += 2
+    start = max(split.per_cta - 1000, 0)
+    rows[2, start : start + 3000] += 2
+    tie = rows[3].sort(descending=True).values[1499]
+    rows[3, torch.randperm(width, device="cuda", generator=gen)[:600]] = tie
+    return rows
+
+
+@pytest.mark.parametrize("dcp, rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("split", top_k_kernels.SPLITS, ids=_variant_id)
+def test_top_k_compaction_of_uneven_rows(split, dcp, rank):
+    """_compaction_rows, whole and cut short (a partial vector in the last CTA), exactly the
+    reference's top-k (DCP: this rank's candidates and their scores)."""
+    width = _variant_width(split)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    scores = torch.cat([_compaction_rows(split, width, gen)] * 2)
+    local = torch.tensor([width] * 4 + [width - 3] * 4, device="cuda")
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= local[:, None], float("-inf"))
+    lens = (local * dcp + rank).to(torch.int32)
+    tables = _tables(len(local), width, seed=23)
+    out, out_scores = _run_variant(split, scores, tables, lens, dcp, rank)
+    if dcp == 1:
+        assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+    else:
+        expect = ref.local_candidates(scores, 2048, dcp, rank)
+        assert torch.equal(out, expect.positions)
+        assert torch.equal(out_scores, expect.scores)

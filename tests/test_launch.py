@@ -291,8 +291,8 @@ def _top_k_setup(topology, context: int, batch: int):
         (131072, 4, "c16x512x16"),
         (131072, 12, "c8x1024x16"),
         (131072, 16, "c4x1024x32"),
-        (131072, 32, "c8x1024x16"),
-        (131072, 48, "c4x1024x32"),
+        (131072, 32, "c2x1024x64"),
+        (131072, 48, "c2x1024x64"),
         (131072, 64, "c2x1024x64"),
         (262144, 2, "c16x1024x16"),  # wider than PICKS: the smallest split that holds the row
         (262208, 1, "one-cta"),  # wider than every split

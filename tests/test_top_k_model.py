@@ -1,0 +1,223 @@
+"""CPU models of ClusterTopK's no-list compaction (kernels/top_k.py `ClusterTopK.compact`): its
+raw-word threshold test and its valid-score masks bit for bit, and its ranking (bit masks,
+byte counts scanned over a warp's lanes, one scan of the (load, warp) groups, a loop over
+each thread's set bits) against the reference's kept set in index order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+ALL = 2**31 - 1
+M32 = 0xFFFFFFFF
+
+
+def order_key(word: int) -> int:
+    """top_k.order_key on a Python int."""
+    word = 0 if word == 0x80000000 else word
+    return word ^ (0xFFFFFFFF if word >> 31 else 0x80000000)
+
+
+def raw_bound(threshold: int) -> tuple:
+    """top_k.raw_bound."""
+    flip = 0x80000000 if threshold > 0x80000000 else 0xFFFFFFFF
+    return flip, threshold - (threshold == 0x80000000)
+
+
+SPECIAL = [0, 1, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xBF800000, 0xFF800000]
+SPECIAL += [0xFFC00000, 0xFFFFFFFF, 0x3F800000, 0x3F800001, 0x3F7FFFFF, 0x00000002, 0x807FFFFF]
+
+
+def test_raw_word_threshold_test_equals_the_order_key_compare():
+    """(w ^ flip) >= bound exactly when order_key(w) >= T, for every T an order key can be
+    (+-0, +-inf, NaNs, denormals, neighbours of each), -0.0 with +0.0 included."""
+    rng = random.Random(5)
+    words = SPECIAL + [w ^ 1 for w in SPECIAL] + [rng.getrandbits(32) for _ in range(3000)]
+    thresholds = sorted({order_key(w) for w in words} | {0, 1, 0x7FFFFFFE, 0x7FFFFFFF, 0x80000001, M32})
+    for threshold in thresholds:
+        flip, bound = raw_bound(threshold)
+        for w in words:
+            assert ((w ^ flip) >= bound) == (order_key(w) >= threshold), (hex(threshold), hex(w))
+
+
+def valid_masks(limit: int, threads: int, loads: int) -> list:
+    """ClusterTopK.valid_masks (Int32 arithmetic on Python ints)."""
+    full = min(max(limit - 1, 0) // (4 * threads), loads)
+    count = 4 * loads if full >= loads else 4 * full + min(limit - 4 * threads * full, 4)
+    count = max(count, 0)
+    masks = []
+    for i in range((4 * loads + 31) // 32):
+        bits = min(max(count - 32 * i, 0), 32)
+        masks.append(M32 if bits >= 32 else (1 << min(bits, 31)) - 1)
+    return masks
+
+
+@pytest.mark.parametrize("threads, loads", [(1024, 16), (1024, 8), (512, 4), (512, 1), (64, 16)])
+def test_valid_masks_hold_exactly_the_scores_below_the_limit(threads, loads):
+    for limit in [-5000, -1, 0, 1, 2, 3, 4, 5, 4 * threads - 1, 4 * threads, 4 * threads + 3, 4 * threads * loads]:
+        for extra in (0, 1, 7, 4 * threads * 3 + 2, 10**6):
+            lim = limit + extra
+            masks = valid_masks(lim, threads, loads)
+            for u in range(loads):
+                for j in range(4):
+                    bit = (masks[u // 8] >> (4 * (u % 8) + j)) & 1
+                    assert bit == (4 * threads * u + j < lim), (lim, u, j)
+
+
+def nibble_counts(mask: int) -> list:
+    mask = (mask - ((mask >> 1) & 0x55555555)) & M32
+    mask = (mask & 0x33333333) + ((mask >> 2) & 0x33333333)
+    return [mask & 0x0F0F0F0F, (mask >> 4) & 0x0F0F0F0F]
+
+
+def compact_cta(raw, keyed_loads, n_cta, threshold, need, lower, threads, loads, at_shift=12):
+    """One CTA's compact(): raw[t][u][j] its fp32 words (load u of thread t), the loads
+    below keyed_loads compared as order keys (held), the rest raw (stashed); n_cta: the
+    row's scores from this CTA's first. -> {position: offset}."""
+    warps = threads // 32
+    words = (4 * loads + 31) // 32
+    counted = 2 * words
+    ties = need != ALL
+    above_lower, at_lower = lower
+    if not ties:
+        above_lower, at_lower = above_lower + at_lower, 0
+    flip, bound = raw_bound(threshold)
+    above, equal, lanes_a, lanes_e = [], [], [], []
+    table_a, table_e = {}, {}
+    for warp in range(warps):
+        counts_a, counts_e = [], []
+        for lane in range(32):
+            tid = 32 * warp + lane
+            valid = valid_masks(n_cta - 4 * tid, threads, loads)
+            at_least, eq = [0] * words, [0] * words
+            for u in range(loads):
+                for j in range(4):
+                    w = raw[tid][u][j]
+                    hit = order_key(w) >= threshold if u < keyed_loads else (w ^ flip) >= bound
+                    at_least[u // 8] |= hit << (4 * (u % 8) + j)
+                    if ties:
+                        eq[u // 8] |= (order_key(w) == threshold) << (4 * (u % 8) + j)
+            at_least = [at_least[i] & valid[i] for i in range(words)]
+            eq = [eq[i] & valid[i] for i in range(words)]
+            ab = [at_least[i] & ~eq[i] & M32 for i in range(words)]
+            above.append(ab)
+            equal.append(eq)
+            counts_a.append([c for i in range(words) for c in nibble_counts(ab[i])])
+            counts_e.append([c for i in range(words) for c in nibble_counts(eq[i])])
+        for counts, lanes, table in ((counts_a, lanes_a, table_a), (counts_e, lanes_e, table_e)):
+            inclusive = [[0] * counted for _ in range(32)]
+            for q in range(counted):
+                total = 0
+                for lane in range(32):
+                    total += counts[lane][q]  # bytes: no carry (at most 128 a byte)
+                    assert all(((total >> (8 * m)) & 0xFF) <= 128 for m in range(4))
+                    inclusive[lane][q] = total
+            for lane in range(32):
+                lanes.append([inclusive[lane][q] - counts[lane][q] for q in range(counted)])
+            table[warp] = inclusive[31]
+    # 3. the (load, warp) groups in index order
+    group_before, running = {}, 0
+    for u in range(loads):
+        for w in range(warps):
+            q, shift = 2 * (u // 8) + u % 2, 8 * ((u % 8) // 2)
+            group = (table_a[w][q] >> shift) & 0xFF
+            if ties:
+                group |= ((table_e[w][q] >> shift) & 0xFF) << at_shift
+            group_before[(u, w)] = running
+            running += group
+    assert running < 2**32
+    # 4. each thread's set bits
+    placed = {}
+    for tid in range(threads):
+        warp = tid // 32
+        for i in range(words):
+            pending = above[tid][i] | equal[tid][i]
+            while pending:
+                low = pending & -pending
+                b = (low - 1).bit_count()
+                pending ^= low
+                u, j = 8 * i + (b >> 2), b & 3
+                nibble, earlier, byte, odd = b & ~3, (1 << j) - 1, 8 * (b >> 3), (b >> 2) & 1
+                group = group_before[(u, warp)]
+                above_before = above_lower + (group & ((1 << at_shift) - 1))
+                above_before += ((above[tid][i] >> nibble) & earlier).bit_count()
+                above_before += (lanes_a[tid][2 * i + odd] >> byte) & 0xFF
+                at_before = at_lower + (group >> at_shift) + ((equal[tid][i] >> nibble) & earlier).bit_count()
+                at_before += (lanes_e[tid][2 * i + odd] >> byte) & 0xFF
+                if (above[tid][i] >> b) & 1 or at_before < need:
+                    position = above_before + min(at_before, need)
+                    assert position not in placed
+                    placed[position] = 4 * (threads * u + tid) + j
+    return placed
+
+
+def _row(kind: str, width: int, rng: random.Random) -> list:
+    import struct
+
+    def bits(x: float) -> int:
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+
+    if kind == "continuous":
+        return [bits(rng.gauss(0, 1)) for _ in range(width)]
+    if kind == "ties":  # few values, -0.0 and +0.0 among them
+        return [rng.choice([bits(-1.0), 0x80000000, 0, bits(0.5), bits(2.0), bits(-3.0)]) for _ in range(width)]
+    if kind == "clustered":  # the best scores in one contiguous stretch: most groups empty, a few full
+        row = [bits(rng.uniform(-2, -1)) for _ in range(width)]
+        start = rng.randrange(width // 2)
+        for i in range(start, start + 3000):
+            row[i % width] = bits(rng.uniform(1, 2))
+        return row
+    if kind == "spread":  # one score above the rest in every (load, warp) group
+        row = [bits(rng.uniform(-2, -1)) for _ in range(width)]
+        for i in range(0, width, 128):
+            row[i + rng.randrange(128)] = bits(rng.uniform(1, 2))
+        return row
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "clustered", "spread"])
+@pytest.mark.parametrize("n_cut", [0, 1, 2, 3])
+def test_compaction_model_places_the_reference_top_k_in_index_order(kind, n_cut):
+    """Two CTAs of 64 threads x 64 scores; the row's kept set (every key > T, the first
+    `need` == T by index) must land at positions 0.. in ascending index, each once, with
+    the lower CTA's counts as offsets (ALL: only their sum, split arbitrarily here)."""
+    rng = random.Random(f"{kind}{n_cut}")
+    ctas, threads, loads, k = 2, 64, 16, 700
+    per_cta = 4 * threads * loads
+    width = ctas * per_cta
+    n = width - [0, 1, 4097, per_cta + 5][n_cut]  # whole, a partial vector, CTA 1 partly, CTA 0 only
+    row = _row(kind, width, rng)
+    keys = [order_key(w) for w in row[:n]]
+    ranked = sorted(range(n), key=lambda i: (-keys[i], i))
+    threshold = keys[ranked[k - 1]]
+    above_count = sum(key > threshold for key in keys)
+    at_count = sum(key == threshold for key in keys)
+    need = k - above_count
+    if need == at_count:
+        need = ALL
+    kept = sorted(i for i in range(n) if keys[i] > threshold or (keys[i] == threshold and need == ALL))
+    if need != ALL:
+        at = [i for i in range(n) if keys[i] == threshold][:need]
+        kept = sorted(kept + at)
+    assert len(kept) == k
+    out = {}
+    lower_above = lower_at = 0
+    for c in range(ctas):
+        base = c * per_cta
+        raw = [
+            [[row[base + 4 * (threads * u + t) + j] for j in range(4)] for u in range(loads)] for t in range(threads)
+        ]
+        lower = (lower_above, lower_at)
+        if need == ALL and c > 0:  # only the sum matters
+            shift = rng.randrange(lower_above + lower_at + 1)
+            lower = (shift, lower_above + lower_at - shift)
+        placed = compact_cta(raw, 4, n - base, threshold, need, lower, threads, loads)
+        for position, offset in placed.items():
+            assert position not in out
+            out[position] = base + offset
+        cta_keys = keys[base : base + per_cta]
+        lower_above += sum(key > threshold for key in cta_keys)
+        lower_at += sum(key == threshold for key in cta_keys)
+    assert [out.get(p) for p in range(k)] == kept
+    assert len(out) == k
