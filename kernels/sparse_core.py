@@ -1719,9 +1719,7 @@ class SparseCore:
                 staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots)
                 if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
-                self.store_rows(
-                    staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
-                )
+                self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
                 if ptid == 0:  # the peer's bytes of this block, expected with this arrival
