@@ -13,6 +13,8 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
+         CROSSOVER (not yet measured): a token's two 64-row CTAs as a cluster of 2, each
+         producer loading half of every block into both CTAs' tiles.
          16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
          row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
          its query rows' A fragments in registers. Per block:
@@ -107,6 +109,13 @@ from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it r
 where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
 the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
 dequantization).
+The crossover is built (CROSSOVER, off by default; bench_sparse_core.py --paths ws,wsx) but
+NOT YET MEASURED: the two head-group CTAs of a (split, token) launch as a cluster of 2 (grid
+y), each producer loads and dequantizes 32 of every block's 64 rows and writes them into its
+own tile and, by st.async completing on the peer's full mbarrier, into the peer's; full[s]
+waits for both halves, empty[s] for both CTAs' consumers (remote arrives), so each SM moves
+and dequantizes half the rows it did (produce_blocks has the protocol). Without a partner
+(q_heads / 64 odd, DCP at TP 8) it is today's kernel.
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
