@@ -200,7 +200,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
 
     _crossover(monkeypatch, CONSUMERS[path])
     shape = _state(case).shape
-    op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, 2048)).op
+    op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
     assert op.crossover == (shape.q_heads == 128)
     _check(case, batch)
 
