@@ -10,8 +10,8 @@ model with the protocol's guards taken out finds each hazard they guard against.
 import random
 
 import pytest
-
 from graphstep.kernels import catalog, sparse_core
+
 from graphstep.shapes import RankShape, Topology, preset
 
 TP1_FP8 = RankShape(preset("deepseek-v3.2"), Topology(tp=1, q_format="fp8", mla_cache="fp8"))
