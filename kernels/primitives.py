@@ -775,6 +775,26 @@ def mbar_arrive_remote(addr, cta):
     )
 
 
+def mapa(address, cta) -> Int32:
+    """The shared::cluster address of shared address `address` in CTA `cta` of the cluster.
+    A CTA's window is contiguous: mapa(a) + d addresses a + d there, so a thread pushing
+    many chunks maps its base once (st_async_u32x4) instead of once a chunk
+    (dsmem_push_u32x4)."""
+    return cute.arch.inline_ptx(
+        "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32], read_only_args=[address, cta]
+    )
+
+
+def st_async_u32x4(remote, words, remote_bar):
+    """dsmem_push_u32x4 at addresses already mapped (`mapa`): 4 words to shared::cluster
+    address `remote` (16-byte aligned), their 16 bytes counted (complete_tx) on the mbarrier
+    at shared::cluster address `remote_bar` (in the same CTA as `remote`)."""
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}}, [{$r5}];",
+        read_only_args=[remote, *words, remote_bar],
+    )
+
+
 def st_shared_u32x4(ptr, words):
     cute.arch.inline_ptx(
         "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
