@@ -1847,6 +1847,8 @@ class SparseCore:
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover)
+            if cutlass.const_expr(self.crossover):
+                P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
             if cutlass.const_expr(self.probe != "no_math"):
                 if cutlass.const_expr(role is None):
                     row_max, row_sum, acc_o = self.consume_block(
