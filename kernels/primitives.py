@@ -627,6 +627,27 @@ def mma_f16_16816(a, b, c) -> list:
     return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
 
 
+# A wgmma shared-memory matrix descriptor's start address: bits 4 .. 17 of the operand's
+# shared address in its 14-bit field (PTX: encode(x) = (x & 0x3FFFF) >> 4). The 32-bit shared
+# address a kernel holds is wider: in a cluster launch it carries the CTA's rank in the
+# cluster at bit 24 up (SASS: the shared base is SR_CgaCtaId << 24 | offset), which shifted
+# down unmasked lands in the descriptor's leading byte offset (bits 16 .. 29) -- rank 1 of a
+# pair read its operands 256 B per k-chunk off. So the field is masked, never just shifted.
+DESC_ADDR_MASK = 0x3FFF
+
+
+def smem_desc_lines(reg: str, operand: str, layout: int) -> list:
+    """PTX lines: the 64-bit wgmma descriptor in `reg` of the 32-bit shared address
+    `operand` with the layout bits `layout` (LBO, SBO, swizzle): (address >> 4) masked to
+    the start-address field (DESC_ADDR_MASK), then the layout or-ed in."""
+    return [
+        f"cvt.u64.u32 {reg}, {operand};",
+        f"shr.u64 {reg}, {reg}, 4;",
+        f"and.b64 {reg}, {reg}, {DESC_ADDR_MASK:#x};",
+        f"or.b64 {reg}, {reg}, {layout:#018x};",
+    ]
+
+
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:
     """Warpgroup MMA with A in registers: acc[64 rows, 2 len(acc)] += A x B, bf16, FP32
     accumulators (acc in wgmma's C layout, returned updated). a: 4 bf16x2 words per k step
@@ -638,7 +659,7 @@ def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, 
     count, steps = len(acc), len(a) // 4
     d = ", ".join(f"{{$w{i}}}" for i in range(count))
     lines = ["{", ".reg .b64 b0, b;", ".reg .pred more;"]
-    lines += [f"cvt.u64.u32 b0, {{$r{count + len(a)}}};", "shr.u64 b0, b0, 4;", f"or.b64 b0, b0, {b_layout:#018x};"]
+    lines += smem_desc_lines("b0", f"{{$r{count + len(a)}}}", b_layout)
     lines += ["setp.eq.b32 more, 0, 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
     lines += ["wgmma.fence.sync.aligned;"]
     for s in range(steps):

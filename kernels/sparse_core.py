@@ -359,7 +359,7 @@ DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHU
 
 
 def _desc_lines(reg: str, operand: str, layout: int) -> list:
-    return [f"cvt.u64.u32 {reg}, {operand};", f"shr.u64 {reg}, {reg}, 4;", f"or.b64 {reg}, {reg}, {layout:#018x};"]
+    return P.smem_desc_lines(reg, operand, layout)
 
 
 def wgmma_scores(q_addr, k_addr, n: int) -> list:

@@ -1108,6 +1108,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     assert "mma.sync" not in partial and ".local" not in partial
     assert "griddepcontrol.wait;" in partial and "fence.proxy.async.shared::cta;" in partial
     assert ("cvt.rn.f16x2.e4m3x2" in partial) == (shape_name == "tp1-fp8")
+    _check_descriptors(partial)
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
@@ -1144,6 +1145,17 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     else:
         assert "setmaxnreg" not in partial and "mbarrier" not in partial and not arrives
         assert barriers and all(b == ("0", "") for b in barriers), barriers
+
+
+def _check_descriptors(partial: str):
+    """Every wgmma descriptor's start address is the shared address >> 4 masked to its 14-bit
+    field before the layout bits (primitives.smem_desc_lines): in a cluster launch (the
+    crossover) the address carries the CTA's rank from bit 24 up, which unmasked would land
+    in the leading byte offset of rank 1's descriptors."""
+    shifts = re.findall(r"shr\.u64 (\w+), (\w+), 4;\s*and\.b64 (\w+), (\w+), (0x[0-9a-f]+);", partial)
+    assert shifts and len(shifts) == partial.count("shr.u64"), partial.count("shr.u64")
+    for d, s, d2, s2, mask in shifts:
+        assert d == s == d2 == s2 and int(mask, 16) == 0x3FFF
 
 
 def _check_crossover(partial: str, op):

@@ -5,7 +5,8 @@ interleavings -- full[s] (local arrivals + the peer's st.async bytes), empty[s] 
 consumer warps), the two cluster barriers -- checking that every block a consumer reads is
 whole, that no stage is rewritten under a reader (local or by the peer's pushes), that no
 push or remote arrive reaches a CTA that has exited, and that nothing deadlocks. The same
-model with the protocol's guards taken out finds each hazard they guard against."""
+model with the protocol's guards taken out finds each hazard they guard against. And the
+wgmma descriptors of a cluster's rank-1 CTA (its shared addresses carry the rank)."""
 
 import random
 
@@ -234,3 +235,56 @@ def test_the_model_finds_the_hazards_the_protocol_guards_against(guard, hazard):
         except Violation as violation:
             found.append(str(violation))
     assert any(hazard in v for v in found), found[:3]
+
+
+# -- the wgmma descriptors in a cluster -------------------------------------------------------
+
+
+def _descriptor(lines: list, address: int) -> int:
+    """The 64-bit value primitives.smem_desc_lines' PTX leaves in its register for the 32-bit
+    shared address `address` (its cvt / shr / and / or, evaluated)."""
+    value = None
+    for line in lines:
+        op, args = line.rstrip(";").split(None, 1)
+        args = [a.strip() for a in args.split(",")]
+        if op == "cvt.u64.u32":
+            value = address & 0xFFFFFFFF
+        elif op == "shr.u64":
+            value >>= int(args[2], 0)
+        elif op == "and.b64":
+            value &= int(args[2], 0)
+        elif op == "or.b64":
+            value |= int(args[2], 0)
+        else:
+            raise AssertionError(f"unexpected descriptor line {line!r}")
+    return value
+
+
+def _fields(desc: int) -> tuple:
+    """(start address, leading byte offset, stride byte offset) of a wgmma descriptor, in bytes."""
+    return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+
+def test_the_descriptors_ignore_the_cta_rank_a_cluster_puts_in_shared_addresses():
+    """In a cluster launch a CTA's 32-bit shared addresses carry its rank in the cluster from
+    bit 24 up (SASS: the shared base is SR_CgaCtaId << 24 | offset), so the crossover's rank-1
+    CTA (heads 64 .. 127 at TP 1) hands partial_wgmma_ws's wgmmas addresses 1 << 24 above rank
+    0's. Its descriptors must be rank 0's: the start address field holds bits 4 .. 17 only,
+    the leading / stride byte offsets (Q, K and P: CHUNK / 128 B; V: 128 B / CHUNK) intact.
+    Shifted down unmasked, bit 24 lands in the leading byte offset (+256 B): the session-18
+    crossover failures (rank 1's rows read 16 rows off, past p_s into ids_s / red)."""
+    from graphstep.kernels import primitives as P
+
+    tile = sparse_core.TILE_BYTES
+    offsets = [0x400 + k * tile for k in range(4)]  # q_s, kv_s's two stages, p_s (the SASS's shared base 0x400)
+    layouts = {"K": (sparse_core.DESC_K, sparse_core.CHUNK, 128), "V": (sparse_core.DESC_V, 128, sparse_core.CHUNK)}
+    for name, (layout, lbo, sbo) in layouts.items():
+        lines = P.smem_desc_lines("d", "{$r0}", layout)
+        for offset in offsets:
+            assert offset < sparse_core.SMEM_BYTES < 1 << 18
+            ranks = [_descriptor(lines, rank << 24 | offset) for rank in range(2)]
+            assert ranks[0] == ranks[1], name
+            assert _fields(ranks[1]) == (offset, lbo, sbo), name
+        # the unmasked encoding (the bug) moves rank 1's leading byte offset
+        unmasked = [line for line in lines if not line.startswith("and.b64")]
+        assert _fields(_descriptor(unmasked, 1 << 24 | offsets[0]))[1] == lbo + 256, name
