@@ -2,7 +2,8 @@
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
-        [--paths ws,wsh,wsr,nows,mws,mws10,msync] [--probes no_loads,no_math,no_math:0 --probe-batch 64]
+        [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync]
+        [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -13,7 +14,10 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, nows = every thread loads (partial_wgmma); and the 16-row
+in FlashMLA's shape at every split, wsx / wsxh / wsxr = ws / wsh / wsr with the crossover
+(sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
+loading half of every block; ws / wsh / wsr without it, whatever the module's default), nows =
+every thread loads (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
 between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
 of each block's rows bulk-copied (either cache; mws16: bulk copies only, mws0: cp.async only),
@@ -23,7 +27,8 @@ msync = every thread copies (partial_mma_sync); default: the module's choice
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
 the cp.async warps alone); no_combine: the module's path without its combine launch
-(sparse_core.COMBINE), the partial kernel's own time.
+(sparse_core.COMBINE), the partial kernel's own time. --probe-paths: the paths the probes run
+on (default ws; e.g. ws,wsx: each probe on the producer path without and with the crossover).
 FlashMLA: its sparse FP8 decode (SGLang kernel package 0.4.6 / vLLM 0.26), measured by an
 earlier session on the same kind of H200 (bench/RESULTS.md, issue 9); at TP 8 an engine
 pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64 figures.
@@ -148,7 +153,8 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help="paths to compare: 64-row CTAs ws,wsh,wsr,nows; 16/32-row mws,mwsN,msync (default: the module's)",
+        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,nows; 16/32-row mws,mwsN,msync "
+        "(default: the module's)",
     )
     parser.add_argument(
         "--probes",
@@ -156,13 +162,16 @@ def main() -> int:
         help="probes: no_loads,no_math (the producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
     )
     parser.add_argument("--probe-batch", default="64")
+    parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batch.split(",")]
     paths = [(p, "") for p in args.paths.split(",")] if args.paths else [("", "")]
-    paths += [("" if probe == "no_combine" else "ws", probe) for probe in args.probes.split(",") if probe]
+    probe_paths = args.probe_paths.split(",")
+    for probe in (p for p in args.probes.split(",") if p):
+        paths += [("", probe)] if probe == "no_combine" else [(path, probe) for path in probe_paths]
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
@@ -172,10 +181,11 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
+            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "nows", "mws", "msync")
             if (path not in known and not path.startswith("mws")) or probe not in (*sparse_core.PROBES, "no_combine"):
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
+            crossover = sparse_core.CROSSOVER
             sixteenths = sparse_core.MMA_BULK_SIXTEENTHS
             if bulk:
                 sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(sixteenths, int(bulk))
@@ -183,10 +193,12 @@ def main() -> int:
                 sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1 if path != "msync" else 1 << 30)
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
-                if path == "ws":  # (the probes' path) 16-row CTAs' producer too
+                if path in ("ws", "wsx"):  # (the probes' paths) 16-row CTAs' producer too
                     sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1)
-            if path in ("wsh", "wsr"):
-                sparse_core.RESHAPE_BLOCKS = 0 if path == "wsh" else 1 << 30
+                # the crossover only on wsx*, so ws* is the path without it whatever CROSSOVER says
+                sparse_core.CROSSOVER = dict.fromkeys(crossover, path.startswith("wsx"))
+            if path in ("wsh", "wsr", "wsxh", "wsxr"):
+                sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:
@@ -194,6 +206,7 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
+                sparse_core.CROSSOVER = crossover
                 sparse_core.COMBINE = True
                 sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
             for row in found:

@@ -186,12 +186,23 @@ def _dcp_merge(shape, pdl):
     return "dcp_merge", dcp_merge.DcpMerge(shape.model.index_topk, shape.topology.dcp, shape.topology.rank, pdl)
 
 
-def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | None = None, poll: bool = False):
+def _sparse_core(
+    shape,
+    pdl,
+    slots: int,
+    publish: bool = True,
+    producer: bool | None = None,
+    poll: bool = False,
+    crossover: bool | None = None,
+):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
     producer warpgroup or not; None: sparse_core.PRODUCER for the cache (64-row CTAs), or
     MMA_PRODUCER_BLOCKS per cache (16 rows; the name says only a choice other than None).
-    poll: its CTAs wait for their query rows in the mailbox (the step's fork_poll on one rank)."""
+    poll: its CTAs wait for their query rows in the mailbox (the step's fork_poll on one rank).
+    crossover: 64-row CTAs in head-group pairs sharing each block's loads (a cluster of 2;
+    None: sparse_core.CROSSOVER for the cache; the name says only a choice other than None,
+    as the op runs it: _nox where it does not apply)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,
@@ -205,8 +216,10 @@ def _sparse_core(shape, pdl, slots: int, publish: bool = True, producer: bool | 
         publish,
         producer,
         poll,
+        crossover,
     )
     path = "" if producer is None else ("_ws" if producer else "_nows")
+    path += "" if crossover is None else ("_x" if op.crossover else "_nox")  # as it runs (where it applies)
     return f"sparse_core_s{slots}{'' if publish else '_read'}{path}{'_poll' if poll else ''}", op
 
 

@@ -627,6 +627,27 @@ def mma_f16_16816(a, b, c) -> list:
     return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
 
 
+# A wgmma shared-memory matrix descriptor's start address: bits 4 .. 17 of the operand's
+# shared address in its 14-bit field (PTX: encode(x) = (x & 0x3FFFF) >> 4). The 32-bit shared
+# address a kernel holds is wider: in a cluster launch it carries the CTA's rank in the
+# cluster at bit 24 up (SASS: the shared base is SR_CgaCtaId << 24 | offset), which shifted
+# down unmasked lands in the descriptor's leading byte offset (bits 16 .. 29) -- rank 1 of a
+# pair read its operands 256 B per k-chunk off. So the field is masked, never just shifted.
+DESC_ADDR_MASK = 0x3FFF
+
+
+def smem_desc_lines(reg: str, operand: str, layout: int) -> list:
+    """PTX lines: the 64-bit wgmma descriptor in `reg` of the 32-bit shared address
+    `operand` with the layout bits `layout` (LBO, SBO, swizzle): (address >> 4) masked to
+    the start-address field (DESC_ADDR_MASK), then the layout or-ed in."""
+    return [
+        f"cvt.u64.u32 {reg}, {operand};",
+        f"shr.u64 {reg}, {reg}, 4;",
+        f"and.b64 {reg}, {reg}, {DESC_ADDR_MASK:#x};",
+        f"or.b64 {reg}, {reg}, {layout:#018x};",
+    ]
+
+
 def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, wait: bool = True) -> list:
     """Warpgroup MMA with A in registers: acc[64 rows, 2 len(acc)] += A x B, bf16, FP32
     accumulators (acc in wgmma's C layout, returned updated). a: 4 bf16x2 words per k step
@@ -638,7 +659,7 @@ def wgmma_bf16_rs(acc, a, b_addr, b_layout: int, b_step: int, b_mn_major: bool, 
     count, steps = len(acc), len(a) // 4
     d = ", ".join(f"{{$w{i}}}" for i in range(count))
     lines = ["{", ".reg .b64 b0, b;", ".reg .pred more;"]
-    lines += [f"cvt.u64.u32 b0, {{$r{count + len(a)}}};", "shr.u64 b0, b0, 4;", f"or.b64 b0, b0, {b_layout:#018x};"]
+    lines += smem_desc_lines("b0", f"{{$r{count + len(a)}}}", b_layout)
     lines += ["setp.eq.b32 more, 0, 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
     lines += ["wgmma.fence.sync.aligned;"]
     for s in range(steps):
@@ -772,6 +793,26 @@ def mbar_arrive_remote(addr, cta):
         "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
         "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}",
         read_only_args=[addr, cta],
+    )
+
+
+def mapa(address, cta) -> Int32:
+    """The shared::cluster address of shared address `address` in CTA `cta` of the cluster.
+    A CTA's window is contiguous: mapa(a) + d addresses a + d there, so a thread pushing
+    many chunks maps its base once (st_async_u32x4) instead of once a chunk
+    (dsmem_push_u32x4)."""
+    return cute.arch.inline_ptx(
+        "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32], read_only_args=[address, cta]
+    )
+
+
+def st_async_u32x4(remote, words, remote_bar):
+    """dsmem_push_u32x4 at addresses already mapped (`mapa`): 4 words to shared::cluster
+    address `remote` (16-byte aligned), their 16 bytes counted (complete_tx) on the mbarrier
+    at shared::cluster address `remote_bar` (in the same CTA as `remote`)."""
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}}, [{$r5}];",
+        read_only_args=[remote, *words, remote_bar],
     )
 
 

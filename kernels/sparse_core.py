@@ -13,6 +13,8 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
+         CROSSOVER (not yet measured): a token's two 64-row CTAs as a cluster of 2, each
+         producer loading half of every block into both CTAs' tiles.
          16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
          row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
          its query rows' A fragments in registers. Per block:
@@ -107,6 +109,13 @@ from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it r
 where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
 the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
 dequantization).
+The crossover is built (CROSSOVER, off by default; bench_sparse_core.py --paths ws,wsx) but
+NOT YET MEASURED: the two head-group CTAs of a (split, token) launch as a cluster of 2 (grid
+y), each producer loads and dequantizes 32 of every block's 64 rows and writes them into its
+own tile and, by st.async completing on the peer's full mbarrier, into the peer's; full[s]
+waits for both halves, empty[s] for both CTAs' consumers (remote arrives), so each SM moves
+and dequantizes half the rows it did (produce_blocks has the protocol). Without a partner
+(q_heads / 64 odd, DCP at TP 8) it is today's kernel.
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -174,6 +183,17 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
+# The crossover (docs/levers.md A.2 step 3; partial_wgmma_ws over the fp8 cache, NOT YET MEASURED):
+# the two 64-head CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- run as one cluster
+# of 2 along the grid's head-group axis, and each one's producer loads and dequantizes only
+# its half of every block's rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own
+# tile and, by st.async, into the peer's (produce_blocks has the protocol). Per cache format;
+# where a CTA has no partner (q_heads / 64 odd: 64 heads, DCP at TP 8), a block under 64
+# slots or the bf16 cache's cp.async producer it is today's kernel (cluster 1).
+# bench_sparse_core.py --paths ws,wsx times both in one process.
+CROSSOVER = {"fp8": False, "bf16": False}
+XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
+XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -285,6 +305,17 @@ def ring_stages(heads: int, block: int, slots_per_cta: int, mla_fp8: bool) -> in
     return max(2, min(4, fit, slots_per_cta // block))
 
 
+def producer_map(ptid, v, block: int) -> tuple:
+    """(row r of the block, first chunk group cg0, quarter q4) of partial_wgmma_ws's producer
+    thread ptid (0 .. 127), share v (0 or 1: the shares of partial_wgmma's threads ptid and
+    ptid + 128): its 16-byte chunks 4 (cg0 + step j) + q4 of row r, step = 8 / (block / 8).
+    At 64-slot blocks share v is rows 32 v .. 32 v + 31: the crossover's CTA rank v loads
+    that share alone. (Python ints on the host, the kernel's Int32 on the device.)"""
+    groups = block // 8
+    vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
+    return 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+
+
 def ws_stages(block: int, mla_fp8: bool) -> int:
     """Blocks in partial_mma_ws's ring (2 .. 4, as many as fit): cache rows as they are in HBM
     (bf16 at STRIDE, raw fp8 rows) with their slot ids and live flag, beside P (four copies
@@ -328,7 +359,7 @@ DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHU
 
 
 def _desc_lines(reg: str, operand: str, layout: int) -> list:
-    return [f"cvt.u64.u32 {reg}, {operand};", f"shr.u64 {reg}, {reg}, 4;", f"or.b64 {reg}, {reg}, {layout:#018x};"]
+    return P.smem_desc_lines(reg, operand, layout)
 
 
 def wgmma_scores(q_addr, k_addr, n: int) -> list:
@@ -399,6 +430,7 @@ class SparseCore:
         publish: bool = False,
         producer: bool | None = None,
         poll: bool = False,
+        crossover: bool | None = None,
     ):
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
@@ -409,7 +441,11 @@ class SparseCore:
         producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
         partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
         module's PRODUCER for the cache (64 rows), or partial_mma_ws from
-        MMA_PRODUCER_BLOCKS[cache] blocks per CTA."""
+        MMA_PRODUCER_BLOCKS[cache] blocks per CTA.
+        crossover: partial_wgmma_ws's two head-group CTAs of a (split, token) as a cluster of 2,
+        each producer loading half of every block (None: the module's CROSSOVER for the
+        cache); only where it applies (64-row CTAs in pairs, the fp8 cache's producer,
+        64-slot blocks), else today's kernel."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -451,6 +487,9 @@ class SparseCore:
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
+        want = CROSSOVER["fp8" if mla_fp8 else "bf16"] if crossover is None else crossover
+        paired = self.wgmma and (q_heads // self.heads) % 2 == 0  # the head-group axis pairs up
+        self.crossover = bool(want) and paired and self.producer and mla_fp8 and self.block == WG_ROWS
         self.probe = PROBE if self.producer else ""
         self.combine = COMBINE
         if self.probe not in PROBES:
@@ -492,7 +531,9 @@ class SparseCore:
             # (168), the pool its setmaxnreg re-deals (left to itself it may take fewer, and
             # the consumers' setmaxnreg.inc would wait forever)
             min_blocks_per_mp=1 if self.producer else 0,
-            cluster=[self.splits, 1, 1] if self.clustered else [1, 1, 1],
+            # clustered: a token's split CTAs; crossover: the two head groups' CTAs of a
+            # (split, token), along the grid's y (q_heads / 64 even, so 2 divides it)
+            cluster=[self.splits, 1, 1] if self.clustered else ([1, 2, 1] if self.crossover else [1, 1, 1]),
         )
         if cutlass.const_expr(self.splits > 1 and self.combine and not self.clustered):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
@@ -1553,7 +1594,13 @@ class SparseCore:
         Warpgroups 0 and 1 wait on full, compute the block as partial_wgmma does with named
         barriers of their 256 threads (no CTA barrier in the loop) and release the buffer on
         its empty mbarrier after their P @ V has completed. Shared memory as partial_wgmma,
-        plus the four mbarriers."""
+        plus the four mbarriers.
+        crossover: the CTA and its peer (the other head group of the same split and token,
+        a cluster of 2) share the blocks' rows: each producer loads and dequantizes its half
+        into both CTAs' buffers, full[s] also waits for the peer's bytes and empty[s] for
+        the peer's consumers (produce_blocks); the mbarriers' initialization is published to
+        the peer by a cluster barrier (arrived on here, waited on before any remote access),
+        and every thread meets the peer's at a second one before it exits."""
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
         warp = tid // 32
@@ -1567,12 +1614,18 @@ class SparseCore:
         sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout(4), byte_alignment=8).iterator.toint()
         full0, empty0 = bars, bars + 16  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        # crossover: empty[s] also counts the peer's consumer warps (remote arrivals)
+        releases = 16 if self.crossover else 8
         if tid == 0:
             for s in cutlass.range_constexpr(2):
                 P.mbar_init(full0 + 8 * s, 128)  # every producer thread, after its stores
-                P.mbar_init(empty0 + 8 * s, 8)  # lane 0 of each consumer warp, after its P @ V
+                P.mbar_init(empty0 + 8 * s, releases)  # lane 0 of each consumer warp, after its P @ V
             P.mbar_init_fence()
         cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+        if cutlass.const_expr(self.crossover):
+            # ... and, for the peer, by this cluster barrier (release), waited on by each thread
+            # before its first remote store or arrive (the producer's / consumers' cluster_wait)
+            cute.arch.cluster_arrive(aligned=True)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         consumers = (
@@ -1618,17 +1671,50 @@ class SparseCore:
     def produce_blocks(self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
         """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
         partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
-        the row and chunk maps are the same; the next block's slot ids load a block ahead."""
+        the row and chunk maps are the same; the next block's slot ids load a block ahead.
+
+        crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads and
+        dequantizes only share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) and
+        stores each 16-byte bf16 chunk twice, st.shared into its own buffer and st.async into
+        the same place of the peer's (complete_tx on the peer's full[s]); the slot ids, their
+        range guard and the error word stay whole in each CTA (both shares' ids, as without).
+        Protocol (both CTAs alike):
+        - full[s]: 128 local arrivals (after this CTA's stores and proxy fence; producer thread
+          0's arrival also expects XOVER_BYTES) + the peer's XOVER_BYTES of st.async. The
+          peer's bytes of block b may land before this CTA's expect: the tx-count goes below
+          zero, and the phase cannot complete before the local arrivals anyway.
+        - empty[s]: 16 arrivals, lane 0 of each consumer warp of both CTAs (the peer's by
+          mapa + mbarrier.arrive.release.cluster), so stage s is rewritten (here and, by the
+          pushes, in the peer) only once both CTAs' consumers finished block b - 2 there;
+          waited on with acquire at cluster scope, as full[s] is (the peer's data).
+        - The consumers skip the remote arrive for a CTA's last two blocks (no producer waits
+          for those phases), so every remote arrive lands on a phase its owner waits for and
+          every push is waited for by the peer's consumers: neither CTA can have exited when
+          the other's pushes or arrivals reach it. A closing cluster barrier (every thread,
+          after its last remote store or arrive) keeps both CTAs resident until both are
+          done, as FlashMLA does.
+        st.async (not st.shared::cluster + a remote arrive): the bytes count themselves on the
+        peer's full[s] (no fence or second arrive per block, no round trip before the
+        arrive), and the one mbarrier covers local and remote halves. The peer's tile and
+        full barrier are mapped once (mapa) and offset per chunk, not mapped per store."""
         block = self.block
         blocks = self.slots_per_cta // block
-        groups = block // 8
         maps = []
         for v in cutlass.range_constexpr(2):
-            vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
-            r, cg0, q4 = 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+            r, cg0, q4 = producer_map(ptid, v, block)
             maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))  # the writer: chunk 0's thread
         ids_row = slots + token * self.k + split * self.slots_per_cta
         slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
+        rank = Int32(0)  # crossover: this CTA's rank in the pair, the share of each block it loads
+        half = maps[0]
+        peer_kv, peer_full0 = kv_s, full0  # crossover: the peer's tile and full[0] (shared::cluster)
+        if cutlass.const_expr(self.crossover):
+            rank = cute.arch.block_idx_in_cluster()
+            r, cg0, q4 = producer_map(ptid, rank, block)
+            half = (r, cg0, q4, (cg0 == 0) & (q4 == 0))
+            peer_kv = P.mapa(kv_s, 1 - rank)
+            peer_full0 = P.mapa(full0, 1 - rank)
+            cute.arch.cluster_wait()  # the peer's mbarriers are initialized
         for b in range(blocks):
             s = b % 2
             buf = kv_s + s * TILE_BYTES
@@ -1637,7 +1723,19 @@ class SparseCore:
                 fetched = [Int32(-1), Int32(-1)]
             # the next block's slots (past the CTA's last block: the last block's again, unused)
             upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-            if cutlass.const_expr(self.mla_fp8):
+            if cutlass.const_expr(self.crossover):
+                own = P.select_i32(rank == 0, fetched[0], fetched[1])
+                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots)
+                if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                    P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+                else:
+                    P.mbar_arrive(full0 + 8 * s)
+            elif cutlass.const_expr(self.mla_fp8):
                 staged = [
                     self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
                     for v in range(2)
@@ -1665,6 +1763,9 @@ class SparseCore:
             P.cp_async_wait(0)
             P.fence_proxy_async()
             P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
+        if cutlass.const_expr(self.crossover):  # the closing cluster barrier (see above)
+            cute.arch.cluster_arrive(aligned=True)
+            cute.arch.cluster_wait()
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
@@ -1714,7 +1815,14 @@ class SparseCore:
         named barriers: P_READY (0 arrives once they are in shared memory, 1 waits) and P_FREE
         (1 arrives once its P @ V over them has completed, 0 waits before it writes the next
         block's). Only warpgroup 0 keeps row maxima and sums; 1's sums are zeros in
-        finish_wgmma."""
+        finish_wgmma.
+
+        crossover: full[s] is waited on with acquire at cluster scope (half the block is the
+        peer's st.async), and lane 0 of each warp also releases the buffer to the peer's
+        producer (its empty[s], mapa + arrive.release.cluster) but for the CTA's last two
+        blocks (produce_blocks has the protocol); the thread passes the cluster barrier the
+        kernel arrived on after initializing its mbarriers before its first remote arrive, and
+        meets the peer at the closing one around finish_wgmma."""
         _, group, token = cute.arch.block_idx()
         lane = tid % 32
         blocks = self.slots_per_cta // self.block
@@ -1724,6 +1832,10 @@ class SparseCore:
         P.cp_async_wait(0)
         P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        peer = Int32(0)  # crossover: the other CTA of the pair
+        if cutlass.const_expr(self.crossover):
+            peer = 1 - cute.arch.block_idx_in_cluster()
+            cute.arch.cluster_wait()  # the peer's mbarriers are initialized
         if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
             self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
 
@@ -1734,7 +1846,9 @@ class SparseCore:
         for b in range(blocks):
             s = b % 2
             cur = kv_s + s * TILE_BYTES
-            P.mbar_wait(full0 + 8 * s, (b // 2) % 2)
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover)
+            if cutlass.const_expr(self.crossover):
+                P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
             if cutlass.const_expr(self.probe != "no_math"):
                 if cutlass.const_expr(role is None):
                     row_max, row_sum, acc_o = self.consume_block(
@@ -1748,8 +1862,15 @@ class SparseCore:
                     acc_o = self.values_block_half(cur, p_s, red, acc_o, tid, b < blocks - 1)
             if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
                 P.mbar_arrive(empty0 + 8 * s)
+                if cutlass.const_expr(self.crossover):
+                    if b < blocks - 2:  # the peer's producer waits for it (before block b + 2)
+                        P.mbar_arrive_remote(empty0 + 8 * s, peer)
 
+        if cutlass.const_expr(self.crossover):  # this thread's last remote access is done
+            cute.arch.cluster_arrive(aligned=True)
         self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+        if cutlass.const_expr(self.crossover):
+            cute.arch.cluster_wait()
 
     @cute.jit
     def score_block(self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free):
@@ -1932,9 +2053,11 @@ class SparseCore:
         return words
 
     @cute.jit
-    def store_piece(self, words, scales, at, cg0, j: int):
+    def store_piece(self, words, scales, at, cg0, j: int, remote=None):
         """fetch_piece's words -> its bf16 chunk of block row `at` (dst + 16 r + q4 x CHUNK):
-        e4m3 x the chunk's 128-dim scale, rounded to bf16; the rope copied."""
+        e4m3 x the chunk's 128-dim scale, rounded to bf16; the rope copied. remote (the
+        crossover): (the same row's address in the peer's tile, the peer's full mbarrier),
+        both shared::cluster; the chunk is also pushed there (st.async)."""
         step = 8 // (self.block // 8)
         c4 = cg0 + step * j
         if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
@@ -1947,18 +2070,26 @@ class SparseCore:
                 outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
                 outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
             P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
+            if cutlass.const_expr(remote is not None):
+                P.st_async_u32x4(remote[0] + 4 * CHUNK * c4, outw, remote[1])
         elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
             if c4 < TILE_CHUNKS // 4:
                 P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
+                if cutlass.const_expr(remote is not None):
+                    P.st_async_u32x4(remote[0] + 4 * CHUNK * c4, words, remote[1])
 
     @cute.jit
-    def store_rows(self, staged, dst, r, cg0, q4):
+    def store_rows(self, staged, dst, r, cg0, q4, remote=None):
         """fetch_rows' fp8 registers -> bf16 chunks of block row r in dst: e4m3 x the chunk's
-        128-dim scale, rounded to bf16; the rope copied."""
+        128-dim scale, rounded to bf16; the rope copied. remote (the crossover): (the peer's
+        dst, the peer's full mbarrier), shared::cluster: every chunk also pushed there."""
         step = 8 // (self.block // 8)
         at = dst + r * 16 + q4 * CHUNK
+        there = None
+        if cutlass.const_expr(remote is not None):
+            there = (remote[0] + r * 16 + q4 * CHUNK, remote[1])
         for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-            self.store_piece(staged[1 + j], staged[0], at, cg0, j)
+            self.store_piece(staged[1 + j], staged[0], at, cg0, j, there)
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid):

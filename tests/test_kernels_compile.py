@@ -1053,9 +1053,9 @@ TP1 = {
 }
 
 
-@pytest.mark.parametrize("path", ["nows", "wsh", "wsr"])
+@pytest.mark.parametrize("path", ["nows", "wsh", "wsr", "wsx", "wsxr"])
 @pytest.mark.parametrize("shape_name", TP1)
-@pytest.mark.parametrize("slots", [16, 32, 64, 128, 2048])
+@pytest.mark.parametrize("slots", [16, 32, 64, 128, 512, 2048])
 def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch, shape_name, slots, path):
     """64 query rows per CTA (TP 1) on wgmma: no mma.sync, PDL, no local memory. nows: two
     warpgroups (36 k steps of scores over half a block each, then P @ V over the block's
@@ -1068,18 +1068,25 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
     few loop scalars (at most 32 B of stack, ptxas's choice at any producer count: the
-    RESHAPE_PRODUCER_REGS comment)."""
+    RESHAPE_PRODUCER_REGS comment). wsx / wsxr: wsh / wsr with the crossover (the fp8 cache
+    at 64-slot blocks; elsewhere today's kernel): the same registers and stack, and
+    _check_crossover's instructions."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     producer = path != "nows"
-    monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if path == "wsr" else 0)
+    reshape = path in ("wsr", "wsxr")
+    monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
     shape = TP1[shape_name]
-    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    crossover = path.startswith("wsx")
+    variant = catalog.build(
+        shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer, crossover=crossover
+    )
     threads = sparse_core.WS_THREADS if producer else sparse_core.WG_THREADS
     assert variant.op.wgmma and variant.op.producer == producer and variant.op.threads == threads
-    assert variant.op.reshape == (path == "wsr")
+    assert variant.op.reshape == reshape
+    assert variant.op.crossover == (crossover and shape_name == "tp1-fp8" and slots >= 64)
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -1089,7 +1096,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     partial = next(e for e in entries if "sparse_core_partial" in e.split("(")[0])
     block = min(64, slots)
     values = "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"
-    if path == "wsr":
+    if reshape:
         assert partial.count(f"wgmma.mma_async.sync.aligned.m64n{block}k16.f32.bf16.bf16") == 36
         # P @ V: warpgroup 0's with P in registers ({4 words}, then the descriptor), 1's SS
         from_registers = re.findall(values + r" \{[^}]*\}, \{[^}]*\}, b,", partial)
@@ -1101,10 +1108,11 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     assert "mma.sync" not in partial and ".local" not in partial
     assert "griddepcontrol.wait;" in partial and "fence.proxy.async.shared::cta;" in partial
     assert ("cvt.rn.f16x2.e4m3x2" in partial) == (shape_name == "tp1-fp8")
+    _check_descriptors(partial)
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
-    assert all(v["frame"] <= (32 if path == "wsr" else 0) for v in kernels.values()), kernels
+    assert all(v["frame"] <= (32 if reshape else 0) for v in kernels.values()), kernels
     assert found["regs"] * threads <= 65536, found
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     arrives = re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)?\s+(\d+),\s*(\d+);", partial)
@@ -1114,13 +1122,13 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert found["regs"] == 168, found
         regs = (
             (sparse_core.SCORER_REGS, sparse_core.VALUES_REGS, sparse_core.RESHAPE_PRODUCER_REGS)
-            if path == "wsr"
+            if reshape
             else (sparse_core.CONSUMER_REGS, sparse_core.CONSUMER_REGS, sparse_core.PRODUCER_REGS)
         )
         assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[0]};" in partial
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[2]};" in partial
-        if path == "wsr":
+        if reshape:
             assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[1]};" in partial
         assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
         assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
@@ -1128,14 +1136,89 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert barriers.count(("0", "")) == 1, barriers  # before the loop only
         # P_FREE only where a CTA has a second block to wait for
         handover = {("2", "256")} | ({("3", "256")} if slots > 64 else set())
-        named = {("1", "256")} | (handover if path == "wsr" else set())
+        named = {("1", "256")} | (handover if reshape else set())
         assert set(barriers) - {("0", "")} == named, barriers
         assert set(arrives) == (named - {("1", "256")}), arrives
         wait = partial.index("mbarrier.try_wait.parity")
         assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < wait
+        _check_crossover(partial, variant.op)
     else:
         assert "setmaxnreg" not in partial and "mbarrier" not in partial and not arrives
         assert barriers and all(b == ("0", "") for b in barriers), barriers
+
+
+def _check_descriptors(partial: str):
+    """Every wgmma descriptor's start address is the shared address >> 4 masked to its 14-bit
+    field before the layout bits (primitives.smem_desc_lines): in a cluster launch (the
+    crossover) the address carries the CTA's rank from bit 24 up, which unmasked would land
+    in the leading byte offset of rank 1's descriptors."""
+    shifts = re.findall(r"shr\.u64 (\w+), (\w+), 4;\s*and\.b64 (\w+), (\w+), (0x[0-9a-f]+);", partial)
+    assert shifts and len(shifts) == partial.count("shr.u64"), partial.count("shr.u64")
+    for d, s, d2, s2, mask in shifts:
+        assert d == s == d2 == s2 and int(mask, 16) == 0x3FFF
+
+
+def _check_crossover(partial: str, op):
+    """The crossover's instructions in partial_wgmma_ws's PTX (none without it): per block
+    each producer thread pushes its 18 chunks (st.async v4, 16 bytes each, 128 threads:
+    XOVER_BYTES, which thread 0's arrival on full[s] expects); the peer's tile and full[0]
+    mapped once (the producer's 2 mapa), each remote arrive with its own; empty[s] counts 16
+    warps; every mbarrier wait acquires at cluster scope; remote arrives
+    (arrive.release.cluster) only where a CTA has more than two blocks; one cluster barrier
+    arrived on after the mbarriers' initialization and each role's two waits plus one
+    closing arrive."""
+    pushes = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32 \[%r\d+\]", partial)
+    remote_arrive = "mbarrier.arrive.release.cluster.shared::cluster.b64"
+    if not op.crossover:
+        assert not pushes and "mapa" not in partial and "barrier.cluster" not in partial
+        assert remote_arrive not in partial and ".acquire.cluster" not in partial
+        assert re.search(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 8;", partial)
+        return
+    blocks = op.slots_per_cta // op.block
+    roles = 2 if op.reshape else 1  # consume_blocks' code once per role
+    per_thread = sparse_core.TILE_CHUNKS // 4  # 18 chunks of its row (64-slot blocks: step 1)
+    assert per_thread * 16 * 128 == sparse_core.XOVER_BYTES == 36864
+    assert pushes and len(pushes) % per_thread == 0, len(pushes)
+    expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", partial)
+    assert expects and set(expects) == {str(sparse_core.XOVER_BYTES)}, expects
+    assert partial.count("mapa.shared::cluster.u32") == 2 + partial.count(remote_arrive)
+    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 16;", partial)) == 2  # empty[s]
+    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 128;", partial)) == 2  # full[s]
+    waits = re.findall(r"mbarrier\.try_wait\.parity(\S*)\.shared::cta", partial)
+    assert waits and set(waits) == {".acquire.cluster"}, waits
+    arrives = partial.count(remote_arrive)  # (a loop as short as no_math's may be unrolled)
+    assert (arrives > 0) == (blocks > 2) and arrives % roles == 0, arrives
+    assert partial.count("barrier.cluster.arrive.aligned;") == 1 + 1 + roles
+    assert partial.count("barrier.cluster.wait;") == 2 * (1 + roles)
+    # the first arrive after the mbarriers' initialization, before the PDL wait
+    assert partial.index("fence.mbarrier_init.release.cluster;") < partial.index("barrier.cluster.arrive")
+    assert partial.index("barrier.cluster.arrive") < partial.index("griddepcontrol.wait;")
+    # each push lands on the peer's full barrier: the producer's mapped base, not a local address
+    assert partial.index("mapa.shared::cluster.u32") < partial.index("st.async")
+
+
+@pytest.mark.parametrize("probe", ["no_loads", "no_math"])
+def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, probe):
+    """The producer probes on the crossover (bench_sparse_core.py --probe-paths wsx): 168
+    registers, no stack; no_loads still dequantizes and pushes (zeros) so full[s] sees the
+    same bytes, no_math issues no MMAs but waits for and releases every block to both CTAs."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "PROBE", probe)
+    variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
+    assert variant.op.crossover and variant.op.probe == probe
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+    assert ("wgmma.mma_async" in partial) == (probe != "no_math")
+    _check_crossover(partial, variant.op)
 
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():

@@ -26,6 +26,7 @@ CASES = {  # name: (preset, topology, tolerance); gathered query rows in the nam
     "q32-tp8-dcp2-fp8": ("deepseek-v3.2", Topology(tp=8, dcp=2, q_format="fp8", mla_cache="fp8"), FP8),
     "q64-kimi-tp1-fp8cache": ("kimi-k3.1", Topology(tp=1, mla_cache="fp8"), FP8),
     "q128-tp1-fp8": ("deepseek-v3.2", Topology(tp=1, q_format="fp8", mla_cache="fp8"), FP8),
+    "q128-tp1-fp8cache": ("deepseek-v3.2", Topology(tp=1, mla_cache="fp8"), FP8),  # bf16 query rows (the bench's)
     "q128-tp1-bf16": ("deepseek-v3.2", Topology(tp=1), BF16),
 }
 _STATES: dict = {}
@@ -173,6 +174,61 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
+def _crossover(monkeypatch, reshape):
+    """sparse_core.CROSSOVER on (the producer path's head-group pairs sharing each block's
+    loads, bench_sparse_core.py --paths wsx), the consumers the module's (None), half-block
+    scorers (0: wsxh) or FlashMLA's shape (1 << 30: wsxr) at every block count."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
+    monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
+    if reshape is not None:
+        monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", reshape)
+
+
+CONSUMERS = {"wsx": None, "wsxh": 0, "wsxr": 1 << 30}
+
+
+@pytest.mark.parametrize("path", CONSUMERS)
+@pytest.mark.parametrize("batch", [1, 3, 5, 64])
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-fp8cache", "q64-kimi-tp1-fp8cache"])
+def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
+    """At the plan's split (B = 1 / 3: one or two blocks a CTA, 5 and 64 with holes, repeated
+    slots, a short selection and a token with none): each CTA of a head-group pair loads half
+    of every block into both; 64 heads (no partner) run today's kernel."""
+    from graphstep.kernels import catalog, sparse_core
+
+    _crossover(monkeypatch, CONSUMERS[path])
+    shape = _state(case).shape
+    op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
+    assert op.crossover == (shape.q_heads == 128)
+    _check(case, batch)
+
+
+@pytest.mark.parametrize("path", CONSUMERS)
+@pytest.mark.parametrize("slots_per_cta", [64, 128, 256, 512, 1024, 2048])
+def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch, slots_per_cta, path):
+    """1, 2, 4 .. 32 blocks a CTA: the remote releases (from 3 blocks on), both stages' reuse
+    across the pair, one split normalizing itself."""
+    _crossover(monkeypatch, CONSUMERS[path])
+    _check("q128-tp1-fp8", 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, batch):
+    """The fp8 rows x 2^24 / 2^-24 and the bf16 query rows x 2^-24 / 2^24 (exact; the scores
+    unchanged, the output x 2^shift): the peer's half dequantized with its rows' scales."""
+    _crossover(monkeypatch, None)
+    for shift in (24, -24):
+        _check("q128-tp1-fp8cache", batch, cache_shift=shift, q_shift=-shift)
+
+
+def test_poll_and_the_crossover(monkeypatch):
+    """The poll (fork_poll) on the crossover: each CTA of a pair polls its own rows."""
+    _crossover(monkeypatch, None)
+    test_poll_waits_for_the_rows_and_names_a_chunk_never_published("q128-tp1-fp8", 2, None)
+
+
 BULK = [None, 0, 3, 16]  # partial_mma_ws's bulk-copied sixteenths: the module's, none, a few, all
 
 
@@ -288,18 +344,23 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("mws", [False, True], ids=["default", "mws"])
+@pytest.mark.parametrize("path", ["default", "mws", "wsx"])
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
-def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, mws):
+def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, path):
     """The step's launch (q_out given): the same out and lse bit for bit as a launch without
     it, q_out = the gathered rows as they were, those rows re-armed in the mailbox, and
     nothing else of the mailbox touched (pad rows, rows past the batch). mws: 16-row CTAs
-    on partial_mma_ws."""
+    on partial_mma_ws; wsx: 64-row CTAs with the crossover."""
     from graphstep.kernels import sparse_core
 
+    mws = path == "mws"
     if mws and case.startswith("q128"):
         pytest.skip("64-row CTAs have no partial_mma_ws")
+    if path == "wsx" and not case.startswith("q128"):
+        pytest.skip("the crossover pairs 64-row CTAs")
+    if path == "wsx":
+        _crossover(monkeypatch, None)
     if mws:
         monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     state, batch = _state(case), 6
