@@ -14,9 +14,11 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, wsx / wsxh / wsxr = ws / wsh / wsr with the crossover
+in FlashMLA's shape at every split, wsx = the crossover with its module consumers
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
-loading half of every block; ws / wsh / wsr without it, whatever the module's default), nows =
+loading half of every block; sparse_core.XOVER_RESHAPE_BLOCKS), wsxh / wsxr = the crossover
+with half-block / FlashMLA's consumers at every split (ws / wsh / wsr: without it, whatever the
+module's default), nows =
 every thread loads (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
 between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
@@ -185,7 +187,7 @@ def main() -> int:
             if (path not in known and not path.startswith("mws")) or probe not in (*sparse_core.PROBES, "no_combine"):
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
-            crossover = sparse_core.CROSSOVER
+            crossover, xover_reshape = sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS
             sixteenths = sparse_core.MMA_BULK_SIXTEENTHS
             if bulk:
                 sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(sixteenths, int(bulk))
@@ -197,8 +199,10 @@ def main() -> int:
                     sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1)
                 # the crossover only on wsx*, so ws* is the path without it whatever CROSSOVER says
                 sparse_core.CROSSOVER = dict.fromkeys(crossover, path.startswith("wsx"))
-            if path in ("wsh", "wsr", "wsxh", "wsxr"):
+            if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
+            if path in ("wsxh", "wsxr"):
+                sparse_core.XOVER_RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:
@@ -206,7 +210,7 @@ def main() -> int:
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
-                sparse_core.CROSSOVER = crossover
+                sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS = crossover, xover_reshape
                 sparse_core.COMBINE = True
                 sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
             for row in found:

@@ -13,8 +13,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         CROSSOVER (not yet measured): a token's two 64-row CTAs as a cluster of 2, each
-         producer loading half of every block into both CTAs' tiles.
+         CROSSOVER (the fp8 cache's default): a token's two 64-row CTAs as a cluster of
+         2, each producer loading half of every block into both CTAs' tiles, the
+         consumers in FlashMLA's shape at every block count (XOVER_RESHAPE_BLOCKS).
          16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
          row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
          its query rows' A fragments in registers. Per block:
@@ -109,13 +110,18 @@ from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it r
 where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
 the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
 dequantization).
-The crossover is built (CROSSOVER, off by default; bench_sparse_core.py --paths ws,wsx) but
-NOT YET MEASURED: the two head-group CTAs of a (split, token) launch as a cluster of 2 (grid
-y), each producer loads and dequantizes 32 of every block's 64 rows and writes them into its
-own tile and, by st.async completing on the peer's full mbarrier, into the peer's; full[s]
-waits for both halves, empty[s] for both CTAs' consumers (remote arrives), so each SM moves
-and dequantizes half the rows it did (produce_blocks has the protocol). Without a partner
-(q_heads / 64 odd, DCP at TP 8) it is today's kernel.
+The crossover (CROSSOVER, on for the fp8 cache; bench_sparse_core.py --paths ws,wsx,wsxr): the
+two head-group CTAs of a (split, token) launch as a cluster of 2 (grid y), each producer loads
+and dequantizes 32 of every block's 64 rows and writes them into its own tile and, by st.async
+completing on the peer's full mbarrier, into the peer's; full[s] waits for both halves,
+empty[s] for both CTAs' consumers (remote arrives), so each SM moves and dequantizes half the
+rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd, DCP at TP
+8) it is today's kernel. Measured (session 18): with FlashMLA's consumers 12.8 / 20.6 / 46.9 /
+105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 / 49.8 / 115.3 without it (FlashMLA 17.0 /
+18.3 / 38.0 / 89.5); its producer alone is slower (80.5 against 72.4 us at B = 64: the pushes
+and the pair's waits cost what the halved loads save), its gain is the consumers'. A cluster
+launch puts the CTA's rank in its shared addresses' high bits, so every wgmma descriptor
+masks the address to its 18-bit field (primitives.smem_desc_lines).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -183,7 +189,7 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# The crossover (docs/levers.md A.2 step 3; partial_wgmma_ws over the fp8 cache, NOT YET MEASURED):
+# The crossover (docs/levers.md A.2 step 3; partial_wgmma_ws over the fp8 cache):
 # the two 64-head CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- run as one cluster
 # of 2 along the grid's head-group axis, and each one's producer loads and dequantizes only
 # its half of every block's rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own
@@ -191,7 +197,15 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # where a CTA has no partner (q_heads / 64 odd: 64 heads, DCP at TP 8), a block under 64
 # slots or the bf16 cache's cp.async producer it is today's kernel (cluster 1).
 # bench_sparse_core.py --paths ws,wsx times both in one process.
-CROSSOVER = {"fp8": False, "bf16": False}
+# Measured (H200, TP 1 fp8, B = 1 / 4 / 16 / 64, same run, bench/RESULTS.md session 18 call H): with
+# FlashMLA's consumer shape at every block count (wsxr) 12.8 / 20.6 / 46.9 / 105.7 us against the
+# path without it (ws) 13.5 / 21.7 / 49.8 / 115.3; with the module's consumers (half-block scorers
+# past RESHAPE_BLOCKS, wsx) 13.3 / 21.1 / 50.0 / 117.9. Its producer alone is slower than without
+# it (80.5 against 72.4 us at B = 64: halving each CTA's loads does not pay for the pushes and the
+# pair's waits), but its lighter producer leaves FlashMLA's consumers (alone 77 us, against the
+# half-block scorers' 90) less slowed. So on for the fp8 cache, with XOVER_RESHAPE_BLOCKS.
+CROSSOVER = {"fp8": True, "bf16": False}
+XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
@@ -486,10 +500,11 @@ class SparseCore:
                 raise ValueError(f"SparseCore's ring ({ring} B) cannot stage a split's 16 rows for the cluster")
         else:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
-        self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= RESHAPE_BLOCKS
         want = CROSSOVER["fp8" if mla_fp8 else "bf16"] if crossover is None else crossover
         paired = self.wgmma and (q_heads // self.heads) % 2 == 0  # the head-group axis pairs up
         self.crossover = bool(want) and paired and self.producer and mla_fp8 and self.block == WG_ROWS
+        reshape_blocks = XOVER_RESHAPE_BLOCKS if self.crossover else RESHAPE_BLOCKS
+        self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
         self.probe = PROBE if self.producer else ""
         self.combine = COMBINE
         if self.probe not in PROBES:

@@ -1078,6 +1078,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     producer = path != "nows"
     reshape = path in ("wsr", "wsxr")
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
+    monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
     shape = TP1[shape_name]
     crossover = path.startswith("wsx")
     variant = catalog.build(
@@ -1225,19 +1226,24 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at B = 1 and 4,
-    slower at 16 and 64); 16-row CTAs take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache]
-    blocks per CTA, else (and 32-row CTAs) partial_mma_sync."""
+    slower at 16 and 64) -- under the fp8 cache's crossover (a head-group pair) at every
+    block count (XOVER_RESHAPE_BLOCKS: measured faster at every B, session 18); 16-row CTAs
+    take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache] blocks per CTA, else (and 32-row
+    CTAs) partial_mma_sync."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for name, shape in TP1.items():
+        fp8 = name.endswith("fp8")
         op = catalog.build(shape, "sparse_core", slots=2048).op
-        assert op.producer == name.endswith("fp8") and not op.reshape
+        assert op.producer == fp8 and op.reshape == op.crossover == fp8
         assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
         for batch, reshaped in ((1, True), (4, True), (16, False), (64, False)):
             slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
+            op = catalog.build(shape, "sparse_core", slots=slots, producer=True, crossover=False).op
+            assert op.reshape == reshaped and not op.crossover
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True).op
-            assert op.reshape == reshaped
+            assert op.reshape == (reshaped or fp8) and op.crossover == fp8
     # 16 rows: partial_mma_ws over the bf16 cache always, as measured (bench/RESULTS.md,
     # session 10), over fp8 from 8 blocks per CTA (TP 8 B >= 32), as predicted for its f16
     # operands; 32 rows: partial_mma_sync

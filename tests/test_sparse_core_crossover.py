@@ -18,11 +18,18 @@ from graphstep.shapes import RankShape, Topology, preset
 TP1_FP8 = RankShape(preset("deepseek-v3.2"), Topology(tp=1, q_format="fp8", mla_cache="fp8"))
 
 
-def test_the_crossover_is_off_by_default_until_measured():
-    assert sparse_core.CROSSOVER == {"fp8": False, "bf16": False}
+def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
+    """On for the fp8 cache as measured (bench/RESULTS.md session 18 call H: wsxr), FlashMLA's
+    consumer shape at every block count under it (XOVER_RESHAPE_BLOCKS), the half-block
+    scorers past RESHAPE_BLOCKS without it."""
+    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": False}
+    assert sparse_core.XOVER_RESHAPE_BLOCKS >= 2048 // sparse_core.WG_ROWS
     for batch in (1, 4, 16, 64):
         slots = sparse_core.plan(batch, TP1_FP8.q_heads, 2048)
-        assert not catalog.build(TP1_FP8, "sparse_core", slots=slots).op.crossover
+        op = catalog.build(TP1_FP8, "sparse_core", slots=slots).op
+        assert op.crossover and op.reshape
+        plain = catalog.build(TP1_FP8, "sparse_core", slots=slots, crossover=False).op
+        assert not plain.crossover and plain.reshape == (slots // plain.block <= sparse_core.RESHAPE_BLOCKS)
 
 
 def test_the_crossover_runs_only_where_a_64_row_fp8_producer_ctas_has_a_partner():

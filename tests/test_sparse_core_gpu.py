@@ -146,10 +146,12 @@ def test_the_64_row_path_a_cache_does_not_default_to_matches_the_reference(monke
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
 def test_the_producer_path_with_half_block_scorers_matches_the_reference(monkeypatch, case, batch, slots_per_cta):
     """The producer warpgroup's consumers scoring half a block each and exchanging row maxima
-    at every block count (the default past RESHAPE_BLOCKS; bench_sparse_core.py --paths wsh)."""
+    at every block count (without the crossover, the default past RESHAPE_BLOCKS;
+    bench_sparse_core.py --paths wsh)."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
+    monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, False))
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 0)
     _check(case, batch, slots_per_cta)
 
@@ -176,14 +178,15 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
 
 def _crossover(monkeypatch, reshape):
     """sparse_core.CROSSOVER on (the producer path's head-group pairs sharing each block's
-    loads, bench_sparse_core.py --paths wsx), the consumers the module's (None), half-block
-    scorers (0: wsxh) or FlashMLA's shape (1 << 30: wsxr) at every block count."""
+    loads, bench_sparse_core.py --paths wsx), the consumers the module's (None:
+    XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or FlashMLA's shape (1 << 30: wsxr)
+    at every block count."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     if reshape is not None:
-        monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", reshape)
+        monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", reshape)
 
 
 CONSUMERS = {"wsx": None, "wsxh": 0, "wsxr": 1 << 30}
