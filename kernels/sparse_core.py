@@ -196,14 +196,10 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # tile and, by st.async, into the peer's (produce_blocks has the protocol). Per cache format;
 # where a CTA has no partner (q_heads / 64 odd: 64 heads, DCP at TP 8), a block under 64
 # slots or the bf16 cache's cp.async producer it is today's kernel (cluster 1).
-# bench_sparse_core.py --paths ws,wsx times both in one process.
-# Measured (H200, TP 1 fp8, B = 1 / 4 / 16 / 64, same run, bench/RESULTS.md session 18 call H): with
-# FlashMLA's consumer shape at every block count (wsxr) 12.8 / 20.6 / 46.9 / 105.7 us against the
-# path without it (ws) 13.5 / 21.7 / 49.8 / 115.3; with the module's consumers (half-block scorers
-# past RESHAPE_BLOCKS, wsx) 13.3 / 21.1 / 50.0 / 117.9. Its producer alone is slower than without
-# it (80.5 against 72.4 us at B = 64: halving each CTA's loads does not pay for the pushes and the
-# pair's waits), but its lighter producer leaves FlashMLA's consumers (alone 77 us, against the
-# half-block scorers' 90) less slowed. So on for the fp8 cache, with XOVER_RESHAPE_BLOCKS.
+# bench_sparse_core.py --paths ws,wsx,wsxr times them in one process. On for the fp8 cache with
+# FlashMLA's consumers at every block count (XOVER_RESHAPE_BLOCKS), as measured (the module
+# docstring): with the half-block scorers past RESHAPE_BLOCKS it was no faster than without it
+# (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H).
 CROSSOVER = {"fp8": True, "bf16": False}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
@@ -372,10 +368,6 @@ DESC_K = (128 >> 4) << 32 | (CHUNK >> 4) << 16  # Q, K and P: 8-row groups 128 B
 DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHUNK apart, 8-slot groups 128 B
 
 
-def _desc_lines(reg: str, operand: str, layout: int) -> list:
-    return P.smem_desc_lines(reg, operand, layout)
-
-
 def wgmma_scores(q_addr, k_addr, n: int) -> list:
     """S[64 rows, n slots] = Q (shared, K-major) x K^T (shared rows, K-major B), bf16, FP32
     accumulation over the 36 k steps of 16 dims; issued, committed and waited for in one
@@ -383,7 +375,7 @@ def wgmma_scores(q_addr, k_addr, n: int) -> list:
     + 8 r, slot 8 j + 2 t + e."""
     d = ", ".join(f"{{$w{i}}}" for i in range(n // 2))
     lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred first, more;"]
-    lines += _desc_lines("a0", "{$r0}", DESC_K) + _desc_lines("b0", "{$r1}", DESC_K)
+    lines += P.smem_desc_lines("a0", "{$r0}", DESC_K) + P.smem_desc_lines("b0", "{$r1}", DESC_K)
     lines += ["setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
     for s in range(K_STEPS):
         lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
@@ -414,7 +406,7 @@ def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
     count = len(acc)
     d = ", ".join(f"{{$w{i}}}" for i in range(count))
     lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred more;"]
-    lines += _desc_lines("a0", f"{{$r{count}}}", DESC_K) + _desc_lines("b0", f"{{$r{count + 1}}}", DESC_V)
+    lines += P.smem_desc_lines("a0", f"{{$r{count}}}", DESC_K) + P.smem_desc_lines("b0", f"{{$r{count + 1}}}", DESC_V)
     lines += ["setp.eq.b32 more, 0, 0;"]
     lines += [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
     lines += ["wgmma.fence.sync.aligned;"]

@@ -496,6 +496,17 @@ def nibble_counts(mask) -> list:
     return [mask & Uint32(0x0F0F0F0F), (mask >> Uint32(4)) & Uint32(0x0F0F0F0F)]
 
 
+def lane_scans(masks, lane) -> tuple:
+    """compact's step 2 for a thread's mask words: per word pair of byte counts (nibble_counts),
+    (their inclusive sums over the warp's lanes, this lane's lower lanes' sums): a warp's load
+    holds at most 128 keys, so no byte carries into the next."""
+    counts = []
+    for mask in masks:
+        counts += nibble_counts(mask)
+    inclusive = [inclusive_scan(Int32(c), lane) for c in counts]
+    return inclusive, [inclusive[q] - Int32(counts[q]) for q in range(len(counts))]
+
+
 def store_words(address, words):
     """2 or 4 words at shared address `address` (16-byte aligned for 4)."""
     if len(words) == 4:
@@ -1153,11 +1164,7 @@ class ClusterTopK:
         above = [at_least[i] & ~equal[i] for i in range(words)]
 
         # 2. per-load counts (a byte each), scanned over the warp's lanes
-        above_counts = []
-        for i in cutlass.range_constexpr(words):
-            above_counts += nibble_counts(above[i])
-        above_inclusive = [inclusive_scan(Int32(c), lane) for c in above_counts]
-        above_lanes = [above_inclusive[q] - Int32(above_counts[q]) for q in range(counted)]
+        above_inclusive, above_lanes = lane_scans(above, lane)
         at0, at1, at2, at3 = Int32(0), Int32(0), Int32(0), Int32(0)
         if ties:
             at0, at1, at2, at3 = self.scan_equal(equal, table_e, lane, warp)
@@ -1253,13 +1260,10 @@ class ClusterTopK:
         """compact's step 2 for the keys == T: this lane's counts before it in the warp
         (bytes), four words (zero where unused); lane 31 stores the warp's totals."""
         counted = 2 * len(equal)
-        counts = []
-        for i in cutlass.range_constexpr(len(equal)):
-            counts += nibble_counts(equal[i])
-        inclusive = [inclusive_scan(Int32(c), lane) for c in counts]
+        inclusive, lanes = lane_scans(equal, lane)
         if lane == 31:
             store_words(table_e + 4 * counted * warp, inclusive)
-        lanes = [inclusive[q] - Int32(counts[q]) for q in range(counted)] + [Int32(0)] * (4 - counted)
+        lanes = lanes + [Int32(0)] * (4 - counted)
         return lanes[0], lanes[1], lanes[2], lanes[3]
 
     @cute.jit
