@@ -709,6 +709,15 @@ def cp_async_wait(pending: int):
     cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
 
 
+def red_shared_inc_if(address, live):
+    """Add 1 to the shared word at `address` where `live`: a predicated reduction, no branch
+    (an `if` around an atomic costs the warp a branch and a reconvergence per call)."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p red.shared.add.u32 [{$r0}], 1;\n\t}",
+        read_only_args=[Int32(address), Int32(cutlass.select_(live, Int32(1), Int32(0)))],
+    )
+
+
 def ld_shared_u32x4(ptr) -> tuple:
     return cute.arch.inline_ptx(
         "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Uint32] * 4, read_only_args=[ptr]

@@ -54,6 +54,7 @@ PAGE = 64
 ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit, high first
 HIST = 1 << 11
 ALL = 2**31 - 1
+M32 = 2**32 - 1
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"page_size": (PAGE,)}
 
@@ -488,6 +489,24 @@ def raw_bound(threshold) -> tuple:
     return flip, bound
 
 
+def bin_test(prefix) -> tuple:
+    """(scale, offset, width): every raw fp32 word w whose order key is in round 0's bin
+    `prefix` (key >> 21 == prefix) has (w x scale + offset) mod 2^32 < width, and few
+    others do (a superset: its users check the exact key). Bins of positive scores (prefix
+    above +0.0's, 0x400): w - (the bin's lowest key ^ 2^31), where a negative w lands at
+    >= 2^21. Negative scores' bins: ~lowest - w (their key is ~w); -0.0 and NaNs may pass.
+    +0.0's bin, which holds -0.0 too: 2 w < 2^22, so the negative scores of the same tiny
+    magnitudes pass as well. (tests/test_top_k_model.py checks it on every bin.)"""
+    shift, _ = ROUNDS[0]
+    lowest = prefix << Uint32(shift)
+    positive, zero = prefix > Uint32(0x400), prefix == Uint32(0x400)
+    scale = Uint32(cutlass.select_(positive, Uint32(1), Uint32(cutlass.select_(zero, Uint32(2), Uint32(M32)))))
+    negative = Uint32(cutlass.select_(zero, Uint32(0), ~lowest))
+    offset = Uint32(cutlass.select_(positive, Uint32(0x80000000) - lowest, negative))
+    width = Uint32(cutlass.select_(zero, Uint32(2 << shift), Uint32(1 << shift)))
+    return scale, offset, width
+
+
 def nibble_counts(mask) -> list:
     """The set bits of each 4-bit nibble of `mask` (a load's 4 words), as bytes: [the even
     nibbles' counts (nibble 2m in byte m), the odd ones' (2m + 1 in byte m)]."""
@@ -550,7 +569,9 @@ class ClusterTopK:
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
     over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts:
     `compact`), re-reading its held loads from global memory; a split with no room for a list (list_entries 0) always
-    runs them over its slice, from its registers and stash. Either way a CTA's kept scores
+    runs them over its slice, from its registers and stash: after round 0 one pass marks the
+    stashed words that may be in round 0's bin as bits (`bin_masks`), and rounds 1 and 2
+    read the held keys and only those stashed words (`histogram_bits`). Either way a CTA's kept scores
     are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
     scores keep every score at its own index (no search, no exchange)."""
 
@@ -743,11 +764,13 @@ class ClusterTopK:
                             error,
                             pool_pages,
                         )
+            # the padding (only a row of fewer than k scores has any: here, so that n is not
+            # live through the search, where it cost c2x1024x64 with DCP a spill)
+            for i in range(n + cta * threads + tid, self.k, ctas * threads):
+                P.store_i32(out + token * self.k + i, Int32(-1))
+                if cutlass.const_expr(self.dcp > 1):
+                    P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
         self.mark(marks, "clk_compacted", clock0, tid)
-        for i in range(cutlass.min(n, self.k) + cta * threads + tid, self.k, ctas * threads):
-            P.store_i32(out + token * self.k + i, Int32(-1))
-            if cutlass.const_expr(self.dcp > 1):
-                P.store_f32(out_scores + token * self.k + i, Float32(float("-inf")))
         if cutlass.const_expr(self.tracing):
             finished, ended = cute.arch.clock() - clock0, P.globaltimer()
             cute.arch.cluster_arrive(aligned=True)  # every CTA's outputs are stored: the marks go over them
@@ -791,10 +814,13 @@ class ClusterTopK:
             cute.arch.sync_threads()  # the list and its overflow flag
             listed = hists[OVERFLOW] == 0
             self.mark(trace[0], "clk_listed", trace[1], tid)
+        near0, near1 = Uint32(0), Uint32(0)  # no list: round 0's bin as bits of the stash (bin_masks)
         for r in cutlass.range_constexpr(1, len(ROUNDS)):
             if done == 0:
                 if cutlass.const_expr(self.entries == 0):
-                    self.histogram(keys, stash, limit, hists, r, prefix, tid)
+                    if cutlass.const_expr(r == 1):
+                        near0, near1 = self.bin_masks(stash, limit, prefix, tid)
+                    self.histogram_bits(keys, stash, limit, base_address, r, prefix, (near0, near1), tid)
                 elif cutlass.const_expr(self.entries == 128 * self.loads):  # the list holds every candidate
                     self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
                 else:
@@ -824,6 +850,64 @@ class ClusterTopK:
                     live = live and (key >> Uint32(shift + bits)) == prefix
                 if live:
                     cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
+
+    @cute.jit
+    def bin_masks(self, stash, limit, prefix, tid) -> tuple:
+        """The stashed words that may be in round 0's bin `prefix` (a superset of those that
+        are) as bits, in compact's layout (bit 4 (u % 8) + j of word u // 8 for load u, word
+        j; the held loads' bits 0), ANDed with `valid_masks`: two words (the second 0 where
+        one holds every load). Rounds 1 and 2 then read only these words (histogram_bits),
+        checking each one's exact key. A raw word w is tested with no order key
+        (`bin_test`): one multiply-add and one compare, no branch."""
+        threads, loads = self.threads, self.loads
+        scale, offset, width = bin_test(prefix)
+        near = [Uint32(0), Uint32(0)]
+        for u in cutlass.range_constexpr(self.held, loads):
+            quad = P.ld_shared_u32x4(stash + 16 * (threads * (u - self.held) + tid))
+            for j in cutlass.range_constexpr(4):
+                hit = quad[j] * scale + offset < width
+                bit = Uint32(1 << (4 * (u % 8) + j))
+                near[u // 8] = near[u // 8] | Uint32(cutlass.select_(hit, bit, Uint32(0)))
+        valid = self.valid_masks(limit)
+        for i in cutlass.range_constexpr((4 * loads + 31) // 32):
+            near[i] = near[i] & valid[i]
+        return near[0], near[1]
+
+    @cute.jit
+    def histogram_bits(self, keys, stash, limit, base_address, r: int, prefix, near, tid):
+        """This CTA's histogram of round r (1 or 2) over its whole slice, no list: the held
+        keys (registers) by predicated increments (no branch a word), the stashed ones only
+        at the set bits of `near` (bin_masks: round 0's bin), lowest first, a stash word
+        read for each (the warp loops as often as its busiest lane). Same counts as
+        `histogram`: the keys that share the higher rounds' digits `prefix`.
+
+        Issue estimate, c2x1024x64 (SASS: CuTe DSL 4.8.1, nvdisasm 13; not yet measured), a
+        warp: `histogram` took ~9 instructions a word where no lane hits (the order key of a
+        stashed word, the prefix test, a branch and its reconvergence), +3 where one does:
+        ~660 a round. Now round 1: bin_masks ~205 (12 LDS.128; a word: IMAD, ISETP, SEL and
+        half an IADD3), the held keys ~100, the loops ~22 an iteration x ~4 (the busiest
+        lane's ~0.75 stashed words in the bin a thread, where the bin holds ~1 a thread):
+        ~440; round 2: ~220."""
+        shift, bits = ROUNDS[r]
+        threads = self.threads
+        hist = base_address + 4 * HISTS[r][0]
+        for u in cutlass.range_constexpr(self.held):
+            for j in cutlass.range_constexpr(4):
+                key = keys[4 * u + j]
+                live = 4 * threads * u + j < limit and (key >> Uint32(shift + bits)) == prefix
+                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                P.red_shared_inc_if(hist + 4 * digit, live)
+        for i in cutlass.range_constexpr((4 * self.loads + 31) // 32):
+            pending = near[i]
+            while pending != Uint32(0):
+                low = pending & (Uint32(0) - pending)
+                b = Int32(cute.arch.popc(low - Uint32(1)))
+                pending = pending ^ low
+                u = 8 * i + (b >> 2)
+                word = P.ld_shared_i32(stash + 16 * (threads * (u - self.held) + tid) + 4 * (b & 3))
+                key = order_key(Uint32(word))
+                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                P.red_shared_inc_if(hist + 4 * digit, (key >> Uint32(shift + bits)) == prefix)
 
     @cute.jit
     def histogram_list(self, hists, base_address, r: int, prefix, fill, lane, warp):

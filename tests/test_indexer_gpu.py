@@ -653,6 +653,32 @@ def test_top_k_ties_minus_zero_with_plus_zero(split):
     assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
 
 
+@pytest.mark.parametrize("kind", ["zero-bin", "negative-bin"])
+@pytest.mark.parametrize("split", top_k_kernels.SPLITS, ids=_variant_id)
+def test_top_k_rounds_over_round_0s_bin_of_tiny_or_negative_scores(split, kind):
+    """Rounds 1 and 2 where round 0's bin is +0.0's (keys of +-0.0 and positive denormals
+    below 2^21 bits, with negative ones of the same magnitudes beside it) or a bin of
+    negative scores (with -0.0 above it), ties in both so that round 2 runs: the no-list
+    split reads only the stashed words its bin test passes there (ClusterTopK.bin_masks,
+    whose test is widest on these bins)."""
+    width = _variant_width(split)
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    rows = 2
+    if kind == "zero-bin":
+        tiny = torch.tensor([0, 1, 2, 3, 0x1000, 0x1FFFFF], dtype=torch.int32, device="cuda")
+        pick = torch.randint(0, len(tiny), (rows, width), device="cuda", generator=gen)
+        bits = tiny[pick] | (torch.randint(0, 2, (rows, width), device="cuda", generator=gen).int() << 31)
+        scores = bits.view(torch.float32).clone()
+        scores[:, ::97] = 1.0  # fewer than k above the bin
+    else:
+        scores = -(1 + torch.rand(rows, width, device="cuda", generator=gen)).round(decimals=3)
+        scores[:, ::1031] = -0.0
+    lens = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+    tables = _tables(rows, width, seed=29)
+    out, _ = _run_variant(split, scores, tables, lens)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
 LISTED = [split for split in top_k_kernels.SPLITS if top_k_kernels.list_entries(split)]
 
 

@@ -221,3 +221,109 @@ def test_compaction_model_places_the_reference_top_k_in_index_order(kind, n_cut)
         lower_at += sum(key == threshold for key in cta_keys)
     assert [out.get(p) for p in range(k)] == kept
     assert len(out) == k
+
+
+def bin_test(prefix: int) -> tuple:
+    """top_k.bin_test: (scale, offset, width) of round 0's bin `prefix`."""
+    lowest = prefix << 21
+    if prefix > 0x400:
+        return 1, (0x80000000 - lowest) & M32, 1 << 21
+    if prefix == 0x400:
+        return 2, 0, 2 << 21
+    return M32, ~lowest & M32, 1 << 21
+
+
+def test_bin_test_passes_every_word_of_its_bin():
+    """(w x scale + offset) mod 2^32 < width for every raw word whose order key is in the bin
+    (-0.0 in +0.0's, 0x400), on all 2048 bins; exact on positive scores' bins, and few extra
+    words elsewhere (the bins of the same tiny magnitudes, -0.0, NaNs)."""
+    rng = random.Random(11)
+    words = SPECIAL + [w ^ 1 for w in SPECIAL] + [rng.getrandbits(32) for _ in range(4000)]
+    for prefix in range(2048):  # each bin's edges, as keys, and their raw words
+        for key in (prefix << 21, (prefix << 21) + 1, ((prefix + 1) << 21) - 1):
+            for k in (key - 1, key, key + 1):
+                k &= M32
+                words.append(k ^ 0x80000000 if k >> 31 else ~k & M32)
+    words = sorted(set(words))
+    for prefix in range(2048):
+        scale, offset, width = bin_test(prefix)
+        passed = {w for w in words if (w * scale + offset) & M32 < width}
+        inside = {w for w in words if order_key(w) >> 21 == prefix}
+        assert inside <= passed, (hex(prefix), [hex(w) for w in sorted(inside - passed)])
+        extra = passed - inside
+        if prefix > 0x400:
+            assert not extra, (hex(prefix), [hex(w) for w in sorted(extra)][:5])
+        elif prefix == 0x400:  # the negative scores of +0.0's bin's magnitudes
+            assert all(w >> 31 and (w & 0x7FFFFFFF) < 1 << 21 for w in extra)
+        else:  # -0.0 (bin 0x3FF) and NaNs 0x7FE00001.. only
+            assert all(w == 0x80000000 or 0x7FE00000 < w <= 0x7FFFFFFF for w in extra), [hex(w) for w in extra]
+
+
+def histogram_bits_thread(raw, keys_held, limit_t, held, loads, threads, rounds_prefix) -> dict:
+    """One thread's increments in ClusterTopK.histogram_bits (rounds_prefix = (round, its
+    prefix, round 0's bin)): the held keys straight, the stashed words at bin_masks' bits."""
+    r, prefix, prefix0 = rounds_prefix
+    shift, bits = ((21, 11), (10, 11), (0, 10))[r]
+    hist = {}
+    for u in range(held):
+        for j in range(4):
+            key = keys_held[u][j]
+            if 4 * threads * u + j < limit_t and key >> (shift + bits) == prefix:
+                digit = (key >> shift) & ((1 << bits) - 1)
+                hist[digit] = hist.get(digit, 0) + 1
+    scale, offset, width = bin_test(prefix0)
+    near = [0, 0]
+    for u in range(held, loads):
+        for j in range(4):
+            if (raw[u][j] * scale + offset) & M32 < width:
+                near[u // 8] |= 1 << (4 * (u % 8) + j)
+    valid = valid_masks(limit_t, threads, loads)
+    for i in range((4 * loads + 31) // 32):
+        pending = near[i] & valid[i]
+        while pending:
+            low = pending & -pending
+            b = (low - 1).bit_count()
+            pending ^= low
+            u, j = 8 * i + (b >> 2), b & 3
+            assert u >= held
+            key = order_key(raw[u][j])
+            if key >> (shift + bits) == prefix:
+                digit = (key >> shift) & ((1 << bits) - 1)
+                hist[digit] = hist.get(digit, 0) + 1
+    return hist
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "clustered", "spread", "zeros"])
+@pytest.mark.parametrize("n_cut", [0, 1, 2, 3])
+def test_histogram_bits_model_counts_as_the_whole_slice_histogram(kind, n_cut):
+    """Rounds 1 and 2 over bin_masks' bits (c2x1024x64's layout: 16 loads, 12 stashed; 64
+    threads here) count exactly what `histogram` counts over the whole slice."""
+    rng = random.Random(f"bits{kind}{n_cut}")
+    threads, loads, held = 64, 16, 4
+    per_cta = 4 * threads * loads
+    n = per_cta - [0, 1, 1001, per_cta - 5][n_cut]
+    if kind == "zeros":  # +0.0 and -0.0 mixed with tiny values of both signs: +0.0's bin
+        row = [rng.choice([0, 0x80000000, 1, 0x80000001, 0x3F800000, 0xBF800000]) for _ in range(per_cta)]
+    else:
+        row = _row(kind, per_cta, rng)
+    raw = [[[row[4 * (threads * u + t) + j] for j in range(4)] for u in range(loads)] for t in range(threads)]
+    keys = [order_key(w) for w in row[:n]]
+    k = min(700, n - 1)
+    threshold = sorted(keys, reverse=True)[k - 1]
+    prefixes = (threshold >> 21, threshold >> 10)
+    for r in (1, 2):
+        prefix = prefixes[r - 1]
+        shift, bits = ((21, 11), (10, 11), (0, 10))[r]
+        want = {}
+        for key in keys:
+            if key >> (shift + bits) == prefix:
+                digit = (key >> shift) & ((1 << bits) - 1)
+                want[digit] = want.get(digit, 0) + 1
+        got = {}
+        for t in range(threads):
+            keys_held = [[order_key(w) for w in raw[t][u]] for u in range(held)]
+            search = (r, prefix, prefixes[0])
+            part = histogram_bits_thread(raw[t], keys_held, n - 4 * t, held, loads, threads, search)
+            for digit, c in part.items():
+                got[digit] = got.get(digit, 0) + c
+        assert got == want, (r, hex(prefix))
