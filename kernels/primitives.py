@@ -710,8 +710,8 @@ def cp_async_wait(pending: int):
 
 
 def red_shared_inc_if(address, live):
-    """Add 1 to the shared word at `address` where `live`: a predicated reduction, no branch
-    (an `if` around an atomic costs the warp a branch and a reconvergence per call)."""
+    """Add 1 to the shared word at `address` where `live` (a predicated `red`; ptxas 4.8.1
+    still turns it into a branch around the ATOMS, as for an `if` around an atomic)."""
     cute.arch.inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p red.shared.add.u32 [{$r0}], 1;\n\t}",
         read_only_args=[Int32(address), Int32(cutlass.select_(live, Int32(1), Int32(0)))],

@@ -876,7 +876,7 @@ class ClusterTopK:
     @cute.jit
     def histogram_bits(self, keys, stash, limit, base_address, r: int, prefix, near, tid):
         """This CTA's histogram of round r (1 or 2) over its whole slice, no list: the held
-        keys (registers) by predicated increments (no branch a word), the stashed ones only
+        keys (registers) each tested (ptxas still branches around each increment), the stashed ones only
         at the set bits of `near` (bin_masks: round 0's bin), lowest first, a stash word
         read for each (the warp loops as often as its busiest lane). Same counts as
         `histogram`: the keys that share the higher rounds' digits `prefix`.
