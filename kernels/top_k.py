@@ -310,12 +310,15 @@ class Split:
     """A row split over `ctas` CTAs of one cluster, `threads` threads each, every thread
     holding 4 x `loads` scores: a row of up to `capacity` scores. The last `stashed` of the
     loads are kept in shared memory (each thread's own 16 bytes, copied there by cp.async
-    and re-read by that thread in every pass), the others in registers."""
+    and re-read by that thread in every pass), the others in registers. listed False: no
+    candidate list whatever shared memory allows (rounds 1 and 2 and the compaction over the
+    slice by bit masks, as a split with no room for one)."""
 
     ctas: int
     threads: int
     loads: int
     stashed: int = 0
+    listed: bool = True
 
     @property
     def held(self) -> int:
@@ -332,7 +335,7 @@ class Split:
 
     @property
     def name(self) -> str:
-        return f"c{self.ctas}x{self.threads}x{4 * self.loads}"
+        return f"c{self.ctas}x{self.threads}x{4 * self.loads}" + ("" if self.listed else "_masks")
 
 
 # A device probe of ClusterTopK (bench/bench_indexer.py --top-k-trace-step; wrong outputs, times
@@ -363,6 +366,8 @@ SPLITS = (
     Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
     Split(16, 512, 4),  # up to 128K: 16 CTAs of 8K at 2 CTAs / SM
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
+    Split(4, 1024, 8, 4, listed=False),  # c4x1024x32 by bit masks, no list
+    Split(8, 1024, 4, listed=False),  # c8x1024x16 by bit masks, no list
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch or None for every larger one, split) in
@@ -433,7 +438,10 @@ def list_entries(split: Split) -> int:
     own scores where shared memory allows (the list never overflows), else as many as fit
     beside the stash at the split's residency (one CTA per SM at 1024 threads, two at 512);
     0 (no list: every round and the compaction pass over the whole slice) where that is
-    less than a quarter of the warp's scores, which a row's candidates would often overflow."""
+    less than a quarter of the warp's scores, which a row's candidates would often overflow,
+    or where the split is not `listed`."""
+    if not split.listed:
+        return 0
     warps = split.threads // 32
     groups = split.loads * warps
     fixed = (
