@@ -363,11 +363,10 @@ SPLITS = (
     Split(8, 1024, 4),  # up to 128K: 8 CTAs of 16K
     Split(16, 1024, 2),  # up to 128K: 16 CTAs of 8K (a non-portable cluster size)
     Split(4, 1024, 8, 4),  # up to 128K: 4 CTAs of 32K, half of each in shared memory
+    Split(4, 1024, 8, 4, listed=False),  # the same without its (partial) list: rounds 1-2 by bit masks
     Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
     Split(16, 512, 4),  # up to 128K: 16 CTAs of 8K at 2 CTAs / SM
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
-    Split(4, 1024, 8, 4, listed=False),  # c4x1024x32 by bit masks, no list
-    Split(8, 1024, 4, listed=False),  # c8x1024x16 by bit masks, no list
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
 # that) and batch: per width, (the largest batch or None for every larger one, split) in
@@ -380,10 +379,11 @@ SPLITS = (
 # (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
 # 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
 # 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
-# B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24 (18.0 at 16, 18.6 at
-# 24), 2 of 64K above: with the bit-mask compaction (session 18: its whole-slice compaction
-# fell from ~29 to ~5 us) it takes 25.8 / 27.0 / 27.8 us at B = 32 / 48 / 64, where 8 of
-# 16K took 29.8 at 32 and 4 of 32K 31.3 at 48 (H200, bench/RESULTS.md session 18, call D).
+# B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24, 2 of 64K above: with the
+# bit-mask compaction (session 18: its whole-slice compaction fell from ~29 to ~5 us) and
+# rounds (session 19) it takes 22.3 / 23.6 us at B = 32 / 48. The 4 of 32K run without their
+# partial list (c4x1024x32_masks, the same split by bit masks): 14.2 / 14.8 us at B = 16 / 24
+# against 16.0 / 16.5 with it (H200, bench/RESULTS.md session 19, call B).
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
@@ -392,7 +392,7 @@ PICKS = (
         (
             (4, Split(16, 512, 4)),
             (12, Split(8, 1024, 4)),
-            (24, Split(4, 1024, 8, 4)),
+            (24, Split(4, 1024, 8, 4, listed=False)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),

@@ -290,7 +290,9 @@ def _top_k_setup(topology, context: int, batch: int):
         (131072, 1, "c16x512x16"),
         (131072, 4, "c16x512x16"),
         (131072, 12, "c8x1024x16"),
-        (131072, 16, "c4x1024x32"),
+        (131072, 16, "c4x1024x32_masks"),
+        (131072, 24, "c4x1024x32_masks"),
+        (131072, 25, "c2x1024x64"),
         (131072, 32, "c2x1024x64"),
         (131072, 48, "c2x1024x64"),
         (131072, 64, "c2x1024x64"),
@@ -315,6 +317,7 @@ def test_top_k_launches_the_split_the_host_picks(cpu_launches, topology, context
         assert split in top_k.SPLITS and split.capacity >= context
         assert type(op) is top_k.ClusterTopK
         assert (op.ctas, op.threads, op.loads, op.stashed) == (split.ctas, split.threads, split.loads, split.stashed)
+        assert op.entries == top_k.list_entries(split)
 
 
 @pytest.mark.parametrize("split", [*top_k.SPLITS, None], ids=lambda s: s.name if s else "one-cta")
@@ -325,6 +328,7 @@ def test_top_k_launches_any_split_that_holds_the_row(cpu_launches, split):
     if split is not None:
         op = Launch.ops[0]
         assert (op.ctas, op.threads, op.loads, op.stashed) == (split.ctas, split.threads, split.loads, split.stashed)
+        assert op.entries == top_k.list_entries(split)
 
 
 def test_top_k_refuses_a_split_too_small_for_the_row(cpu_launches):
@@ -335,6 +339,17 @@ def test_top_k_refuses_a_split_too_small_for_the_row(cpu_launches):
     with pytest.raises(ValueError, match="split must be"):
         kernels.top_k(*args, 1, split="fast")
     assert cpu_launches == []
+
+
+def test_an_unlisted_split_runs_without_a_list():
+    """listed=False: the same split (CTAs, threads, loads, stash) with no candidate list, so
+    its rounds 1-2 and compaction take the bit-mask path (list_entries 0) under its own name."""
+    listed, masks = top_k.Split(4, 1024, 8, 4), top_k.Split(4, 1024, 8, 4, listed=False)
+    assert 0 < top_k.list_entries(listed) < 128 * listed.loads  # a partial list: it can overflow
+    assert top_k.list_entries(masks) == 0
+    assert (masks.capacity, masks.held, masks.per_cta) == (listed.capacity, listed.held, listed.per_cta)
+    assert (listed.name, masks.name) == ("c4x1024x32", "c4x1024x32_masks")
+    assert masks in top_k.SPLITS and listed in top_k.SPLITS
 
 
 def test_split_for_covers_every_width():
