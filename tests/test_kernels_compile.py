@@ -1386,6 +1386,8 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     (found,) = _cubin_kernels(cubin.read_bytes()).values()
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == (32 if probe == "no_widen" else 64)
     assert ("wgmma.mma_async" in ptx) == (probe != "no_mma")
+    if probe != "no_mma":  # DsaIndex's descriptors masked as every kernel's (no cluster here, yet)
+        _check_descriptors(ptx)
     tracing = probe.startswith("trace")
     assert ptx.count("ld.global.v4.b32") == (0 if probe == "trace_no_rows" else 4)  # the query rows
     assert "st.global.f32" in ptx and ("%clock" in ptx) == tracing
