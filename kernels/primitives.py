@@ -784,14 +784,9 @@ def dsmem_store(address, cta, dtype, values):
 def dsmem_push_u32x4(address, cta, words, bar):
     """st.async: 4 words to shared address `address` (16-byte aligned) in CTA `cta` of the
     cluster, their 16 bytes counted (complete_tx) on that CTA's mbarrier at `bar`: a one-way
-    hand-off the receiver waits for with `mbar_wait(..., cluster=True)`, no cluster barrier."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote, remote_bar;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "mapa.shared::cluster.u32 remote_bar, {$r2}, {$r1};\n\t"
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [remote], "
-        "{{$r3}, {$r4}, {$r5}, {$r6}}, [remote_bar];\n\t}",
-        read_only_args=[address, cta, bar, *words],
-    )
+    hand-off the receiver waits for with `mbar_wait(..., cluster=True)`, no cluster barrier.
+    Both addresses mapped here (mapa) for a single push; st_async_u32x4 takes them mapped."""
+    st_async_u32x4(mapa(address, cta), words, mapa(bar, cta))
 
 
 def mbar_arrive_remote(addr, cta):
