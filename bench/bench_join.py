@@ -115,6 +115,18 @@ def delay_side(graph) -> list[str]:
     return [f"{kernel_name(src[0])[:40]} -> {kernel_name(dst[0])[:40]}"]
 
 
+def interleaved(graphs: dict, size: int, context: int, runs: int, replays: int) -> dict[str, list[float]]:
+    """Median us per replay of each labelled (step, mode) graph at batch `size`, the graphs
+    taken in turn `runs` times (a drift of the card shows as a spread)."""
+    for step in {id(step): step for step, _ in graphs.values()}.values():
+        load_batch(step, size, context)
+    times = {label: [] for label in graphs}
+    for _ in range(runs):
+        for label, (step, mode) in graphs.items():
+            times[label].append(statistics.median(replay_us(step, size, mode, replays)))
+    return times
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
@@ -143,27 +155,16 @@ def main() -> int:
             if label == "side edge full":  # this step's fork_poll graphs: one stream first
                 print(f"{args.first} first, B = {size}: {prioritize(step.graph(size, 'fork_poll'), args.first)}")
         steps[label] = step
+    first = f"fork_poll, {args.first} first"
+    graphs = {label: (step, "fork") for label, step in steps.items()}
+    graphs |= {"fork_poll": (steps["as captured"], "fork_poll"), first: (steps["side edge full"], "fork_poll")}
+    graphs["serial"] = (steps["as captured"], "serial")
     rows = []
     for size in args.batch:
-        for step in steps.values():
-            load_batch(step, size, args.context)
-        row = [size]
         # interleaved twice, so a drift of the card shows as a spread
-        times = {label: [] for label in variants}
-        first = f"fork_poll, {args.first} first"
-        others = {"fork_poll": [], first: [], "serial": []}
-        for _ in range(2):
-            for label, step in steps.items():
-                times[label].append(statistics.median(replay_us(step, size, "fork", args.replays)))
-            for label, found in others.items():
-                step, mode = steps["as captured"], label
-                if label == first:
-                    step, mode = steps["side edge full"], "fork_poll"
-                found.append(statistics.median(replay_us(step, size, mode, args.replays)))
-        row += [" / ".join(f"{t:.1f}" for t in times[label]) for label in variants]
-        row += [" / ".join(f"{t:.1f}" for t in found) for found in others.values()]
-        rows.append(row)
-    print(table(["B", *[f"fork, {label}" for label in variants], *others], rows))
+        times = interleaved(graphs, size, args.context, 2, args.replays)
+        rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
+    print(table(["B", *[f"fork, {label}" for label in variants], "fork_poll", first, "serial"], rows))
     print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), two interleaved runs each")
     return 0
 
@@ -181,14 +182,10 @@ def main_late_side(args) -> int:
             for size in args.batch:
                 print(f"{label}, B = {size}: {delay_side(step.graph(size, 'fork_poll'))}", file=sys.stderr)
         steps[label] = step
+    graphs = {label: (step, "fork_poll") for label, step in steps.items()}
     rows = []
     for size in args.batch:
-        for step in steps.values():
-            load_batch(step, size, args.context)
-        times = {label: [] for label in steps}
-        for _ in range(3):
-            for label, step in steps.items():
-                times[label].append(statistics.median(replay_us(step, size, "fork_poll", args.replays)))
+        times = interleaved(graphs, size, args.context, 3, args.replays)
         rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
     print(table(["B", *[f"fork_poll, {label}" for label in steps]], rows))
     print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), three interleaved runs")
