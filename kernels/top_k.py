@@ -366,6 +366,7 @@ SPLITS = (
     Split(4, 1024, 8, 4, listed=False),  # the same without its (partial) list: rounds 1-2 by bit masks
     Split(2, 1024, 16, 12),  # up to 128K: 2 CTAs of 64K, 3/4 of each in shared memory (one wave at B = 64)
     Split(16, 512, 4),  # up to 128K: 16 CTAs of 8K at 2 CTAs / SM
+    Split(8, 512, 8, 4, listed=False),  # up to 128K: 8 CTAs of 16K at 2 CTAs / SM, half in shared memory
     Split(16, 1024, 4),  # up to 256K: 16 CTAs of 16K (a non-portable cluster size)
 )
 # The host's pick by row width (the block table's pages x 64: every row's length is at most
