@@ -379,12 +379,13 @@ SPLITS = (
 # cluster-barrier exchange before K1, not swept again since). 32K: 8 CTAs of 4K to B = 8
 # (7.1-7.2 us), 4 of 8K to B = 32 (9.1 at 16, 11.3 at 32), 2 of 16K above (12.3 at 64).
 # 128K: 16 CTAs of 8K of 512 threads (2 per SM) to B = 4 (10.8 / 11.0 at B = 1 / 4, where 16 of
-# 1024 threads took 12.0 / 12.1 in the same run, session 10), 8 of 16K to
-# B = 12 (12.6; B = 16 takes a second wave, 20.6), 4 of 32K to B = 24, 2 of 64K above: with the
-# bit-mask compaction (session 18: its whole-slice compaction fell from ~29 to ~5 us) and
-# rounds (session 19) it takes 22.3 / 23.6 us at B = 32 / 48. The 4 of 32K run without their
-# partial list (c4x1024x32_masks, the same split by bit masks): 14.2 / 14.8 us at B = 16 / 24
-# against 16.0 / 16.5 with it (H200, bench/RESULTS.md session 19, call B).
+# 1024 threads took 12.0 / 12.1 in the same run, session 10). Then the bit-mask splits (no
+# candidate list: rounds 1-2 and the compaction by per-thread masks, sessions 18-19): 8 CTAs of
+# 16K at 512 threads (c8x512x32_masks, 2 CTAs a SM) to B = 12 (9.95 / 10.6 us at B = 8 / 12,
+# where 8 of 1024 threads with a list took 11.1 / 11.2), 4 of 32K (c4x1024x32_masks) to B = 24
+# (14.2 / 14.8 at B = 16 / 24; 16.0 / 16.5 with its partial list; c8x512x32_masks 14.2 / 15.3),
+# c8x512x32_masks again to B = 32 (19.8 against 21.9 for 2 of 64K), 2 of 64K above (23.6 at
+# B = 48). H200, bench/RESULTS.md session 19, calls B and C.
 PICKS = (
     (8192, ((None, Split(4, 512, 1)),)),
     (32768, ((8, Split(8, 512, 2)), (32, Split(4, 512, 4)), (None, Split(2, 1024, 4)))),
@@ -392,8 +393,9 @@ PICKS = (
         131072,
         (
             (4, Split(16, 512, 4)),
-            (12, Split(8, 1024, 4)),
+            (12, Split(8, 512, 8, 4, listed=False)),
             (24, Split(4, 1024, 8, 4, listed=False)),
+            (32, Split(8, 512, 8, 4, listed=False)),
             (None, Split(2, 1024, 16, 12)),
         ),
     ),
