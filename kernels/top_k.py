@@ -579,12 +579,14 @@ class ClusterTopK:
     stash leaves too little shared memory (list_entries): there, where a warp's candidates
     overflow its part (ties, equal scores), its CTA runs rounds 1 and 2 and the compaction
     over its whole slice (per-thread bit masks and one scan of per-(load, warp) counts:
-    `compact`), re-reading its held loads from global memory; a split with no room for a list (list_entries 0) always
-    runs them over its slice, from its registers and stash: after round 0 one pass marks the
-    stashed words that may be in round 0's bin as bits (`bin_masks`), and rounds 1 and 2
-    read the held keys and only those stashed words (`histogram_bits`). Either way a CTA's kept scores
-    are offset by the lower CTAs' counts from the rounds' exchanges. Rows of at most k
-    scores keep every score at its own index (no search, no exchange)."""
+    `compact`), re-reading its held loads from global memory. A split with no list
+    (list_entries 0: no room for one, or Split.listed False, the splits PICKS take at 128K
+    but c16x512x16) always runs them over its slice, from its registers and stash: after
+    round 0 one pass marks the stashed words that may be in round 0's bin as bits
+    (`bin_masks`), and rounds 1 and 2 read the held keys and only those stashed words
+    (`histogram_bits`). Either way a CTA's kept scores are offset by the lower CTAs' counts
+    from the rounds' exchanges. Rows of at most k scores keep every score at its own index
+    (no search, no exchange)."""
 
     def __init__(self, k: int = 2048, dcp: int = 1, rank: int = 0, split: Split = SPLITS[1], pdl: bool = True):
         if split.ctas > 16 or split.loads > 16 or 1024 % split.threads or split.threads < 256 or split.held < 0:
