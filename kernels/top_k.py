@@ -490,6 +490,19 @@ def lowest_lane(mask) -> Int32:
     return cute.arch.popc((mask & (Int32(0) - mask)) - Int32(1))
 
 
+def mark_bit(masks: list, u: int, j: int, hit):
+    """Set bit 4 (u % 8) + j of mask word u // 8 (load u, word j: the bit masks' layout) where
+    `hit`, with no branch."""
+    bit = Uint32(1 << (4 * (u % 8) + j))
+    masks[u // 8] = masks[u // 8] | Uint32(cutlass.select_(hit, bit, Uint32(0)))
+
+
+def pop_lowest(pending) -> tuple:
+    """(the index of the lowest set bit of the non-zero mask word `pending`, `pending` without it)."""
+    low = pending & (Uint32(0) - pending)
+    return Int32(cute.arch.popc(low - Uint32(1))), pending ^ low
+
+
 def raw_bound(threshold) -> tuple:
     """(flip, bound): a raw fp32 word w has order_key(w) >= T exactly when (w ^ flip) >= bound
     (unsigned), with no order key made. T above +0.0's key: only w >= 0 can be, compared as
@@ -879,8 +892,7 @@ class ClusterTopK:
             quad = P.ld_shared_u32x4(stash + 16 * (threads * (u - self.held) + tid))
             for j in cutlass.range_constexpr(4):
                 hit = quad[j] * scale + offset < width
-                bit = Uint32(1 << (4 * (u % 8) + j))
-                near[u // 8] = near[u // 8] | Uint32(cutlass.select_(hit, bit, Uint32(0)))
+                mark_bit(near, u, j, hit)
         valid = self.valid_masks(limit)
         for i in cutlass.range_constexpr((4 * loads + 31) // 32):
             near[i] = near[i] & valid[i]
@@ -913,9 +925,7 @@ class ClusterTopK:
         for i in cutlass.range_constexpr((4 * self.loads + 31) // 32):
             pending = near[i]
             while pending != Uint32(0):
-                low = pending & (Uint32(0) - pending)
-                b = Int32(cute.arch.popc(low - Uint32(1)))
-                pending = pending ^ low
+                b, pending = pop_lowest(pending)
                 u = 8 * i + (b >> 2)
                 word = P.ld_shared_i32(stash + 16 * (threads * (u - self.held) + tid) + 4 * (b & 3))
                 key = order_key(Uint32(word))
@@ -1251,8 +1261,7 @@ class ClusterTopK:
             quad, keyed = self.raw_quad(keys, stash, u, tid)
             for j in cutlass.range_constexpr(4):
                 hit = quad[j] >= threshold if keyed else (quad[j] ^ flip) >= bound
-                bit = Uint32(1 << (4 * (u % 8) + j))
-                at_least[u // 8] = at_least[u // 8] | Uint32(cutlass.select_(hit, bit, Uint32(0)))
+                mark_bit(at_least, u, j, hit)
         at_least = [at_least[i] & valid[i] for i in range(words)]
         equal0, equal1 = Uint32(0), Uint32(0)
         if ties:
@@ -1288,9 +1297,7 @@ class ClusterTopK:
         for i in cutlass.range_constexpr(words):
             pending = at_least[i] | equal[i]
             while pending != Uint32(0):
-                low = pending & (Uint32(0) - pending)
-                b = Int32(cute.arch.popc(low - Uint32(1)))
-                pending = pending ^ low
+                b, pending = pop_lowest(pending)
                 u = 8 * i + (b >> 2)
                 j = b & 3
                 nibble = Uint32(b & ~3)
@@ -1346,8 +1353,7 @@ class ClusterTopK:
         for u in range(self.loads):
             quad = self.quad(keys, stash, u, tid)
             for j in range(4):
-                bit = Uint32(1 << (4 * (u % 8) + j))
-                equal[u // 8] = equal[u // 8] | Uint32(cutlass.select_(quad[j] == threshold, bit, Uint32(0)))
+                mark_bit(equal, u, j, quad[j] == threshold)
         for i in range(len(valid)):
             equal[i] = equal[i] & valid[i]
         return equal[0], equal[1]
