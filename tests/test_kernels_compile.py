@@ -1068,8 +1068,9 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
     few loop scalars (at most 32 B of stack, ptxas's choice at any producer count: the
-    RESHAPE_PRODUCER_REGS comment). wsx / wsxr: wsh / wsr with the crossover (the fp8 cache
-    at 64-slot blocks; elsewhere today's kernel): the same registers and stack, and
+    RESHAPE_PRODUCER_REGS comment). wsx / wsxr: wsh / wsr with the crossover (either cache at
+    64-slot blocks; elsewhere today's kernel): the same registers, no stack but where the
+    launch publishes bf16 query rows in FlashMLA's shape (XOVER_PUBLISH_FRAME), and
     _check_crossover's instructions."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
@@ -1087,7 +1088,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     threads = sparse_core.WS_THREADS if producer else sparse_core.WG_THREADS
     assert variant.op.wgmma and variant.op.producer == producer and variant.op.threads == threads
     assert variant.op.reshape == reshape
-    assert variant.op.crossover == (crossover and shape_name == "tp1-fp8" and slots >= 64)
+    assert variant.op.crossover == (crossover and slots >= 64)
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
@@ -1113,7 +1114,10 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
-    assert all(v["frame"] <= (32 if reshape else 0) for v in kernels.values()), kernels
+    frame = 32 if reshape else 0
+    if variant.op.crossover:
+        frame = XOVER_PUBLISH_FRAME if reshape and variant.op.publish and not variant.op.q_fp8 else 0
+    assert all(v["frame"] <= frame for v in kernels.values()), kernels
     assert found["regs"] * threads <= 65536, found
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     arrives = re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)?\s+(\d+),\s*(\d+);", partial)
@@ -1148,6 +1152,13 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert barriers and all(b == ("0", "") for b in barriers), barriers
 
 
+# The crossover in FlashMLA's shape, publishing bf16 query rows (one split: B = 64 at TP 1):
+# the values warpgroup (160 registers) keeps a few of publish_rows' addresses in local memory
+# (its 18 loads a thread of 16 bytes, 4 words and 2 addresses each; ptxas, sm_90a), the fp8
+# cache's crossover with bf16 query rows (the step's TP 1 fp8 launch) as much.
+XOVER_PUBLISH_FRAME = 40
+
+
 def _check_descriptors(partial: str):
     """Every wgmma descriptor's start address is the shared address >> 4 masked to its 14-bit
     field before the layout bits (primitives.smem_desc_lines): in a cluster launch (the
@@ -1167,7 +1178,9 @@ def _check_crossover(partial: str, op):
     warps; every mbarrier wait acquires at cluster scope; remote arrives
     (arrive.release.cluster) only where a CTA has more than two blocks; one cluster barrier
     arrived on after the mbarriers' initialization and each role's two waits plus one
-    closing arrive."""
+    closing arrive. The producer (_producer_ptx) issues every push and, over bf16 rows, loads
+    each chunk it pushes by one predicated 16-byte ld.global, all of a block's before its
+    first push: no cp.async, no e4m3 widened."""
     pushes = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32 \[%r\d+\]", partial)
     remote_arrive = "mbarrier.arrive.release.cluster.shared::cluster.b64"
     if not op.crossover:
@@ -1196,19 +1209,37 @@ def _check_crossover(partial: str, op):
     assert partial.index("barrier.cluster.arrive") < partial.index("griddepcontrol.wait;")
     # each push lands on the peer's full barrier: the producer's mapped base, not a local address
     assert partial.index("mapa.shared::cluster.u32") < partial.index("st.async")
+    producer = _producer_ptx(partial, op)
+    assert producer.count("st.async") == len(pushes)
+    assert ("cvt.rn.f16x2.e4m3x2" in producer) == op.mla_fp8 and "cp.async" not in producer
+    if not op.mla_fp8:
+        loads = [m.start() for m in re.finditer(r"@p ld\.global\.v4\.b32", producer)]
+        assert len(loads) == len(pushes), (len(loads), len(pushes))
+        assert loads[per_thread - 1] < producer.index("st.async")
+
+
+def _producer_ptx(partial: str, op) -> str:
+    """partial_wgmma_ws's producer warpgroup's PTX: from its setmaxnreg.dec to the next
+    setmaxnreg or the end of the kernel (the roles' code is laid out in source order)."""
+    regs = sparse_core.RESHAPE_PRODUCER_REGS if op.reshape else sparse_core.PRODUCER_REGS
+    start = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{regs};")
+    end = partial.find("setmaxnreg", start + 1)
+    return partial[start : end if end > 0 else len(partial)]
 
 
 @pytest.mark.parametrize("probe", ["no_loads", "no_math"])
-def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, probe):
-    """The producer probes on the crossover (bench_sparse_core.py --probe-paths wsx): 168
-    registers, no stack; no_loads still dequantizes and pushes (zeros) so full[s] sees the
-    same bytes, no_math issues no MMAs but waits for and releases every block to both CTAs."""
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, shape_name, probe):
+    """The producer probes on the crossover (bench_sparse_core.py --probe-paths wsx), over
+    either cache: 168 registers, no stack; no_loads still stores (fp8: dequantizes) and
+    pushes zeros so full[s] sees the same bytes, no_math issues no MMAs but waits for and
+    releases every block to both CTAs."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
     monkeypatch.setattr(sparse_core, "PROBE", probe)
-    variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
     assert variant.op.crossover and variant.op.probe == probe
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
