@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from graphstep.kernels import catalog, index_query, sparse_core, top_k
+from graphstep.kernels import catalog, guards, index_query, sparse_core, top_k
 
 from graphstep.cli import main
 from graphstep.graphs import short
@@ -281,6 +281,35 @@ def test_fp8_variants_convert_with_saturation(ptx):
     assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx[("tp8", "mla_query_rows")]
     # the fp8 MLA cache's scales in ue8m0: rounded up to a power of two on the bits
     assert "2139095040" in text and "2139095040" not in ptx[("tp8", "mla_query_rows")]
+
+
+def test_every_mbarrier_wait_is_bounded(ptx):
+    """primitives.mbar_wait: a first try, then a spin that reads the timer's high word and
+    traps past guards.MBAR_WAIT_LIMIT_NS -- two tries and one trap per wait, no other try."""
+    waiting = 0
+    for (shape, name), text in ptx.items():
+        for entry in _entries(text):
+            tries = entry.count("mbarrier.try_wait")
+            assert tries == 2 * entry.count("trap;"), (shape, name)
+            assert entry.count("%globaltimer_hi") == tries, (shape, name)
+            waiting += tries > 0
+    assert waiting >= 40  # DsaIndex, IndexQuery, TopK's clusters, SparseCore's rings
+
+
+def test_a_stuck_wait_traps_after_the_limit(tmp_path):
+    """The probe of tests/test_mbar_wait_gpu.py, compiled here: its wait's limit is
+    guards.MBAR_WAIT_LIMIT_NS in units of 2**32 ns, compared against the timer's high word."""
+    import cutlass.cute as cute
+    import stuck_wait
+    from cutlass.base_dsl.compiler import DumpDir
+
+    assert guards.MBAR_WAIT_LIMIT_NS >= 4 * guards.MAX_BUDGET_NS
+    stuck_wait.compile_probe(False, (cute.GPUArch("sm_90a"), cute.KeepPTX(), DumpDir(str(tmp_path))))
+    (text,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    spin = text[text.index("mbarrier.try_wait") :]
+    assert spin.count("mbarrier.try_wait") == 2 and "trap;" in spin
+    limit = re.search(r"setp\.\w+\.u32\s+%p\d+, %r\d+, (\d+);", spin)
+    assert limit and int(limit.group(1)) in (guards.MBAR_WAIT_LIMIT_NS >> 32, (guards.MBAR_WAIT_LIMIT_NS >> 32) + 1)
 
 
 def test_polling_is_volatile_and_bounded(ptx):
@@ -1025,8 +1054,18 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
         )
         (cubin,) = [p for p in Path(folder).iterdir() if p.suffix == ".cubin"]
         found = _cubin_attributes(cubin.read_bytes())
-        assert found["frame"] == 0, (split.name, dcp, found)
+        assert found["frame"] <= SWEEP_ONLY_SPILLS.get(split.name, 0), (split.name, dcp, found)
         assert found["regs"] <= 64, (split.name, dcp, found)
+
+
+# Splits only the TopK sweep runs (no PICKS entry), where ptxas spills a few bytes since the
+# mbarrier waits are bounded (primitives.mbar_wait: one more register at each wait).
+SWEEP_ONLY_SPILLS = {"c16x1024x8": 16, "c4x1024x32": 8}
+
+
+def test_the_splits_that_spill_are_never_picked():
+    picked = {split.name for _, rows in top_k.PICKS for _, split in rows}
+    assert picked and not picked & set(SWEEP_ONLY_SPILLS)
 
 
 # Every kernel that addresses memory with an id from the inputs records an out-of-range one
@@ -1067,7 +1106,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     whole blocks (m64n(block)k16) and does P @ V on its dims with P from registers, warpgroup
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
-    few loop scalars (at most 32 B of stack, ptxas's choice at any producer count: the
+    few loop scalars (at most 64 B of stack, ptxas's choice at any producer count: the
     RESHAPE_PRODUCER_REGS comment). wsx / wsxr: wsh / wsr with the crossover (either cache at
     64-slot blocks; elsewhere today's kernel): the same registers, no stack but where the
     launch publishes bf16 query rows in FlashMLA's shape (XOVER_PUBLISH_FRAME), and
@@ -1114,7 +1153,7 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     kernels = _cubin_kernels(cubin.read_bytes())
     (found,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
-    frame = 32 if reshape else 0
+    frame = 64 if reshape else 0
     if variant.op.crossover:
         frame = XOVER_PUBLISH_FRAME if reshape and variant.op.publish and not variant.op.q_fp8 else 0
     assert all(v["frame"] <= frame for v in kernels.values()), kernels
