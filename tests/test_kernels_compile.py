@@ -1559,6 +1559,85 @@ def test_dsa_index_probes_drop_only_their_part(tmp_path, monkeypatch, probe):
     assert "fence.proxy.async.shared::cta" in ptx and found["frame"] == 0
 
 
+@pytest.mark.parametrize(
+    "stages, probe", [(4, ""), (8, ""), (4, "trace"), (4, "no_widen"), (4, "no_mma")], ids=lambda x: str(x) or "-"
+)
+def test_dsa_index_page_ahead_loads_the_next_page_under_the_wgmmas(tmp_path, monkeypatch, stages, probe):
+    """dsa_index.PAGE_AHEAD (D3, off by default; the kernel as it runs is checked above): its
+    own compile-cache entry; one wgmma block of eight m64n64k16, and in it, between
+    wgmma.commit_group and wgmma.wait_group 0, page i + 1's full-barrier wait, its four 16-byte
+    key loads and two scales and its 32 cvt.rn.f16x2.e4m3x2 (a first block without wgmmas
+    for the run's first page: 32 + 32 + the query rows' 32 cvt), where nothing writes a
+    register outside the block (%r...): the accumulators are the block's own (d), and every
+    output (accumulators, the next page's fp16x2 words, its scales) is copied out after the
+    wait, so neither page i's A registers nor its accumulators change under the wgmmas; each
+    stage release a proxy fence then an arrive, the loop's after the block; the head weights in
+    shared memory (one global load a thread, eight ld.shared.v2.f32 a page); 4 CTAs per SM
+    (<= 96 registers: allocated in 8s per thread), no stack, no local memory; the probes
+    keep their meaning (no_widen: the query rows' 32 cvt only; no_mma: no wgmma)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+    from graphstep.kernels import dsa_index
+
+    default = catalog.build(SHAPES["tp8"], "dsa_index", stages=stages).op
+    monkeypatch.setattr(dsa_index, "PROBE", probe)
+    monkeypatch.setattr(dsa_index, "PAGE_AHEAD", True)
+    variant = catalog.build(SHAPES["tp8"], "dsa_index", stages=stages)
+    assert variant.op.page_ahead and not default.page_ahead
+    assert catalog._key(variant.op, "sm_90a") != catalog._key(default, "sm_90a")
+    compiled = cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = _cubin_kernels(cubin.read_bytes()).values()
+    assert found["frame"] == 0 and ".local" not in ptx, found
+    assert 4 * dsa_index.THREADS * -(-found["regs"] // 8) * 8 <= 65536, found  # 4 CTAs per SM
+    shared = stages * dsa_index.PAGE_BYTES + dsa_index.QUERY_BYTES + 16 * stages + 4 * dsa_index.HEADS
+    shared += 4 * dsa_index.TRACE_PAGES if probe == "trace" else 0  # the trace's page marks
+    assert f"llvm.mlir.constant({shared} : i64)" in str(compiled.ir_module), shared
+    assert (4 if stages == dsa_index.STAGES else 2) * (shared + 1024) <= 228 * 1024
+    cvt = "cvt.rn.f16x2.e4m3x2"
+    assert ptx.count(cvt) == (32 if probe == "no_widen" else 96)
+    assert ptx.count("ld.global.v2.f32") == 1 and ptx.count("ld.shared.v2.f32") == 8  # the head weights
+    lines = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith("//")]
+    releases = [i for i, line in enumerate(lines) if line.startswith("mbarrier.arrive.shared::cta.b64")]
+    assert len(releases) == 2, releases  # the first page's, then the loop's (page i + 1's)
+    for i in releases:
+        assert "fence.proxy.async.shared::cta;" in lines[max(0, i - 3) : i], lines[i - 3 : i + 1]
+    if probe == "no_mma":
+        assert "wgmma" not in ptx
+        return
+    _check_descriptors(ptx)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 8
+    assert ptx.count("wgmma.commit_group.sync.aligned") == ptx.count("wgmma.wait_group.sync.aligned 0") == 1
+    start = lines.index("wgmma.fence.sync.aligned;")
+    commit = lines.index("wgmma.commit_group.sync.aligned;")
+    wait = lines.index("wgmma.wait_group.sync.aligned 0;")
+    end = wait + lines[wait:].index("}")
+    shadow = lines[commit + 1 : wait]
+    assert [line.split()[0] for line in shadow if line.startswith("mbarrier.")] == [
+        "mbarrier.try_wait.parity.shared::cta.b64"
+    ]
+    assert sum(line.startswith("ld.shared.v4.b32") for line in shadow) == 4
+    assert sum(line.startswith("ld.shared.b32") for line in shadow) == 2
+    assert sum(line.startswith(cvt) for line in shadow) == (0 if probe == "no_widen" else 32)
+    # nothing from the first wgmma to the wait writes a register outside the block
+    for line in lines[start:wait]:
+        op, _, rest = line.partition(" ")
+        if op.endswith(":") or op.startswith(("@", "wgmma.fence", "wgmma.commit")):
+            continue
+        target = rest.split("}")[0] if rest.startswith("{") else rest.split(",")[0]
+        assert "%" not in target, line
+    a_regs = set(re.findall(r"\}, \{(%r\d+), (%r\d+), (%r\d+), (%r\d+)\}, desc,", "\n".join(lines[start:wait])))
+    assert len(a_regs) == 8
+    # after the wait: the 32 accumulators, the 32 fp16x2 words and the 2 scales copied out
+    outputs = [line for line in lines[wait + 1 : end] if re.match(r"mov\.b32 %r\d+, [dcs]\d+;", line)]
+    assert len(outputs) == 66, lines[wait + 1 : end]
+    assert releases[1] > end  # page i + 1's stage released after the block
+
+
 @pytest.mark.parametrize("split", [top_k.Split(8, 512, 2), top_k.Split(2, 1024, 16, 12)], ids=lambda s: s.name)
 def test_top_k_trace_probe_adds_only_its_marks(tmp_path, monkeypatch, split):
     """bench_indexer.py --top-k-trace-step (top_k.PROBE = "trace"; outputs wrong, times only):
