@@ -17,8 +17,8 @@ import struct
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass.cute.runtime import make_ptr
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import AddressSpace
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -719,15 +719,6 @@ def cp_async_commit():
 def cp_async_wait(pending: int):
     """Wait until at most `pending` of this thread's committed copy groups are in flight."""
     cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
-
-
-def red_shared_inc_if(address, live):
-    """Add 1 to the shared word at `address` where `live` (a predicated `red`; ptxas 4.8.1
-    still turns it into a branch around the ATOMS, as for an `if` around an atomic)."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p red.shared.add.u32 [{$r0}], 1;\n\t}",
-        read_only_args=[Int32(address), Int32(cutlass.select_(live, Int32(1), Int32(0)))],
-    )
 
 
 def ld_shared_u32x4(ptr) -> tuple:
