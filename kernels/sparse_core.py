@@ -110,18 +110,18 @@ from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it r
 where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
 the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
 dequantization).
-The crossover (CROSSOVER, on for the fp8 cache; bench_sparse_core.py --paths ws,wsx,wsxr): the
-two head-group CTAs of a (split, token) launch as a cluster of 2 (grid y), each producer loads
-and dequantizes 32 of every block's 64 rows and writes them into its own tile and, by st.async
-completing on the peer's full mbarrier, into the peer's; full[s] waits for both halves,
-empty[s] for both CTAs' consumers (remote arrives), so each SM moves and dequantizes half the
-rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd, DCP at TP
-8) it is today's kernel. Measured (session 18): with FlashMLA's consumers 12.8 / 20.6 / 46.9 /
-105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 / 49.8 / 115.3 without it (FlashMLA 17.0 /
-18.3 / 38.0 / 89.5); its producer alone is slower (80.5 against 72.4 us at B = 64: the pushes
-and the pair's waits cost what the halved loads save), its gain is the consumers'. A cluster
-launch puts the CTA's rank in its shared addresses' high bits, so every wgmma descriptor
-masks the address to its 18-bit field (primitives.smem_desc_lines).
+The crossover (docs/levers.md A.2 step 3; CROSSOVER; bench_sparse_core.py --paths ws,wsx,wsxr):
+the two head-group CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- launch as a
+cluster of 2 (grid y), and each producer loads and dequantizes only its half of every block's
+rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own tile and, by st.async
+completing on the peer's full mbarrier, into the peer's, so each SM moves and dequantizes half
+the rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd: 64
+heads, DCP at TP 8) or under 64-slot blocks it is today's kernel. Measured (session 18): with
+FlashMLA's consumers 12.8 / 20.6 / 46.9 / 105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 /
+49.8 / 115.3 without it (FlashMLA 17.0 / 18.3 / 38.0 / 89.5); its producer alone is slower (80.5
+against 72.4 us at B = 64: the pushes and the pair's waits cost what the halved loads save), its
+gain is the consumers'. A cluster launch puts the CTA's rank in its shared addresses' high bits,
+so every wgmma descriptor masks the address to its 18-bit field (primitives.smem_desc_lines).
 Over the bf16 cache (CROSSOVER["bf16"], off until measured; its 64-row CTAs have no producer by
 default) the crossover's producer loads its half's rows as raw 16-byte chunks, predicated loads
 into registers stored the same two ways (st.shared, st.async): no cp.async, which a warpgroup
@@ -193,19 +193,11 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# The crossover (docs/levers.md A.2 step 3; partial_wgmma_ws over the fp8 cache):
-# the two 64-head CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- run as one cluster
-# of 2 along the grid's head-group axis, and each one's producer loads and dequantizes only
-# its half of every block's rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own
-# tile and, by st.async, into the peer's (produce_blocks has the protocol; bf16 rows are loaded
-# as raw chunks into registers, not by cp.async). Per cache format; where a CTA has no partner
-# (q_heads / 64 odd: 64 heads, DCP at TP 8) or a block is under 64 slots it is today's kernel
-# (cluster 1).
-# bench_sparse_core.py --paths ws,wsx,wsxr times them in one process. On for the fp8 cache with
-# FlashMLA's consumers at every block count (XOVER_RESHAPE_BLOCKS), as measured (the module
-# docstring): with the half-block scorers past RESHAPE_BLOCKS it was no faster than without it
-# (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). Off for the bf16 cache
-# until measured (bench_sparse_core.py --configs tp1-bf16 --paths nows,wsxr).
+# The crossover, per cache format (the module docstring says what it is and what it measured,
+# produce_blocks has the protocol). On for the fp8 cache with FlashMLA's consumers at every block
+# count (XOVER_RESHAPE_BLOCKS): with the half-block scorers past RESHAPE_BLOCKS it was no faster
+# than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). Off for
+# the bf16 cache until measured (bench_sparse_core.py --configs tp1-bf16 --paths nows,wsxr).
 CROSSOVER = {"fp8": True, "bf16": False}
 # The cache qualifiers of the producer's row loads (fetch_rows' registers: fp8 rows, and bf16
 # rows under the crossover; primitives.LOAD_HINTS). FlashMLA gathers its fp8 rows with L1
