@@ -44,6 +44,12 @@ EMPTY = 2**63 - 1  # no record
 # budget at most a quarter of it.
 MBAR_WAIT_LIMIT_NS = 60_000_000_000
 MAX_BUDGET_NS = MBAR_WAIT_LIMIT_NS // 4
+# Where a wait sits inside an asm block that cannot read the timer (inline_ptx turns `%` into
+# `$`: DsaIndex's PAGE_AHEAD block), it traps after MBAR_SPIN_TRIES failed tries instead: at
+# >= ~20 ns a try, over a second, for a wait that healthy runs finish in microseconds (the next
+# page of a ring already in flight). A count, not a time: how long a failed try_wait suspends
+# on the H200 is not measured.
+MBAR_SPIN_TRIES = 1 << 26
 TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
 
 
