@@ -318,6 +318,11 @@ def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(monkeypatch, slot
         monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     state = _state(topology, max_batch=2)
     s, m = state.shape, state.shape.model
+    if crossover:  # the launches below run the pairs' kernel (the flags select it per cache)
+        from graphstep.kernels import catalog
+
+        split = slots_per_cta or sparse_core.plan(2, s.q_heads, m.index_topk)
+        assert catalog.build(s, "sparse_core", slots=split).op.crossover
     kernels = Kernels(s, state.weights)
     rows = torch.randn(2, s.gathered, m.query_row, device="cuda") * 0.3
     mailbox = formats.arm(torch.empty(2, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))
