@@ -77,7 +77,7 @@ class DecodeStep:
         pdl: bool. Chain the cute kernels with Programmatic Dependent Launch.
         budget_ns: int. How long a poll of the mailbox (DCP's, or fork_poll's sparse core on
             one rank) waits for a chunk before it gives up (MailboxTimeout, see above); at
-            most 1 s (kernels/guards.py MAX_BUDGET_NS).
+            most 15 s (kernels/guards.py MAX_BUDGET_NS).
         transport: callable (shape, mailbox) -> Transport, or None. This rank's end of the
             DCP exchanges (graphstep.transport); None: SimulatedPeers under DCP (the other
             ranks played from step()'s `peers`), SingleRank without.

@@ -44,6 +44,14 @@ EMPTY = 2**63 - 1  # no record
 # budget at most a quarter of it.
 MBAR_WAIT_LIMIT_NS = 60_000_000_000
 MAX_BUDGET_NS = MBAR_WAIT_LIMIT_NS // 4
+
+
+def wait_limit_units() -> int:
+    """MBAR_WAIT_LIMIT_NS in units of the timer's high word (2**32 ns), rounded up: a wait
+    traps once the high word has advanced by more than this (read when a kernel is traced)."""
+    return -(-MBAR_WAIT_LIMIT_NS // (1 << 32))
+
+
 # Where a wait sits inside an asm block that cannot read the timer (inline_ptx turns `%` into
 # `$`: DsaIndex's PAGE_AHEAD block), it traps after MBAR_SPIN_TRIES failed tries instead: at
 # >= ~20 ns a try, over a second, for a wait that healthy runs finish in microseconds (the next

@@ -910,14 +910,17 @@ def mbar_wait(addr, parity, cluster: cutlass.Constexpr[bool] = False):
     executes `trap` (a kernel bug: the launch fails instead of hanging). The clock is the
     timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin and one
     read, which keeps the kernels at their register caps without spills (a 64-bit start
-    spilled ClusterTopK's 64-register threads and the 168-register SparseCore consumers)."""
+    spilled ClusterTopK's 64-register threads and the 168-register SparseCore consumers). It
+    traps once the high word has advanced by more than guards.wait_limit_units(), so after at
+    least the limit and at most one unit more; the difference is compared signed, so a timer
+    that stepped back never traps a healthy wait."""
     done = mbar_try_wait(addr, parity, cluster)
     if done == 0:
         since = globaltimer_hi()
         while done == 0:
             done = mbar_try_wait(addr, parity, cluster)
             if done == 0:  # (nested: a try that succeeds reads no clock)
-                if globaltimer_hi() - since > Uint32(guards.MBAR_WAIT_LIMIT_NS >> 32):
+                if Int32(globaltimer_hi() - since) > Int32(guards.wait_limit_units()):
                     trap()
 
 

@@ -60,6 +60,7 @@ def main(mode: str, limit_ns: int) -> None:
     out = torch.zeros(4, dtype=torch.int32, device="cuda")
     start = time.monotonic()
     op(ptr(out), current_stream())
+    print("launched", flush=True)  # compiled and launched: an error after this is the kernel's
     torch.cuda.synchronize()
     print(f"stored {int(out[0])} after {time.monotonic() - start:.2f} s", flush=True)
 
