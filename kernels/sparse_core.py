@@ -173,7 +173,8 @@ TILE_CHUNKS = ROW // 8  # 72
 # (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
 # / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
 # 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64).
-PRODUCER = {"fp8": True, "bf16": False}
+# bfxon (a measurement branch): the bf16 cache's producer on, for its crossover.
+PRODUCER = {"fp8": True, "bf16": True}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
@@ -198,7 +199,8 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # count (XOVER_RESHAPE_BLOCKS): with the half-block scorers past RESHAPE_BLOCKS it was no faster
 # than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). Off for
 # the bf16 cache until measured (bench_sparse_core.py --configs tp1-bf16 --paths nows,wsxr).
-CROSSOVER = {"fp8": True, "bf16": False}
+# bfxon (a measurement branch): on for the bf16 cache too.
+CROSSOVER = {"fp8": True, "bf16": True}
 # The cache qualifiers of the producer's row loads (fetch_rows' registers: fp8 rows, and bf16
 # rows under the crossover; primitives.LOAD_HINTS). FlashMLA gathers its fp8 rows with L1
 # evict-last and a 256-byte L2 prefetch; off until measured (bench_sparse_core.py --paths
