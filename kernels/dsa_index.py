@@ -293,8 +293,7 @@ def _page_keys(j, stages: int, ring0, full0, rows, t, odd) -> list:
 def _wgmma_page_ahead(a, qbase, keys, mma: bool = True, widen: bool = True) -> tuple:
     """PAGE_AHEAD's page, one asm block: page i's eight wgmmas (a: its 32 A words, as
     `_wgmma_page`; None: no wgmma, the run's first page's keys alone) issued and committed;
-    then page i + 1's keys (`_page_keys`) waited for (its full mbarrier; a trap after
-    guards.MBAR_SPIN_TRIES failed tries), loaded (four LDS.128,
+    then page i + 1's keys (`_page_keys`) waited for (its full mbarrier), loaded (four LDS.128,
     the odd rows' halves swapped back by selp, two scales) and widened (32 cvt); then
     wgmma.wait_group 0, and only then the block's outputs written.
 
@@ -318,18 +317,7 @@ def _wgmma_page_ahead(a, qbase, keys, mma: bool = True, widen: bool = True) -> t
     lines = ["{", ".reg .pred done, odd;", ".reg .b32 d<32>, x<16>, k<16>, c<32>, s<2>;", ".reg .b16 lo, hi;"]
     if a is not None and mma:
         lines += _wgmma_issue_lines(", ".join(f"d{i}" for i in range(32)))
-    lines += [
-        ".reg .u32 tries;",
-        "mov.u32 tries, 0;",
-        "WAIT:",
-        f"mbarrier.try_wait.parity.shared::cta.b64 done, [{bar}], {parity};",
-        "@done bra READY;",
-        "add.u32 tries, tries, 1;",
-        f"setp.lt.u32 done, tries, {guards.MBAR_SPIN_TRIES};",
-        "@done bra WAIT;",
-        "trap;",
-        "READY:",
-    ]
+    lines += ["WAIT:", f"mbarrier.try_wait.parity.shared::cta.b64 done, [{bar}], {parity};", "@!done bra WAIT;"]
     lines.append(f"setp.ne.b32 odd, {odd}, 0;")
     for r in range(2):  # x 8 r .. + 3: the first load's words, x 8 r + 4 .. + 7 the second's
         for h in range(2):

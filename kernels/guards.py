@@ -50,14 +50,6 @@ def wait_limit_units() -> int:
     """MBAR_WAIT_LIMIT_NS in units of the timer's high word (2**32 ns), rounded up: a wait
     traps once the high word has advanced by more than this (read when a kernel is traced)."""
     return -(-MBAR_WAIT_LIMIT_NS // (1 << 32))
-
-
-# Where a wait sits inside an asm block that cannot read the timer (inline_ptx turns `%` into
-# `$`: DsaIndex's PAGE_AHEAD block), it traps after MBAR_SPIN_TRIES failed tries instead: at
-# >= ~20 ns a try, over a second, for a wait that healthy runs finish in microseconds (the next
-# page of a ring already in flight). A count, not a time: how long a failed try_wait suspends
-# on the H200 is not measured.
-MBAR_SPIN_TRIES = 1 << 26
 TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
 
 

@@ -1591,8 +1591,6 @@ def test_dsa_index_page_ahead_loads_the_next_page_under_the_wgmmas(tmp_path, mon
     assert [line.split()[0] for line in shadow if line.startswith("mbarrier.")] == [
         "mbarrier.try_wait.parity.shared::cta.b64"
     ]
-    # the wait is bounded: a count of failed tries, then trap (no timer read inside the block)
-    assert f"setp.lt.u32 done, tries, {guards.MBAR_SPIN_TRIES};" in shadow and "trap;" in shadow
     assert sum(line.startswith("ld.shared.v4.b32") for line in shadow) == 4
     assert sum(line.startswith("ld.shared.b32") for line in shadow) == 2
     assert sum(line.startswith(cvt) for line in shadow) == (0 if probe == "no_widen" else 32)
