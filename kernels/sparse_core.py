@@ -1734,16 +1734,31 @@ class SparseCore:
         slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
         rank = Int32(0)  # crossover: this CTA's rank in the pair, the share of each block it loads
         half = maps[0]
-        peer = (kv_s, full0)  # crossover: the peer's tile and full[0] (shared::cluster)
+        peer_kv, peer_full0 = kv_s, full0  # crossover: the peer's tile and full[0] (shared::cluster)
         if cutlass.const_expr(self.crossover):
             rank = cute.arch.block_idx_in_cluster()
             r, cg0, q4 = producer_map(ptid, rank, block)
             half = (r, cg0, q4, (cg0 == 0) & (q4 == 0))
-            peer = (P.mapa(kv_s, 1 - rank), P.mapa(full0, 1 - rank))
+            peer_kv = P.mapa(kv_s, 1 - rank)
+            peer_full0 = P.mapa(full0, 1 - rank)
             cute.arch.cluster_wait()  # the peer's mbarriers are initialized
         if cutlass.const_expr(self.ahead):
             self.produce_blocks_ahead(
-                cache, kv_s, ids_s, full0, empty0, ptid, token, error, pool_slots, maps, ids_row, slot, rank, half, peer
+                cache,
+                kv_s,
+                ids_s,
+                full0,
+                empty0,
+                ptid,
+                token,
+                error,
+                pool_slots,
+                maps,
+                ids_row,
+                slot,
+                rank,
+                half,
+                (peer_kv, peer_full0),
             )
         else:
             for b in range(blocks):
@@ -1757,9 +1772,17 @@ class SparseCore:
                 if cutlass.const_expr(self.crossover):
                     own = P.select_i32(rank == 0, fetched[0], fetched[1])
                     staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
-                    self.hand_over_half(
-                        staged, b, s, buf, ids_s, full0, empty0, ptid, token, error, pool_slots, maps, slot, half, peer
+                    if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
+                        P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                    self.store_rows(
+                        staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
                     )
+                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                    P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                    if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                        P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+                    else:
+                        P.mbar_arrive(full0 + 8 * s)
                 elif cutlass.const_expr(self.mla_fp8):
                     staged = [
                         self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
@@ -1806,6 +1829,7 @@ class SparseCore:
         the peer's tile and full[0], mapped."""
         block = self.block
         blocks = self.slots_per_cta // block
+        peer_kv, peer_full0 = peer
         no_loads = self.probe == "no_loads"
         first = Int32(-1) if cutlass.const_expr(no_loads) else P.select_i32(rank == 0, slot[0], slot[1])
         staged = self.fetch_rows(cache, first, kv_s, half[0], half[1], half[2], pool_slots)
@@ -1821,31 +1845,18 @@ class SparseCore:
                 following = Int32(-1)
             following = P.select_i32(b + 1 < blocks, following, Int32(-1))  # the last block: a hole
             ahead = self.fetch_rows(cache, following, buf, half[0], half[1], half[2], pool_slots)
-            self.hand_over_half(
-                staged, b, s, buf, ids_s, full0, empty0, ptid, token, error, pool_slots, maps, slot, half, peer
-            )
+            if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
+                P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+            self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+            self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+            P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+            if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+            else:
+                P.mbar_arrive(full0 + 8 * s)
             staged = ahead
             slot = upcoming
             upcoming = later
-
-    @cute.jit
-    def hand_over_half(
-        self, staged, b, s, buf, ids_s, full0, empty0, ptid, token, error, pool_slots, maps, slot, half, peer
-    ):
-        """The crossover's block b, its half loaded (staged: fetch_rows' registers): once both
-        CTAs' consumers are done with buffer s (block b - 2), the half stored into this
-        CTA's buffer and the peer's (peer: its tile and full[0], mapped), the ids recorded, and
-        full[s] arrived on (thread 0 expecting the peer's XOVER_BYTES with its arrival). s = b % 2
-        and buf (buffer s) come from the top of the caller's loop, where its loads use them."""
-        if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
-            P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
-        self.store_rows(staged, buf, half[0], half[1], half[2], (peer[0] + s * TILE_BYTES, peer[1] + 8 * s))
-        self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-        P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
-        if ptid == 0:  # the peer's bytes of this block, expected with this arrival
-            P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
-        else:
-            P.mbar_arrive(full0 + 8 * s)
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):

@@ -675,23 +675,19 @@ MMA_SHAPES = {
 }
 
 
-def _compile_sparse_core(folder, shape, slots: int, producer: bool, **build) -> tuple:
-    """(op, PTX, cubin attributes) of a SparseCore variant's partial kernel, compiled into
-    `folder` (made here if missing). build: more of catalog.build's options (publish: by
-    default the 2048-slot launch's)."""
+def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
+    """PTX and cubin attributes of a SparseCore variant's partial kernel."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
-    folder.mkdir(exist_ok=True)
-    build = {"publish": slots == 2048, **build}
-    variant = catalog.build(shape, "sparse_core", slots=slots, producer=producer, **build)
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(folder))](
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         variant.op, *variant.args, make_fake_stream()
     )
-    (ptx,) = [p.read_text() for p in folder.iterdir() if p.suffix == ".ptx"]
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
-    (cubin,) = [p for p in folder.iterdir() if p.suffix == ".cubin"]
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    partial = next(e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0])
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
     return variant.op, partial, found
 
@@ -1280,12 +1276,23 @@ def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, shape_name, probe
     either cache: 168 registers, no stack; no_loads still stores (fp8: dequantizes) and
     pushes zeros so full[s] sees the same bytes, no_math issues no MMAs but waits for and
     releases every block to both CTAs."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
     monkeypatch.setattr(sparse_core, "PROBE", probe)
-    op, partial, found = _compile_sparse_core(tmp_path, TP1[shape_name], 2048, True, publish=False, crossover=True)
-    assert op.crossover and op.probe == probe
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
+    assert variant.op.crossover and variant.op.probe == probe
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
     assert found == {"regs": 168, "frame": 0}, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     assert ("wgmma.mma_async" in partial) == (probe != "no_math")
-    _check_crossover(partial, op)
+    _check_crossover(partial, variant.op)
 
 
 @pytest.mark.parametrize("shape_name", TP1)
@@ -1294,16 +1301,26 @@ def test_the_crossover_producer_loads_take_the_load_hint(tmp_path, monkeypatch, 
     load of the crossover's producer carries the qualifiers (fp8: the latent, rope and scales;
     bf16: the raw chunks), no other load does, and the kernel keeps 168 registers, no stack;
     off by default (the path without it is main's)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
     from graphstep.kernels import primitives as P
 
     assert sparse_core.PRODUCER_LOAD_HINT == ""
     hint = P.LOAD_HINTS[1]
     monkeypatch.setattr(sparse_core, "PRODUCER_LOAD_HINT", hint)
-    op, partial, found = _compile_sparse_core(tmp_path, TP1[shape_name], 2048, True, publish=False, crossover=True)
-    assert op.crossover and op.load_hint == hint
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
+    assert variant.op.crossover and variant.op.load_hint == hint
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        variant.op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
     assert found == {"regs": 168, "frame": 0}, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     hinted = partial.count(f"ld.global{hint}.")
-    fp8 = op.mla_fp8
+    fp8 = variant.op.mla_fp8
     # a producer thread's loads a block: fp8 16 latent pieces + 2 rope + the scales; bf16 18 chunks
     assert hinted == (19 if fp8 else 18), hinted
     assert partial.count("ld.global.L1::") == hinted  # no other load is hinted
@@ -1321,30 +1338,44 @@ def test_the_crossover_producer_can_load_a_block_ahead(tmp_path, monkeypatch, sl
     st.async where one block's do without; the same crossover protocol, 168 registers and no
     stack (the publishing B = 64 launch: main's XOVER_PUBLISH_FRAME in the values warpgroup);
     the bf16 cache (raw chunks: 72 registers a block) keeps one block."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
     assert sparse_core.PRODUCER_AHEAD is False
     monkeypatch.setattr(sparse_core, "PROBE", probe)
 
     def partial_of(ahead, shape_name, folder):
         monkeypatch.setattr(sparse_core, "PRODUCER_AHEAD", ahead)
-        op, partial, found = _compile_sparse_core(folder, TP1[shape_name], slots, True, crossover=True)
-        assert op.crossover and op.ahead == (ahead and shape_name == "tp1-fp8")
-        return op, found, partial
+        variant = catalog.build(
+            TP1[shape_name], "sparse_core", slots=slots, publish=slots == 2048, producer=True, crossover=True
+        )
+        assert variant.op.crossover and variant.op.ahead == (ahead and shape_name == "tp1-fp8")
+        folder.mkdir()
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(folder))](
+            variant.op, *variant.args, make_fake_stream()
+        )
+        (ptx,) = [p.read_text() for p in folder.iterdir() if p.suffix == ".ptx"]
+        (cubin,) = [p for p in folder.iterdir() if p.suffix == ".cubin"]
+        (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+        return variant, found, partial
 
-    def loads_before_the_first_push(op, partial):
-        producer = _producer_ptx(partial, op)
+    def loads_before_the_first_push(variant, partial):
+        producer = _producer_ptx(partial, variant.op)
         return len(re.findall(r"ld\.global[.\w:]*\.v[24]\.", producer[: producer.index("st.async")]))
 
-    op, found, ahead = partial_of(True, "tp1-fp8", tmp_path / "ahead")
-    plain_op, plain_found, plain = partial_of(False, "tp1-fp8", tmp_path / "plain")
+    variant, found, ahead = partial_of(True, "tp1-fp8", tmp_path / "ahead")
+    plain_variant, plain_found, plain = partial_of(False, "tp1-fp8", tmp_path / "plain")
     assert found == plain_found and found["regs"] == 168, (found, plain_found)
-    assert found["frame"] <= (XOVER_PUBLISH_FRAME if op.publish and not op.q_fp8 else 0), found
+    assert found["frame"] <= (XOVER_PUBLISH_FRAME if variant.op.publish and not variant.op.q_fp8 else 0), found
     rows = 19  # (no_loads: the same predicated loads, every one off: its slots are holes)
-    assert loads_before_the_first_push(plain_op, plain) == rows
-    assert loads_before_the_first_push(op, ahead) == 2 * rows
-    _check_crossover(ahead, op)
+    assert loads_before_the_first_push(plain_variant, plain) == rows
+    assert loads_before_the_first_push(variant, ahead) == 2 * rows
+    _check_crossover(ahead, variant.op)
     if probe == "":
-        bf16_op, _, bf16 = partial_of(True, "tp1-bf16", tmp_path / "bf16")  # not for raw bf16 rows
-        assert loads_before_the_first_push(bf16_op, bf16) == 18
+        bf16_variant, _, bf16 = partial_of(True, "tp1-bf16", tmp_path / "bf16")  # not for raw bf16 rows
+        assert loads_before_the_first_push(bf16_variant, bf16) == 18
 
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
