@@ -10,7 +10,6 @@ tune the host's table on the device.
     python bench/bench_indexer.py --top-k-sweep [--batch ...] [--context ...] [--splits ...]   # TopK variants
     python bench/bench_indexer.py --rotation [--batch ...]   # IndexQuery, IndexKey with / without the rotation
     python bench/bench_indexer.py --dsa-probes no_widen,no_mma,ring4,ring8 [--batch ...] [--context ...]
-    python bench/bench_indexer.py --dsa-probes page_ahead,page_ahead+no_widen [--batch ...] [--context ...]
     python bench/bench_indexer.py --dsa-trace [--batch ...] [--context ...]   # DsaIndex CTA timelines
     python bench/bench_indexer.py --dsa-trace-step [--batch ...] [--context ...]   # the same inside the step
 
@@ -25,11 +24,8 @@ the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the
 IndexKey as DeepSeek-V3.2 runs them (the Hadamard rotation of q and k, ue8m0 scales), without
 the rotation, and with neither: the cost of the rotation in the two kernels. `--dsa-probes`
 times only DsaIndex, as it runs and once per listed probe (`dsa_index.PROBES`: wrong scores,
-times only; ringN: as it runs with an N-stage ring; page_ahead: the kernel with
-`dsa_index.PAGE_AHEAD`, D3, right scores; page_ahead+PROBE: that kernel under a probe), on the
-same inputs: what each left-out part costs. `--page-ahead` runs every DsaIndex launch of the
-process with PAGE_AHEAD (the default table, --dsa-trace and --dsa-trace-step then time and
-trace the flagged kernel; --dsa-probes' "as it runs" column too).
+times only; ringN: as it runs with an N-stage ring), on the same inputs: what each left-out
+part costs.
 """
 
 from __future__ import annotations
@@ -330,9 +326,7 @@ def dsa_inputs(state: LayerState, kernels: Kernels, batch: int, context: int) ->
 
 def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes: list[str], launches: int = 8):
     """DsaIndex as it runs ("") and under each probe, at each batch: {probe: us}. A probe
-    named ringN is the kernel as it runs with an N-stage ring (dsa_index.RINGS) forced;
-    page_ahead the kernel with dsa_index.PAGE_AHEAD, page_ahead+PROBE that kernel under PROBE
-    (each its own compile-cache entry: the flag and the probe are part of the key)."""
+    named ringN is the kernel as it runs with an N-stage ring (dsa_index.RINGS) forced."""
     m = shape.model
     state = LayerState(shape, max_batch=max(batches), max_context=context, seed=3, device="cuda")
     kernels = Kernels(shape, state.weights)
@@ -346,20 +340,17 @@ def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes:
             for i in range(launches):
                 kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch, ring=ring)
 
-        ahead = dsa_index.PAGE_AHEAD  # the process's (--page-ahead)
         for probe in ["", *probes]:
             if probe.startswith("ring"):
                 print(f"  ctx={context} B={batch} dsa_index {probe} ...", file=sys.stderr, flush=True)
                 row[probe] = graph_time_us(lambda ring=int(probe[4:]): body(ring), launches, replays=10)
                 continue
-            parts = probe.split("+")
-            dsa_index.PAGE_AHEAD = ahead or "page_ahead" in parts
-            dsa_index.PROBE = "".join(part for part in parts if part != "page_ahead")
+            dsa_index.PROBE = probe
             try:
                 print(f"  ctx={context} B={batch} dsa_index {probe or 'as it runs'} ...", file=sys.stderr, flush=True)
                 row[probe] = graph_time_us(body, launches, replays=10)
             finally:
-                dsa_index.PROBE, dsa_index.PAGE_AHEAD = "", ahead
+                dsa_index.PROBE = ""
         rows.append(row)
     return rows
 
@@ -621,8 +612,7 @@ def main_dsa_trace_step(args, shape: RankShape, replays: int = 20) -> int:
 
 def main_dsa_probes(args, shape: RankShape) -> int:
     probes = args.dsa_probes.split(",")
-    known = [*dsa_index.PROBES[1:], *(f"ring{n}" for n in dsa_index.RINGS), "page_ahead"]
-    known += [f"page_ahead+{probe}" for probe in dsa_index.PROBES[1:]]
+    known = [*dsa_index.PROBES[1:], *(f"ring{n}" for n in dsa_index.RINGS)]
     unknown = [p for p in probes if p not in known]
     if unknown:
         raise SystemExit(f"unknown DsaIndex probes {unknown}: expected some of {known}")
@@ -635,8 +625,7 @@ def main_dsa_probes(args, shape: RankShape) -> int:
         rows,
         ["ctx", "B", "run", "dsa_index", *probes],
         [[r["context"], r["batch"], r["run"], *(r[p] for p in ["", *probes])] for r in rows],
-        "DsaIndex us per launch (median of graph replays), as it runs and under each probe (wrong scores but"
-        " page_ahead's and ringN's)" + (" -- every launch with dsa_index.PAGE_AHEAD" if args.page_ahead else ""),
+        "DsaIndex us per launch (median of graph replays), as it runs and under each probe (wrong scores)",
         args.json,
     )
     return 0
@@ -657,11 +646,6 @@ def main() -> int:
     )
     parser.add_argument("--dsa-trace", action="store_true", help="each DsaIndex CTA's timeline (the trace probe)")
     parser.add_argument(
-        "--page-ahead",
-        action="store_true",
-        help="every DsaIndex launch with dsa_index.PAGE_AHEAD (D3; not the default)",
-    )
-    parser.add_argument(
         "--dsa-trace-step",
         action="store_true",
         help="DsaIndex's CTA timelines inside the captured step (TP 8), as it runs and without the rows' loads",
@@ -672,7 +656,6 @@ def main() -> int:
         help="ClusterTopK's CTA timelines inside the captured step (TP 8): where its time after the wait goes",
     )
     args = parse_args(parser)
-    dsa_index.PAGE_AHEAD = args.page_ahead
     if args.rotation:
         return main_rotation(args)
     runs = tuple(int(r) for r in args.runs.split(",") if r)
