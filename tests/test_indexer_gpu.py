@@ -1,15 +1,14 @@
 """The indexer kernels (IndexQuery, DsaIndex, TopK) on an sm_90 GPU against the reference."""
 
-import re
 from dataclasses import replace
 
 import pytest
 import torch
-from graphstep.kernels import catalog, dsa_index, guards
+from graphstep.kernels import dsa_index
 from graphstep.kernels import top_k as top_k_kernels
 
 from conftest import rel_err
-from graphstep import InputRangeError, formats
+from graphstep import formats
 from graphstep import reference as ref
 from graphstep.launch import ErrorWord, Kernels
 from graphstep.shapes import RankShape, Topology, preset
@@ -267,22 +266,20 @@ def scoring(request):
     torch.cuda.empty_cache()
 
 
-def _scored(scoring, run, ring, tables=None, error=None) -> torch.Tensor:
+def _scored(scoring, run, ring) -> torch.Tensor:
     """DsaIndex's scores of the scoring fixture's tokens at this run and ring (None: the
-    host's), into a NaN-poisoned buffer, synchronized. tables: other block tables (default:
-    the fixture's); error: an ErrorWord for the range guard's record."""
+    host's), into a NaN-poisoned buffer, synchronized."""
     state, inputs, q_fp8, head_w, _, _ = scoring
     scores = torch.full((len(SCORE_LENGTHS), state.pages_per_seq * 64), float("nan"), device="cuda")
     Kernels(state.shape, state.weights).dsa_index(
         q_fp8,
         head_w,
         state.caches.index_cache,
-        inputs.block_tables if tables is None else tables,
+        inputs.block_tables,
         inputs.context_lens,
         scores,
         len(SCORE_LENGTHS),
         pages_per_cta=run,
-        error=error,
         ring=ring,
     )
     torch.cuda.synchronize()
@@ -294,12 +291,6 @@ def _scored(scoring, run, ring, tables=None, error=None) -> torch.Tensor:
 @pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
 @pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
 def test_dsa_index_scores_every_position_and_nothing_past_the_length(scoring, run, ring):
-    _check_scores(scoring, run, ring)
-
-
-def _check_scores(scoring, run, ring):
-    """The scoring fixture's tokens at this run and ring: every position up to the table's
-    width written, finite and within 1e-5 of the reference up to the local length, -inf past it."""
     state, inputs, q_fp8, head_w, expect, lens = scoring
     scores = _scored(scoring, run, ring)
     assert not torch.isnan(scores).any(), "every position up to the table's width is written"
@@ -317,93 +308,6 @@ def test_dsa_index_rings_give_the_same_bits(scoring, run):
     bit: the ring only changes when a page arrives."""
     out = [_scored(scoring, run, ring) for ring in dsa_index.RINGS]
     assert not torch.isnan(out[0]).any() and torch.equal(out[0], out[1])
-
-
-# -- dsa_index.PAGE_AHEAD (D3: page i + 1's full wait and key loads under page i's wgmmas) ----
-
-
-@pytest.fixture
-def page_ahead(monkeypatch):
-    """dsa_index.PAGE_AHEAD on for one test. DsaIndex.__init__ reads it, so it is part of the
-    kernel's compile configuration and of the catalog's cache key (as PROBE): the flagged
-    kernel compiles into its own entry and nothing cached needs clearing (nor may be cleared:
-    the cache keeps alive the modules other tests' kernels run from). `_assert_built_ahead`
-    checks that the scores came from that entry."""
-    monkeypatch.setattr(dsa_index, "PAGE_AHEAD", True)
-
-
-def _assert_built_ahead(state, batch: int, run, ring):
-    """The launch of `batch` tokens at this run and ring (None: the host's) ran a kernel
-    compiled with PAGE_AHEAD: the catalog holds its entry (the key says page_ahead), and its
-    module reserves the flag's shared head weights (4 x 64 bytes more shared memory than the
-    kernel as it runs). Fails if the flag were ignored."""
-    pages = state.pages_per_seq
-    run = dsa_index.pages_per_cta(batch, pages) if run is None else run
-    ring = dsa_index.ring_for(batch, pages, run) if ring is None else ring
-    op = catalog.build(state.shape, "dsa_index", stages=ring).op
-    assert op.page_ahead, "DsaIndex did not take dsa_index.PAGE_AHEAD"
-    compiled = catalog._CACHE.get(catalog._key(op, None))
-    assert compiled is not None, "no compiled PAGE_AHEAD kernel in the catalog's cache"
-    shared = ring * dsa_index.PAGE_BYTES + dsa_index.QUERY_BYTES + 16 * ring + 4 * dsa_index.HEADS
-    assert re.search(rf"llvm\.mlir\.constant\({shared} : i(32|64)\)", str(compiled.ir_module)), shared
-
-
-# as the test above: every run the host picks, None, 1 (a run of one page: it re-reads its own
-# stage), 3 and 5; the host's ring and the deep one; SCORE_LENGTHS 1, 63, 64, 65, 2047-2049,
-# 32768, 131072 (runs past 32 pages reload the block-table entries), one rank and a DCP rank
-@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
-@pytest.mark.parametrize("run", [None, *dsa_index.CTA_PAGES, 1, 3, 5])
-def test_dsa_index_page_ahead_scores_every_position_and_nothing_past_the_length(scoring, page_ahead, run, ring):
-    _check_scores(scoring, run, ring)
-    _assert_built_ahead(scoring[0], len(SCORE_LENGTHS), run, ring)
-
-
-@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
-@pytest.mark.parametrize("run", [None, 1, 2, 8, 32])
-def test_dsa_index_page_ahead_gives_the_same_bits(scoring, monkeypatch, run, ring):
-    """With and without PAGE_AHEAD the same wgmmas run on the same operands in the same order
-    and the head sums are the same fma chain (the weights' bits read from shared memory
-    instead of global): the scores agree bit for bit. (A difference would mean another order
-    of the fp32 sums, not wrong scores by itself: the test above holds both to the reference.)"""
-    plain = _scored(scoring, run, ring)
-    monkeypatch.setattr(dsa_index, "PAGE_AHEAD", True)
-    ahead = _scored(scoring, run, ring)
-    _assert_built_ahead(scoring[0], len(SCORE_LENGTHS), run, ring)
-    differ = ~((ahead == plain) | (torch.isnan(ahead) & torch.isnan(plain)))
-    assert not torch.isnan(ahead).any() and not differ.any(), (
-        f"{int(differ.sum())} positions differ, first {differ.nonzero()[:8].tolist()}"
-    )
-
-
-@pytest.mark.parametrize("ring", [None, dsa_index.DEEP_STAGES])
-@pytest.mark.parametrize("run", [None, 1, 2, 3, 64])
-def test_dsa_index_page_ahead_scores_holes_minus_inf_and_records_them(scoring, page_ahead, run, ring):
-    """Pages outside the pool with PAGE_AHEAD: a run's first page (loaded before the loop),
-    pages loaded ahead (second, mid-run, past the first 32 entries with run 64: the consumers
-    reload them) and the last live page, a token's only page (length 1): their keys score
-    -inf (the producer copied nothing; the consumers read the stale stage and discard it),
-    the guard records one of them, every other score as with the good table, bit for bit."""
-    state, inputs, _, _, _, lens = scoring
-    pool = state.caches.index_cache.shape[0]
-    last = [(int(n) - 1) // 64 for n in lens.tolist()]
-    holes = {(0, 0), (3, last[3]), (7, 0), (7, 1), (7, 33), (7, last[7]), (8, 40), (8, last[8])}
-    tables = inputs.block_tables.clone()
-    for k, (b, column) in enumerate(sorted(holes)):
-        tables[b, column] = (pool, 10**6, -9)[k % 3]
-    good = _scored(scoring, run, ring)
-    error = ErrorWord.new("cuda")
-    got = _scored(scoring, run, ring, tables, error)
-    _assert_built_ahead(state, len(SCORE_LENGTHS), run, ring)
-    rest = torch.ones_like(got, dtype=torch.bool)
-    for b, column in holes:
-        assert torch.isneginf(got[b, column * 64 : (column + 1) * 64]).all(), (b, column)
-        rest[b, column * 64 : (column + 1) * 64] = False
-    assert not torch.isnan(got).any() and torch.equal(got[rest], good[rest]), "every other score as with the good table"
-    with pytest.raises(InputRangeError) as e:
-        error.check(1, 1)
-    assert e.value.check == guards.DSA_INDEX_PAGE and (e.value.token, e.value.value) in {
-        (b, int(tables[b, column])) for b, column in holes
-    }, str(e.value)
 
 
 def _score_mismatches(scores, expect, lens, run, tol=1e-5):
@@ -440,17 +344,6 @@ def test_dsa_index_batch_of_64_at_32k_matches_the_reference():
     block tables of 8 sequences (each table used by 8 tokens, rows shuffled; scoring only
     reads the cache), so the state stays small. Reports every wrong token and position, and
     launches twice more on the same inputs: a race shows as scores that differ."""
-    _check_batch_of_64_at_32k()
-
-
-def test_dsa_index_page_ahead_batch_of_64_at_32k_matches_the_reference(page_ahead):
-    """The test above with PAGE_AHEAD: each stage released after the block that loaded it,
-    every stage of 32-page runs reused 8 times."""
-    state = _check_batch_of_64_at_32k()
-    _assert_built_ahead(state, 64, None, None)
-
-
-def _check_batch_of_64_at_32k() -> LayerState:
     state = LayerState(
         RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=8, max_context=32768, seed=5, device="cuda"
     )
@@ -491,7 +384,6 @@ def _check_batch_of_64_at_32k() -> LayerState:
         for line in _score_mismatches(launch, expect, lens, run):
             problems.append(f"launch {k}: {line}")
     assert not problems, f"run {run} pages per CTA\n" + "\n".join(problems)
-    return state
 
 
 TOPK_LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 32768]
