@@ -101,27 +101,6 @@ WAVE_CTAS = 4 * SMS
 # from the PDL wait to the rows staged (session 15: not their order, nor a cold line).
 PROBES = ("", "no_widen", "no_mma", "trace", "trace_no_rows")
 PROBE = ""
-# D3 (docs/levers.md B.4; built CPU-only, not measured yet): page i + 1's full wait and key loads
-# in the shadow of page i's wgmmas. As it runs, a consumer's page is one chain: full wait -> key
-# LDS -> 32 F2FP -> stage release -> 8 wgmma issued and waited for -> head sums -> stores (~0.6
-# us a page at 32K B = 1, session 14's trace; the pages are already in the ring, so at B <= 16
-# this chain is the bound). With PAGE_AHEAD one asm block (`_wgmma_page_ahead`) issues page i's
-# wgmmas, commits them, waits for page i + 1's full barrier, loads its key words and scales and
-# widens them, and only then waits for the wgmmas and writes its outputs; page i + 1's stage is
-# released after the block (fence, then arrive, as `consume`'s comment says), then page i's head
-# sums and stores. The last page re-reads its own stage (a completed phase: the wait returns at
-# once) and releases nothing. The head weights move to shared memory (read per page, 8 LDS.64)
-# to keep 96 registers, 4 CTAs per SM (in registers: 111, 3 CTAs). The ptxas of CuTe DSL 4.8.1's
-# cu13 build (CUDA 13.4, also the H200's: its 580 driver picks cu13) keeps the full wait and the
-# loads before the WARPGROUP.DEPBAR but sinks the 32 F2FP after it, into page i's A registers,
-# between the head sums' instructions (also with the loop unrolled by 2 into two A sets: 102
-# registers, same schedule): what leaves the chain is the full wait and the loads' latency, the
-# conversions move from before the wgmmas to beside the head sums. (A standalone ptxas 13.0 on
-# the same PTX serializes the eight wgmmas instead: C7513, "non wgmma instructions defining
-# input registers of a wgmma between start and end of the pipeline stage".) Part of the compile
-# configuration (read in DsaIndex.__init__, so part of the catalog's cache key, as PROBE); every
-# probe works with it.
-PAGE_AHEAD = False
 # The trace probe's int32 slots from a CTA's first score position: globaltimer ns at entry
 # (2 words) and after its last page (2), then %clock deltas from entry: after the last page,
 # the PDL wait's return, the query rows staged, the live pages, then page i's full-barrier
@@ -222,12 +201,6 @@ def _as_f32(word) -> Float32:
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[word])
 
 
-def _ld_shared_f32x2(address) -> tuple:
-    return cute.arch.inline_ptx(
-        "ld.shared.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32] * 2, read_only_args=[Int32(address)]
-    )
-
-
 def _consumer_sync():
     cute.arch.inline_ptx(f"bar.sync 1, {CONSUMERS};")
 
@@ -242,11 +215,15 @@ def _e4m3x2_to_f16x2(word, high: int) -> Uint32:
     )
 
 
-def _wgmma_issue_lines(d: str) -> list[str]:
-    """A page's eight wgmmas issued and committed, as asm lines: accumulators `d` (the 32
-    registers, comma-separated), A from operands {$r0} .. {$r31}, the queries' shared address
-    from {$r32} (`_wgmma_page` has the layout)."""
+def _wgmma_page(a, qbase) -> list:
+    """One page: D[64 keys, 64 heads] = sum over 8 k-steps of A (registers: a[4 s .. 4 s + 3]
+    is step s's fragment) x B (shared fp16 queries at qbase, K-major no swizzle: LBO 1024 B
+    between k chunks, SBO 128 B between 8-head groups; step s starts s x STEP_BYTES in).
+    Issued, committed and waited for inside one asm block, so nothing touches the
+    accumulators or A while the wgmmas are in flight. Returns the 32 accumulators."""
+    d = ", ".join(f"{{$w{i}}}" for i in range(32))
     lines = [
+        "{",
         ".reg .b64 desc0, desc;",
         ".reg .pred first, more;",
         *P.smem_desc_lines("desc0", "{$r32}", DESC_LAYOUT),
@@ -261,92 +238,9 @@ def _wgmma_issue_lines(d: str) -> list[str]:
             f"wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {{{d}}}, {{{regs}}}, desc, "
             f"{'first' if s == 0 else 'more'}, 1, 1, 0;"
         )
-    return lines + ["wgmma.commit_group.sync.aligned;"]
-
-
-def _wgmma_page(a, qbase) -> list:
-    """One page: D[64 keys, 64 heads] = sum over 8 k-steps of A (registers: a[4 s .. 4 s + 3]
-    is step s's fragment) x B (shared fp16 queries at qbase, K-major no swizzle: LBO 1024 B
-    between k chunks, SBO 128 B between 8-head groups; step s starts s x STEP_BYTES in).
-    Issued, committed and waited for inside one asm block, so nothing touches the
-    accumulators or A while the wgmmas are in flight. Returns the 32 accumulators."""
-    d = ", ".join(f"{{$w{i}}}" for i in range(32))
-    lines = ["{", *_wgmma_issue_lines(d), "wgmma.wait_group.sync.aligned 0;", "}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     out = cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * 32, read_only_args=list(a) + [qbase])
     return list(out)
-
-
-def _page_keys(j, stages: int, ring0, full0, rows, t, odd) -> list:
-    """`_wgmma_page_ahead`'s keys of page j of the run (index into it): its stage's full
-    mbarrier and the phase's parity, odd (g % 2), each row's two 16-byte key loads in load
-    order (odd rows the halves swapped, as `consume` reads them), each row's scale."""
-    stage = j % stages
-    base = ring0 + stage * PAGE_BYTES
-    keys = [full0 + 8 * stage, (j // stages) % 2, odd]
-    for r in range(2):
-        row = base + rows[r] * DIM
-        lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
-        keys += [Int32(cutlass.select_(odd == 1, hi_at, lo_at)), Int32(cutlass.select_(odd == 1, lo_at, hi_at))]
-    return keys + [base + KEY_BYTES + 4 * rows[0], base + KEY_BYTES + 4 * rows[1]]
-
-
-def _wgmma_page_ahead(a, qbase, keys, mma: bool = True, widen: bool = True) -> tuple:
-    """PAGE_AHEAD's page, one asm block: page i's eight wgmmas (a: its 32 A words, as
-    `_wgmma_page`; None: no wgmma, the run's first page's keys alone) issued and committed;
-    then page i + 1's keys (`_page_keys`) waited for (its full mbarrier), loaded (four LDS.128,
-    the odd rows' halves swapped back by selp, two scales) and widened (32 cvt); then
-    wgmma.wait_group 0, and only then the block's outputs written.
-
-    Nothing touches page i's accumulators or A registers between the issue and the wait: the
-    wgmmas accumulate into the block's own registers (d), the loads and conversions write the
-    block's own registers too (x, k, c, s), and every output is copied from them after the
-    wait. That matters: an asm block's outputs may share a register with its inputs (no
-    early clobber), and here they do -- LLVM gives page i + 1's fp16x2 words (an output that
-    becomes the next iteration's A) the register of page i's A words (an input), so a cvt
-    into an output before the wait would overwrite A under the running wgmmas (session 10's
-    split issue / wait blocks gave wrong scores by that kind of reuse). ptxas folds the copies.
-
-    mma False (the no_mma probe): no wgmma, page i + 1's 32 widened words as page i's
-    accumulators (page i's A words unread: their registers stay free, as without a wgmma); widen False
-    (no_widen): each key word as both its fp16x2 words. Returns (accumulators: 32, none
-    without a; halves: per row 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the thread's 32 as
-    `consume` builds them; the rows' 2 scales)."""
-    ins = (list(a) + [qbase] if a is not None and mma else []) + list(keys)
-    bar, parity, odd, *loads = (f"{{$r{i}}}" for i in range(len(ins) - len(keys), len(ins)))
-    n_acc = 0 if a is None else 32
-    lines = ["{", ".reg .pred done, odd;", ".reg .b32 d<32>, x<16>, k<16>, c<32>, s<2>;", ".reg .b16 lo, hi;"]
-    if a is not None and mma:
-        lines += _wgmma_issue_lines(", ".join(f"d{i}" for i in range(32)))
-    lines += ["WAIT:", f"mbarrier.try_wait.parity.shared::cta.b64 done, [{bar}], {parity};", "@!done bra WAIT;"]
-    lines.append(f"setp.ne.b32 odd, {odd}, 0;")
-    for r in range(2):  # x 8 r .. + 3: the first load's words, x 8 r + 4 .. + 7 the second's
-        for h in range(2):
-            words = ", ".join(f"x{8 * r + 4 * h + i}" for i in range(4))
-            lines.append(f"ld.shared.v4.b32 {{{words}}}, [{loads[2 * r + h]}];")
-    for r in range(2):
-        lines.append(f"ld.shared.b32 s{r}, [{loads[4 + r]}];")
-    for r in range(2):  # k 8 r + m: the row's bytes 4 m .. 4 m + 3 of its 32 (odd rows: loads swapped)
-        for m in range(4):
-            x, y = f"x{8 * r + m}", f"x{8 * r + 4 + m}"
-            lines.append(f"selp.b32 k{8 * r + m}, {y}, {x}, odd;")
-            lines.append(f"selp.b32 k{8 * r + 4 + m}, {x}, {y}, odd;")
-    for m in range(16):  # c 2 m, c 2 m + 1: word m's byte pairs (row m // 8)
-        if widen:
-            lines += [f"mov.b32 {{lo, hi}}, k{m};", f"cvt.rn.f16x2.e4m3x2 c{2 * m}, lo;"]
-            lines.append(f"cvt.rn.f16x2.e4m3x2 c{2 * m + 1}, hi;")
-        else:
-            lines += [f"mov.b32 c{2 * m}, k{m};", f"mov.b32 c{2 * m + 1}, k{m};"]
-    if a is not None and mma:
-        lines.append("wgmma.wait_group.sync.aligned 0;")
-    halves, scales = n_acc, n_acc + 32  # output indices
-    lines += [f"mov.b32 {{$w{i}}}, {'d' if mma else 'c'}{i};" for i in range(n_acc)]
-    lines += [f"mov.b32 {{$w{halves + i}}}, c{i};" for i in range(32)]
-    lines += [f"mov.b32 {{$w{scales + r}}}, s{r};" for r in range(2)]
-    lines.append("}")
-    types = [Float32] * n_acc + [Uint32] * 32 + [Float32] * 2
-    out = list(cute.arch.inline_ptx("\n\t".join(lines), write_only_types=types, read_only_args=ins))
-    words = out[halves:scales]
-    return out[:n_acc], [words[:16], words[16:]], out[scales:]
 
 
 class DsaIndex:
@@ -359,7 +253,6 @@ class DsaIndex:
         if self.probe not in PROBES:
             raise ValueError(f"dsa_index.PROBE must be one of {PROBES}, got {self.probe!r}")
         self.tracing = self.probe.startswith("trace")
-        self.page_ahead = bool(PAGE_AHEAD)
 
     @cute.jit
     def __call__(
@@ -410,9 +303,6 @@ class DsaIndex:
         marks0 = Int32(0)
         if cutlass.const_expr(self.tracing):
             marks0 = smem.allocate_tensor(Int32, cute.make_layout(TRACE_PAGES), byte_alignment=16).iterator.toint()
-        weights0 = Int32(0)
-        if cutlass.const_expr(self.page_ahead):  # the head weights (`score_pages_ahead`)
-            weights0 = smem.allocate_tensor(Float32, cute.make_layout(HEADS), byte_alignment=16).iterator.toint()
         ring0, qbase = ring.iterator.toint(), queries.iterator.toint()
         full0 = bars.iterator.toint()
         empty0 = full0 + 8 * self.stages
@@ -483,7 +373,6 @@ class DsaIndex:
                 pages_per_seq,
                 pool_pages,
                 (clock0, start, waited, marks0),
-                weights0,
             )
 
     @cute.jit
@@ -556,13 +445,11 @@ class DsaIndex:
         pages_per_seq,
         pool_pages,
         times,
-        weights0,
     ):
         """Warps 0-3. mine: block-table entry first + lane (as the producer's), so that a
         page outside the pool scores -inf (the producer copied nothing into its stage).
         times: (entry %clock, entry globaltimer, %clock delta at the PDL wait's return, the
-        shared page marks), used by the trace probe only. weights0: PAGE_AHEAD's shared head
-        weights."""
+        shared page marks), used by the trace probe only."""
         g, t = lane // 4, lane % 4
         out = scores + token * width
         trace = out + first * PAGE  # the trace probe's slots (TRACE_SLOTS)
@@ -570,95 +457,69 @@ class DsaIndex:
         if live > 0:
             self.stage_queries(q, token, qbase, tid)
             # this thread's heads: 8 j + 2 t and + 1
-            if cutlass.const_expr(self.page_ahead):  # in shared memory, read per page (registers)
-                if tid < HEADS // 2:
-                    P.st_shared_f32x2(weights0 + 8 * tid, *P.load_f32x2(head_w + token * HEADS + 2 * tid))
-                weights = weights0
-            else:
-                weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
+            weights = [P.load_f32x2(head_w + token * HEADS + nt * 8 + 2 * t) for nt in range(NTILES)]
             P.fence_proxy_async()
             _consumer_sync()
             staged = Int32(0)
             if cutlass.const_expr(tracing):
                 staged = cute.arch.clock() - times[0]
             odd = g % 2
-            if cutlass.const_expr(self.page_ahead):
-                self.score_pages_ahead(
-                    qbase,
-                    weights,
-                    out,
-                    first,
-                    live,
-                    length,
-                    ring0,
-                    full0,
-                    empty0,
-                    tid,
-                    lane,
-                    warp,
-                    table,
-                    mine,
-                    pages_per_seq,
-                    pool_pages,
-                    times,
-                )
-            else:
-                for i in range(live):
-                    stage = i % self.stages
-                    if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
-                        mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
-                    page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
-                    P.mbar_wait(full0 + 8 * stage, (i // self.stages) % 2)
-                    if cutlass.const_expr(tracing):
-                        if tid == 0 and i < TRACE_PAGES:
-                            P.st_shared_u32(Int32(times[3] + 4 * i), cute.arch.clock() - times[0])
-                    base = ring0 + stage * PAGE_BYTES
-                    rows = [warp * 16 + g, warp * 16 + g + 8]
-                    frags = []
-                    scales = []
+            for i in range(live):
+                stage = i % self.stages
+                if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
+                    mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
+                page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
+                P.mbar_wait(full0 + 8 * stage, (i // self.stages) % 2)
+                if cutlass.const_expr(tracing):
+                    if tid == 0 and i < TRACE_PAGES:
+                        P.st_shared_u32(Int32(times[3] + 4 * i), cute.arch.clock() - times[0])
+                base = ring0 + stage * PAGE_BYTES
+                rows = [warp * 16 + g, warp * 16 + g + 8]
+                frags = []
+                scales = []
+                for r in cutlass.range_constexpr(2):
+                    row = base + rows[r] * DIM
+                    lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
+                    # odd rows read the halves in the other order: a quarter-warp's 8 loads
+                    # (rows g, g + 1 x 4 lanes) then cover all 32 banks
+                    x = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
+                    y = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
+                    lo = [Uint32(cutlass.select_(odd == 1, y[k], x[k])) for k in range(4)]
+                    hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
+                    frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
+                    scales.append(P.ld_shared_f32(base + KEY_BYTES + 4 * rows[r]))
+                halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
+                for r in cutlass.range_constexpr(2):
+                    for k in cutlass.range_constexpr(8):
+                        if cutlass.const_expr(self.probe == "no_widen"):
+                            f0, f1 = frags[r][k], frags[r][k]
+                        else:
+                            f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
+                        halves[r] += [f0, f1]
+                # Release the stage to the producer's next bulk copy. The fence is what makes the
+                # release safe: ptxas schedules the arrive right after the four LDS.128 of the
+                # key words, before the F2FP that consume them, and the arrive does not wait for
+                # the loads' data -- without it the copy into the reused stage overwrote key
+                # words still being read (wrong keys in pairs of rows = one quarter-warp's
+                # LDS.128, H200, bench/RESULTS.md). fence.proxy.async orders this thread's
+                # generic-proxy reads before the async-proxy (bulk copy) writes that follow the
+                # release; a bar.sync among the consumers did not (1 launch in 20 still wrong).
+                P.fence_proxy_async()
+                P.mbar_arrive(empty0 + 8 * stage)
+                a = []
+                for s in cutlass.range_constexpr(8):
+                    a += a_fragment(halves, s)
+                if cutlass.const_expr(self.probe == "no_mma"):
+                    acc = [_as_f32(a[k]) for k in range(32)]
+                else:
+                    acc = _wgmma_page(a, qbase)
+                sums = self.head_sums(acc, weights)
+                position = (first + i) * PAGE
+                if t == 0:
                     for r in cutlass.range_constexpr(2):
-                        row = base + rows[r] * DIM
-                        lo_at, hi_at = row + key_byte(0, t), row + key_byte(16, t)
-                        # odd rows read the halves in the other order: a quarter-warp's 8 loads
-                        # (rows g, g + 1 x 4 lanes) then cover all 32 banks
-                        x = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, hi_at, lo_at)))
-                        y = P.ld_shared_u32x4(Int32(cutlass.select_(odd == 1, lo_at, hi_at)))
-                        lo = [Uint32(cutlass.select_(odd == 1, y[k], x[k])) for k in range(4)]
-                        hi = [Uint32(cutlass.select_(odd == 1, x[k], y[k])) for k in range(4)]
-                        frags.append(lo + hi)  # the share's bytes i = 0..31 (key_byte(i, t)), 4 per word
-                        scales.append(P.ld_shared_f32(base + KEY_BYTES + 4 * rows[r]))
-                    halves = [[], []]  # per row: 16 fp16x2 words, byte pairs 2 q, 2 q + 1 of the 32
-                    for r in cutlass.range_constexpr(2):
-                        for k in cutlass.range_constexpr(8):
-                            if cutlass.const_expr(self.probe == "no_widen"):
-                                f0, f1 = frags[r][k], frags[r][k]
-                            else:
-                                f0, f1 = P.e4m3x4_to_f16x2(frags[r][k])
-                            halves[r] += [f0, f1]
-                    # Release the stage to the producer's next bulk copy. The fence is what makes the
-                    # release safe: ptxas schedules the arrive right after the four LDS.128 of the
-                    # key words, before the F2FP that consume them, and the arrive does not wait for
-                    # the loads' data -- without it the copy into the reused stage overwrote key
-                    # words still being read (wrong keys in pairs of rows = one quarter-warp's
-                    # LDS.128, H200, bench/RESULTS.md). fence.proxy.async orders this thread's
-                    # generic-proxy reads before the async-proxy (bulk copy) writes that follow the
-                    # release; a bar.sync among the consumers did not (1 launch in 20 still wrong).
-                    P.fence_proxy_async()
-                    P.mbar_arrive(empty0 + 8 * stage)
-                    a = []
-                    for s in cutlass.range_constexpr(8):
-                        a += a_fragment(halves, s)
-                    if cutlass.const_expr(self.probe == "no_mma"):
-                        acc = [_as_f32(a[k]) for k in range(32)]
-                    else:
-                        acc = _wgmma_page(a, qbase)
-                    sums = self.head_sums(acc, weights)
-                    position = (first + i) * PAGE
-                    if t == 0:
-                        for r in cutlass.range_constexpr(2):
-                            key = position + rows[r]
-                            live_key = key < length and page_ok
-                            P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
+                        key = position + rows[r]
+                        live_key = key < length and page_ok
+                        P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
             if cutlass.const_expr(tracing):
                 # over this CTA's own scores, after all of them (the barrier); the -inf fill
                 # below starts at page `live`, past the 8 + min(live, TRACE_PAGES) slots
@@ -677,77 +538,6 @@ class DsaIndex:
         start, stop = (first + live) * PAGE, (first + count) * PAGE
         for p in range(start + tid, stop, CONSUMERS):
             P.store_f32(out + p, Float32(float("-inf")))
-
-    @cute.jit
-    def score_pages_ahead(
-        self,
-        qbase,
-        weights0,
-        out,
-        first,
-        live,
-        length,
-        ring0,
-        full0,
-        empty0,
-        tid,
-        lane,
-        warp,
-        table,
-        mine,
-        pages_per_seq,
-        pool_pages,
-        times,
-    ):
-        """`consume`'s loop over the live pages with PAGE_AHEAD: the first page's keys loaded
-        and widened alone, then per page i one `_wgmma_page_ahead` block (page i's wgmmas with
-        page i + 1's keys loaded and widened in their shadow; the last page re-reads its own
-        stage, whose phase has completed, and releases nothing), page i + 1's stage released
-        after it (proxy fence, then arrive: `consume`'s comment), then page i's head sums and
-        stores. weights0: the head weights in shared memory (fp32 [64]). The trace probe's mark
-        of page j > 0 is the %clock after the block that loaded it (page j - 1's wgmmas done, page
-        j's keys loaded; a %clock inside the block does not lower: the asm string's % becomes $),
-        of page 0 after its keys' block."""
-        g, t = lane // 4, lane % 4
-        odd = g % 2
-        rows = [warp * 16 + g, warp * 16 + g + 8]
-        mma, widen, tracing = self.probe != "no_mma", self.probe != "no_widen", self.tracing
-        _, first_halves, scales = _wgmma_page_ahead(
-            None, None, _page_keys(Int32(0), self.stages, ring0, full0, rows, t, odd), mma, widen
-        )
-        if cutlass.const_expr(tracing):
-            if tid == 0:
-                P.st_shared_u32(Int32(times[3]), cute.arch.clock() - times[0])
-        P.fence_proxy_async()
-        P.mbar_arrive(empty0)
-        a = []
-        for s in cutlass.range_constexpr(8):
-            a += a_fragment(first_halves, s)
-        for i in range(live):
-            if i % 32 == 0 and i > 0:  # runs past 32 pages: the next 32 entries
-                mine = _ldg_nc_i32(table + cutlass.min(first + i + lane, pages_per_seq - 1))
-            page_ok = P.in_range(cute.arch.shuffle_sync(mine, i % 32), pool_pages)
-            j = cutlass.min(i + 1, live - 1)  # the page loaded ahead (the last page: itself again)
-            keys = _page_keys(j, self.stages, ring0, full0, rows, t, odd)
-            acc, halves, next_scales = _wgmma_page_ahead(a, qbase, keys, mma, widen)
-            if cutlass.const_expr(tracing):
-                if tid == 0 and i + 1 < cutlass.min(live, TRACE_PAGES):
-                    P.st_shared_u32(Int32(times[3] + 4 * (i + 1)), cute.arch.clock() - times[0])
-            if i + 1 < live:
-                P.fence_proxy_async()
-                P.mbar_arrive(empty0 + 8 * (j % self.stages))
-            weights = [_ld_shared_f32x2(weights0 + 4 * (nt * 8 + 2 * t)) for nt in range(NTILES)]
-            sums = self.head_sums(acc, weights)
-            position = (first + i) * PAGE
-            if t == 0:
-                for r in cutlass.range_constexpr(2):
-                    key = position + rows[r]
-                    live_key = key < length and page_ok
-                    P.store_f32(out + key, P.select(live_key, sums[r] * scales[r], Float32(float("-inf"))))
-            a = []
-            for s in cutlass.range_constexpr(8):
-                a += a_fragment(halves, s)
-            scales = next_scales
 
     @cute.jit
     def stage_queries(self, q, token, qbase, tid):
