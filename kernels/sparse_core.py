@@ -1821,25 +1821,21 @@ class SparseCore:
     ):
         """produce_blocks' crossover over the fp8 cache with PRODUCER_AHEAD: block b + 1's row
         loads are issued before block b's empty wait and stores, so two blocks' loads are in
-        flight a thread (the last block's successor is a hole: no loads), and the slot ids two
-        blocks ahead (block b + 1's row loads use ids loaded an iteration before: loaded in the
-        same iteration, their round trip would stall the thread before block b's stores). The
-        protocol is the crossover's unchanged (same barriers, arrivals and bytes; produce_blocks
-        waits for the peer's mbarriers before and closes with the cluster barrier after). peer:
-        the peer's tile and full[0], mapped."""
+        flight a thread (the last block's successor is a hole: no loads). The protocol is the
+        crossover's unchanged (same barriers, arrivals and bytes; produce_blocks waits for the
+        peer's mbarriers before and closes with the cluster barrier after). peer: the peer's
+        tile and full[0], mapped."""
         block = self.block
         blocks = self.slots_per_cta // block
         peer_kv, peer_full0 = peer
         no_loads = self.probe == "no_loads"
-        first = Int32(-1) if cutlass.const_expr(no_loads) else P.select_i32(rank == 0, slot[0], slot[1])
-        staged = self.fetch_rows(cache, first, kv_s, half[0], half[1], half[2], pool_slots)
-        # block b's slots at ids_row + min(b, blocks - 1) x block (past the CTA's last block: the
-        # last block's again, unused)
-        upcoming = [P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+        own = Int32(-1) if cutlass.const_expr(no_loads) else P.select_i32(rank == 0, slot[0], slot[1])
+        staged = self.fetch_rows(cache, own, kv_s, half[0], half[1], half[2], pool_slots)
         for b in range(blocks):
             s = b % 2
             buf = kv_s + s * TILE_BYTES
-            later = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            # the next block's slots (past the CTA's last block: the last block's again, unused)
+            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
             following = P.select_i32(rank == 0, upcoming[0], upcoming[1])
             if cutlass.const_expr(no_loads):
                 following = Int32(-1)
@@ -1856,7 +1852,6 @@ class SparseCore:
                 P.mbar_arrive(full0 + 8 * s)
             staged = ahead
             slot = upcoming
-            upcoming = later
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
