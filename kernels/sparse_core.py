@@ -206,14 +206,6 @@ CROSSOVER = {"fp8": True, "bf16": True}
 # evict-last and a 256-byte L2 prefetch; off until measured (bench_sparse_core.py --paths
 # wsxr,wsxp times the crossover without and with it).
 PRODUCER_LOAD_HINT = ""
-# The crossover producer's loads one block ahead (fp8 cache; off until measured: bench path
-# wsxn). Without it a producer thread's chain per block is: its 18 loads of block b issued,
-# block b - 2's empty wait, then the dequantization and 36 stores, which wait for those loads:
-# one block's loads (21 KB a SM) in flight, a loaded round trip a block. With it block b + 1's
-# loads are issued before block b's empty wait and stores (two blocks' registers, ~44 more a
-# thread): the producer alone took 80.5 us for 86 MB at TP 1 fp8 B = 64 (no_math, session 18),
-# ~1.1 TB/s, so its bound is the loads' latency, not bytes.
-PRODUCER_AHEAD = False
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
@@ -512,7 +504,6 @@ class SparseCore:
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
         self.probe = PROBE if self.producer else ""
         self.load_hint = PRODUCER_LOAD_HINT if self.producer else ""
-        self.ahead = bool(PRODUCER_AHEAD) and self.crossover and mla_fp8
         if self.load_hint not in P.LOAD_HINTS:
             raise ValueError(f"sparse_core.PRODUCER_LOAD_HINT must be one of {P.LOAD_HINTS}, got {self.load_hint!r}")
         self.combine = COMBINE
@@ -1742,71 +1733,50 @@ class SparseCore:
             peer_kv = P.mapa(kv_s, 1 - rank)
             peer_full0 = P.mapa(full0, 1 - rank)
             cute.arch.cluster_wait()  # the peer's mbarriers are initialized
-        if cutlass.const_expr(self.ahead):
-            self.produce_blocks_ahead(
-                cache,
-                kv_s,
-                ids_s,
-                full0,
-                empty0,
-                ptid,
-                token,
-                error,
-                pool_slots,
-                maps,
-                ids_row,
-                slot,
-                rank,
-                half,
-                (peer_kv, peer_full0),
-            )
-        else:
-            for b in range(blocks):
-                s = b % 2
-                buf = kv_s + s * TILE_BYTES
-                fetched = slot
-                if cutlass.const_expr(self.probe == "no_loads"):
-                    fetched = [Int32(-1), Int32(-1)]
-                # the next block's slots (past the CTA's last block: the last block's again, unused)
-                upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-                if cutlass.const_expr(self.crossover):
-                    own = P.select_i32(rank == 0, fetched[0], fetched[1])
-                    staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
-                    if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
-                        P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
-                    self.store_rows(
-                        staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
-                    )
-                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-                    P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
-                    if ptid == 0:  # the peer's bytes of this block, expected with this arrival
-                        P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
-                    else:
-                        P.mbar_arrive(full0 + 8 * s)
-                elif cutlass.const_expr(self.mla_fp8):
-                    staged = [
-                        self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
-                        for v in range(2)
-                    ]
-                    if b >= 2:  # block b - 2's consumers are done with the buffer
-                        P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
-                    for v in cutlass.range_constexpr(2):
-                        self.store_rows(staged[v], buf, maps[v][0], maps[v][1], maps[v][2])
-                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-                    P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
-                    P.mbar_arrive(full0 + 8 * s)
+        for b in range(blocks):
+            s = b % 2
+            buf = kv_s + s * TILE_BYTES
+            fetched = slot
+            if cutlass.const_expr(self.probe == "no_loads"):
+                fetched = [Int32(-1), Int32(-1)]
+            # the next block's slots (past the CTA's last block: the last block's again, unused)
+            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if cutlass.const_expr(self.crossover):
+                own = P.select_i32(rank == 0, fetched[0], fetched[1])
+                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
+                if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                    P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
                 else:
-                    if b >= 2:
-                        P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
-                    for v in cutlass.range_constexpr(2):
-                        self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
-                    P.cp_async_commit()
-                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-                    if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
-                        P.cp_async_wait(1)
-                        P.fence_proxy_async()
-                        P.mbar_arrive(full0 + 8 * (1 - s))
-                slot = upcoming
+                    P.mbar_arrive(full0 + 8 * s)
+            elif cutlass.const_expr(self.mla_fp8):
+                staged = [
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    for v in range(2)
+                ]
+                if b >= 2:  # block b - 2's consumers are done with the buffer
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.store_rows(staged[v], buf, maps[v][0], maps[v][1], maps[v][2])
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                P.mbar_arrive(full0 + 8 * s)
+            else:
+                if b >= 2:
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                P.cp_async_commit()
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
+                    P.cp_async_wait(1)
+                    P.fence_proxy_async()
+                    P.mbar_arrive(full0 + 8 * (1 - s))
+            slot = upcoming
         if cutlass.const_expr(not (self.mla_fp8 or self.crossover)):  # the cp.async branch's last block
             P.cp_async_wait(0)
             P.fence_proxy_async()
@@ -1814,44 +1784,6 @@ class SparseCore:
         if cutlass.const_expr(self.crossover):  # the closing cluster barrier (see above)
             cute.arch.cluster_arrive(aligned=True)
             cute.arch.cluster_wait()
-
-    @cute.jit
-    def produce_blocks_ahead(
-        self, cache, kv_s, ids_s, full0, empty0, ptid, token, error, pool_slots, maps, ids_row, slot, rank, half, peer
-    ):
-        """produce_blocks' crossover over the fp8 cache with PRODUCER_AHEAD: block b + 1's row
-        loads are issued before block b's empty wait and stores, so two blocks' loads are in
-        flight a thread (the last block's successor is a hole: no loads). The protocol is the
-        crossover's unchanged (same barriers, arrivals and bytes; produce_blocks waits for the
-        peer's mbarriers before and closes with the cluster barrier after). peer: the peer's
-        tile and full[0], mapped."""
-        block = self.block
-        blocks = self.slots_per_cta // block
-        peer_kv, peer_full0 = peer
-        no_loads = self.probe == "no_loads"
-        own = Int32(-1) if cutlass.const_expr(no_loads) else P.select_i32(rank == 0, slot[0], slot[1])
-        staged = self.fetch_rows(cache, own, kv_s, half[0], half[1], half[2], pool_slots)
-        for b in range(blocks):
-            s = b % 2
-            buf = kv_s + s * TILE_BYTES
-            # the next block's slots (past the CTA's last block: the last block's again, unused)
-            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-            following = P.select_i32(rank == 0, upcoming[0], upcoming[1])
-            if cutlass.const_expr(no_loads):
-                following = Int32(-1)
-            following = P.select_i32(b + 1 < blocks, following, Int32(-1))  # the last block: a hole
-            ahead = self.fetch_rows(cache, following, buf, half[0], half[1], half[2], pool_slots)
-            if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
-                P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
-            self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
-            self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-            P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
-            if ptid == 0:  # the peer's bytes of this block, expected with this arrival
-                P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
-            else:
-                P.mbar_arrive(full0 + 8 * s)
-            staged = ahead
-            slot = upcoming
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):

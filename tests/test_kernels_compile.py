@@ -1329,55 +1329,6 @@ def test_the_crossover_producer_loads_take_the_load_hint(tmp_path, monkeypatch, 
         catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
 
 
-@pytest.mark.parametrize("probe", ["", "no_loads", "no_math"])
-@pytest.mark.parametrize("slots", [64, 128, 512, 2048])
-def test_the_crossover_producer_can_load_a_block_ahead(tmp_path, monkeypatch, slots, probe):
-    """sparse_core.PRODUCER_AHEAD (bench_sparse_core.py --paths wsxn; off by default): the fp8
-    crossover's producer issues the next block's row loads before this block's stores, so two
-    blocks' loads (2 x 19 a thread: 16 latent pieces, 2 rope, the scales) come before the first
-    st.async where one block's do without; the same crossover protocol, 168 registers and no
-    stack (the publishing B = 64 launch: main's XOVER_PUBLISH_FRAME in the values warpgroup);
-    the bf16 cache (raw chunks: 72 registers a block) keeps one block."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
-    assert sparse_core.PRODUCER_AHEAD is False
-    monkeypatch.setattr(sparse_core, "PROBE", probe)
-
-    def partial_of(ahead, shape_name, folder):
-        monkeypatch.setattr(sparse_core, "PRODUCER_AHEAD", ahead)
-        variant = catalog.build(
-            TP1[shape_name], "sparse_core", slots=slots, publish=slots == 2048, producer=True, crossover=True
-        )
-        assert variant.op.crossover and variant.op.ahead == (ahead and shape_name == "tp1-fp8")
-        folder.mkdir()
-        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(folder))](
-            variant.op, *variant.args, make_fake_stream()
-        )
-        (ptx,) = [p.read_text() for p in folder.iterdir() if p.suffix == ".ptx"]
-        (cubin,) = [p for p in folder.iterdir() if p.suffix == ".cubin"]
-        (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
-        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
-        return variant, found, partial
-
-    def loads_before_the_first_push(variant, partial):
-        producer = _producer_ptx(partial, variant.op)
-        return len(re.findall(r"ld\.global[.\w:]*\.v[24]\.", producer[: producer.index("st.async")]))
-
-    variant, found, ahead = partial_of(True, "tp1-fp8", tmp_path / "ahead")
-    plain_variant, plain_found, plain = partial_of(False, "tp1-fp8", tmp_path / "plain")
-    assert found == plain_found and found["regs"] == 168, (found, plain_found)
-    assert found["frame"] <= (XOVER_PUBLISH_FRAME if variant.op.publish and not variant.op.q_fp8 else 0), found
-    rows = 19  # (no_loads: the same predicated loads, every one off: its slots are holes)
-    assert loads_before_the_first_push(plain_variant, plain) == rows
-    assert loads_before_the_first_push(variant, ahead) == 2 * rows
-    _check_crossover(ahead, variant.op)
-    if probe == "":
-        bf16_variant, _, bf16 = partial_of(True, "tp1-bf16", tmp_path / "bf16")  # not for raw bf16 rows
-        assert loads_before_the_first_push(bf16_variant, bf16) == 18
-
-
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

@@ -251,33 +251,6 @@ def test_poll_and_the_crossover(monkeypatch, case):
     test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, 2, None)
 
 
-@pytest.mark.parametrize("slots_per_cta", [None, 64, 128, 256, 2048])
-@pytest.mark.parametrize("batch", [1, 5, 64])
-@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-fp8cache"])
-def test_the_crossover_with_its_loads_ahead_matches_the_reference(monkeypatch, case, batch, slots_per_cta):
-    """sparse_core.PRODUCER_AHEAD (bench path wsxn): the fp8 crossover's producer issues block
-    b + 1's row loads before block b's empty wait and stores -- at the plan's split and at 1,
-    2, 4 and 32 blocks a CTA (the last block's successor a hole), with holes, repeated slots
-    and a token with none (B = 5, 64)."""
-    from graphstep.kernels import catalog, sparse_core
-
-    _crossover(monkeypatch, 1 << 30)
-    monkeypatch.setattr(sparse_core, "PRODUCER_AHEAD", True)
-    shape = _state(case).shape
-    slots = slots_per_cta or sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
-    op = catalog.build(shape, "sparse_core", slots=slots).op
-    assert op.crossover and op.ahead  # the kernel under test is the flagged one
-    _check(case, batch, slots_per_cta)
-
-
-def test_poll_and_the_crossover_with_its_loads_ahead(monkeypatch):
-    from graphstep.kernels import sparse_core
-
-    _crossover(monkeypatch, None)
-    monkeypatch.setattr(sparse_core, "PRODUCER_AHEAD", True)
-    test_poll_waits_for_the_rows_and_names_a_chunk_never_published("q128-tp1-fp8", 2, None)
-
-
 BULK = [None, 0, 3, 16]  # partial_mma_ws's bulk-copied sixteenths: the module's, none, a few, all
 
 
