@@ -3,7 +3,7 @@ against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's fig
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16]
         [--sweep]
-        [--paths ws,wsx,wsh,wsr,wsxh,wsxr,wsxp,nows,mws,mws10,msync]
+        [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
@@ -19,8 +19,7 @@ in FlashMLA's shape at every split, wsx = the crossover with its module consumer
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
 loading half of every block, bf16 rows as raw chunks; sparse_core.XOVER_RESHAPE_BLOCKS),
 wsxh / wsxr = the crossover with half-block / FlashMLA's consumers at every split (ws / wsh /
-wsr: without it, whatever the module's default), wsxp = wsxr with the producer's row loads
-hinted (sparse_core.PRODUCER_LOAD_HINT: L1 evict-last, 256-byte L2 prefetch), nows =
+wsr: without it, whatever the module's default), nows =
 every thread loads (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
 between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
@@ -45,7 +44,6 @@ import sys
 
 import torch
 from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
-from graphstep.kernels import primitives as P
 from graphstep.kernels import sparse_core
 
 from graphstep import formats
@@ -158,7 +156,7 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,wsxp,nows; 16/32-row mws,mwsN,msync "
+        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,nows; 16/32-row mws,mwsN,msync "
         "(default: the module's)",
     )
     parser.add_argument(
@@ -186,7 +184,7 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxp", "nows", "mws", "msync")
+            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "nows", "mws", "msync")
             if (path not in known and not path.startswith("mws")) or probe not in (*sparse_core.PROBES, "no_combine"):
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
@@ -204,11 +202,8 @@ def main() -> int:
                 sparse_core.CROSSOVER = dict.fromkeys(crossover, path.startswith("wsx"))
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
-            if path in ("wsxh", "wsxr", "wsxp"):
+            if path in ("wsxh", "wsxr"):
                 sparse_core.XOVER_RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
-            hint = sparse_core.PRODUCER_LOAD_HINT
-            if path:  # wsxp: wsxr with the producer's loads hinted; every other named path without
-                sparse_core.PRODUCER_LOAD_HINT = P.LOAD_HINTS[1] if path == "wsxp" else ""
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:
@@ -217,7 +212,6 @@ def main() -> int:
             finally:
                 sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
                 sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS = crossover, xover_reshape
-                sparse_core.PRODUCER_LOAD_HINT = hint
                 sparse_core.COMBINE = True
                 sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
             for row in found:

@@ -201,11 +201,6 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # the bf16 cache until measured (bench_sparse_core.py --configs tp1-bf16 --paths nows,wsxr).
 # bfxon (a measurement branch): on for the bf16 cache too.
 CROSSOVER = {"fp8": True, "bf16": True}
-# The cache qualifiers of the producer's row loads (fetch_rows' registers: fp8 rows, and bf16
-# rows under the crossover; primitives.LOAD_HINTS). FlashMLA gathers its fp8 rows with L1
-# evict-last and a 256-byte L2 prefetch; off until measured (bench_sparse_core.py --paths
-# wsxr,wsxp times the crossover without and with it).
-PRODUCER_LOAD_HINT = ""
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
@@ -503,9 +498,6 @@ class SparseCore:
         reshape_blocks = XOVER_RESHAPE_BLOCKS if self.crossover else RESHAPE_BLOCKS
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
         self.probe = PROBE if self.producer else ""
-        self.load_hint = PRODUCER_LOAD_HINT if self.producer else ""
-        if self.load_hint not in P.LOAD_HINTS:
-            raise ValueError(f"sparse_core.PRODUCER_LOAD_HINT must be one of {P.LOAD_HINTS}, got {self.load_hint!r}")
         self.combine = COMBINE
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
@@ -2053,8 +2045,8 @@ class SparseCore:
                     P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
         else:
             src = cache + row
-            if cutlass.const_expr(self.mla_fp8):  # the row's 4 fp32 scales
-                staged.append(P.load_f32x4_if(src + LATENT, live, self.load_hint))
+            if cutlass.const_expr(self.mla_fp8):
+                staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
             for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
                 staged.append(self.fetch_piece(src, live, cg0, q4, j))
         return staged
@@ -2070,12 +2062,11 @@ class SparseCore:
         words = None
         if cutlass.const_expr(not self.mla_fp8):
             inside = live if step * (j + 1) <= TILE_CHUNKS // 4 else live & (c4 < TILE_CHUNKS // 4)
-            words = P.load_u32x4_if(src + 16 * (4 * c4 + q4), inside, self.load_hint)
+            words = P.load_u32x4_if(src + 16 * (4 * c4 + q4), inside)
         elif cutlass.const_expr(step * (j + 1) <= LATENT // 32):
-            words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live, self.load_hint)
+            words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live)
         else:
-            rope = src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4)
-            words = P.load_u32x4_if(rope, live & (c4 < TILE_CHUNKS // 4), self.load_hint)
+            words = P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), live & (c4 < TILE_CHUNKS // 4))
         return words
 
     @cute.jit

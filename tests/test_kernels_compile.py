@@ -1295,40 +1295,6 @@ def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, shape_name, probe
     _check_crossover(partial, variant.op)
 
 
-@pytest.mark.parametrize("shape_name", TP1)
-def test_the_crossover_producer_loads_take_the_load_hint(tmp_path, monkeypatch, shape_name):
-    """sparse_core.PRODUCER_LOAD_HINT (bench_sparse_core.py --paths wsxp): every predicated row
-    load of the crossover's producer carries the qualifiers (fp8: the latent, rope and scales;
-    bf16: the raw chunks), no other load does, and the kernel keeps 168 registers, no stack;
-    off by default (the path without it is main's)."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-    from graphstep.kernels import primitives as P
-
-    assert sparse_core.PRODUCER_LOAD_HINT == ""
-    hint = P.LOAD_HINTS[1]
-    monkeypatch.setattr(sparse_core, "PRODUCER_LOAD_HINT", hint)
-    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
-    assert variant.op.crossover and variant.op.load_hint == hint
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
-        variant.op, *variant.args, make_fake_stream()
-    )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
-    assert found == {"regs": 168, "frame": 0}, found
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
-    hinted = partial.count(f"ld.global{hint}.")
-    fp8 = variant.op.mla_fp8
-    # a producer thread's loads a block: fp8 16 latent pieces + 2 rope + the scales; bf16 18 chunks
-    assert hinted == (19 if fp8 else 18), hinted
-    assert partial.count("ld.global.L1::") == hinted  # no other load is hinted
-    with pytest.raises(ValueError, match="PRODUCER_LOAD_HINT"):
-        monkeypatch.setattr(sparse_core, "PRODUCER_LOAD_HINT", ".L2::512B")
-        catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True, crossover=True)
-
-
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
