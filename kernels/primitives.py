@@ -63,18 +63,10 @@ def load_f32x4_nc(ptr) -> tuple:
     return _load_v4(ptr, "global.nc", Float32)
 
 
-# Cache qualifiers a predicated load may carry: none; or L1 evict-last with a 256-byte L2
-# prefetch (a random row's first sector fetches its whole 256-byte segment, as FlashMLA's
-# gathers of 656-byte fp8 rows do).
-LOAD_HINTS = ("", ".L1::evict_last.L2::256B")
-
-
-def _load_if(ptr, live, count: int, dtype, zero: str, hint: str = ""):
+def _load_if(ptr, live, count: int, dtype, zero: str):
     """`count` words at ptr by one predicated global load, issued only where `live`
     (nothing is read otherwise, and the words are `zero`), so loads can be issued ahead
-    of the branch. hint: cache qualifiers after `ld.global` (LOAD_HINTS)."""
-    if hint not in LOAD_HINTS:
-        raise ValueError(f"load hint must be one of {LOAD_HINTS}, got {hint!r}")
+    of the branch."""
     kind = "f32" if dtype is Float32 else "b32"
     words = ", ".join(f"{{$w{i}}}" for i in range(count))
     target = f"{{{words}}}" if count > 1 else words
@@ -83,24 +75,24 @@ def _load_if(ptr, live, count: int, dtype, zero: str, hint: str = ""):
     return cute.arch.inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t"
         + clear
-        + f"@p ld.global{hint}{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
+        + f"@p ld.global{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
         write_only_types=[dtype] * count,
         read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
     )
 
 
-def load_u32x4_if(ptr, live, hint: str = "") -> tuple:
+def load_u32x4_if(ptr, live) -> tuple:
     """16-byte global load issued only where `live` (0 words otherwise)."""
-    return _load_if(ptr, live, 4, Uint32, "0", hint)
+    return _load_if(ptr, live, 4, Uint32, "0")
 
 
-def load_u32x2_if(ptr, live, hint: str = "") -> tuple:
+def load_u32x2_if(ptr, live) -> tuple:
     """8-byte global load issued only where `live` (0 words otherwise)."""
-    return _load_if(ptr, live, 2, Uint32, "0", hint)
+    return _load_if(ptr, live, 2, Uint32, "0")
 
 
-def load_f32x4_if(ptr, live, hint: str = "") -> tuple:
-    return _load_if(ptr, live, 4, Float32, "0f00000000", hint)
+def load_f32x4_if(ptr, live) -> tuple:
+    return _load_if(ptr, live, 4, Float32, "0f00000000")
 
 
 def load_f32x2_if(ptr, live) -> tuple:
