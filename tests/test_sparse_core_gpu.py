@@ -209,7 +209,6 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     _check(case, batch)
 
 
-@pytest.mark.parametrize("batch", [3, 64])
 @pytest.mark.parametrize("case", ["q128-tp1-fp8cache", "q128-tp1-bf16"])
 def test_the_crossover_with_the_load_hint_matches_the_reference(monkeypatch, case, batch):
     """PRODUCER_LOAD_HINT (bench path wsxp): the producer's row loads with cache qualifiers give
