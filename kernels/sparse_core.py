@@ -122,8 +122,8 @@ FlashMLA's consumers 12.8 / 20.6 / 46.9 / 105.7 us at B = 1 / 4 / 16 / 64 agains
 against 72.4 us at B = 64: the pushes and the pair's waits cost what the halved loads save), its
 gain is the consumers'. A cluster launch puts the CTA's rank in its shared addresses' high bits,
 so every wgmma descriptor masks the address to its 18-bit field (primitives.smem_desc_lines).
-Over the bf16 cache (CROSSOVER["bf16"], off until measured; its 64-row CTAs have no producer by
-default) the crossover's producer loads its half's rows as raw 16-byte chunks, predicated loads
+Over the bf16 cache (CROSSOVER["bf16"], on since session 21: 119.5 against 194.9 us at TP 1 B = 64)
+the crossover's producer loads its half's rows as raw 16-byte chunks, predicated loads
 into registers stored the same two ways (st.shared, st.async): no cp.async, which a warpgroup
 issued at 13-14 KB/us per SM, and nothing to dequantize, but 1152 bytes a row against 656.
 
@@ -172,8 +172,9 @@ TILE_CHUNKS = ROW // 8  # 72
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws, False = partial_wgmma
 # (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
 # / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
-# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64).
-# bfxon (a measurement branch): the bf16 cache's producer on, for its crossover.
+# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64). On for
+# bf16 too since its crossover (below), which needs the producer: where a CTA has no partner the
+# bf16 rows take that cp.async producer (even with the plain kernel, figures above).
 PRODUCER = {"fp8": True, "bf16": True}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
@@ -197,9 +198,9 @@ P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors writte
 # The crossover, per cache format (the module docstring says what it is and what it measured,
 # produce_blocks has the protocol). On for the fp8 cache with FlashMLA's consumers at every block
 # count (XOVER_RESHAPE_BLOCKS): with the half-block scorers past RESHAPE_BLOCKS it was no faster
-# than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). Off for
-# the bf16 cache until measured (bench_sparse_core.py --configs tp1-bf16 --paths nows,wsxr).
-# bfxon (a measurement branch): on for the bf16 cache too.
+# than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). On for
+# the bf16 cache as measured (session 21 call B, TP 1, B = 1 / 4 / 16 / 64: wsxr 13.6 / 22.3 /
+# 49.6 / 119.5 us against the plain kernel's 16.1 / 28.2 / 71.3 / 194.9).
 CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads

@@ -1303,7 +1303,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     block count (XOVER_RESHAPE_BLOCKS: measured faster at every B, session 18); 16-row CTAs
     take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache] blocks per CTA, else (and 32-row
     CTAs) partial_mma_sync."""
-    assert sparse_core.PRODUCER == {"fp8": True, "bf16": True}  # bfxon: bf16 on to measure its crossover
+    assert sparse_core.PRODUCER == {"fp8": True, "bf16": True}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for shape in TP1.values():
         op = catalog.build(shape, "sparse_core", slots=2048).op

@@ -23,7 +23,7 @@ def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
     """On for the fp8 cache as measured (bench/RESULTS.md session 18 call H: wsxr), FlashMLA's
     consumer shape at every block count under it (XOVER_RESHAPE_BLOCKS), the half-block
     scorers past RESHAPE_BLOCKS without it."""
-    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": True}  # bfxon: bf16 on to measure it
+    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": True}  # as measured (session 21 call B)
     assert sparse_core.XOVER_RESHAPE_BLOCKS >= 2048 // sparse_core.WG_ROWS
     for batch in (1, 4, 16, 64):
         slots = sparse_core.plan(batch, TP1_FP8.q_heads, 2048)
@@ -47,7 +47,7 @@ def test_the_crossover_runs_only_where_a_64_row_producer_cta_has_a_partner():
         assert not catalog.build(shape, "sparse_core", slots=32, producer=True, crossover=True).op.crossover
         assert not catalog.build(shape, "sparse_core", slots=2048, producer=False, crossover=True).op.crossover
     assert catalog.build(TP1_FP8, "sparse_core", slots=2048, crossover=True).op.crossover  # its default producer
-    assert catalog.build(TP1_BF16, "sparse_core", slots=2048, crossover=True).op.crossover  # bfxon's producer
+    assert catalog.build(TP1_BF16, "sparse_core", slots=2048, crossover=True).op.crossover  # bf16's producer
     others = {
         "64 heads": RankShape(preset("kimi-k3.1"), Topology(tp=1, mla_cache="fp8")),
         "tp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
