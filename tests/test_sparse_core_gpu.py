@@ -209,21 +209,6 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     _check(case, batch)
 
 
-@pytest.mark.parametrize("case", ["q128-tp1-fp8cache", "q128-tp1-bf16"])
-def test_the_crossover_with_the_load_hint_matches_the_reference(monkeypatch, case, batch):
-    """PRODUCER_LOAD_HINT (bench path wsxp): the producer's row loads with cache qualifiers give
-    the same rows (fp8 pieces and scales, raw bf16 chunks), holes and repeated slots included."""
-    from graphstep.kernels import catalog, sparse_core
-    from graphstep.kernels import primitives as P
-
-    _crossover(monkeypatch, CONSUMERS["wsxr"])
-    monkeypatch.setattr(sparse_core, "PRODUCER_LOAD_HINT", P.LOAD_HINTS[1])
-    shape = _state(case).shape
-    op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
-    assert op.crossover and op.load_hint == P.LOAD_HINTS[1]
-    _check(case, batch)
-
-
 @pytest.mark.parametrize("path", CONSUMERS)
 @pytest.mark.parametrize("slots_per_cta", [64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
