@@ -1,7 +1,8 @@
 """SparseCore alone (sparse MLA decode over 2048 random slots per token) in CUDA graphs,
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
-    python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8] [--sweep]
+    python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16]
+        [--sweep]
         [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
 
@@ -16,9 +17,9 @@ warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
 in FlashMLA's shape at every split, wsx = the crossover with its module consumers
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
-loading half of every block; sparse_core.XOVER_RESHAPE_BLOCKS), wsxh / wsxr = the crossover
-with half-block / FlashMLA's consumers at every split (ws / wsh / wsr: without it, whatever the
-module's default), nows =
+loading half of every block, bf16 rows as raw chunks; sparse_core.XOVER_RESHAPE_BLOCKS),
+wsxh / wsxr = the crossover with half-block / FlashMLA's consumers at every split (ws / wsh /
+wsr: without it, whatever the module's default), nows =
 every thread loads (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
 between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16

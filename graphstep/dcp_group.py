@@ -35,7 +35,7 @@ import torch
 
 from . import formats
 from . import reference as ref
-from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout
+from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout, check_budget
 from .shapes import RankShape
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
@@ -296,6 +296,7 @@ class DcpGroup:
             raise ValueError(f"tp {topo.tp} must be a multiple of dcp {dcp}: the unsharded layer has tp / dcp")
         if backend not in GROUP_POLICY:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(GROUP_POLICY)}")
+        check_budget(budget_ns)
         if devices is None:
             devices = "cpu" if backend == "torch" else "cuda"
         devices = list(devices) if isinstance(devices, list | tuple) else [devices] * dcp

@@ -27,6 +27,18 @@ INT32_MAX = 2**31 - 1
 DEFAULT_BUDGET_NS = 200_000_000  # 200 ms: far beyond any healthy publish, far below a hang
 
 
+def check_budget(budget_ns) -> int:
+    """Return budget_ns if it is an int in [0, guards.MAX_BUDGET_NS], else raise ValueError:
+    a kernel's mbarrier waits may sit behind its poll, and they trap after
+    guards.MBAR_WAIT_LIMIT_NS (kernels/guards.py)."""
+    if not isinstance(budget_ns, int) or isinstance(budget_ns, bool) or not 0 <= budget_ns <= guards.MAX_BUDGET_NS:
+        raise ValueError(
+            f"budget_ns must be an int in [0, {guards.MAX_BUDGET_NS}] (ns a poll waits; kernels/guards.py), "
+            f"got {budget_ns!r}"
+        )
+    return budget_ns
+
+
 def _cutlass_dtype(dtype: torch.dtype):
     import cutlass
 

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .launch import DEFAULT_BUDGET_NS, INT32_MAX, ErrorWord, Kernels, TvmFfiKernels, tvm_ffi_available
+from .launch import DEFAULT_BUDGET_NS, INT32_MAX, ErrorWord, Kernels, TvmFfiKernels, check_budget, tvm_ffi_available
 from .shapes import ModelShape, RankShape, RopeScaling, Topology
 
 BF16, FP32, I32, U8 = torch.bfloat16, torch.float32, torch.int32, torch.uint8
@@ -226,6 +226,7 @@ def _mla_query_check(
     mla_cache,
     error,
     shape,
+    budget_ns,
 ):
     s = rank_shape(shape)
     m, b = s.model, _batch("mla_query", qkv)
@@ -246,6 +247,7 @@ def _mla_query_check(
         error=_error_arg(error),
     )
     _at_least("mla_query", "q_rows", q_rows, b)
+    check_budget(budget_ns)
 
 
 @_op("mla_query", mutates_args=("q_rows", "mla_cache", "error"))
@@ -305,6 +307,7 @@ def mla_query(
         mla_cache,
         error,
         shape,
+        budget_ns,
     )
     weights = SimpleNamespace(gamma_q=gamma_q, gamma_kv=gamma_kv, w_qb=w_qb, rope_cos=rope_cos, rope_sin=rope_sin)
     kernels = _launcher("mla_query", shape, pdl, qkv.device).bind(weights, w_uk_t)
@@ -362,6 +365,7 @@ def _(
         mla_cache,
         error,
         shape,
+        budget_ns,
     )
     return qkv.new_empty(qkv.shape[0], gamma_q.shape[0])
 
@@ -369,13 +373,14 @@ def _(
 # -- QueryWait (DCP) -----------------------------------------------------------------
 
 
-def _query_wait_check(q_rows, error, batch, shape):
+def _query_wait_check(q_rows, error, batch, shape, budget_ns):
     s = rank_shape(shape)
     check_args(
         "query_wait", q_rows=(q_rows, U8, (ANY, s.q_heads, s.model.query_row * s.q_bytes)), error=_error_arg(error)
     )
     if batch < 1:
         raise ValueError(f"graphstep.query_wait: batch must be >= 1, got {batch}")
+    check_budget(budget_ns)
     _at_least("query_wait", "q_rows", q_rows, batch)
 
 
@@ -391,13 +396,13 @@ def query_wait(
             declared mutated so that torch keeps the wait between its writers and readers.
         error: (4,), torch.int32, written in place (see mla_query).
     """
-    _query_wait_check(q_rows, error, batch, shape)
+    _query_wait_check(q_rows, error, batch, shape, budget_ns)
     _launcher("query_wait", shape, pdl, q_rows.device).query_wait(q_rows, ErrorWord(error), batch, budget_ns)
 
 
 @query_wait.register_fake
 def _(q_rows, error, batch, shape, budget_ns=DEFAULT_BUDGET_NS, pdl=True):
-    _query_wait_check(q_rows, error, batch, shape)
+    _query_wait_check(q_rows, error, batch, shape, budget_ns)
 
 
 # -- the indexer ---------------------------------------------------------------------

@@ -44,7 +44,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from . import formats
-from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, guard_bounds
+from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, check_budget, guard_bounds
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch
 from .stages import Buffers, CuteStages, Stages, TorchStages
@@ -76,7 +76,8 @@ class DecodeStep:
         seed: int. Seed of the random weights and caches (LayerState).
         pdl: bool. Chain the cute kernels with Programmatic Dependent Launch.
         budget_ns: int. How long a poll of the mailbox (DCP's, or fork_poll's sparse core on
-            one rank) waits for a chunk before it gives up (MailboxTimeout, see above).
+            one rank) waits for a chunk before it gives up (MailboxTimeout, see above); at
+            most 15 s (kernels/guards.py MAX_BUDGET_NS).
         transport: callable (shape, mailbox) -> Transport, or None. This rank's end of the
             DCP exchanges (graphstep.transport); None: SimulatedPeers under DCP (the other
             ranks played from step()'s `peers`), SingleRank without.
@@ -110,6 +111,7 @@ class DecodeStep:
         sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
         if not sizes:
             raise ValueError("capture_sizes must name at least one batch size")
+        check_budget(budget_ns)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(

@@ -32,6 +32,24 @@ CHECKS = {
 INDEX_KEY_SLOT, INDEX_KEY_LENGTH, MLA_QUERY_SLOT, MLA_QUERY_LENGTH, INDEX_QUERY_LENGTH = 1, 2, 3, 4, 5
 DSA_INDEX_PAGE, TOP_K_PAGE, DCP_MERGE_POSITION, DCP_MERGE_PAGE, SPARSE_CORE_SLOT = 6, 7, 8, 9, 10
 EMPTY = 2**63 - 1  # no record
+
+# Waits that cannot hang. The polls of other streams' or ranks' data (QueryWait, the
+# fork_poll SparseCore, MlaQuery's DCP poll, CandidateSync) give up after their budget_ns and
+# record what never came. An mbarrier wait inside a kernel (primitives.mbar_wait) executes
+# `trap` once it has spun MBAR_WAIT_LIMIT_NS, which only a kernel bug can cause (a wrong byte
+# count, a skipped arrive or push): the launch fails with a CUDA error at the host's next
+# sync instead of hanging the replay. Healthy waits take microseconds, but one can sit behind
+# a cluster peer's poll (the crossover's producer waits on its peer CTA), and a poll under a
+# sanitizer is given 10 s (scripts/sanitize_case.py): so the limit is a minute and a poll's
+# budget at most a quarter of it.
+MBAR_WAIT_LIMIT_NS = 60_000_000_000
+MAX_BUDGET_NS = MBAR_WAIT_LIMIT_NS // 4
+
+
+def wait_limit_units() -> int:
+    """MBAR_WAIT_LIMIT_NS in units of the timer's high word (2**32 ns), rounded up: a wait
+    traps once the high word has advanced by more than this (read when a kernel is traced)."""
+    return -(-MBAR_WAIT_LIMIT_NS // (1 << 32))
 TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
 
 

@@ -17,8 +17,12 @@ import struct
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import AddressSpace
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from . import guards
 
 BUTTERFLY = (16, 8, 4, 2, 1)  # graphstep/order.py models this order
 NORM_COLUMNS = 1536
@@ -709,15 +713,6 @@ def cp_async_wait(pending: int):
     cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
 
 
-def red_shared_inc_if(address, live):
-    """Add 1 to the shared word at `address` where `live` (a predicated `red`; ptxas 4.8.1
-    still turns it into a branch around the ATOMS, as for an `if` around an atomic)."""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t@p red.shared.add.u32 [{$r0}], 1;\n\t}",
-        read_only_args=[Int32(address), Int32(cutlass.select_(live, Int32(1), Int32(0)))],
-    )
-
-
 def ld_shared_u32x4(ptr) -> tuple:
     return cute.arch.inline_ptx(
         "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Uint32] * 4, read_only_args=[ptr]
@@ -769,15 +764,13 @@ def dsmem_load(address, cta, dtype, count: int) -> tuple:
 
 def dsmem_store(address, cta, dtype, values):
     """Store 1, 2 or 4 32-bit values of `dtype` (Float32 or Int32) at shared address `address`
-    (aligned to their bytes) in CTA `cta` of the cluster (mapa, then st.shared::cluster)."""
+    (aligned to their bytes) in CTA `cta` of the cluster (`mapa`, then st.shared::cluster)."""
     count = len(values)
-    regs = "{$r2}" if count == 1 else "{" + ", ".join("{$r%d}" % (2 + i) for i in range(count)) + "}"
+    regs = "{$r1}" if count == 1 else "{" + ", ".join("{$r%d}" % (1 + i) for i in range(count)) + "}"
     shape = "" if count == 1 else f".v{count}"
     kind = "f32" if dtype is Float32 else "b32"
     cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        + f"st.shared::cluster{shape}.{kind} [remote], {regs};\n\t}}",
-        read_only_args=[address, cta, *values],
+        f"st.shared::cluster{shape}.{kind} [{{$r0}}], {regs};", read_only_args=[mapa(address, cta), *values]
     )
 
 
@@ -794,9 +787,7 @@ def mbar_arrive_remote(addr, cta):
     release at cluster scope: what this CTA read or wrote before (ordered by a CTA barrier)
     happens before whatever the receiver does once its wait (cluster=True) sees the phase."""
     cute.arch.inline_ptx(
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}",
-        read_only_args=[addr, cta],
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{$r0}];", read_only_args=[mapa(addr, cta)]
     )
 
 
@@ -889,17 +880,54 @@ def mbar_arrive(addr):
     cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
 
 
-def mbar_wait(addr, parity, cluster: bool = False):
-    """Spin until the mbarrier's phase with this parity has completed. cluster: acquire at
-    cluster scope, so what other CTAs stored into this CTA (st.async completing on this
-    mbarrier) is visible once the phase completes."""
+def mbar_try_wait(addr, parity, cluster: bool = False) -> Int32:
+    """1 if the mbarrier's phase with this parity has completed, else 0, after at most the
+    hardware's own suspend time of one try (mbarrier.try_wait)."""
     order = ".acquire.cluster" if cluster else ""
-    cute.arch.inline_ptx(
-        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
+    return cute.arch.inline_ptx(
+        "{\n\t.reg .pred done;\n\t"
         f"mbarrier.try_wait.parity{order}.shared::cta.b64 done, [{{$r0}}], {{$r1}};\n\t"
-        "@!done bra WAIT;\n\t}",
+        "selp.b32 {$w0}, 1, 0, done;\n\t}",
+        write_only_types=[Int32],
         read_only_args=[addr, parity],
     )
+
+
+@cute.jit
+def mbar_wait(addr, parity, cluster: cutlass.Constexpr[bool] = False):
+    """Spin until the mbarrier's phase with this parity has completed. cluster: acquire at
+    cluster scope, so what other CTAs stored into this CTA (st.async completing on this
+    mbarrier) is visible once the phase completes. A phase already complete costs one try;
+    only a failed try reads the clock, and a wait that has spun guards.MBAR_WAIT_LIMIT_NS
+    executes `trap` (a kernel bug: the launch fails instead of hanging). The clock is the
+    timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin and one
+    read, which keeps the kernels at their register caps without spills (a 64-bit start
+    spilled ClusterTopK's 64-register threads and the 168-register SparseCore consumers). It
+    traps once the high word has advanced by more than guards.wait_limit_units(), so after at
+    least the limit and at most one unit more; the difference is compared signed, so a timer
+    that stepped back never traps a healthy wait."""
+    done = mbar_try_wait(addr, parity, cluster)
+    if done == 0:
+        since = globaltimer_hi()
+        while done == 0:
+            done = mbar_try_wait(addr, parity, cluster)
+            if done == 0:  # (nested: a try that succeeds reads no clock)
+                if Int32(globaltimer_hi() - since) > Int32(guards.wait_limit_units()):
+                    trap()
+
+
+@dsl_user_op
+def globaltimer_hi(*, loc=None, ip=None) -> Uint32:
+    """The global nanosecond timer's high 32 bits (%globaltimer_hi, through LLVM's inline asm,
+    where `%` is literal, unlike inline_ptx's text; volatile, so a loop reads it each time)."""
+    return Uint32(
+        llvm.inline_asm(T.i32(), [], "mov.u32 $0, %globaltimer_hi;", "=r", has_side_effects=True, loc=loc, ip=ip)
+    )
+
+
+def trap():
+    """End the launch with an error (the host's next sync raises; the context is lost)."""
+    cute.arch.inline_ptx("trap;")
 
 
 def bulk_copy_g2s(dst, src, nbytes, bar):

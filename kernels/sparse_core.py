@@ -13,9 +13,9 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         CROSSOVER (the fp8 cache's default): a token's two 64-row CTAs as a cluster of
-         2, each producer loading half of every block into both CTAs' tiles, the
-         consumers in FlashMLA's shape at every block count (XOVER_RESHAPE_BLOCKS).
+         CROSSOVER (the fp8 cache's default; bf16 rows too, off): a token's two 64-row CTAs
+         as a cluster of 2, each producer loading half of every block into both CTAs'
+         tiles, the consumers in FlashMLA's shape at every block count (XOVER_RESHAPE_BLOCKS).
          16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
          row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
          its query rows' A fragments in registers. Per block:
@@ -110,18 +110,22 @@ from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it r
 where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
 the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
 dequantization).
-The crossover (CROSSOVER, on for the fp8 cache; bench_sparse_core.py --paths ws,wsx,wsxr): the
-two head-group CTAs of a (split, token) launch as a cluster of 2 (grid y), each producer loads
-and dequantizes 32 of every block's 64 rows and writes them into its own tile and, by st.async
-completing on the peer's full mbarrier, into the peer's; full[s] waits for both halves,
-empty[s] for both CTAs' consumers (remote arrives), so each SM moves and dequantizes half the
-rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd, DCP at TP
-8) it is today's kernel. Measured (session 18): with FlashMLA's consumers 12.8 / 20.6 / 46.9 /
-105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 / 49.8 / 115.3 without it (FlashMLA 17.0 /
-18.3 / 38.0 / 89.5); its producer alone is slower (80.5 against 72.4 us at B = 64: the pushes
-and the pair's waits cost what the halved loads save), its gain is the consumers'. A cluster
-launch puts the CTA's rank in its shared addresses' high bits, so every wgmma descriptor
-masks the address to its 18-bit field (primitives.smem_desc_lines).
+The crossover (docs/levers.md A.2 step 3; CROSSOVER; bench_sparse_core.py --paths ws,wsx,wsxr):
+the two head-group CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- launch as a
+cluster of 2 (grid y), and each producer loads and dequantizes only its half of every block's
+rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own tile and, by st.async
+completing on the peer's full mbarrier, into the peer's, so each SM moves and dequantizes half
+the rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd: 64
+heads, DCP at TP 8) or under 64-slot blocks it is today's kernel. Measured (session 18): with
+FlashMLA's consumers 12.8 / 20.6 / 46.9 / 105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 /
+49.8 / 115.3 without it (FlashMLA 17.0 / 18.3 / 38.0 / 89.5); its producer alone is slower (80.5
+against 72.4 us at B = 64: the pushes and the pair's waits cost what the halved loads save), its
+gain is the consumers'. A cluster launch puts the CTA's rank in its shared addresses' high bits,
+so every wgmma descriptor masks the address to its 18-bit field (primitives.smem_desc_lines).
+Over the bf16 cache (CROSSOVER["bf16"], on since session 21: 119.5 against 194.9 us at TP 1 B = 64)
+the crossover's producer loads its half's rows as raw 16-byte chunks, predicated loads
+into registers stored the same two ways (st.shared, st.async): no cp.async, which a warpgroup
+issued at 13-14 KB/us per SM, and nothing to dequantize, but 1152 bytes a row against 656.
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -168,8 +172,10 @@ TILE_CHUNKS = ROW // 8  # 72
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws, False = partial_wgmma
 # (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
 # / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
-# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64).
-PRODUCER = {"fp8": True, "bf16": False}
+# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64). On for
+# bf16 too since its crossover (below), which needs the producer: where a CTA has no partner the
+# bf16 rows take that cp.async producer (even with the plain kernel, figures above).
+PRODUCER = {"fp8": True, "bf16": True}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
@@ -189,18 +195,13 @@ CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# The crossover (docs/levers.md A.2 step 3; partial_wgmma_ws over the fp8 cache):
-# the two 64-head CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- run as one cluster
-# of 2 along the grid's head-group axis, and each one's producer loads and dequantizes only
-# its half of every block's rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own
-# tile and, by st.async, into the peer's (produce_blocks has the protocol). Per cache format;
-# where a CTA has no partner (q_heads / 64 odd: 64 heads, DCP at TP 8), a block under 64
-# slots or the bf16 cache's cp.async producer it is today's kernel (cluster 1).
-# bench_sparse_core.py --paths ws,wsx,wsxr times them in one process. On for the fp8 cache with
-# FlashMLA's consumers at every block count (XOVER_RESHAPE_BLOCKS), as measured (the module
-# docstring): with the half-block scorers past RESHAPE_BLOCKS it was no faster than without it
-# (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H).
-CROSSOVER = {"fp8": True, "bf16": False}
+# The crossover, per cache format (the module docstring says what it is and what it measured,
+# produce_blocks has the protocol). On for the fp8 cache with FlashMLA's consumers at every block
+# count (XOVER_RESHAPE_BLOCKS): with the half-block scorers past RESHAPE_BLOCKS it was no faster
+# than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). On for
+# the bf16 cache as measured (session 21 call B, TP 1, B = 1 / 4 / 16 / 64: wsxr 13.6 / 22.3 /
+# 49.6 / 119.5 us against the plain kernel's 16.1 / 28.2 / 71.3 / 194.9).
+CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
@@ -450,8 +451,8 @@ class SparseCore:
         MMA_PRODUCER_BLOCKS[cache] blocks per CTA.
         crossover: partial_wgmma_ws's two head-group CTAs of a (split, token) as a cluster of 2,
         each producer loading half of every block (None: the module's CROSSOVER for the
-        cache); only where it applies (64-row CTAs in pairs, the fp8 cache's producer,
-        64-slot blocks), else today's kernel."""
+        cache); only where it applies (64-row CTAs in pairs with a producer, 64-slot blocks),
+        else today's kernel."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -494,7 +495,7 @@ class SparseCore:
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         want = CROSSOVER["fp8" if mla_fp8 else "bf16"] if crossover is None else crossover
         paired = self.wgmma and (q_heads // self.heads) % 2 == 0  # the head-group axis pairs up
-        self.crossover = bool(want) and paired and self.producer and mla_fp8 and self.block == WG_ROWS
+        self.crossover = bool(want) and paired and self.producer and self.block == WG_ROWS
         reshape_blocks = XOVER_RESHAPE_BLOCKS if self.crossover else RESHAPE_BLOCKS
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
         self.probe = PROBE if self.producer else ""
@@ -1603,9 +1604,10 @@ class SparseCore:
         its empty mbarrier after their P @ V has completed. Shared memory as partial_wgmma,
         plus the four mbarriers.
         crossover: the CTA and its peer (the other head group of the same split and token,
-        a cluster of 2) share the blocks' rows: each producer loads and dequantizes its half
-        into both CTAs' buffers, full[s] also waits for the peer's bytes and empty[s] for
-        the peer's consumers (produce_blocks); the mbarriers' initialization is published to
+        a cluster of 2) share the blocks' rows: each producer loads (fp8: and dequantizes) its
+        half into both CTAs' buffers (bf16 rows through registers, not by cp.async), full[s]
+        also waits for the peer's bytes and empty[s] for the peer's consumers
+        (produce_blocks); the mbarriers' initialization is published to
         the peer by a cluster barrier (arrived on here, waited on before any remote access),
         and every thread meets the peer's at a second one before it exits."""
         tid, _, _ = cute.arch.thread_idx()
@@ -1680,8 +1682,10 @@ class SparseCore:
         partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
         the row and chunk maps are the same; the next block's slot ids load a block ahead.
 
-        crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads and
-        dequantizes only share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) and
+        crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads only
+        share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) into registers -- fp8
+        rows then dequantized, bf16 rows as raw 16-byte chunks (fetch_rows' raw: predicated
+        loads, all 18 issued before the buffer's empty wait, as the fp8 rows' are) -- and
         stores each 16-byte bf16 chunk twice, st.shared into its own buffer and st.async into
         the same place of the peer's (complete_tx on the peer's full[s]); the slot ids, their
         range guard and the error word stay whole in each CTA (both shares' ids, as without).
@@ -1732,7 +1736,7 @@ class SparseCore:
             upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
             if cutlass.const_expr(self.crossover):
                 own = P.select_i32(rank == 0, fetched[0], fetched[1])
-                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots)
+                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
                 if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
                 self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
@@ -1766,7 +1770,7 @@ class SparseCore:
                     P.fence_proxy_async()
                     P.mbar_arrive(full0 + 8 * (1 - s))
             slot = upcoming
-        if cutlass.const_expr(not self.mla_fp8):
+        if cutlass.const_expr(not (self.mla_fp8 or self.crossover)):  # the cp.async branch's last block
             P.cp_async_wait(0)
             P.fence_proxy_async()
             P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
@@ -2020,16 +2024,18 @@ class SparseCore:
             cute.arch.sync_threads()
 
     @cute.jit
-    def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots) -> list:
-        """This thread's chunks of cache row `slot` (block row r): bf16 rows by
-        cp.async straight into dst (the caller commits; returns []), fp8 rows by predicated
-        loads into registers (returned for store_rows). Chunk j: 4 (cg0 + step j) + q4 of
-        the row's 72 (8 dims each); a hole or a slot outside the pool reads nothing (zeros)."""
+    def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots, raw: bool = False) -> list:
+        """This thread's chunks of cache row `slot` (block row r): bf16 rows by cp.async
+        straight into dst (the caller commits; returns []), or raw (the crossover, whose
+        producer stores each chunk into two tiles) by predicated 16-byte loads into registers
+        as they are; fp8 rows by predicated loads into registers. Registers are returned for
+        store_rows. Chunk j: 4 (cg0 + step j) + q4 of the row's 72 (8 dims each); a hole or a
+        slot outside the pool reads nothing (zeros)."""
         step = 8 // (self.block // 8)
         live = P.in_range(slot, pool_slots)
         row = Int64(P.select_i32(live, slot, 0)) * self.row_bytes
         staged = []
-        if cutlass.const_expr(not self.mla_fp8):
+        if cutlass.const_expr(not self.mla_fp8 and not raw):
             src = cache + row + 16 * q4
             at = dst + r * 16 + q4 * CHUNK
             for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
@@ -2040,20 +2046,25 @@ class SparseCore:
                     P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
         else:
             src = cache + row
-            staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
+            if cutlass.const_expr(self.mla_fp8):
+                staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
             for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
                 staged.append(self.fetch_piece(src, live, cg0, q4, j))
         return staged
 
     @cute.jit
     def fetch_piece(self, src, live, cg0, q4, j: int):
-        """Piece j of fetch_rows' fp8 row at src: chunk 4 (cg0 + step j) + q4 of its 72 --
-        8 e4m3 of the latent (8 bytes at 8 c), or 8 bf16 of the rope (16 bytes at 528 + 16
-        (c - 64)); zeros where not live (or past the row's chunks)."""
+        """Piece j of fetch_rows' row at src in registers: chunk 4 (cg0 + step j) + q4 of its
+        72 -- fp8 rows: 8 e4m3 of the latent (8 bytes at 8 c), or 8 bf16 of the rope (16 bytes
+        at 528 + 16 (c - 64)); bf16 rows: the 16 bytes at 16 c -- zeros where not live (or
+        past the row's chunks)."""
         step = 8 // (self.block // 8)
         c4 = cg0 + step * j
         words = None
-        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+        if cutlass.const_expr(not self.mla_fp8):
+            inside = live if step * (j + 1) <= TILE_CHUNKS // 4 else live & (c4 < TILE_CHUNKS // 4)
+            words = P.load_u32x4_if(src + 16 * (4 * c4 + q4), inside)
+        elif cutlass.const_expr(step * (j + 1) <= LATENT // 32):
             words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live)
         else:
             words = P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), live & (c4 < TILE_CHUNKS // 4))
@@ -2062,12 +2073,12 @@ class SparseCore:
     @cute.jit
     def store_piece(self, words, scales, at, cg0, j: int, remote=None):
         """fetch_piece's words -> its bf16 chunk of block row `at` (dst + 16 r + q4 x CHUNK):
-        e4m3 x the chunk's 128-dim scale, rounded to bf16; the rope copied. remote (the
-        crossover): (the same row's address in the peer's tile, the peer's full mbarrier),
-        both shared::cluster; the chunk is also pushed there (st.async)."""
+        e4m3 x the chunk's 128-dim scale, rounded to bf16; bf16 (the rope, or a raw bf16 row)
+        copied. remote (the crossover): (the same row's address in the peer's tile, the peer's
+        full mbarrier), both shared::cluster; the chunk is also pushed there (st.async)."""
         step = 8 // (self.block // 8)
         c4 = cg0 + step * j
-        if cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+        if cutlass.const_expr(self.mla_fp8 and step * (j + 1) <= LATENT // 32):
             # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
             # for every cg0 < step (step divides 4)
             sc = scales[step * j // 4]
@@ -2076,27 +2087,34 @@ class SparseCore:
                 f = P.unpack_e4m3x4(words[i])
                 outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
                 outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
-            P.st_shared_u32x4(at + 4 * CHUNK * c4, outw)
-            if cutlass.const_expr(remote is not None):
-                P.st_async_u32x4(remote[0] + 4 * CHUNK * c4, outw, remote[1])
+            self.put_chunk(outw, at, 4 * CHUNK * c4, remote)
+        elif cutlass.const_expr(not self.mla_fp8 and step * (j + 1) <= TILE_CHUNKS // 4):
+            self.put_chunk(words, at, 4 * CHUNK * c4, remote)  # (every thread's chunk is in the row)
         elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
             if c4 < TILE_CHUNKS // 4:
-                P.st_shared_u32x4(at + 4 * CHUNK * c4, words)
-                if cutlass.const_expr(remote is not None):
-                    P.st_async_u32x4(remote[0] + 4 * CHUNK * c4, words, remote[1])
+                self.put_chunk(words, at, 4 * CHUNK * c4, remote)
+
+    @cute.jit
+    def put_chunk(self, words, at, offset, remote):
+        """A bf16 chunk (4 words) to shared at + offset, and (remote: the crossover's peer tile
+        and full mbarrier) by st.async to remote[0] + offset, counted on remote[1]."""
+        P.st_shared_u32x4(at + offset, words)
+        if cutlass.const_expr(remote is not None):
+            P.st_async_u32x4(remote[0] + offset, words, remote[1])
 
     @cute.jit
     def store_rows(self, staged, dst, r, cg0, q4, remote=None):
-        """fetch_rows' fp8 registers -> bf16 chunks of block row r in dst: e4m3 x the chunk's
-        128-dim scale, rounded to bf16; the rope copied. remote (the crossover): (the peer's
-        dst, the peer's full mbarrier), shared::cluster: every chunk also pushed there."""
-        step = 8 // (self.block // 8)
+        """fetch_rows' registers -> bf16 chunks of block row r in dst: fp8 rows' e4m3 x the
+        chunk's 128-dim scale, rounded to bf16, their rope and raw bf16 rows copied. remote
+        (the crossover): (the peer's dst, the peer's full mbarrier), shared::cluster: every
+        chunk also pushed there."""
         at = dst + r * 16 + q4 * CHUNK
         there = None
         if cutlass.const_expr(remote is not None):
             there = (remote[0] + r * 16 + q4 * CHUNK, remote[1])
-        for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
-            self.store_piece(staged[1 + j], staged[0], at, cg0, j, there)
+        pieces, scales = (staged[1:], staged[0]) if self.mla_fp8 else (staged, None)
+        for j in cutlass.range_constexpr(len(pieces)):
+            self.store_piece(pieces[j], scales, at, cg0, j, there)
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid):

@@ -846,7 +846,7 @@ class ClusterTopK:
                 if cutlass.const_expr(self.entries == 0):
                     if cutlass.const_expr(r == 1):
                         near0, near1 = self.bin_masks(stash, limit, prefix, tid)
-                    self.histogram_bits(keys, stash, limit, base_address, r, prefix, (near0, near1), tid)
+                    self.histogram_bits(keys, stash, limit, hists, r, prefix, (near0, near1), tid)
                 elif cutlass.const_expr(self.entries == 128 * self.loads):  # the list holds every candidate
                     self.histogram_list(hists, base_address, r, prefix, fill, lane, warp)
                 else:
@@ -899,9 +899,9 @@ class ClusterTopK:
         return near[0], near[1]
 
     @cute.jit
-    def histogram_bits(self, keys, stash, limit, base_address, r: int, prefix, near, tid):
+    def histogram_bits(self, keys, stash, limit, hists, r: int, prefix, near, tid):
         """This CTA's histogram of round r (1 or 2) over its whole slice, no list: the held
-        keys (registers) each tested (ptxas still branches around each increment), the stashed ones only
+        keys (registers) each tested, the stashed ones only
         at the set bits of `near` (bin_masks: round 0's bin), lowest first, a stash word
         read for each (the warp loops as often as its busiest lane). Same counts as
         `histogram`: the keys that share the higher rounds' digits `prefix`.
@@ -915,13 +915,14 @@ class ClusterTopK:
         ~440; round 2: ~220."""
         shift, bits = ROUNDS[r]
         threads = self.threads
-        hist = base_address + 4 * HISTS[r][0]
+        hist = HISTS[r][0]
         for u in cutlass.range_constexpr(self.held):
             for j in cutlass.range_constexpr(4):
                 key = keys[4 * u + j]
                 live = 4 * threads * u + j < limit and (key >> Uint32(shift + bits)) == prefix
                 digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                P.red_shared_inc_if(hist + 4 * digit, live)
+                if live:
+                    cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
         for i in cutlass.range_constexpr((4 * self.loads + 31) // 32):
             pending = near[i]
             while pending != Uint32(0):
@@ -929,8 +930,9 @@ class ClusterTopK:
                 u = 8 * i + (b >> 2)
                 word = P.ld_shared_i32(stash + 16 * (threads * (u - self.held) + tid) + 4 * (b & 3))
                 key = order_key(Uint32(word))
-                digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
-                P.red_shared_inc_if(hist + 4 * digit, (key >> Uint32(shift + bits)) == prefix)
+                if (key >> Uint32(shift + bits)) == prefix:
+                    digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
+                    cute.arch.atomic_add(hists.iterator + hist + digit, Int32(1))
 
     @cute.jit
     def histogram_list(self, hists, base_address, r: int, prefix, fill, lane, warp):

@@ -301,19 +301,28 @@ def test_dcp_merge_turns_a_bad_page_or_position_into_a_hole_and_records_it(where
 @pytest.mark.parametrize("crossover", [False, True], ids=["", "crossover"])
 @pytest.mark.parametrize("slots_per_cta", [None, 2048])  # the plan's split and one CTA per token
 @pytest.mark.parametrize(
-    "topology", [Topology(tp=8), Topology(tp=1, mla_cache="fp8")], ids=["tp8-mma-sync", "tp1-fp8-wgmma"]
+    "topology",
+    [Topology(tp=8), Topology(tp=1, mla_cache="fp8"), Topology(tp=1)],
+    ids=["tp8-mma-sync", "tp1-fp8-wgmma", "tp1-bf16-wgmma"],
 )
 def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(monkeypatch, slots_per_cta, topology, crossover):
     """crossover: the 64-row CTAs' head-group pairs sharing each block's loads
-    (sparse_core.CROSSOVER): each CTA still records its whole block's slots."""
+    (sparse_core.CROSSOVER, with the producer it needs): each CTA still records its whole
+    block's slots."""
     if crossover:
         if topology.tp != 1:
             pytest.skip("the crossover pairs 64-row CTAs (TP 1)")
         from graphstep.kernels import sparse_core
 
+        monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
         monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     state = _state(topology, max_batch=2)
     s, m = state.shape, state.shape.model
+    if crossover:  # the launches below run the pairs' kernel (the flags select it per cache)
+        from graphstep.kernels import catalog
+
+        split = slots_per_cta or sparse_core.plan(2, s.q_heads, m.index_topk)
+        assert catalog.build(s, "sparse_core", slots=split).op.crossover
     kernels = Kernels(s, state.weights)
     rows = torch.randn(2, s.gathered, m.query_row, device="cuda") * 0.3
     mailbox = formats.arm(torch.empty(2, s.q_heads, m.query_row * s.q_bytes, dtype=torch.uint8, device="cuda"))

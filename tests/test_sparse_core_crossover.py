@@ -16,13 +16,14 @@ from graphstep.kernels import catalog, sparse_core
 from graphstep.shapes import RankShape, Topology, preset
 
 TP1_FP8 = RankShape(preset("deepseek-v3.2"), Topology(tp=1, q_format="fp8", mla_cache="fp8"))
+TP1_BF16 = RankShape(preset("deepseek-v3.2"), Topology(tp=1))
 
 
 def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
     """On for the fp8 cache as measured (bench/RESULTS.md session 18 call H: wsxr), FlashMLA's
     consumer shape at every block count under it (XOVER_RESHAPE_BLOCKS), the half-block
     scorers past RESHAPE_BLOCKS without it."""
-    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": False}
+    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": True}  # as measured (session 21 call B)
     assert sparse_core.XOVER_RESHAPE_BLOCKS >= 2048 // sparse_core.WG_ROWS
     for batch in (1, 4, 16, 64):
         slots = sparse_core.plan(batch, TP1_FP8.q_heads, 2048)
@@ -32,17 +33,22 @@ def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
         assert not plain.crossover and plain.reshape == (slots // plain.block <= sparse_core.RESHAPE_BLOCKS)
 
 
-def test_the_crossover_runs_only_where_a_64_row_fp8_producer_ctas_has_a_partner():
-    """A pair of 64-head CTAs (q_heads / 64 even), the fp8 cache's producer warpgroup and
-    64-slot blocks; elsewhere the op is today's kernel (cluster 1) whatever was asked."""
-    for slots in (64, 128, 512, 2048):
-        op = catalog.build(TP1_FP8, "sparse_core", slots=slots, crossover=True).op
-        assert op.crossover and op.producer and op.wgmma and op.block == 64 and not op.clustered
-        assert catalog.build(TP1_FP8, "sparse_core", slots=slots, crossover=True).name.endswith("_x")
-    assert not catalog.build(TP1_FP8, "sparse_core", slots=32, crossover=True).op.crossover  # a 32-slot block
-    assert not catalog.build(TP1_FP8, "sparse_core", slots=2048, producer=False, crossover=True).op.crossover
+def test_the_crossover_runs_only_where_a_64_row_producer_cta_has_a_partner():
+    """A pair of 64-head CTAs (q_heads / 64 even) with a producer warpgroup, over either cache
+    (the bf16 cache's producer then loads raw chunks), and 64-slot blocks; elsewhere the op
+    is today's kernel (cluster 1) whatever was asked. The bf16 cache's 64-row CTAs have no
+    producer by default (sparse_core.PRODUCER), so no crossover either."""
+    for shape in (TP1_FP8, TP1_BF16):
+        for slots in (64, 128, 512, 2048):
+            variant = catalog.build(shape, "sparse_core", slots=slots, producer=True, crossover=True)
+            op = variant.op
+            assert op.crossover and op.producer and op.wgmma and op.block == 64 and not op.clustered
+            assert variant.name.endswith("_x")
+        assert not catalog.build(shape, "sparse_core", slots=32, producer=True, crossover=True).op.crossover
+        assert not catalog.build(shape, "sparse_core", slots=2048, producer=False, crossover=True).op.crossover
+    assert catalog.build(TP1_FP8, "sparse_core", slots=2048, crossover=True).op.crossover  # its default producer
+    assert catalog.build(TP1_BF16, "sparse_core", slots=2048, crossover=True).op.crossover  # bf16's producer
     others = {
-        "bf16 cache": RankShape(preset("deepseek-v3.2"), Topology(tp=1)),
         "64 heads": RankShape(preset("kimi-k3.1"), Topology(tp=1, mla_cache="fp8")),
         "tp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
         "dcp2": RankShape(preset("kimi-k3.1"), Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8")),

@@ -194,11 +194,12 @@ CONSUMERS = {"wsx": None, "wsxh": 0, "wsxr": 1 << 30}
 
 @pytest.mark.parametrize("path", CONSUMERS)
 @pytest.mark.parametrize("batch", [1, 3, 5, 64])
-@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-fp8cache", "q64-kimi-tp1-fp8cache"])
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-fp8cache", "q128-tp1-bf16", "q64-kimi-tp1-fp8cache"])
 def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     """At the plan's split (B = 1 / 3: one or two blocks a CTA, 5 and 64 with holes, repeated
     slots, a short selection and a token with none): each CTA of a head-group pair loads half
-    of every block into both; 64 heads (no partner) run today's kernel."""
+    of every block into both (bf16 rows: raw chunks through registers); 64 heads (no
+    partner) run today's kernel."""
     from graphstep.kernels import catalog, sparse_core
 
     _crossover(monkeypatch, CONSUMERS[path])
@@ -210,11 +211,12 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
 
 @pytest.mark.parametrize("path", CONSUMERS)
 @pytest.mark.parametrize("slots_per_cta", [64, 128, 256, 512, 1024, 2048])
-def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch, slots_per_cta, path):
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
+def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch, case, slots_per_cta, path):
     """1, 2, 4 .. 32 blocks a CTA: the remote releases (from 3 blocks on), both stages' reuse
-    across the pair, one split normalizing itself."""
+    across the pair, one split normalizing itself; fp8 and raw bf16 rows."""
     _crossover(monkeypatch, CONSUMERS[path])
-    _check("q128-tp1-fp8", 5, slots_per_cta)
+    _check(case, 5, slots_per_cta)
 
 
 @pytest.mark.parametrize("batch", [5, 64])
@@ -226,10 +228,11 @@ def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, b
         _check("q128-tp1-fp8cache", batch, cache_shift=shift, q_shift=-shift)
 
 
-def test_poll_and_the_crossover(monkeypatch):
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
+def test_poll_and_the_crossover(monkeypatch, case):
     """The poll (fork_poll) on the crossover: each CTA of a pair polls its own rows."""
     _crossover(monkeypatch, None)
-    test_poll_waits_for_the_rows_and_names_a_chunk_never_published("q128-tp1-fp8", 2, None)
+    test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, 2, None)
 
 
 BULK = [None, 0, 3, 16]  # partial_mma_ws's bulk-copied sixteenths: the module's, none, a few, all
@@ -349,7 +352,7 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
 
 @pytest.mark.parametrize("path", ["default", "mws", "wsx"])
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
-@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8"])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8", "q128-tp1-bf16"])
 def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, path):
     """The step's launch (q_out given): the same out and lse bit for bit as a launch without
     it, q_out = the gathered rows as they were, those rows re-armed in the mailbox, and

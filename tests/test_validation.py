@@ -244,3 +244,42 @@ def test_top_k_never_selects_a_non_finite_score():
     few = torch.tensor([[float("nan"), 1.0, float("-inf"), float("nan"), 2.0]])
     assert ref.topk_indices(few, 4).tolist() == [[1, 4, -1, -1]]
     assert sorted(torch_stages.topk_indices(few, 4)[0].tolist()) == [-1, -1, 1, 4]
+
+
+# -- poll budgets ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, True, "1", None, 15_000_000_001])
+def test_a_poll_budget_must_be_an_int_below_a_quarter_of_the_wait_limit(budget):
+    """A kernel's mbarrier waits may sit behind a cluster peer's poll and trap after
+    guards.MBAR_WAIT_LIMIT_NS, so a poll's budget is an int in [0, guards.MAX_BUDGET_NS]."""
+    from graphstep.kernels import guards
+
+    from graphstep.dcp_group import DcpGroup
+    from graphstep.launch import check_budget
+
+    assert guards.MAX_BUDGET_NS == 15_000_000_000
+    with pytest.raises(ValueError, match=r"budget_ns must be an int in \[0, 15000000000\]"):
+        check_budget(budget)
+    with pytest.raises(ValueError, match="budget_ns must be an int"):
+        DecodeStep(
+            RankShape(SMALL, Topology(tp=4)), capture_sizes=(1,), backend="torch", device="cpu", budget_ns=budget
+        )
+    with pytest.raises(ValueError, match="budget_ns must be an int"):
+        DcpGroup(RankShape(SMALL, Topology(tp=4, dcp=2)), 2, budget_ns=budget)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 10_000_000_000, 15_000_000_000])
+def test_poll_budgets_up_to_the_bound_are_taken(budget):
+    from graphstep.launch import check_budget
+
+    assert check_budget(budget) == budget
+    step = DecodeStep(
+        RankShape(SMALL, Topology(tp=4)),
+        capture_sizes=(1,),
+        backend="torch",
+        device="cpu",
+        max_context=200,
+        budget_ns=budget,
+    )
+    assert step.budget_ns == budget
