@@ -50,6 +50,8 @@ def wait_limit_units() -> int:
     """MBAR_WAIT_LIMIT_NS in units of the timer's high word (2**32 ns), rounded up: a wait
     traps once the high word has advanced by more than this (read when a kernel is traced)."""
     return -(-MBAR_WAIT_LIMIT_NS // (1 << 32))
+
+
 TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
 
 

@@ -8,12 +8,12 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
          docstring has the block's steps): shared Q, K and V operands in the no-swizzle
          canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
-         With the fp8 cache (PRODUCER) a third, producer warpgroup loads and dequantizes
+         With a producer (PRODUCER: both caches) a third warpgroup loads (and dequantizes)
          the blocks behind full / empty mbarriers while the two compute
          (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
          two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
          scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         CROSSOVER (the fp8 cache's default; bf16 rows too, off): a token's two 64-row CTAs
+         CROSSOVER (both caches' default): a token's two 64-row CTAs
          as a cluster of 2, each producer loading half of every block into both CTAs'
          tiles, the consumers in FlashMLA's shape at every block count (XOVER_RESHAPE_BLOCKS).
          16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per

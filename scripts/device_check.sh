@@ -21,11 +21,12 @@ step() {  # step NAME SECONDS COMMAND...
 if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests gpu_lanes graph run bench bench_tp1 bench_dcp2 serve nsys nsys_eager trace group_tests
   only=" $* "            # run_group bench_group kernels indexer sparse topk pybench sanitize sanitize_all ops_tests ops)
 else
-  only=" gpu_tests graph run bench serve nsys trace kernels "
+  only=" gpu_lanes graph run bench serve nsys trace kernels "
 fi
 want() { [[ "$only" == *" $1 "* ]]; }
 want gpu_tests && step gpu_tests 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider
-# the same tests in six processes at once (compile-bound: a CPU core each); logs $out/lane_N.log
+# the same tests in six processes at once (compile-bound: a CPU core each; the default: the whole
+# GPU suite took 150 s so on the H200, session 21); logs $out/lane_N.log
 want gpu_lanes && OUT="$out" TAIL=20 step gpu_lanes 400 bash scripts/pytest_lanes.sh --shards 6 "-m gpu tests"
 want graph && TAIL=12 step graph 45 graphstep graph --batch 4 --mode fork
 want run && step run 45 graphstep run --batch 1,4 --context 8192 --replays 30
