@@ -1,7 +1,7 @@
 """SparseCore alone (sparse MLA decode over 2048 random slots per token) in CUDA graphs,
 against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's figures.
 
-    python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16]
+    python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16,tp2-bf16,tp2-fp8]
         [--sweep]
         [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
@@ -57,6 +57,9 @@ CONFIGS = {
     "tp8-fp8": ("deepseek-v3.2", Topology(tp=8, mla_cache="fp8")),
     "tp1-fp8": ("deepseek-v3.2", Topology(tp=1, mla_cache="fp8")),
     "tp1-bf16": ("deepseek-v3.2", Topology(tp=1)),
+    # 64 heads: one 64-row CTA a token and split, no crossover partner
+    "tp2-bf16": ("deepseek-v3.2", Topology(tp=2)),
+    "tp2-fp8": ("deepseek-v3.2", Topology(tp=2, mla_cache="fp8")),
 }
 FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
 MMA_PEAK = 800e12

@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import AddressSpace
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from . import guards
 
@@ -880,48 +880,44 @@ def mbar_arrive(addr):
     cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
 
 
-def mbar_try_wait(addr, parity, cluster: bool = False) -> Int32:
-    """1 if the mbarrier's phase with this parity has completed, else 0, after at most the
-    hardware's own suspend time of one try (mbarrier.try_wait)."""
-    order = ".acquire.cluster" if cluster else ""
-    return cute.arch.inline_ptx(
-        "{\n\t.reg .pred done;\n\t"
-        f"mbarrier.try_wait.parity{order}.shared::cta.b64 done, [{{$r0}}], {{$r1}};\n\t"
-        "selp.b32 {$w0}, 1, 0, done;\n\t}",
-        write_only_types=[Int32],
-        read_only_args=[addr, parity],
-    )
-
-
-@cute.jit
-def mbar_wait(addr, parity, cluster: cutlass.Constexpr[bool] = False):
+@dsl_user_op
+def mbar_wait(addr, parity, cluster: bool = False, *, loc=None, ip=None):
     """Spin until the mbarrier's phase with this parity has completed. cluster: acquire at
     cluster scope, so what other CTAs stored into this CTA (st.async completing on this
-    mbarrier) is visible once the phase completes. A phase already complete costs one try;
-    only a failed try reads the clock, and a wait that has spun guards.MBAR_WAIT_LIMIT_NS
-    executes `trap` (a kernel bug: the launch fails instead of hanging). The clock is the
-    timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin and one
-    read, which keeps the kernels at their register caps without spills (a 64-bit start
-    spilled ClusterTopK's 64-register threads and the 168-register SparseCore consumers). It
-    traps once the high word has advanced by more than guards.wait_limit_units(), so after at
-    least the limit and at most one unit more; the difference is compared signed, so a timer
-    that stepped back never traps a healthy wait."""
-    done = mbar_try_wait(addr, parity, cluster)
-    if done == 0:
-        since = globaltimer_hi()
-        while done == 0:
-            done = mbar_try_wait(addr, parity, cluster)
-            if done == 0:  # (nested: a try that succeeds reads no clock)
-                if Int32(globaltimer_hi() - since) > Int32(guards.wait_limit_units()):
-                    trap()
+    mbarrier) is visible once the phase completes. A wait that has spun
+    guards.MBAR_WAIT_LIMIT_NS executes `trap` (a kernel bug: the launch fails instead of
+    hanging).
 
-
-@dsl_user_op
-def globaltimer_hi(*, loc=None, ip=None) -> Uint32:
-    """The global nanosecond timer's high 32 bits (%globaltimer_hi, through LLVM's inline asm,
-    where `%` is literal, unlike inline_ptx's text; volatile, so a loop reads it each time)."""
-    return Uint32(
-        llvm.inline_asm(T.i32(), [], "mov.u32 $0, %globaltimer_hi;", "=r", has_side_effects=True, loc=loc, ip=ip)
+    One asm block (LLVM's inline asm, where `%globaltimer_hi` can be named): a first try that
+    branches on its own predicate (a phase already complete costs one try and a taken
+    branch, as an unbounded spin), then a spin that reads the clock after each failed try.
+    (Written with the DSL's control flow, the try's predicate went through a selp, a setp and
+    a branch: +1 us on TopK at 128K, B = 64; bench/RESULTS.md session 21 call F.) The clock
+    is the timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin,
+    none outside the block. It traps once the high word has advanced by more than
+    guards.wait_limit_units(), so after at least the limit and at most one unit more; the
+    difference is compared signed, so a timer that stepped back never traps a healthy wait.
+    The labels are local to the block's braces, as in CUTLASS's ClusterBarrier::wait."""
+    order = ".acquire.cluster" if cluster else ""
+    attempt = f"mbarrier.try_wait.parity{order}.shared::cta.b64 p, [$0], $1;"
+    asm = (
+        "{\n\t.reg .pred p;\n\t.reg .b32 t0, t1;\n\t"
+        f"{attempt}\n\t@p bra DONE;\n\tmov.u32 t0, %globaltimer_hi;\n"
+        f"SPIN:\n\t{attempt}\n\t@p bra DONE;\n\tmov.u32 t1, %globaltimer_hi;\n\t"
+        f"sub.s32 t1, t1, t0;\n\tsetp.gt.s32 p, t1, {guards.wait_limit_units()};\n\t@p trap;\n\t"
+        "bra SPIN;\nDONE:\n\t}"
+    )
+    # a parity known when the kernel is traced is an immediate, as in a hand-written wait
+    parity_constraint = "n" if isinstance(parity, int) else "r"
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int32(addr).ir_value(loc=loc, ip=ip), Int32(parity).ir_value(loc=loc, ip=ip)],
+        asm_string=asm,
+        constraints=f"r,{parity_constraint},~{{memory}}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
