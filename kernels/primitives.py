@@ -892,7 +892,9 @@ def mbar_wait(addr, parity, cluster: bool = False, *, loc=None, ip=None):
     branches on its own predicate (a phase already complete costs one try and a taken
     branch, as an unbounded spin), then a spin that reads the clock after each failed try.
     (Written with the DSL's control flow, the try's predicate went through a selp, a setp and
-    a branch: +1 us on TopK at 128K, B = 64; bench/RESULTS.md session 21 call F.) The clock
+    a branch: +1 us on TopK at 128K, B = 64, session 21 call F; this form took half of it
+    back, session 22: bench/RESULTS.md.) The memory clobber keeps every load and store on its
+    side of the wait, as the barrier's acquire orders them. The clock
     is the timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin,
     none outside the block. It traps once the high word has advanced by more than
     guards.wait_limit_units(), so after at least the limit and at most one unit more; the
