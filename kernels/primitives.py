@@ -923,11 +923,6 @@ def mbar_wait(addr, parity, cluster: bool = False, *, loc=None, ip=None):
     )
 
 
-def trap():
-    """End the launch with an error (the host's next sync raises; the context is lost)."""
-    cute.arch.inline_ptx("trap;")
-
-
 def bulk_copy_g2s(dst, src, nbytes, bar):
     """Global -> shared bulk copy (a multiple of 16 bytes, both ends 16-byte aligned), its
     bytes completing on the mbarrier at `bar`."""
