@@ -15,8 +15,7 @@ ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | h
 "$ncu_bin" --clock-control none --target-processes all --kernel-name "regex:$regex" --launch-skip "${SKIP:-2}" --launch-count "$count" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-  --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
   -f -o "$out/kernels" "$@" >"$out/ncu_run.log" 2>&1 || { tail -20 "$out/ncu_run.log"; exit 1; }
 "$ncu_bin" -i "$out/kernels.ncu-rep" --page details --print-units base >"$out/ncu_details.txt"
 grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|L1/TEX Hit|L2 Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc Active|Stall|Dynamic Shared|Block Limit" \
@@ -24,7 +23,7 @@ grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(
 # where the warps wait: each kernel's stall reasons (warps stalled per issued instruction, >= 0.05),
 # and how busy each pipe was (% of its peak over the SMs' active cycles, >= 1%)
 "$ncu_bin" -i "$out/kernels.ncu-rep" --page raw --print-units base >"$out/ncu_raw.txt"
-awk '/^  [a-zA-Z_]/ {print "  " substr($1, 1, 60)} /issue_stalled_.*_per_issue_active.ratio/ {
+awk 'NF == 1 && /^  [a-zA-Z_]/ {print "  " substr($1, 1, 60)} /issue_stalled_.*_per_issue_active.ratio/ {
   name = $1; sub(/smsp__average_warps_issue_stalled_/, "", name); sub(/_per_issue_active.ratio/, "", name)
   if ($NF + 0 >= 0.05) printf "    stall %-22s %s\n", name, $NF }
   /sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active/ {
