@@ -23,7 +23,7 @@ grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(
 # where the warps wait: each kernel's stall reasons (warps stalled per issued instruction, >= 0.05),
 # and how busy each pipe was (% of its peak over the SMs' active cycles, >= 1%)
 "$ncu_bin" -i "$out/kernels.ncu-rep" --page raw --print-units base >"$out/ncu_raw.txt"
-awk 'NF == 1 && /^  [a-zA-Z_]/ && !/^  launch__/ {print "  " substr($1, 1, 60)} /issue_stalled_.*_per_issue_active.ratio/ {
+awk '/, Context [0-9]+, Stream [0-9]+/ {print "  " substr($1, 1, 60)} /issue_stalled_.*_per_issue_active.ratio/ {
   name = $1; sub(/smsp__average_warps_issue_stalled_/, "", name); sub(/_per_issue_active.ratio/, "", name)
   if ($NF + 0 >= 0.05) printf "    stall %-22s %s\n", name, $NF }
   /sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active/ {
