@@ -888,18 +888,14 @@ def mbar_wait(addr, parity, cluster: bool = False, *, loc=None, ip=None):
     guards.MBAR_WAIT_LIMIT_NS executes `trap` (a kernel bug: the launch fails instead of
     hanging).
 
-    One asm block (LLVM's inline asm, where `%globaltimer_hi` can be named): a first try that
-    branches on its own predicate (a phase already complete costs one try and a taken
-    branch, as an unbounded spin), then a spin that reads the clock after each failed try.
-    (Written with the DSL's control flow, the try's predicate went through a selp, a setp and
-    a branch: +1 us on TopK at 128K, B = 64, session 21 call F; this form took half of it
-    back, session 22: bench/RESULTS.md.) The memory clobber keeps every load and store on its
-    side of the wait, as the barrier's acquire orders them. The clock
-    is the timer's high word (units of 2**32 ns, 4.3 s): one register live across the spin,
-    none outside the block. It traps once the high word has advanced by more than
-    guards.wait_limit_units(), so after at least the limit and at most one unit more; the
-    difference is compared signed, so a timer that stepped back never traps a healthy wait.
-    The labels are local to the block's braces, as in CUTLASS's ClusterBarrier::wait."""
+    One asm block through LLVM's inline asm (inline_ptx cannot name `%globaltimer_hi`): a
+    first try that branches on its own predicate, so a completed phase costs what an
+    unbounded spin's does, then a spin that reads the clock only after a failed try (the
+    DSL-control-flow form cost TopK ~1 us at 128K, bench/RESULTS.md sessions 21-22). The
+    memory clobber keeps loads and stores on their side of the wait. The clock is the
+    timer's high word (2**32 ns units): one register across the spin. It traps once that
+    word has advanced by more than guards.wait_limit_units(), compared signed, so a timer
+    that stepped back never traps a healthy wait. Labels are local to the block's braces."""
     order = ".acquire.cluster" if cluster else ""
     attempt = f"mbarrier.try_wait.parity{order}.shared::cta.b64 p, [$0], $1;"
     asm = (
