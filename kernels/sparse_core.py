@@ -2,130 +2,72 @@
 
     out[b, h] = softmax_k(scale x q[b, h] . row[slot_k]) @ row[slot_k][:512],  lse[b, h]
 
-partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_cta` query
-         rows (16, 32 or 64) of one token and a run of `slots_per_cta` consecutive entries
-         of its slot list, walked in blocks of `block` slots.
-         64 rows (TP 1, DCP 4 at TP 8): two warpgroups of wgmma, `partial_wgmma` (its
-         docstring has the block's steps): shared Q, K and V operands in the no-swizzle
-         canonical layout, S at m64n(block/2)k16 per warpgroup, P @ V at m64n256k16.
-         With a producer (PRODUCER: both caches) a third warpgroup loads (and dequantizes)
-         the blocks behind full / empty mbarriers while the two compute
-         (`partial_wgmma_ws`, 384 threads, setmaxnreg 184 / 184 / 136); a CTA of at most
-         two blocks computes in FlashMLA's shape instead (RESHAPE_BLOCKS: warpgroup 0
-         scores whole blocks, P @ V with P from registers; setmaxnreg 200 / 160 / 144).
-         CROSSOVER (both caches' default): a token's two 64-row CTAs
-         as a cluster of 2, each producer loading half of every block into both CTAs'
-         tiles, the consumers in FlashMLA's shape at every block count (XOVER_RESHAPE_BLOCKS).
-         16 and 32 rows (`partial_mma_sync`): warps of mma.sync, one 16-row MMA tile per
-         row of warps; warp (mt, c): M tile mt, column c of `cols` (8). A 16-row CTA keeps
-         its query rows' A fragments in registers. Per block:
-         - the block's cache rows are copied into shared memory once (cp.async, 16-byte
-           chunks, -1 slots zero-filled) into a ring of `ring_stages` blocks, the next
-           blocks' copies in flight while this one is computed; fp8 rows (656 B) land raw
-           and are dequantized to bf16 rows in shared memory once per block;
-         - scores on the tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators): the
-           query rows are A (registers, or ldmatrix from shared memory), the block's rows
-           B (ldmatrix),
-           column warp c takes the block's 8-slot tiles c x per .. c x per + per - 1;
-         - online softmax in the log2 domain: the row max of the block over the column
-           warps through shared memory, P = 2^(s - max) written to shared memory as bf16;
-         - P @ V on the tensor cores: P is A, the same shared rows' first 512 dims are B
-           (ldmatrix.trans), column warp c owns latent dims 512 / cols x [c, c + 1) of its
-           M tile's 16 rows in registers, rescaled when the max moves.
-         Writes the split's unnormalized output and (max, sum), max in log2 units; with
-         one split (slots_per_cta = k) it normalizes and writes out and lse itself, and
-         there is no combine launch.
-         16 rows from MMA_PRODUCER_BLOCKS[cache] blocks per CTA (bf16: always; fp8: from
-         8 blocks, TP 8 B >= 32): `partial_mma_ws`, the same consumer warps beside a
-         producer warpgroup that copies each block's cache rows into a ring behind full /
-         empty mbarriers (no CTA barrier in the loop), two ways at once: warp 0 one
-         cp.async.bulk per row for the first MMA_BULK_SIXTEENTHS[cache] / 16 of the block,
-         warps 1-3 16-byte cp.async for the rest; over the fp8 cache the
-         consumers widen e4m3 straight into f16 MMA operands (no dequantization pass: each
-         128-dim group's scale applied to its partial score and to P; Q and P x scale
-         brought into f16's range by powers of two, consume_ring).
-combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads:
-         the splits' (max, sum) -> weights 2^(max_s - max), then the weighted sum of the
-         splits' partial outputs (warp w takes splits w, w + 4, ..., every load issued
-         before the weights are computed),
-         out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Not launched
-         where partial_mma_ws has 2 .. CLUSTER_SPLITS splits: there a token's split CTAs
-         form one cluster and combine through distributed shared memory (cluster_combine).
+Launches
+partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_cta` query rows
+         (16, 32 or 64) of one token and a run of `slots_per_cta` consecutive entries of its
+         slot list, walked in blocks of `block` slots, each block's cache rows copied into
+         shared memory once and used for both the scores and P @ V. Online softmax in the log2
+         domain. It writes the split's unnormalized output and (max, sum), max in log2 units;
+         with one split (slots_per_cta = k) it normalizes and writes out and lse itself.
+combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads: the
+         splits' (max, sum) -> weights 2^(max_s - max), the weighted sum of their partial
+         outputs (warp w takes splits w, w + 4, ..., every load issued before the weights),
+         out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Not launched with
+         one split, nor where partial_mma_ws has 2 .. CLUSTER_SPLITS splits: there a token's
+         split CTAs form one cluster and combine through distributed shared memory
+         (cluster_combine).
+
+The partial kernel's paths (the constructor picks one from the rows per CTA and the cache):
+16 / 32 rows: warps of mma.sync m16n8k16 (fp32 accumulators), one 16-row M tile per row of
+  warps, COLS column warps per tile; warp (mt, c) scores the block's 8-slot tiles c x per ..
+  c x per + per - 1 (query rows A, from registers at 16 rows; the block's rows B by ldmatrix)
+  and owns latent dims 512 / COLS x [c, c + 1) of P @ V (P as bf16 through shared memory,
+  the rows by ldmatrix.trans), rescaled when the row max moves.
+  partial_mma_sync  every warp copies: cp.async 16-byte chunks (-1 slots zero-filled) into a
+                    ring of `ring_stages` blocks, fp8 rows dequantized to bf16 in shared memory
+                    once a block, a CTA barrier a block.
+  partial_mma_ws    from MMA_PRODUCER_BLOCKS[cache] blocks a CTA: a producer warpgroup fills
+                    the ring behind full / empty mbarriers (no CTA barrier in the loop), warp 0
+                    by one cp.async.bulk per row for MMA_BULK_SIXTEENTHS[cache] / 16 of the
+                    block, warps 1-3 by 16-byte cp.async for the rest; over the fp8 cache the
+                    consumers widen e4m3 straight into f16 operands, each 128-dim group's scale
+                    applied to its partial score and to P (consume_ring).
+64 rows (TP 1; DCP 4 at TP 8): two warpgroups of wgmma on shared operands in the no-swizzle
+  canonical layout, S at m64n(block / 2)k16 per warpgroup, P @ V at m64n256k16.
+  partial_wgmma     256 threads that copy and compute (PRODUCER off).
+  partial_wgmma_ws  PRODUCER: a third warpgroup loads (and dequantizes) the blocks behind full /
+                    empty mbarriers (384 threads, setmaxnreg). Up to RESHAPE_BLOCKS blocks a CTA
+                    the consumers take FlashMLA's shape: warpgroup 0 scores whole blocks and does
+                    P @ V on dims 0 .. 255 with P from registers, warpgroup 1 dims 256 .. 511.
+  crossover         CROSSOVER: a token's two 64-row CTAs (head groups 2 i, 2 i + 1) of a split
+                    launch as a cluster of 2; each producer loads half of every block's rows
+                    (XOVER_ROWS) into its own tile and, by st.async completing on the peer's full
+                    mbarrier, into the peer's, so each SM moves and dequantizes half the rows
+                    (produce_blocks has the protocol); FlashMLA's consumer shape at every block
+                    count. A cluster launch puts the CTA's rank in its shared addresses' high
+                    bits, so every wgmma descriptor masks the address to its 18-bit field
+                    (primitives.smem_desc_lines). Without a partner (q_heads / 64 odd) or under
+                    64-slot blocks: partial_wgmma_ws.
+Why each default is what it is (the alternatives as measured): docs/levers.md Part S.
 
 poll (the step's fork_poll mode on one rank): before its PDL wait each partial CTA spins until
 the query rows it reads are published in the mailbox (every 16-byte chunk off the sentinel,
 `primitives.poll_mailbox`, bounded by budget_ns: a chunk still missing is recorded and the
 step raises MailboxTimeout), so the step joins MlaQuery's side stream after the sparse core
-rather than before it. A graph node with two predecessors (TopK and MlaQuery's last kernel)
-is not launched early under PDL: it started 1.4-1.7 us after TopK's end at TP 8 32K, where
-each single-predecessor kernel starts under its predecessor (bench/RESULTS.md, session 15).
-The rows' publisher ran after MlaQuery's KV insert (the kernel before it, griddepcontrol),
-so rows seen published (then an acquire fence) mean the new tokens' cache rows are in place
-too. The CTAs spin on SMs the side stream may still need: a launch polls only where its grid
-has at most POLL_MAX_CTAS CTAs (graphstep's launcher refuses more), so some SMs always stay
-free for MlaQuery's kernels.
+rather than before it: a graph node with two predecessors is not launched early under PDL
+(it started 1.4-1.7 us after TopK's end at TP 8 32K; bench/RESULTS.md, session 15). The rows'
+publisher ran after MlaQuery's KV insert, so rows seen published (then an acquire fence) mean
+the new tokens' cache rows are in place too. A launch polls only where its grid has at most
+POLL_MAX_CTAS CTAs (graphstep's launcher refuses more), so some SMs always stay free for
+MlaQuery's kernels.
 
 publish (the step's launch): the kernel that reads the query rows last also copies them to
 q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one split (each CTA
 its rows' only reader), else the combine (after every partial CTA; clustered: split 0's CTA
 after the cluster barrier) -- so no torch copy and fill follow the launch.
 
-`plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one
-wave of CTAs (heads_per_cta follows q_heads; bench/RESULTS.md has the measured sweep). At
-TP 8 the kernel waits on its cache rows, not its math (without the copies it runs in half
-the time), yet not on how they are copied: one bulk copy per row, an L2 prefetch of every
-row and the rows' DRAM order were each measured no better (bench/RESULTS.md); what is left
-is the per-block CTA barriers of a one-CTA-per-SM kernel. A warp-specialized producer
-(partial_mma_ws) removes them, but as a warpgroup of 16-byte cp.async it moved only 13-14
-KB/us per SM (H200: alone 86.8 us for TP 8 bf16 B = 64, 51.8 fp8), half of what 8 copying
-warps reach, and won only with the fp8 cache at B = 64 (57.4 against 64.3 us), where its
-consumers alone took 36.6 (bf16) / 39.6 (fp8) us. Its producer is now one warp issuing one
-cp.async.bulk per row: the producer alone moves TP 8 bf16 B = 64 in 50.9 us (was 86.8), and
-the path takes 6.12 / 10.3 / 17.0 / 48.8 us at B = 1 / 4 / 16 / 64 against 6.56 / 10.3 / 19.9 /
-57.7 (bf16, H200, session 10). Over the fp8 cache it won only at B = 64 (60.0 against 64.3)
-while its consumers widened e4m3 into bf16 operands, 48.0 us alone against 39.6 for f16;
-they now take f16 operands behind range guards, and the producer's other three warps copy
-part of each block by 16-byte cp.async (MMA_BULK_SIXTEENTHS): fp8 27.7 / 45.3 us at B = 32 /
-64 (was 34.7 / 64.1 without the producer), bf16 unchanged by the split (49.3 us at B = 64
-either way; session 12). Every way of copying the rows takes the same time alone (bf16 ~50,
-fp8 ~39.5 us at B = 64 in the graph bench; under ncu 40.2 / 31.8 against a bare gather's 36.2 /
-23.6 for the same DRAM bytes, bench/probe_gather.cu): the loads are near the memory system's
-random-row rate, and what is left is 4 idle SMs, a fixed 1024-row share per CTA and the
-pipeline's fill. Session
-4's one bulk copy per row, measured no better, was issued by warp 0 of the barrier-per-block
-kernel between its own math, so a stage was refilled only after the CTA barrier that freed
-it and once warp 0 got there; here a warp that does nothing else refills each stage as soon
-as the consumers release it.
-At 64-row tiles (wgmma) it waits on its rows too: at TP 1, B = 64 the math alone (no row
-copies or loads) takes 88 us of its 136 (H200, bench/RESULTS.md): one block of rows in flight per CTA, one
-CTA per SM; an L2 bulk prefetch of the block after next was measured no better. The
-producer warpgroup (fp8) takes B = 64 to 115.6 us; its probes: consumers with a producer
-that loads nothing 89.8 us, the producer alone 71.8 us, so neither side alone bounds it
-but their sum overlaps only in part (the producer's chain per block is load latency, then
-dequantization, in series). Neither an L2 prefetch of the next block by the producer
-(119.8 us) nor a register lookahead (the next block's loads issued into the registers each
-stored piece frees: 116.6 against 114.2) paid (bench/RESULTS.md, session 7). The consumer
-reshape (docs/levers.md A.2 step 2, FlashMLA's consumer shape) takes the consumers alone
-from 89.8 to 77.3 us but overlaps the producer less (123.5 us together), so it runs only
-where a CTA has at most two blocks (B <= 4 at TP 1: 13.1 / 21.5 against 13.5 / 23.0 us);
-the next lever is the 2-CTA crossover (A.2 step 3: it halves each producer's loads and
-dequantization).
-The crossover (docs/levers.md A.2 step 3; CROSSOVER; bench_sparse_core.py --paths ws,wsx,wsxr):
-the two head-group CTAs of a (split, token) -- head groups 2 i and 2 i + 1 -- launch as a
-cluster of 2 (grid y), and each producer loads and dequantizes only its half of every block's
-rows (XOVER_ROWS: CTA rank c rows 32 c .. 32 c + 31) into its own tile and, by st.async
-completing on the peer's full mbarrier, into the peer's, so each SM moves and dequantizes half
-the rows it did (produce_blocks has the protocol). Without a partner (q_heads / 64 odd: 64
-heads, DCP at TP 8) or under 64-slot blocks it is today's kernel. Measured (session 18): with
-FlashMLA's consumers 12.8 / 20.6 / 46.9 / 105.7 us at B = 1 / 4 / 16 / 64 against 13.5 / 21.7 /
-49.8 / 115.3 without it (FlashMLA 17.0 / 18.3 / 38.0 / 89.5); its producer alone is slower (80.5
-against 72.4 us at B = 64: the pushes and the pair's waits cost what the halved loads save), its
-gain is the consumers'. A cluster launch puts the CTA's rank in its shared addresses' high bits,
-so every wgmma descriptor masks the address to its 18-bit field (primitives.smem_desc_lines).
-Over the bf16 cache (CROSSOVER["bf16"], on since session 21: 119.5 against 194.9 us at TP 1 B = 64)
-the crossover's producer loads its half's rows as raw 16-byte chunks, predicated loads
-into registers stored the same two ways (st.shared, st.async): no cp.async, which a warpgroup
-issued at 13-14 KB/us per SM, and nothing to dequantize, but 1152 bytes a row against 656.
+`plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one wave
+of CTAs (heads_per_cta follows q_heads).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -165,42 +107,24 @@ WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
 CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
 TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
 TILE_CHUNKS = ROW // 8  # 72
-# 64-row CTAs with a producer warpgroup (partial_wgmma_ws): warpgroups 0 and 1 compute as in
-# partial_wgmma, warpgroup 2 loads and dequantizes the blocks. Registers by setmaxnreg: the
-# 384-thread launch gets 168 a thread (64,512 a CTA), re-dealt as 2 x 184 + 136 (a producer
-# of 120 spills its fp8 rows; consumers of 176 still fit).
-# The default path of 64-row CTAs by cache format: True = partial_wgmma_ws, False = partial_wgmma
-# (256 threads, no producer). H200, TP 1, B = 1 / 4 / 16 / 64, same run: fp8 13.3 / 23.0 / 49.0
-# / 115.6 us against 14.0 / 24.8 / 57.5 / 136.2; bf16 14.7 / 27.4 / 71.4 / 199.9 against 15.2 /
-# 28.6 / 71.5 / 195.2 (its 128 producer threads' cp.async alone take 160 us at B = 64). On for
-# bf16 too since its crossover (below), which needs the producer: where a CTA has no partner the
-# bf16 rows take that cp.async producer (even with the plain kernel, figures above).
+# The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
+# warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
+# 3 x 168), False = partial_wgmma. Faster with both caches (levers.md S.5); the crossover
+# needs it.
 PRODUCER = {"fp8": True, "bf16": True}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 CONSUMER_BAR = 1  # the named barrier of the two consumer warpgroups (bar.sync 1, 256)
-# The producer path's consumers by a CTA's blocks: FlashMLA's shape (consume_blocks' roles 0
-# and 1) for at most RESHAPE_BLOCKS blocks, else the half-block scorers (role None). FlashMLA's:
-# warpgroup 0 scores whole blocks (m64n(block)k16), keeps the softmax to itself and does
-# P @ V on dims 0 .. 255 with P from its registers (wgmma RS); warpgroup 1 only does P @ V on
-# dims 256 .. 511 (P and the rows' rescale factors from shared memory): no row max crosses
-# warpgroups. H200, TP 1 fp8 cache, same run (bench/RESULTS.md, 2026-12-03): B = 1 / 4 (64 /
-# 128 slots a CTA: 1 / 2 blocks) 13.1 / 21.5 us against 13.5 / 23.0; B = 16 / 64 (8 / 32
-# blocks) 51.1 / 123.5 against 49.6 / 115.8 -- alone its consumers are faster (77.3 us at
-# B = 64 with a producer that loads nothing, against 89.8) but they overlap the producer less.
-# setmaxnreg 200 (scorer) / 160 (values) / 144 (producer): 3 x 168 a thread, as the other
-# shape. The scorer needs ~196 (at 192 ptxas spills 2), the values warpgroup 152 (ptxas
-# ignores a setmaxnreg of 152 there); the producer, at 136 spill-free in the other shape,
-# keeps a few loop scalars in local memory here at any count up to 168 (ptxas, sm_90a).
+# partial_wgmma_ws's consumers in FlashMLA's shape (consume_blocks' roles 0 and 1) for at most
+# this many blocks a CTA, else the half-block scorers (role None): FlashMLA's keeps every row
+# max in warpgroup 0 (no max crosses warpgroups) but overlaps the producer less, so it wins
+# only at 1-2 blocks (levers.md S.6). setmaxnreg scorer / values / producer below.
 RESHAPE_BLOCKS = 2
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-# The crossover, per cache format (the module docstring says what it is and what it measured,
-# produce_blocks has the protocol). On for the fp8 cache with FlashMLA's consumers at every block
-# count (XOVER_RESHAPE_BLOCKS): with the half-block scorers past RESHAPE_BLOCKS it was no faster
-# than without it (wsx 117.9 against 115.3 us at TP 1 fp8 B = 64, session 18 call H). On for
-# the bf16 cache as measured (session 21 call B, TP 1, B = 1 / 4 / 16 / 64: wsxr 13.6 / 22.3 /
-# 49.6 / 119.5 us against the plain kernel's 16.1 / 28.2 / 71.3 / 194.9).
+# The crossover per cache format (the module docstring; produce_blocks has the protocol),
+# with FlashMLA's consumer shape at every block count (XOVER_RESHAPE_BLOCKS). Measured in
+# levers.md S.7.
 CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
@@ -215,45 +139,25 @@ PROBE = ""
 # combine kernel, so a split token's out and lse are never written (wrong results): the
 # partial kernel's own time in a graph, against which the combine's share is judged.
 COMBINE = True
-# 16-row CTAs with a producer warpgroup (partial_mma_ws) from this many blocks per CTA, per MLA
-# cache, else partial_mma_sync. As measured (H200, TP 8, B = 1 / 4 / 16 / 64 = 1 / 1 / 4 / 16
-# blocks, same run, bench/RESULTS.md session 10): bf16 6.12 / 10.3 / 17.0 / 48.8 us against
-# 6.56 / 10.3 / 19.9 / 57.7; fp8 (consumers of bf16 operands, 48.0 us alone at B = 64) 9.72 /
-# 15.2 / 24.4 / 60.0 against 6.92 / 11.1 / 20.9 / 64.3. fp8 with the f16 operands and the
-# hybrid producer (session 12, same run): 8.83 / 13.9 / 20.0 / 27.7 / 45.3 at B = 1 / 4 / 16 /
-# 32 / 64 against msync's 6.91 / 11.1 / 20.7 / 34.7 / 64.1, so from 8 blocks (B >= 32); at 4
-# blocks (B = 16) the two tie within a run's spread (20.0 / 20.7, then 21.0 / 21.0). The
-# consumers alone take 40 us at B = 64 (their range guards included).
-# bench_sparse_core.py --paths msync,mws compares them.
+# 16-row CTAs take partial_mma_ws from this many blocks a CTA, per MLA cache, else
+# partial_mma_sync: with the bf16 cache always; with fp8 from 8 blocks (TP 8, B >= 32), below
+# which the two tie or the plain kernel wins (levers.md S.2; bench_sparse_core.py --paths
+# msync,mws compares them).
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 PRODUCER_THREADS = 128  # setmaxnreg acts on whole warpgroups
 # partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
 # split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
 # unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
 # s combines latent dims [512 s / splits, 512 (s + 1) / splits) of every row from all the
-# cluster's CTAs (DSMEM), with no partials in global memory and no combine launch. Measured
-# (H200, bench/RESULTS.md session 13): 2 splits at B = 64, -3.5 us bf16 / -5.9 fp8; 4 and 8
-# splits (B = 32 / 16, 128 CTAs of one SM each) +8 to +14 us, as a GPC holds fewer 4- or
-# 8-CTA clusters than 132 / 4 or 132 / 8 (whole GPCs only), so some clusters wait for a second
-# wave. (A global ticket instead, the last CTA combining from L2, was slower: its fence,
-# atomic and load round trips sat serially at the kernel's end; session 12.)
+# cluster's CTAs (DSMEM): no partials in global memory, no combine launch. Not past 2: 4- and
+# 8-CTA clusters do not all fit one wave (whole GPCs only; levers.md S.4).
 CLUSTER_SPLITS = 2
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
 # completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
 # 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
 # cp.async.cg (the load/store path: separate hardware). The shares make the two finish
-# together at the rates each path showed alone (H200, TP 8 B = 64, 1024 rows per CTA, one CTA
-# per SM; bench/RESULTS.md sessions 9 and 10): bulk 49.7 ns per bf16 row (1152 B: 50.9 us)
-# and 39.2 per fp8 row (656 B: 40.1 us), ~25 ns a copy + ~21 ps a byte; a warpgroup of
-# cp.async 84.8 / 50.6 ns per row (86.8 / 51.8 us), ~1.2 ns per 16-byte chunk. Bulk share =
-# t_cp / (t_bulk + t_cp): bf16 0.63 -> 10/16, fp8 0.56 -> 9/16. A 64-row block then takes
-# ~2.0 us of copies (bf16; bulk alone 3.2) and ~1.4 (fp8; 2.5) per SM, where HBM (4.3 TB/s
-# over 128 SMs) allows ~2.2 / ~1.25. Measured (session 12, B = 64, producer alone): bf16
-# 49.7 / 50.1 / 51.3 us at 0 / 10 / 16 sixteenths, fp8 39.0 / 39.5 / 39.9 at 0 / 9 / 16: the
-# shares hardly matter, the per-copy cost was not the bound (the module docstring). With the
-# math, fp8 45.3 us at 9/16 against 51.4 at 16/16; bf16 49.3 at both
-# (bench_sparse_core.py --paths mws<N> sets N sixteenths; --probes no_math:N times the
-# producer alone at N: no_math:0 the cp.async warps alone, no_math:16 the bulk warp alone).
+# together at the rates each showed alone (levers.md S.3; bench_sparse_core.py --paths
+# mws<N> sets N sixteenths).
 MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # partial_mma_ws's setmaxnreg: 384 threads launch at 168 registers, re-dealt as 2 x 232 + 40
 # (the consumers hold 32 (fp8) or 36 (bf16) k steps of A fragments; the producer only issues
