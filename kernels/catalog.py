@@ -242,7 +242,7 @@ def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
     launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote;
     index_query: tokens; dsa_index: stages (its ring); top_k: split (a top_k.Split, or None: one CTA per row);
-    sparse_core: slots (per CTA), publish, poll; the others none."""
+    sparse_core: slots (per CTA), publish, poll, producer, crossover; the others none."""
     if kernel not in _BUILDERS:
         raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
     name, op = _BUILDERS[kernel](shape, pdl, **choice)

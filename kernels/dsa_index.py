@@ -49,12 +49,12 @@ i = 4 s + 2 h + j, and the query rows are written to shared memory in the same o
 (`key_byte`, `a_fragment`, `query_slice`, `query_target`, `query_offset`; tests/test_dsa_index_layout.py
 checks them against the PTX fragment layouts on the CPU). Under DCP the local length of a
 sequence is ceil((len - rank) / dcp). Every byte offset into the cache is 64-bit (caches
-pass 2 GiB). PDL: the cache pages, query rows and
-weights are read after griddepcontrol.wait (IndexKey writes the new key into the cache,
-IndexQuery the query rows); before it only the length and block-table entries (no kernel of
-the step writes them) and an L2 prefetch of the first STAGES pages of the run, which brings
-no data into the SM (L2 is the point of coherence: the copies after the wait see IndexKey's
-write), so a launch's first pages stream in while its predecessor finishes.
+pass 2 GiB). PDL: the cache pages, query rows and weights are read after
+griddepcontrol.wait (IndexKey writes the new key into the cache, IndexQuery the query rows);
+before it only the length and block-table entries (no kernel of the step writes them) and an
+L2 prefetch of the run's first pages (as many as its ring holds), which brings no data into
+the SM (L2 is the point of coherence: the copies after the wait see IndexKey's write), so a
+launch's first pages stream in while its predecessor finishes.
 
 Guard (kernels/guards.py): a live page id outside [0, pool_pages) is a hole. The producer
 copies nothing for it (its stage completes on a bare expect_tx of 0 bytes) and records it;
@@ -88,12 +88,12 @@ SMS = 132  # H100 / H200 SXM
 # The runs the host picks from (every one GPU-tested). A run longer than the ring reuses its
 # stages: each release is preceded by a proxy fence (see `consume`).
 CTA_PAGES = (2, 4, 8, 16, 32)
-# 93 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
+# 96 registers x 160 threads and 50 KB of shared memory: 4 CTAs per SM, 16 pages in flight
 WAVE_CTAS = 4 * SMS
 # Device probes (wrong scores, times only; bench/bench_indexer.py --dsa-probes): no_widen feeds
 # the key words to the wgmma unconverted, no_mma skips the wgmma; trace runs the kernel as it is
 # and then writes each CTA's timeline over its own first scores (TRACE_SLOTS; bench_indexer.py
-# --dsa-trace; a probe that stored no scores let ptxas drop the head sums, 46 registers not 91).
+# --dsa-trace; a probe that stored no scores let ptxas drop the head sums: half the registers).
 # (H200, session 14: at 32K B = 4 no_widen / no_mma save 0.4 / 1.7 of 9.4 us; widening by
 # integer bit moves instead of cvt, or half by each, was slower everywhere: the conversions
 # are not what bounds the kernel. bench/RESULTS.md) trace_no_rows traces a kernel that widens
@@ -103,8 +103,8 @@ PROBES = ("", "no_widen", "no_mma", "trace", "trace_no_rows")
 PROBE = ""
 # The trace probe's int32 slots from a CTA's first score position: globaltimer ns at entry
 # (2 words) and after its last page (2), then %clock deltas from entry: after the last page,
-# the PDL wait's return, the query rows staged, the live pages, then page i's full-barrier
-# wait done (i < TRACE_PAGES; kept in shared memory until the end).
+# the PDL wait's return, the query rows staged; the live page count (not a time); then %clock
+# deltas at page i's full-barrier wait done (i < TRACE_PAGES; kept in shared memory until the end).
 TRACE_SLOTS = ("start", "start_hi", "end", "end_hi", "clk_end", "clk_wait", "clk_query", "live")
 TRACE_PAGES = 2 * PAGE - len(TRACE_SLOTS)  # a run of >= 2 pages has room
 

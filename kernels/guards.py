@@ -4,8 +4,8 @@ the record each one leaves in the step's error word on an out-of-range id.
 An out-of-range id never causes an access out of bounds: a slot write is skipped, a page
 or slot read is a hole (its scores -inf, never selected, slot -1), a RoPE row read at
 length - 1 is clamped to row 0. The kernel records (check, token, value) with one 64-bit
-atomic min at word 1 of the int32 [4] error word (bytes 8 .. 15; words 0-1 are the
-polls' flag and chunk):
+atomic min at int32 words 2-3 (bytes 8 .. 15) of the error word (int32 [4] for an op, [6]
+for the step; words 0-1 are the polls' flag and chunk):
 
     record = check << 56 | token << 32 | value as uint32        (empty: 2**63 - 1)
 
@@ -52,11 +52,12 @@ def wait_limit_units() -> int:
     return -(-MBAR_WAIT_LIMIT_NS // (1 << 32))
 
 
-TOKEN_BITS = 24  # tokens above 2**24 - 1 are recorded as 2**24 - 1
+TOKEN_BITS = 24  # a launch's tokens (at most a few hundred) are far below 2**24
 
 
 def pack(check: int, token: int, value: int) -> int:
-    """The record of (check, token, value), as the kernels write it (int64)."""
+    """The record of (check, token, value), as the kernels write it (int64); the host clamps
+    token to TOKEN_BITS, the kernels do not need to."""
     return check << 56 | min(token, (1 << TOKEN_BITS) - 1) << 32 | (value & 0xFFFFFFFF)
 
 

@@ -50,7 +50,7 @@ its 12 stages took two HBM round trips after the PDL wait (stages 5-9, then 10-1
 variant now gives the weights every KB the two-CTA limit leaves beyond a q_c ring as deep as
 session 10's at 32 / 64 tokens (4 slots at 16): 6 / 5 / 4 weight slots (96 / 80 / 64 KB
 before the wait; 16 tokens: the 6 remaining stages all go out in the first pass after it,
-one round trip). Resident q_c rows (48 KB at 16 tokens) would leave 3 weight slots.
+one round trip). Resident q_c rows (48 KB at 16 tokens) would leave 4 weight slots.
 Their MMA order is the one ring's, and the outputs were bit-identical to it on the H200
 (session 12, bench/ab_index_query.py at B = 1 / 4 / 16 / 32 / 64): 10.57 / 10.47 / 10.10 /
 11.06 / 13.39 us against the one ring's 10.76 / 10.46 / 10.31 / 11.21 / 14.34, a tenth of the

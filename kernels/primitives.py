@@ -496,28 +496,18 @@ def query_norm_rsqrt(total, eps) -> Float32:
     )
 
 
-def lane_norm_rr(values, eps, tiled: bool) -> Float32:
-    """One warp, one 1536-wide row; lane l holds columns 256 i + 8 l + j as values[8 i + j].
-
-    tiled: QueryNorm.tiled's order (accumulator e % 4, (c0 + c1) + (c2 + c3), one butterfly).
-    else:  QueryNorm.kernel's order, with lane l standing in for threads l + 32 i: chain i is
-           thread 32 i + l's sequential FMA chain, butterfly i is warp i's, and the partials
-           add in warp order (warps 6 and 7 of the row kernel only add zeros)."""
-    total = Float32(0)
-    if tiled:
-        zero = (Float32(0), Float32(0))
-        chains = [zero, zero]
-        for e in range(0, 48, 2):
-            x = (values[e], values[e + 1])
-            chains[e % 4 // 2] = fma2(x, x, chains[e % 4 // 2])
-        (c0, c1), (c2, c3) = chains
-        total = warp_sum(add_rn(add_rn(c0, c1), add_rn(c2, c3)))
-    else:
-        for i in range(6):
-            chain = Float32(0)
-            for j in range(8):
-                chain = fma_rn(values[8 * i + j], values[8 * i + j], chain)
-            total = add_rn(total, warp_sum(chain))
+def lane_norm_rr(values, eps) -> Float32:
+    """1 / rms of one 1536-wide row held by one warp (lane l: columns 256 i + 8 l + j as
+    values[8 i + j]) in the tiled QueryNorm's order: element e feeds accumulator e % 4 (two
+    packed FMA chains), lane total (c0 + c1) + (c2 + c3), one butterfly (graphstep/order.py
+    query_norm_tiled)."""
+    zero = (Float32(0), Float32(0))
+    chains = [zero, zero]
+    for e in range(0, 48, 2):
+        x = (values[e], values[e + 1])
+        chains[e % 4 // 2] = fma2(x, x, chains[e % 4 // 2])
+    (c0, c1), (c2, c3) = chains
+    total = warp_sum(add_rn(add_rn(c0, c1), add_rn(c2, c3)))
     return query_norm_rsqrt(total, eps)
 
 

@@ -114,7 +114,7 @@ class QueryNorm:
             values = []
             for i in cutlass.range_constexpr(6):
                 values += P.unpack_bf16x8(P.load_u32x4(qkv + row * self.row_stride + 256 * i + 8 * lane))
-            rr = P.lane_norm_rr(values, eps, True)
+            rr = P.lane_norm_rr(values, eps)
             for i in cutlass.range_constexpr(6):
                 out = []
                 for e in cutlass.range_constexpr(8 * i, 8 * i + 8, 2):

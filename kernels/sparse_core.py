@@ -20,34 +20,39 @@ combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 t
 The partial kernel's paths (the constructor picks one from the rows per CTA and the cache):
 16 / 32 rows: warps of mma.sync m16n8k16 (fp32 accumulators), one 16-row M tile per row of
   warps, COLS column warps per tile; warp (mt, c) scores the block's 8-slot tiles c x per ..
-  c x per + per - 1 (query rows A, from registers at 16 rows; the block's rows B by ldmatrix)
-  and owns latent dims 512 / COLS x [c, c + 1) of P @ V (P as bf16 through shared memory,
-  the rows by ldmatrix.trans), rescaled when the row max moves.
+  c x per + per - 1 and owns latent dims 512 / COLS x [c, c + 1) of P @ V, rescaled when the
+  row max moves.
   partial_mma_sync  every warp copies: cp.async 16-byte chunks (-1 slots zero-filled) into a
                     ring of `ring_stages` blocks, fp8 rows dequantized to bf16 in shared memory
-                    once a block, a CTA barrier a block.
-  partial_mma_ws    from MMA_PRODUCER_BLOCKS[cache] blocks a CTA: a producer warpgroup fills
-                    the ring behind full / empty mbarriers (no CTA barrier in the loop), warp 0
-                    by one cp.async.bulk per row for MMA_BULK_SIXTEENTHS[cache] / 16 of the
-                    block, warps 1-3 by 16-byte cp.async for the rest; over the fp8 cache the
-                    consumers widen e4m3 straight into f16 operands, each 128-dim group's scale
-                    applied to its partial score and to P (consume_ring).
+                    once a block; CTA barriers between a block's phases (copies landed, row
+                    maxima, P written, buffers free). Query rows as A (registers at 16 rows),
+                    the block's rows as B by ldmatrix, P as bf16 through shared memory, the rows
+                    again by ldmatrix.trans for P @ V.
+  partial_mma_ws    16 rows only, from MMA_PRODUCER_BLOCKS[cache] blocks a CTA: a producer
+                    warpgroup fills the ring behind full / empty mbarriers (no CTA barrier in
+                    the loop), warp 0 by one cp.async.bulk per row for
+                    MMA_BULK_SIXTEENTHS[cache] / 16 of the block, warps 1-3 by 16-byte cp.async
+                    for the rest. Over the fp8 cache the consumers widen the raw e4m3 words
+                    straight into f16 operands, each 128-dim group's scale applied to its
+                    partial score and to P (f16, consume_ring).
 64 rows (TP 1; DCP 4 at TP 8): two warpgroups of wgmma on shared operands in the no-swizzle
-  canonical layout, S at m64n(block / 2)k16 per warpgroup, P @ V at m64n256k16.
-  partial_wgmma     256 threads that copy and compute (PRODUCER off).
+  canonical layout, P @ V at m64n256k16 (each warpgroup 256 of the 512 latent dims).
+  partial_wgmma     256 threads that copy and compute (PRODUCER off); each warpgroup scores
+                    half the block (m64n(block / 2)k16).
   partial_wgmma_ws  PRODUCER: a third warpgroup loads (and dequantizes) the blocks behind full /
-                    empty mbarriers (384 threads, setmaxnreg). Up to RESHAPE_BLOCKS blocks a CTA
-                    the consumers take FlashMLA's shape: warpgroup 0 scores whole blocks and does
+                    empty mbarriers (384 threads, setmaxnreg). Past RESHAPE_BLOCKS blocks a CTA
+                    the consumers score half-blocks as partial_wgmma does; up to it they take
+                    FlashMLA's shape: warpgroup 0 scores whole blocks (m64n(block)k16) and does
                     P @ V on dims 0 .. 255 with P from registers, warpgroup 1 dims 256 .. 511.
-  crossover         CROSSOVER: a token's two 64-row CTAs (head groups 2 i, 2 i + 1) of a split
-                    launch as a cluster of 2; each producer loads half of every block's rows
-                    (XOVER_ROWS) into its own tile and, by st.async completing on the peer's full
-                    mbarrier, into the peer's, so each SM moves and dequantizes half the rows
-                    (produce_blocks has the protocol); FlashMLA's consumer shape at every block
-                    count. A cluster launch puts the CTA's rank in its shared addresses' high
-                    bits, so every wgmma descriptor masks the address to its 18-bit field
-                    (primitives.smem_desc_lines). Without a partner (q_heads / 64 odd) or under
-                    64-slot blocks: partial_wgmma_ws.
+  crossover         CROSSOVER (with the producer): a token's two 64-row CTAs (head groups 2 i,
+                    2 i + 1) of a split launch as a cluster of 2; each producer loads half of
+                    every block's rows (XOVER_ROWS) into its own tile and, by st.async completing
+                    on the peer's full mbarrier, into the peer's, so each SM moves and
+                    dequantizes half the rows (produce_blocks has the protocol); FlashMLA's
+                    consumer shape at every block count. A cluster launch puts the CTA's rank in
+                    its shared addresses' high bits, so every wgmma descriptor masks the address
+                    to its 18-bit field (primitives.smem_desc_lines). Without a partner
+                    (q_heads / 64 odd) or under 64-slot blocks: partial_wgmma_ws.
 Why each default is what it is (the alternatives as measured): docs/levers.md Part S.
 
 poll (the step's fork_poll mode on one rank): before its PDL wait each partial CTA spins until
@@ -109,8 +114,8 @@ TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, o
 TILE_CHUNKS = ROW // 8  # 72
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
 # warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
-# 3 x 168), False = partial_wgmma. Faster with both caches (levers.md S.5); the crossover
-# needs it.
+# 3 x 168), False = partial_wgmma. Faster over the fp8 cache; over bf16 it ties the plain
+# kernel, and is on because the crossover needs it (levers.md S.5).
 PRODUCER = {"fp8": True, "bf16": True}
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
