@@ -21,7 +21,8 @@ CONTEXT = 8192  # past index_topk x dcp: the global top-k takes some of each ran
 BUDGET_NS = 20_000_000  # a lost rank fails a step within 20 ms
 
 
-def _group(dcp, split=False, devices="cuda"):
+def _group(dcp, split=False, devices="cuda", seed=None):
+    """A captured group; seed None: fresh weights and caches each run."""
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, split=split))  # 16 heads per rank
     group = DcpGroup(
         shape,
@@ -30,7 +31,7 @@ def _group(dcp, split=False, devices="cuda"):
         capture_sizes=(4, 8),
         backend="cute",
         max_context=CONTEXT,
-        seed=11,
+        seed=int(torch.randint(0, 2**31, ())) if seed is None else seed,
         budget_ns=BUDGET_NS,
     )
     group.capture()
@@ -40,6 +41,17 @@ def _group(dcp, split=False, devices="cuda"):
 @pytest.fixture(scope="module", params=[(2, False), (4, False), (2, True)], ids=["dcp2", "dcp4", "dcp2-split"])
 def group(request):
     return _group(*request.param)
+
+
+def _poison(group, rows: int):
+    """Fill every rank's outputs of the first `rows` tokens with what no kernel writes (NaN,
+    slot -7, 0xA5 bytes): a step that leaves any of them unwritten cannot equal one that wrote it."""
+    for step in group.steps:
+        b = step.buffers
+        for t in (b.qc, b.out, b.lse):
+            t[:rows].fill_(float("nan"))
+        b.slots[:rows].fill_(-7)
+        b.q_out[:rows].fill_(0xA5)
 
 
 def _candidates(group, batch):
@@ -151,9 +163,12 @@ def test_a_rank_that_publishes_its_rows_but_not_its_candidates_times_the_others_
 
 
 def test_a_rank_delayed_on_the_gpu_gives_the_same_results(group):
-    inputs = group.unsharded.inputs(4, context_lens=5000, seed=5)
+    inputs = group.unsharded.inputs(4, context_lens=5000, seed=int(torch.randint(0, 2**31, ())))
+    _poison(group, 4)
     expect = [(out.slots.clone(), out.out.clone()) for out in group.step(inputs)]
+    assert all(not (slots == -7).any() and not attention.isnan().any() for slots, attention in expect)
     for delayed in range(group.dcp):
+        _poison(group, 4)
         outputs = group.step(inputs, delays={delayed: 0.001})  # a spin of about 1 ms before its step
         for out, (slots, attention) in zip(outputs, expect):
             assert torch.equal(out.slots, slots) and torch.equal(out.out, attention), delayed
@@ -170,11 +185,14 @@ def test_a_thousand_group_steps_of_varying_batch_are_bit_identical_to_eager():
     inputs = {b: StepInputs(*(getattr(full, f.name)[:b] for f in fields(StepInputs))) for b in batches}
     expect = {}
     for b in batches:  # eager, each batch once (the cache inserts repeat the same rows)
+        _poison(group, b)
         outputs = group.step(inputs[b], eager=True)
         expect[b] = [(o.slots.clone(), o.out.clone(), o.lse.clone(), o.q_rows.clone()) for o in outputs]
+        assert all(not (e[0] == -7).any() and not e[1].isnan().any() and not e[2].isnan().any() for e in expect[b])
     order = torch.randint(0, len(batches), (1000,), generator=gen).tolist()
     for i, pick in enumerate(order):
         b = batches[pick]
+        _poison(group, b)  # so a replay that writes nothing cannot pass on the last step's outputs
         outputs = group.step(inputs[b])
         for rank, (out, want) in enumerate(zip(outputs, expect[b])):
             got = (out.slots, out.out, out.lse, out.q_rows)
@@ -188,7 +206,8 @@ def test_a_group_over_two_gpus_over_p2p_gives_the_one_gpu_groups_results():
     same inputs), eager and graphs, at both parities."""
     if not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("GPUs 0 and 1 have no peer access")
-    one, two = _group(2), _group(2, devices=["cuda:0", "cuda:1"])
+    seed = int(torch.randint(0, 2**31, ()))
+    one, two = _group(2, seed=seed), _group(2, devices=["cuda:0", "cuda:1"], seed=seed)
     assert [t.memory.device.index for t in two.transports] == [0, 1]
     for eager in (True, False, False, False):
         steps = []

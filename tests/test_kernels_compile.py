@@ -634,7 +634,9 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
     k steps of scores per 8-slot tile and P @ V over the block's 16-slot steps x 8 n-tiles,
     in bf16. partial_mma_sync (every thread copies into a ring of ring_stages blocks), fp8
     rows dequantized in shared memory; the variants MMA_PRODUCER_BLOCKS puts on partial_mma_ws
-    have their own PTX test below."""
+    have their own PTX test below (TP 8's bf16 cache takes partial_mma_ws at every split:
+    partial_mma_sync's planned variants here are the fp8 cache's below 8 blocks)."""
+    checked = []
     for shape_name, shape in SHAPES.items():
         names = sorted(
             name for s, name in ptx if s == shape_name and name.startswith("sparse_core") and not name.endswith("_poll")
@@ -664,6 +666,8 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
             stages = sparse_core.ring_stages(heads, block, op_slots, fp8)
             assert f"cp.async.wait_group {stages - 1}" in text
+            checked.append((shape_name, name))
+    assert checked, "no planned variant reached partial_mma_sync's checks"
     # the fp8 cache and fp8 query rows are widened exactly
     assert "cvt.rn.f16x2.e4m3x2" in ptx[("kimi-dcp2-fp8", "sparse_core_s32")]
     assert "cvt.rn.f16x2.e4m3x2" not in ptx[("tp8", "sparse_core_s32")]
@@ -902,6 +906,11 @@ def test_sparse_core_mma_path_without_a_producer(tmp_path, shape_name, slots):
     assert f"cp.async.wait_group {stages - 1}" in partial and "mbarrier" not in partial
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in partial
     assert ("cvt.rn.f16x2.e4m3x2" in partial) == fp8
+    # per block and warp: 36 k steps of scores per 8-slot tile, P @ V over 16-slot steps x n-tiles
+    block, cols = sparse_core.block_for(slots), sparse_core.COLS
+    per_block = max(1, block // 8 // cols) * 36 + (block // 16) * (512 // cols // 8)
+    bf16 = partial.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    assert bf16 >= per_block and bf16 % per_block == 0, bf16  # (the compiler may peel a block)
 
 
 @pytest.mark.parametrize("split", top_k.SPLITS, ids=lambda split: split.name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import rel_err
-from graphstep import formats, ops
+from graphstep import formats, ops, order
 from graphstep import reference as ref
 from graphstep.launch import ErrorWord, Kernels, MailboxTimeout, TvmFfiKernels
 from graphstep.shapes import RankShape, Topology, preset
@@ -225,6 +225,9 @@ def test_a_step_of_ops_matches_the_reference(tp8):
     q_c, scores, slots, out, lse = _step(tp8, inputs, caches, _error().word)
     torch.cuda.synchronize()
     assert rel_err(q_c.float(), expect.q_c.float()) < 1e-2
+    # MlaQuery's q_c is QueryNorm's, bit for bit (the order model of the variant at this batch)
+    q_a = inputs.qkv[:, :1536].contiguous()
+    assert torch.equal(q_c, order.query_norm(q_a, state.weights.gamma_q, state.shape.model.rms_eps, state.shape.heads))
     assert rel_err(formats.decode_q_rows(caches[2][:3, :16], "bf16"), expect.q_rows) < 1e-2
     assert torch.equal(slots, ref.to_slots(ref.topk_indices(scores, 2048), inputs.block_tables, 64))
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(slots, expect.slots))

@@ -75,10 +75,16 @@ def test_kv_insert_writes_exactly_the_new_slots(state):
     ref.kv_insert(state, inputs, caches)
     changed = (caches.mla_cache != before).any(-1).flatten().nonzero().flatten()
     assert sorted(changed.tolist()) == sorted(inputs.slot_mapping[inputs.slot_mapping >= 0].tolist())
-    rows = ref.kv_row(state, inputs, acc=torch.float64)
+    # the row written out in float64: kv_a's RMSNorm, then k_pe rotated by complex pairs
+    kv_a, k_pe = inputs.qkv[:, 1536:2048].double(), inputs.qkv[:, 2048:2112].double()
+    latent = kv_a / torch.sqrt((kv_a * kv_a).sum(-1, keepdim=True) / 512 + 1e-6) * state.weights.gamma_kv.double()
     for b in (0, 2, 3):
         slot = int(inputs.slot_mapping[b])
-        assert rel_err(caches.mla_cache.view(-1, 576)[slot].double(), rows[b]) < 4e-3
+        angle = int(inputs.positions[b]) * yarn_inv_freq(state.shape.model, 64)
+        rope = torch.view_as_real(
+            torch.view_as_complex(k_pe[b].view(32, 2).contiguous()) * torch.polar(torch.ones_like(angle), angle)
+        ).flatten()
+        assert rel_err(caches.mla_cache.view(-1, 576)[slot].double(), torch.cat([latent[b], rope])) < 4e-3
 
 
 def test_new_token_slot_follows_block_table(state):

@@ -36,8 +36,8 @@ def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
 def test_the_crossover_runs_only_where_a_64_row_producer_cta_has_a_partner():
     """A pair of 64-head CTAs (q_heads / 64 even) with a producer warpgroup, over either cache
     (the bf16 cache's producer then loads raw chunks), and 64-slot blocks; elsewhere the op
-    is today's kernel (cluster 1) whatever was asked. The bf16 cache's 64-row CTAs have no
-    producer by default (sparse_core.PRODUCER), so no crossover either."""
+    is today's kernel (cluster 1) whatever was asked. Both caches' 64-row CTAs take the
+    producer by default (sparse_core.PRODUCER), so both cross over by default."""
     for shape in (TP1_FP8, TP1_BF16):
         for slots in (64, 128, 512, 2048):
             variant = catalog.build(shape, "sparse_core", slots=slots, producer=True, crossover=True)

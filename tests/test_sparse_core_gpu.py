@@ -133,8 +133,9 @@ def test_sparse_core_plan_matches_the_reference(case, batch):
 @pytest.mark.parametrize("batch", [5, 64])
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
 def test_the_64_row_path_a_cache_does_not_default_to_matches_the_reference(monkeypatch, case, batch):
-    """sparse_core.PRODUCER flipped: the fp8 cache without the producer warpgroup, the bf16
-    cache with it (kept selectable for A/B runs: bench_sparse_core.py --paths)."""
+    """sparse_core.PRODUCER flipped: both caches' 64-row CTAs without the producer warpgroup
+    (partial_wgmma; both default to the producer, and it stays selectable for A/B runs:
+    bench_sparse_core.py --paths)."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "PRODUCER", {cache: not on for cache, on in sparse_core.PRODUCER.items()})

@@ -33,9 +33,20 @@ def tp8():
     return step
 
 
-def _outputs(step):
+def _outputs(step, rows: int):
+    """Clones of the step's outputs for its first `rows` tokens."""
     b = step.buffers
-    return [t.clone() for t in (b.qc, b.slots, b.q_out, b.out, b.lse)]
+    return [t[:rows].clone() for t in (b.qc, b.slots, b.q_out, b.out, b.lse)]
+
+
+def _poison(step, rows: int):
+    """Fill the outputs of the first `rows` tokens with what no kernel writes (NaN, slot -7,
+    0xA5 bytes), so a launch that leaves any of them unwritten cannot equal a run that wrote it."""
+    b = step.buffers
+    for t in (b.qc, b.out, b.lse):
+        t[:rows].fill_(float("nan"))
+    b.slots[:rows].fill_(-7)
+    b.q_out[:rows].fill_(0xA5)
 
 
 def _equal(a, b):
@@ -47,16 +58,20 @@ def _equal(a, b):
 def test_replay_equals_eager_and_the_modes_agree(tp8, size, mode):
     inputs = tp8.state.inputs(size, seed=_seed())
     tp8.load(inputs)
+    _poison(tp8, size)
     tp8.run_stages(size, mode)
     torch.cuda.synchronize()
-    eager = _outputs(tp8)
+    eager = _outputs(tp8, size)
+    assert not any(t.isnan().any() for t in (eager[0], eager[3], eager[4])) and not (eager[1] == -7).any()
+    _poison(tp8, size)
     tp8.replay(size, mode)
     torch.cuda.synchronize()
-    assert _equal(_outputs(tp8), eager), "graph replay must equal eager launches bit for bit"
+    assert _equal(_outputs(tp8, size), eager), "graph replay must equal eager launches bit for bit"
     for other in ("fork", "serial", "fork_poll"):
+        _poison(tp8, size)
         tp8.replay(size, other)
         torch.cuda.synchronize()
-        assert _equal(_outputs(tp8), eager), f"{mode} and {other} must agree bit for bit"
+        assert _equal(_outputs(tp8, size), eager), f"{mode} and {other} must agree bit for bit"
         tp8.error.check(tp8.shape.gathered, tp8.shape.mailbox_row_chunks)  # no poll gave up
         # the sparse core re-armed every row it read: the whole mailbox holds the sentinel again
         assert bool((tp8.caches.mailbox == formats.SENTINEL_BYTE).all()), "a mailbox chunk left published"
@@ -120,12 +135,13 @@ def test_ten_thousand_replays_are_identical_and_allocate_nothing(tp8):
     tp8.load(inputs)
     tp8.replay(4)
     torch.cuda.synchronize()
-    first = _outputs(tp8)
+    first = _outputs(tp8, 4)
+    _poison(tp8, 4)
     allocated = torch.cuda.memory_allocated()
     for _ in range(10_000):
         tp8.replay(4)
     torch.cuda.synchronize()
-    assert _equal(_outputs(tp8), first)
+    assert _equal(_outputs(tp8, 4), first)
     assert torch.cuda.memory_allocated() == allocated
 
 
@@ -206,12 +222,14 @@ def test_dcp_modes_agree_and_a_lost_publisher_raises(dcp2):
     results = {}
     for mode in ("fork", "serial", "fork_poll"):
         dcp2.load(inputs, peers)
+        _poison(dcp2, 7)
         dcp2.replay(8, mode)
         torch.cuda.synchronize()
         dcp2.error.check(dcp2.shape.gathered, dcp2.shape.mailbox_row_chunks)
-        results[mode] = _outputs(dcp2)
+        results[mode] = _outputs(dcp2, 7)
         # both ranks' rows were read and re-armed: every chunk holds the sentinel again
         assert bool((dcp2.caches.mailbox == formats.SENTINEL_BYTE).all()), mode
+    assert not any(t.isnan().any() for t in (results["fork"][0], results["fork"][3], results["fork"][4]))
     assert _equal(results["fork"], results["serial"]) and _equal(results["fork"], results["fork_poll"])
     expect = formats.encode_q_rows(peers.rows[:, :16], "bf16").view(7, 16, -1)
     assert torch.equal(dcp2.buffers.q_out[:7, :16], expect)
@@ -249,8 +267,10 @@ def test_fork_poll_joins_where_the_sparse_core_may_not_poll():
     results = {}
     for mode in ("fork", "fork_poll"):
         step.load(inputs)
+        _poison(step, 24)
         step.replay(24, mode)
         torch.cuda.synchronize()
-        results[mode] = _outputs(step)
+        results[mode] = _outputs(step, 24)
+    assert not any(t.isnan().any() for t in (results["fork"][0], results["fork"][3], results["fork"][4]))
     assert _equal(results["fork"], results["fork_poll"])
     step.check()

@@ -128,7 +128,6 @@ def test_peers_are_validated_like_inputs():
     step = _step(DCP, sizes=(2,))
     inputs = step.state.inputs(2, context_lens=[50, 60], seed=8)
     good = step.state.peer_inputs(inputs, seed=9)
-    k = SMALL.index_topk
 
     def peers(**change):
         return dataclasses.replace(good, **{name: value.clone() for name, value in change.items()})
@@ -160,7 +159,6 @@ def test_peers_are_validated_like_inputs():
     own = good.positions.clone()
     own[:, 1] = 12345  # this rank's own candidates are ignored (it computes its own)
     step.step(inputs, peers(positions=own), eager=True)
-    assert k == 64
 
 
 def test_peers_on_a_step_without_dcp_are_an_error():
@@ -203,12 +201,11 @@ def test_one_tokens_nan_never_changes_another_tokens_outputs(topology, mode):
             assert torch.equal(getattr(got, field)[row], getattr(expect, field)[row]), (row, field)
     assert torch.isfinite(got.out[[0, 2]]).all()
     # the other sequences' cache pages (and every page no sequence holds) are untouched
-    pages = clean.state.pages_per_seq
     theirs = torch.ones(clean.state.trash_page + 1, dtype=torch.bool)
     theirs[inputs.block_tables[1].long()] = False
     for name in ("index_cache", "mla_cache"):
         assert torch.equal(getattr(dirty.caches, name)[theirs], getattr(clean.caches, name)[theirs]), name
-    assert pages >= 1
+    assert theirs.any() and not theirs.all()  # the check covered other pages, not the NaN token's own
     # the next clean step of the same tokens: only the NaN token's own sequence can differ
     with warnings.catch_warnings():
         warnings.simplefilter("error", NonFiniteInputs)
