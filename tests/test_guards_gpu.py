@@ -87,14 +87,23 @@ def test_index_key_clamps_a_bad_length_and_records_it():
     state = _state()
     kernels = Kernels(state.shape, state.weights)
     cache = torch.full_like(state.caches.index_cache, 0xFF)
-    inputs = _changed(state.inputs(3), context_lens=[(2, 10**6)])  # token 2's slot stays valid
+    base = state.inputs(3)
+    inputs = _changed(base, context_lens=[(2, 10**6)])  # token 2's slot stays valid
     error = ErrorWord.new("cuda")
     kernels.index_key(inputs.qkv, inputs.context_lens, inputs.slot_mapping, cache, 3, error)
     torch.cuda.synchronize()
     keys, scales = formats.index_cache_views(cache, 64, 128)
     slots = inputs.slot_mapping.long()
     assert torch.isfinite(scales.reshape(-1)[slots]).all(), "every token's key written, token 2's from RoPE row 0"
+    assert not (keys.reshape(-1, 128)[slots] == 0xFF).any(), "every byte of each key (0xFF: e4m3 NaN)"
     _raises(error, guards.INDEX_KEY_LENGTH, 2, 10**6)
+    # tokens 0 and 1 as with every length good
+    good = torch.full_like(state.caches.index_cache, 0xFF)
+    kernels.index_key(base.qkv, base.context_lens, base.slot_mapping, good, 3, ErrorWord.new("cuda"))
+    torch.cuda.synchronize()
+    good_keys, good_scales = formats.index_cache_views(good, 64, 128)
+    assert torch.equal(keys.reshape(-1, 128)[slots[:2]], good_keys.reshape(-1, 128)[slots[:2]])
+    assert torch.equal(scales.reshape(-1)[slots[:2]], good_scales.reshape(-1)[slots[:2]])
 
 
 # -- MlaQuery ---------------------------------------------------------------------------------
@@ -165,16 +174,25 @@ def test_mla_query_clamps_a_bad_length_and_records_it():
 def test_index_query_clamps_a_bad_length_and_records_the_global_token(batch, bad):
     state = _state(max_batch=batch)
     kernels = Kernels(state.shape, state.weights)
-    inputs = _changed(state.inputs(batch), context_lens=[(bad, 10**6)])
+    base = state.inputs(batch)
+    inputs = _changed(base, context_lens=[(bad, 10**6)])
     q_c = ref.query_norm(state, inputs)
-    q_out = torch.full((batch + 1, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")
-    w_out = torch.full((batch + 1, 64), float("nan"), device="cuda")
-    error = ErrorWord.new("cuda")
-    kernels.index_query(q_c, inputs.qkv, inputs.context_lens, q_out, w_out, batch, error)
-    torch.cuda.synchronize()
-    assert (q_out[batch] == 0xFF).all() and torch.isnan(w_out[batch]).all()
-    assert torch.isfinite(w_out[:batch]).all()
-    _raises(error, guards.INDEX_QUERY_LENGTH, bad, 10**6)
+    outputs = []
+    for lens in (inputs.context_lens, base.context_lens):  # the bad length, then every length good
+        q_out = torch.full((batch + 1, 64, 128), 0xFF, dtype=torch.uint8, device="cuda")  # 0xFF: e4m3 NaN
+        w_out = torch.full((batch + 1, 64), float("nan"), device="cuda")
+        error = ErrorWord.new("cuda")
+        kernels.index_query(q_c, inputs.qkv, lens, q_out, w_out, batch, error)
+        torch.cuda.synchronize()
+        assert (q_out[batch] == 0xFF).all() and torch.isnan(w_out[batch]).all()
+        assert not (q_out[:batch] == 0xFF).any() and torch.isfinite(w_out[:batch]).all(), "every token written"
+        outputs.append((q_out, w_out))
+        if lens is inputs.context_lens:
+            _raises(error, guards.INDEX_QUERY_LENGTH, bad, 10**6)
+    # the other tokens are as with every length good (a token's RoPE row is its own length's)
+    others = [t for t in range(batch) if t != bad]
+    (q_bad, w_bad), (q_good, w_good) = outputs
+    assert torch.equal(q_bad[others], q_good[others]) and torch.equal(w_bad[others], w_good[others])
 
 
 # -- DsaIndex ---------------------------------------------------------------------------------
@@ -301,19 +319,29 @@ def test_dcp_merge_turns_a_bad_page_or_position_into_a_hole_and_records_it(where
 @pytest.mark.parametrize("crossover", [False, True], ids=["", "crossover"])
 @pytest.mark.parametrize("slots_per_cta", [None, 2048])  # the plan's split and one CTA per token
 @pytest.mark.parametrize(
-    "topology",
-    [Topology(tp=8), Topology(tp=1, mla_cache="fp8"), Topology(tp=1)],
-    ids=["tp8-mma-sync", "tp1-fp8-wgmma", "tp1-bf16-wgmma"],
+    ("topology", "mma_sync"),
+    [
+        (Topology(tp=8), False),
+        (Topology(tp=8), True),
+        (Topology(tp=1, mla_cache="fp8"), False),
+        (Topology(tp=1), False),
+    ],
+    ids=["tp8-mma-ws", "tp8-mma-sync", "tp1-fp8-wgmma", "tp1-bf16-wgmma"],
 )
-def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(monkeypatch, slots_per_cta, topology, crossover):
-    """crossover: the 64-row CTAs' head-group pairs sharing each block's loads
-    (sparse_core.CROSSOVER, with the producer it needs): each CTA still records its whole
-    block's slots."""
+def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(
+    monkeypatch, slots_per_cta, topology, mma_sync, crossover
+):
+    """16-row CTAs on their default producer path (partial_mma_ws, TP 8's bf16 cache at every
+    split) and on partial_mma_sync (mma_sync: MMA_PRODUCER_BLOCKS out of reach); crossover:
+    the 64-row CTAs' head-group pairs sharing each block's loads (sparse_core.CROSSOVER, with
+    the producer it needs): each CTA still records its whole block's slots."""
+    from graphstep.kernels import sparse_core
+
+    if mma_sync:
+        monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", dict.fromkeys(sparse_core.MMA_PRODUCER_BLOCKS, 1 << 30))
     if crossover:
         if topology.tp != 1:
             pytest.skip("the crossover pairs 64-row CTAs (TP 1)")
-        from graphstep.kernels import sparse_core
-
         monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
         monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     state = _state(topology, max_batch=2)

@@ -161,6 +161,8 @@ def test_fp8_query_rows_and_cache(tp8):
     batch = 16
     inputs = state.inputs(batch)
     caches = state.clone_caches()
+    caches.mla_cache.fill_(0xFF)  # e4m3 NaN, a NaN fp32 scale, bf16 NaN: nothing MlaQuery writes
+    before = caches.mla_cache.clone()
     buf = _buffers(state, batch)
     kernels.mla_query(
         inputs.qkv,
@@ -180,7 +182,13 @@ def test_fp8_query_rows_and_cache(tp8):
     expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
     got = formats.decode_q_rows(buf["q_rows"], "fp8")[:, :16]
     assert rel_err(got, expect.clamp(-448, 448)) < 0.05  # e4m3: 3 mantissa bits
-    written = caches.mla_cache.view(-1, 656)[inputs.slot_mapping.long()]
+    flat, slots = caches.mla_cache.view(-1, 656), inputs.slot_mapping.long()
+    changed = (flat != before.view(-1, 656)).any(-1).nonzero().flatten()
+    assert sorted(changed.tolist()) == sorted(slots.tolist()), "exactly the new slots are written"
+    written = flat[slots]
+    assert not (written[:, :512] == 0xFF).any(), "every e4m3 byte of a new row"
+    assert not (written[:, 512:528].contiguous().view(torch.int32) == -1).any(), "every scale"
+    assert not (written[:, 528:].contiguous().view(torch.int16) == -1).any(), "every rope element"
     rows = formats.unpack_mla_fp8(written, 512)
     assert rel_err(rows, ref.kv_row(state, inputs)) < 0.05
     scales = written[:, 512:528].contiguous().view(torch.float32)

@@ -60,13 +60,13 @@ def test_query_norm_and_index_query_equal_their_launchers(tp8):
     state, kernels, w = tp8.state, tp8.kernels, tp8.state.weights
     inputs = state.inputs(BATCH, seed=_seed())
     q_c = G.query_norm(inputs.qkv, w.gamma_q, tp8.key)
-    expect = torch.empty_like(q_c)
+    expect = torch.full_like(q_c, float("nan"))  # poisoned: every element must be written
     kernels.query_norm(inputs.qkv, expect, BATCH)
     assert torch.equal(q_c, expect)
     q, head_w = G.index_query(
         q_c, inputs.qkv, inputs.context_lens, w.wq_b_index, w.index_rope_cos, w.index_rope_sin, _error().word, tp8.key
     )
-    expect_q, expect_w = torch.empty_like(q), torch.empty_like(head_w)
+    expect_q, expect_w = torch.full_like(q, 0xFF), torch.full_like(head_w, float("nan"))  # 0xFF: e4m3 NaN
     kernels.index_query(q_c, inputs.qkv, inputs.context_lens, expect_q, expect_w, BATCH)
     assert torch.equal(q, expect_q) and torch.equal(head_w, expect_w)
 
@@ -137,20 +137,21 @@ def test_dsa_index_top_k_and_sparse_core_equal_their_launchers(tp8):
     assert torch.equal(scores, expect)
     slots, none = G.top_k(scores, inputs.block_tables, inputs.context_lens, error.word, tp8.key)
     assert none.shape == (BATCH, 0)
-    expect_slots = torch.empty_like(slots)
+    expect_slots = torch.full_like(slots, -7)
     kernels.top_k(scores, inputs.block_tables, inputs.context_lens, expect_slots, scores, BATCH)
     assert torch.equal(slots, expect_slots)
     rows = formats.encode_q_rows(torch.randn(BATCH, 16, 576, device="cuda"), "bf16").view(BATCH, 16, -1)
     for spc in (None, 256, k):
         out, lse = G.sparse_core(rows, slots, caches.mla_cache, error.word, tp8.key, slots_per_cta=spc)
         partial_o, partial_ml = kernels.sparse_core_buffers(BATCH, "cuda")
-        expect_out, expect_lse = torch.empty_like(out), torch.empty_like(lse)
+        expect_out, expect_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
         kernels.sparse_core(rows, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, spc)
         assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse), spc
     # the step's variant: the rows read come back, the mailbox is re-armed
     mailbox, theirs = rows.clone(), rows.clone()
     out, lse, published = G.sparse_core_publish(mailbox, slots, caches.mla_cache, error.word, tp8.key)
-    expect_out, expect_lse, expect_rows = torch.empty_like(out), torch.empty_like(lse), torch.empty_like(published)
+    expect_out, expect_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    expect_rows = torch.full_like(published, 0xA5)
     kernels.sparse_core(
         theirs, slots, caches.mla_cache, partial_o, partial_ml, expect_out, expect_lse, BATCH, q_out=expect_rows
     )

@@ -1,16 +1,75 @@
 """CPU models of ClusterTopK's no-list compaction (kernels/top_k.py `ClusterTopK.compact`): its
 raw-word threshold test and its valid-score masks bit for bit, and its ranking (bit masks,
 byte counts scanned over a warp's lanes, one scan of the (load, warp) groups, a loop over
-each thread's set bits) against the reference's kept set in index order."""
+each thread's set bits) against the reference's kept set in index order. The models' word
+functions (order_key, raw_bound, bin_test, nibble_counts, valid_masks) are Python-int
+transcriptions of the kernel's, fast enough for the models' loops; the last test runs the
+kernel's own functions on Python ints (Uint32 / select / min / max stand-ins that compute what
+the device instructions do) and checks each transcription against them."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+from graphstep.kernels import top_k
 
 ALL = 2**31 - 1
 M32 = 0xFFFFFFFF
+
+
+class U32(int):
+    """A Python int as a 32-bit unsigned register: every result wraps mod 2^32."""
+
+    def __new__(cls, value):
+        return super().__new__(cls, int(value) & M32)
+
+    def __add__(self, other):
+        return U32(int(self) + int(other))
+
+    def __sub__(self, other):
+        return U32(int(self) - int(other))
+
+    def __rsub__(self, other):
+        return U32(int(other) - int(self))
+
+    def __mul__(self, other):
+        return U32(int(self) * int(other))
+
+    def __and__(self, other):
+        return U32(int(self) & int(other))
+
+    def __or__(self, other):
+        return U32(int(self) | int(other))
+
+    def __xor__(self, other):
+        return U32(int(self) ^ int(other))
+
+    def __lshift__(self, other):
+        return U32(int(self) << int(other))
+
+    def __rshift__(self, other):
+        return U32(int(self) >> int(other))
+
+    def __invert__(self):
+        return U32(~int(self))
+
+    __radd__, __rmul__, __rand__, __ror__, __rxor__ = __add__, __mul__, __and__, __or__, __xor__
+
+
+def _select(condition, a, b):
+    return a if condition else b
+
+
+@pytest.fixture
+def python_ints():
+    """kernels/top_k.py's device types and selects as Python stand-ins, during one test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(top_k, "Uint32", U32)
+        patch.setattr(top_k, "cutlass", SimpleNamespace(select_=_select, min=min, max=max))
+        patch.setattr(top_k, "P", SimpleNamespace(select_i32=_select))
+        yield
 
 
 def order_key(word: int) -> int:
@@ -327,3 +386,21 @@ def test_histogram_bits_model_counts_as_the_whole_slice_histogram(kind, n_cut):
             for digit, c in part.items():
                 got[digit] = got.get(digit, 0) + c
         assert got == want, (r, hex(prefix))
+
+
+def test_the_models_word_functions_are_the_kernels(python_ints):
+    """Each transcription below equals kernels/top_k.py's function run on Python ints: on the
+    special words and their neighbours, random words, every round-0 bin, every mask word."""
+    rng = random.Random()
+    words = SPECIAL + [w ^ 1 for w in SPECIAL] + [rng.getrandbits(32) for _ in range(2000)]
+    for w in words:
+        assert order_key(w) == top_k.order_key(U32(w)), hex(w)
+        assert raw_bound(w) == tuple(top_k.raw_bound(U32(w))), hex(w)
+        assert nibble_counts(w) == top_k.nibble_counts(U32(w)), hex(w)
+    for prefix in range(2048):
+        assert bin_test(prefix) == tuple(top_k.bin_test(U32(prefix))), prefix
+    for threads, loads in [(1024, 16), (1024, 8), (512, 4), (512, 1), (64, 16)]:
+        for limit in [-5000, -1, 0, 1, 3, 4, 5, 4 * threads - 1, 4 * threads, 4 * threads * loads, 10**6]:
+            for extra in (0, 1, 7, rng.randrange(4 * threads * loads)):
+                kernel = top_k.ClusterTopK.valid_masks(SimpleNamespace(threads=threads, loads=loads), limit + extra)
+                assert valid_masks(limit + extra, threads, loads) == kernel, (threads, loads, limit + extra)
