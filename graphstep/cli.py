@@ -25,11 +25,11 @@ def sm90_device() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def add_shape_args(parser: argparse.ArgumentParser, tp: int = 8, dcps: bool = False) -> None:
+def add_shape_args(parser: argparse.ArgumentParser, dcps: bool = False) -> None:
     """The shape and topology flags every command shares (`rank_shape` reads them back).
     dcps: --dcp takes a comma-separated list (bench: one table per size)."""
     parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS), help="model shapes")
-    parser.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (heads per rank = heads / tp)")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size (heads per rank = heads / tp)")
     if dcps:
         parser.add_argument("--dcp", type=dcp_sizes, default=[1], help="decode context-parallel sizes, e.g. 2,4")
     else:
@@ -122,16 +122,25 @@ def host_memory_bytes() -> int:
 
 
 def check_fits(
-    shape: RankShape, batch: int, context: int, available: int, where: str, flag: str, reference: bool = False
+    shape: RankShape,
+    batch: int,
+    context: int,
+    available: int,
+    where: str,
+    flag: str,
+    reference: bool = False,
+    states: int = 1,
 ) -> None:
-    """Refuse a state too large for `available` bytes before allocating it (a clear error, not an
-    OOM)."""
+    """Refuse `states` states (built one after another, all kept) too large for `available`
+    bytes before allocating any (a clear error, not an OOM)."""
     from .state import state_bytes
 
     need = state_bytes(shape, batch, context, reference=reference)
+    need += (states - 1) * state_bytes(shape, batch, context, building=False)
     if need > available:
+        what = "the state for batch {} needs" if states == 1 else f"the {states} states for batch {{}} need"
         raise ValueError(
-            f"{flag} {context}: the state for batch {batch} needs about {need / 1e9:,.1f} GB, more than "
+            f"{flag} {context}: {what.format(batch)} about {need / 1e9:,.1f} GB, more than "
             f"the {available / 1e9:,.1f} GB of {where}"
         )
 
@@ -278,7 +287,8 @@ def cmd_run(args) -> int:
         for name, value in RUN_GPU_DEFAULTS.items():
             setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
         check_policy(args, rank_shape(args))
-        _check_device_memory(args, rank_shape(args), max(args.batch))
+        # a DCP group: its unsharded layer (about d ranks' caches) and its d ranks
+        _check_device_memory(args, rank_shape(args), max(args.batch), states=2 * args.dcp if args.dcp > 1 else 1)
         from .timing import run_gpu, run_group
 
         return (run_group if args.dcp > 1 else run_gpu)(args, rank_shape(args))
@@ -312,17 +322,22 @@ def check_policy(args, shape: RankShape) -> None:
         overlap_for(batch, getattr(args, "policy", None), dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
 
 
-def _check_device_memory(args, shape: RankShape, batch: int) -> None:
+def _check_device_memory(args, shape: RankShape, batch: int, states: int = 1) -> None:
     import torch
 
-    check_fits(shape, batch, args.context, torch.cuda.mem_get_info()[1], "GPU memory", "--context")
+    free = torch.cuda.mem_get_info()[0]
+    check_fits(shape, batch, args.context, free, "free GPU memory", "--context", states=states)
 
 
-def _needs_gpu(command: str, args=None) -> None:
+# the states a command keeps at once: bench's three steps and the step of its smallest size alone
+STATES = {"bench": 4}
+
+
+def _needs_gpu(command: str, args) -> None:
     if not sm90_device():
         raise SystemExit(f"graphstep {command}: needs an sm_90 GPU (H100/H200) for graph capture; none was found")
-    if args is not None:
-        _check_device_memory(args, rank_shape(args), max(args.batch) if hasattr(args, "batch") else args.batch_size)
+    batch = max(args.batch) if hasattr(args, "batch") else args.batch_size
+    _check_device_memory(args, rank_shape(args), batch, states=STATES.get(command, 1))
 
 
 def cmd_serve(args) -> int:
@@ -418,8 +433,7 @@ def run_cpu(args) -> int:
     started = time.perf_counter()
     state = LayerState(shape, max_batch=batch, max_context=context, seed=args.seed)
     inputs = state.inputs(batch, context_lens=None, seed=args.seed + 1)
-    peers = state.peer_inputs(inputs, seed=args.seed + 2) if shape.topology.dcp > 1 else None
-    out = reference_step(state, inputs, peers=peers)
+    out = reference_step(state, inputs)
     elapsed = time.perf_counter() - started
     picked = (out.slots >= 0).sum(dim=1).tolist()
     tokens = [
@@ -524,9 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstep", description=__doc__, formatter_class=Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str, tp: int = 8) -> argparse.ArgumentParser:
+    def command(name: str, help: str) -> argparse.ArgumentParser:
         verb = sub.add_parser(name, help=help, description=help, formatter_class=Formatter)
-        add_shape_args(verb, tp, dcps=name == "bench")
+        add_shape_args(verb, dcps=name == "bench")
         return verb
 
     info = command("info", "shapes, per-stage bytes and floors")

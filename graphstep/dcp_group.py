@@ -36,7 +36,7 @@ import torch
 from . import formats
 from . import reference as ref
 from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout, check_budget
-from .shapes import RankShape
+from .shapes import RankShape, check_batch
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
 from .transport import Exchange, PeerCandidates, Transport, ValueCheck
@@ -305,7 +305,9 @@ class DcpGroup:
         self.devices = [self._device(d) for d in devices]
         self.dcp, self.backend = dcp, backend
         unsharded = RankShape(shape.model, replace(topo, tp=topo.tp // dcp, dcp=1, rank=0, split=False))
-        sizes = sorted(set(capture_sizes))
+        sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
+        if not sizes:
+            raise ValueError("capture_sizes must name at least one batch size")
         self.unsharded = LayerState(unsharded, sizes[-1], max_context, seed, self.devices[0])
         self.rendezvous = Rendezvous(dcp, wait_s)
         self.transports: list[Transport | None] = [None] * dcp
@@ -412,7 +414,7 @@ class DcpGroup:
                 stream.wait_stream(torch.cuda.current_stream(step.device))
         if self.backend == "cute":
             return self._step_kernels(ranks, set(absent), eager, delays or {})
-        if eager is False and delays:
+        if delays:
             raise ValueError("delays: cute backend only")
         return self._step_threads(ranks, set(absent))
 

@@ -133,7 +133,9 @@ def _op(name: str, mutates_args: tuple[str, ...]):
 
 def warm(shape: RankShape, batches=range(1, 65), width: int | None = None, pdl: bool = True) -> None:
     """Compile every kernel variant the ops launch for these batch sizes over block tables of
-    `width` scores (None: every TopK split), so that a graph capture loads no module."""
+    `width` scores (None: every TopK split), so that a graph capture compiles nothing. Under
+    TVM-FFI a module still loads at its first launch: run each op once eagerly at every batch
+    size before capturing it (the module docstring)."""
     _kernels(shape_key(shape), pdl).warm(batches, width)
 
 
@@ -174,6 +176,14 @@ def _batch(op: str, tensor: Tensor) -> int:
 def _at_least(op: str, name: str, tensor: Tensor, rows: int) -> None:
     if tensor.shape[0] < rows:
         raise ValueError(f"graphstep.{op}: {name} holds {tensor.shape[0]} rows, the batch is {rows}")
+
+
+def _rope_table(op: str, cos: Tensor, sin: Tensor) -> None:
+    """A RoPE table needs a row 0: a kernel reads it for a length past the table (and records it)."""
+    if min(cos.shape[0], sin.shape[0]) < 1:
+        raise ValueError(
+            f"graphstep.{op}: the RoPE tables need at least one row, got {cos.shape[0]} and {sin.shape[0]}"
+        )
 
 
 # -- q_a RMSNorm ---------------------------------------------------------------------
@@ -246,6 +256,7 @@ def _mla_query_check(
         mla_cache=(mla_cache, cache_dtype, (ANY, m.page_size, row)),
         error=_error_arg(error),
     )
+    _rope_table("mla_query", rope_cos, rope_sin)
     _at_least("mla_query", "q_rows", q_rows, b)
     check_budget(budget_ns)
 
@@ -425,6 +436,7 @@ def _index_key_check(
         index_cache=(index_cache, U8, (ANY, m.page_size * m.index_token_bytes)),
         error=_error_arg(error),
     )
+    _rope_table("index_key", rope_cos, rope_sin)
 
 
 @_op("index_key", mutates_args=("index_cache", "error"))
@@ -517,6 +529,7 @@ def _index_query_check(q_c, qkv, context_lens, wq_b_index, rope_cos, rope_sin, s
         index_rope_sin=(rope_sin, FP32, (ANY, m.index_rope_dim // 2)),
         error=_error_arg(error),
     )
+    _rope_table("index_query", rope_cos, rope_sin)
 
 
 def _index_query_outputs(q_c, shape):
@@ -771,8 +784,11 @@ def _sparse_core_check(q_rows, slots, mla_cache, shape, slots_per_cta, error):
         error=_error_arg(error),
     )
     _at_least("sparse_core", "q_rows", q_rows, b)
-    if slots_per_cta is not None and (slots_per_cta < 1 or m.index_topk % slots_per_cta):
-        raise ValueError(f"graphstep.sparse_core: slots_per_cta must divide {m.index_topk}, got {slots_per_cta}")
+    if slots_per_cta is not None and (slots_per_cta < 16 or slots_per_cta % 16 or m.index_topk % slots_per_cta):
+        raise ValueError(
+            f"graphstep.sparse_core: slots_per_cta must be a multiple of 16 dividing {m.index_topk}, "
+            f"got {slots_per_cta}"
+        )
 
 
 def _sparse_core_outputs(slots, shape):

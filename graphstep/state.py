@@ -138,10 +138,13 @@ def local_lens(context_lens: torch.Tensor, dcp: int, rank: int) -> torch.Tensor:
     return torch.div(context_lens.long() - rank + dcp - 1, dcp, rounding_mode="floor").clamp_min(0)
 
 
-def state_bytes(shape: RankShape, max_batch: int, max_context: int, reference: bool = False) -> int:
+def state_bytes(
+    shape: RankShape, max_batch: int, max_context: int, reference: bool = False, building: bool = True
+) -> int:
     """About how many bytes LayerState(shape, max_batch, max_context) takes while it is built
-    (the caches, the fp32 draws they are made from, weights, RoPE tables, mailbox); with
-    reference=True, plus the working set of reference_step over max_batch full contexts."""
+    (the caches, the fp32 draws they are made from, weights, RoPE tables, mailbox; building
+    False: once built, without the draws); with reference=True, plus the working set of
+    reference_step over max_batch full contexts."""
     model, topo = shape.model, shape.topology
     page = model.page_size
     local_max = -(-(max_context - topo.rank) // topo.dcp)
@@ -153,7 +156,7 @@ def state_bytes(shape: RankShape, max_batch: int, max_context: int, reference: b
     weights += 2 * shape.heads * model.qk_nope_dim * model.kv_lora_rank
     rope = 4 * max_context * (model.qk_rope_dim + model.index_rope_dim)
     mailbox = max_batch * shape.q_heads * model.query_row * shape.q_bytes
-    total = caches + drawing + weights + rope + mailbox
+    total = caches + (drawing if building else 0) + weights + rope + mailbox
     if reference:  # dequantized keys and per-head dots of every cached token, a few copies each
         total += 3 * 4 * max_batch * local_max * (model.index_dim + model.index_heads)
     return total

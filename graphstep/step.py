@@ -124,7 +124,6 @@ class DecodeStep:
             raise ValueError(f"the cute backend needs an sm_90 CUDA device, got {self.device}")
         topo = shape.topology
         self.shape, self.backend, self.sizes, self.pdl, self.budget_ns = shape, backend, sizes, pdl, budget_ns
-        self.policy = policy
         self.modes = {
             size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split) for size in sizes
         }

@@ -431,17 +431,23 @@ def _group(shape: RankShape, dcp: int, sizes, context: int, seed: int):
 
 def run_group(args, shape: RankShape) -> int:
     """`graphstep run --dcp d` on a GPU: a DcpGroup of d ranks on it (their kernels exchange
-    through each other's memory), one checked group step per size, then timed replays."""
+    through each other's memory), one checked group step per size, then timed replays
+    (args.json: as JSON, the narrative on stderr)."""
+    narrative = sys.stderr if args.json else sys.stdout
     device = torch.cuda.get_device_name()
     print(
         f"graphstep run: {shape.model.name} {shape.topology.name}, a DCP group of {args.dcp} ranks on one GPU, "
         f"context {args.context}, sizes {args.batch} ({device})",
+        file=narrative,
         flush=True,
     )
     started = time.perf_counter()
     group = _group(shape, args.dcp, args.batch, args.context, args.seed)
     graphs = sum(len(step.graphs) for step in group.steps)
-    print(f"built and captured {graphs} graphs ({args.dcp} ranks) in {time.perf_counter() - started:.1f} s")
+    print(
+        f"built and captured {graphs} graphs ({args.dcp} ranks) in {time.perf_counter() - started:.1f} s",
+        file=narrative,
+    )
     rows, records = [], []
     for size in group.steps[0].sizes:
         inputs = group.unsharded.inputs(size, context_lens=args.context, seed=args.seed + 1)

@@ -85,6 +85,21 @@ def test_a_context_that_does_not_fit_says_how_much_it_needs(capsys):
     assert "--cpu-context 1000000000: the state for batch 4 needs about" in err and "GB of memory available" in err
 
 
+def test_the_memory_check_counts_every_state_a_command_keeps():
+    """bench keeps four steps at once: one state's build (its fp32 draws) and three built ones."""
+    from graphstep.cli import STATES, check_fits
+    from graphstep.shapes import RankShape, Topology, preset
+    from graphstep.state import state_bytes
+
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    one, built = state_bytes(shape, 64, 32768), state_bytes(shape, 64, 32768, building=False)
+    assert 0 < built < one
+    assert STATES["bench"] == 4
+    check_fits(shape, 64, 32768, one + 3 * built, "free GPU memory", "--context", states=4)  # fits exactly
+    with pytest.raises(ValueError, match=r"--context 32768: the 4 states for batch 64 need about .* free GPU memory"):
+        check_fits(shape, 64, 32768, one + 3 * built - 1, "free GPU memory", "--context", states=4)
+
+
 def test_cpu_run_rejects_the_gpu_runs_flags(capsys):
     for flag, value in (("--batch", "4"), ("--context", "100"), ("--policy", "fork"), ("--replays", "3")):
         err = _error(["run", "--cpu", flag, value], capsys)

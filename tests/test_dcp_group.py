@@ -124,6 +124,14 @@ def test_a_rank_that_never_publishes_times_the_others_out_and_the_next_step_work
     assert torch.equal(outputs[0].q_rows, outputs[2].q_rows)
 
 
+def test_delays_are_refused_on_the_torch_backend(group):
+    """A GPU spin before a rank's step exists on the cute backend only: the torch group says so
+    rather than running undelayed."""
+    for eager in (False, True):
+        with pytest.raises(ValueError, match="delays: cute backend only"):
+            group.step(group.unsharded.inputs(2, seed=1), eager=eager, delays={0: 0.001})
+
+
 def test_a_group_rank_takes_no_peer_inputs():
     group = _group(2)
     step = group.steps[1]
@@ -140,6 +148,8 @@ def test_a_group_rank_takes_no_peer_inputs():
         (dict(dcp=3), "multiple of dcp"),
         (dict(dcp=2, devices=["cpu"] * 3), "one per rank"),
         (dict(dcp=2, backend="triton"), "backend 'triton'"),
+        (dict(dcp=2, capture_sizes=[]), "at least one batch size"),
+        (dict(dcp=2, capture_sizes=[2, 0]), "capture size must be a positive int, got 0"),
     ],
 )
 def test_construction_errors(kwargs, message):

@@ -234,6 +234,9 @@ def _meta(*dims, dtype=torch.bfloat16):
         ("query_norm", {"a2": "tp8"}, "shape must be graphstep.ops.shape_key"),
         ("query_norm", {"a0": _meta(0, 2304)}, "query_norm: the batch is empty"),
         ("sparse_core", {"a1": _meta(0, 2048, dtype=torch.int32)}, "sparse_core: the batch is empty"),
+        ("mla_query", {"a7": _meta(0, 32, dtype=torch.float32)}, "mla_query: the RoPE tables need at least one row"),
+        ("index_key", {"a6": _meta(0, 32, dtype=torch.float32)}, "index_key: the RoPE tables need at least one row"),
+        ("index_query", {"a4": _meta(0, 32, dtype=torch.float32)}, "index_query: the RoPE tables need at least"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_op_and_argument(op, changes, message):
@@ -250,8 +253,9 @@ def test_arguments_of_the_wrong_kind_are_refused():
 
 def test_bad_tuning_arguments_are_refused():
     positional, _ = _args(SHAPES["tp8"])["sparse_core"]
-    with pytest.raises(ValueError, match="slots_per_cta must divide 2048, got 48"):
-        torch.ops.graphstep.sparse_core(*positional, slots_per_cta=48)
+    for bad in (48, 8, 0):  # 48 does not divide 2048; 8 does but is not a multiple of 16
+        with pytest.raises(ValueError, match=f"slots_per_cta must be a multiple of 16 dividing 2048, got {bad}"):
+            torch.ops.graphstep.sparse_core(*positional, slots_per_cta=bad)
     positional, _ = _args(SHAPES["tp8"])["dsa_index"]
     with pytest.raises(ValueError, match="pages_per_cta must be >= 1"):
         torch.ops.graphstep.dsa_index(*positional, pages_per_cta=0)
