@@ -291,8 +291,7 @@ class Kernels:
         leave some SMs to the rows' publisher (sparse_core.POLL_MAX_CTAS)."""
         from .kernels import sparse_core
 
-        ctas = sparse_core.partial_ctas(batch, self.shape.q_heads, self.shape.model.index_topk, slots_per_cta)
-        return ctas <= sparse_core.POLL_MAX_CTAS
+        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, slots_per_cta)
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,
@@ -765,9 +764,10 @@ class Kernels:
             it reads are published in q_rows, each chunk for at most this long (the step's
             fork_poll on one rank: MlaQuery writes them on the side stream, joined after this
             launch); only where `sparse_core_polls(batch, slots_per_cta)`."""
+        from .kernels.sparse_core import partial_rows
+
         spc = slots_per_cta or self.sparse_core_plan(batch)
-        k = self.shape.model.index_topk
-        needed = batch * k // spc if spc < k else 0  # one split: no partials
+        needed = partial_rows(batch, self.shape.q_heads, self.shape.model.index_topk, spc)
         if partial_o.shape[0] < needed or partial_ml.shape[0] < needed:
             raise ValueError(
                 f"SparseCore partials hold {partial_o.shape[0]} rows, a launch of {batch} tokens at "

@@ -834,11 +834,12 @@ def _(q_rows, slots, mla_cache, error, shape, slots_per_cta=None, pdl=True):
 
 
 def _run_sparse_core(op, q_rows, slots, mla_cache, shape, slots_per_cta, pdl, q_out, error):
+    from .kernels.sparse_core import partial_rows
+
     kernels = _launcher(op, shape, pdl, slots.device)
     batch, s = slots.shape[0], kernels.shape
     spc = slots_per_cta or kernels.sparse_core_plan(batch)
-    # the (token, split) partials this launch makes; none for one split per token
-    rows = batch * s.model.index_topk // spc if spc < s.model.index_topk else 0
+    rows = partial_rows(batch, s.q_heads, s.model.index_topk, spc)  # none for one split per token
     partial_o = slots.new_empty(rows, s.q_heads, s.model.kv_lora_rank, dtype=FP32)
     partial_ml = slots.new_empty(rows, s.q_heads, 2, dtype=FP32)
     out, lse = _sparse_core_outputs(slots, shape)

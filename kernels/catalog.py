@@ -289,7 +289,7 @@ def variants(
     for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in batches}):
         out.append(build(shape, "sparse_core", pdl, slots=slots))
     if not dcp and True in polls:  # fork_poll's, at the batches whose launch may poll (POLL_MAX_CTAS)
-        polling = [b for b in batches if sparse_core.partial_ctas(b, shape.q_heads, k) <= sparse_core.POLL_MAX_CTAS]
+        polling = [b for b in batches if sparse_core.may_poll(b, shape.q_heads, k)]
         for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in polling}):
             out.append(build(shape, "sparse_core", pdl, slots=slots, poll=True))
     if dcp:

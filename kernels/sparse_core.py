@@ -262,10 +262,18 @@ def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int | None = N
     return batch * (q_heads // heads_per_cta(q_heads)) * (k // (slots_per_cta or plan(batch, q_heads, k)))
 
 
-def partial_rows(batch: int, q_heads: int, k: int) -> int:
-    """Partial-output rows (token x split) a launch of `batch` tokens needs (0: one split,
-    the partial kernel writes out and lse itself)."""
-    splits = k // plan(batch, q_heads, k)
+def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> bool:
+    """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) may poll
+    the mailbox: its partial CTAs, each of which may hold an SM while it spins, leave some SMs
+    to the rows' publisher (POLL_MAX_CTAS)."""
+    return partial_ctas(batch, q_heads, k, slots_per_cta) <= POLL_MAX_CTAS
+
+
+def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> int:
+    """Partial-output rows (token x split) a launch of `batch` tokens (at the plan's
+    slots_per_cta unless given) needs (0: one split, the partial kernel writes out and lse
+    itself)."""
+    splits = k // (slots_per_cta or plan(batch, q_heads, k))
     return batch * splits if splits > 1 else 0
 
 

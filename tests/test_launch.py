@@ -460,6 +460,11 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
     for b in DEFAULT_CAPTURE_SIZES:
         ctas = sparse_core.partial_ctas(b, s.q_heads, m.index_topk)
         assert ctas == b * (m.index_topk // kernels.sparse_core_plan(b)) and polls[b] == (ctas <= 128)
+        assert polls[b] == sparse_core.may_poll(b, s.q_heads, m.index_topk)
+        splits = m.index_topk // kernels.sparse_core_plan(b)
+        assert sparse_core.partial_rows(b, s.q_heads, m.index_topk) == (b * splits if splits > 1 else 0)
+    assert sparse_core.partial_rows(4, s.q_heads, m.index_topk, 256) == 4 * 8  # at a given split
+    assert sparse_core.partial_rows(4, s.q_heads, m.index_topk, m.index_topk) == 0  # one split: none
     partial_o, partial_ml = kernels.sparse_core_buffers(64, "cpu")
 
     def launch(b, **kw):
