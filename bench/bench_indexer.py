@@ -14,9 +14,11 @@ tune the host's table on the device.
     python bench/bench_indexer.py --dsa-trace-step [--batch ...] [--context ...]   # the same inside the step
 
 Each time is the median over graph replays of `launches` back-to-back launches. wq_b
-rotates over enough weight copies and scoring over enough cache copies that each launch
-streams from HBM, not L2; top-k reads the scores the scorer just wrote (L2-warm when they
-fit, as in a step), with the variant the launcher picks for that width and batch
+rotates over enough weight copies, and scoring over enough disjoint pages (other sequences'
+block tables, then cache copies; a graph of at least as many launches: `dsa_sources`), that
+each graph reads more than 2x L2 and each launch streams from HBM; top-k reads the scores
+the scorer just wrote (L2-warm when they fit, as in a step), with the variant the launcher
+picks for that width and batch
 (`Kernels.top_k_split`, named in the `split` column). Bandwidth = bytes the stage must
 move / time, against 4.3 TB/s. `--top-k-sweep` times only TopK, every variant that holds
 the row (each ClusterTopK split and the one-CTA kernel), on the same scores: the data for
@@ -54,6 +56,19 @@ def copies_for(nbytes: int) -> int:
     return max(1, int(2 * L2_BYTES // nbytes) + 1)
 
 
+def dsa_sources(state: LayerState, batch: int, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(indexer cache, block tables) pairs whose pages are pairwise disjoint, as many as a graph
+    must cycle over to read more than 2x L2 (copies_for): first the state's other sequences'
+    tables (other pages of the same cache: no memory), then whole-cache copies (at most 8).
+    A graph of DsaIndex launches takes max(launches, len(sources)) launches, one source each."""
+    need = copies_for(batch * context * state.shape.model.index_token_bytes)
+    tables = state.caches.block_tables
+    groups = [tables[g * batch : (g + 1) * batch] for g in range(tables.shape[0] // batch)]
+    copies = min(-(-need // len(groups)), 8)
+    caches = [state.caches.index_cache] + [state.caches.index_cache.clone() for _ in range(copies - 1)]
+    return [(cache, group) for cache in caches for group in groups][:need]
+
+
 def bench_context(
     shape: RankShape, context: int, batches: list[int], launches: int = 8, runs: tuple[int, ...] = ()
 ) -> list[dict]:
@@ -65,10 +80,8 @@ def bench_context(
     rows = []
     for batch in batches:
         inputs = state.inputs(batch, context_lens=context)
-        cache_bytes = batch * context * m.index_token_bytes
-        caches = [state.caches.index_cache] + [
-            state.caches.index_cache.clone() for _ in range(min(copies_for(cache_bytes), 8) - 1)
-        ]
+        sources = dsa_sources(state, batch, context)
+        score_launches = max(launches, len(sources))
         width = state.pages_per_seq * m.page_size
         qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
         q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
@@ -84,8 +97,8 @@ def bench_context(
                 kernel_sets[i % len(kernel_sets)].index_query(qc, inputs.qkv, lens, q8, hw, batch)
 
         def ours_score():
-            for i in range(launches):
-                k0.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch)
+            for i in range(score_launches):
+                k0.dsa_index(q8, hw, *sources[i % len(sources)], lens, scores, batch)
 
         def ours_top_k():
             for _ in range(launches):
@@ -95,7 +108,7 @@ def bench_context(
             for i in range(launches):
                 k = kernel_sets[i % len(kernel_sets)]
                 k.index_query(qc, inputs.qkv, lens, q8, hw, batch)
-                k.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch)
+                k.dsa_index(q8, hw, *sources[i % len(sources)], lens, scores, batch)
                 k.top_k(scores, tables, lens, slots, unused, batch)
 
         def torch_wq_b():
@@ -104,8 +117,9 @@ def bench_context(
 
         def torch_score():
             for i in range(min(launches, 2)):
-                cs = dataclasses.replace(state.caches, index_cache=caches[i % len(caches)])
-                torch_stages.index_scores(state, cs, inputs, q8, hw)
+                cache, group = sources[i % len(sources)]
+                cs = dataclasses.replace(state.caches, index_cache=cache)
+                torch_stages.index_scores(state, cs, dataclasses.replace(inputs, block_tables=group), q8, hw)
 
         def torch_top_k():
             for _ in range(launches):
@@ -113,16 +127,17 @@ def bench_context(
 
         def torch_path():
             for i in range(min(launches, 2)):
-                cs = dataclasses.replace(state.caches, index_cache=caches[i % len(caches)])
+                cache, group = sources[i % len(sources)]
+                cs = dataclasses.replace(state.caches, index_cache=cache)
                 q = torch.nn.functional.linear(qc, weight_sets[i % len(weight_sets)].wq_b_index)
                 qf, hwf = ref.index_query_from(state, inputs, q)
-                s = torch_stages.index_scores(state, cs, inputs, qf, hwf)
+                s = torch_stages.index_scores(state, cs, dataclasses.replace(inputs, block_tables=group), qf, hwf)
                 ref.to_slots(torch_stages.topk_indices(s, m.index_topk), tables, m.page_size)
 
         t = {}
         for name, body, n in [
             ("wq_b", ours_wq_b, launches),
-            ("score", ours_score, launches),
+            ("score", ours_score, score_launches),
             ("top_k", ours_top_k, launches),
             ("path", ours_path, launches),
             ("torch_wq_b", torch_wq_b, launches),
@@ -135,11 +150,11 @@ def bench_context(
         for run in runs:  # DsaIndex at a forced pages-per-CTA run
 
             def score_at(run=run):
-                for i in range(launches):
-                    k0.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch, pages_per_cta=run)
+                for i in range(score_launches):
+                    k0.dsa_index(q8, hw, *sources[i % len(sources)], lens, scores, batch, pages_per_cta=run)
 
             print(f"  ctx={context} B={batch} score run={run} ...", file=sys.stderr, flush=True)
-            t[f"score_run{run}"] = graph_time_us(score_at, launches, replays=10)
+            t[f"score_run{run}"] = graph_time_us(score_at, score_launches, replays=10)
         cost = {c.name: c for c in stage_costs(shape, batch, context)}
         wq_b_bytes = cost["index_query"].bytes
         score_bytes = cost["index_score"].bytes
@@ -310,18 +325,16 @@ def main_rotation(args) -> int:
 
 
 def dsa_inputs(state: LayerState, kernels: Kernels, batch: int, context: int) -> tuple:
-    """DsaIndex's inputs for `batch` tokens at `context`: (cache copies enough to stream from
-    HBM, IndexQuery's e4m3 rows and head weights of random q_c, block tables, lengths)."""
+    """DsaIndex's inputs for `batch` tokens at `context`: (dsa_sources: (cache, block tables)
+    pairs enough to stream from HBM, IndexQuery's e4m3 rows and head weights of random q_c,
+    lengths)."""
     m = state.shape.model
     inputs = state.inputs(batch, context_lens=context)
-    caches = [state.caches.index_cache] + [
-        state.caches.index_cache.clone() for _ in range(min(copies_for(batch * context * m.index_token_bytes), 8) - 1)
-    ]
     qc = torch.randn(batch, m.q_lora_rank, device="cuda").bfloat16()
     q8 = torch.empty(batch, m.index_heads, m.index_dim, dtype=torch.uint8, device="cuda")
     hw = torch.empty(batch, m.index_heads, device="cuda")
     kernels.index_query(qc, inputs.qkv, inputs.context_lens, q8, hw, batch)
-    return caches, q8, hw, inputs.block_tables, inputs.context_lens
+    return dsa_sources(state, batch, context), q8, hw, inputs.context_lens
 
 
 def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes: list[str], launches: int = 8):
@@ -332,23 +345,24 @@ def bench_dsa_probes(shape: RankShape, context: int, batches: list[int], probes:
     kernels = Kernels(shape, state.weights)
     rows = []
     for batch in batches:
-        caches, q8, hw, tables, lens = dsa_inputs(state, kernels, batch, context)
+        sources, q8, hw, lens = dsa_inputs(state, kernels, batch, context)
+        n = max(launches, len(sources))
         scores = torch.empty(batch, state.pages_per_seq * m.page_size, device="cuda")
-        row = dict(context=context, batch=batch, run=pages_per_cta(batch, tables.shape[1]))
+        row = dict(context=context, batch=batch, run=pages_per_cta(batch, state.pages_per_seq))
 
         def body(ring=None):
-            for i in range(launches):
-                kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, scores, batch, ring=ring)
+            for i in range(n):
+                kernels.dsa_index(q8, hw, *sources[i % len(sources)], lens, scores, batch, ring=ring)
 
         for probe in ["", *probes]:
             if probe.startswith("ring"):
                 print(f"  ctx={context} B={batch} dsa_index {probe} ...", file=sys.stderr, flush=True)
-                row[probe] = graph_time_us(lambda ring=int(probe[4:]): body(ring), launches, replays=10)
+                row[probe] = graph_time_us(lambda ring=int(probe[4:]): body(ring), n, replays=10)
                 continue
             dsa_index.PROBE = probe
             try:
                 print(f"  ctx={context} B={batch} dsa_index {probe or 'as it runs'} ...", file=sys.stderr, flush=True)
-                row[probe] = graph_time_us(body, launches, replays=10)
+                row[probe] = graph_time_us(body, n, replays=10)
             finally:
                 dsa_index.PROBE = ""
         rows.append(row)
@@ -430,21 +444,22 @@ def main_dsa_trace(args, shape: RankShape, launches: int = 8) -> int:
         for pdl in (True, False):
             kernels = Kernels(shape, state.weights, pdl=pdl)
             for batch in batches:
-                caches, q8, hw, tables, lens = dsa_inputs(state, kernels, batch, context)
+                sources, q8, hw, lens = dsa_inputs(state, kernels, batch, context)
+                n = max(launches, len(sources))
                 width = state.pages_per_seq * m.page_size
-                traces = [torch.full((batch, width), float("nan"), device="cuda") for _ in range(launches)]
+                traces = [torch.full((batch, width), float("nan"), device="cuda") for _ in range(n)]
 
                 def body():
                     dsa_index.PROBE = "trace"
                     try:
-                        for i in range(launches):
-                            kernels.dsa_index(q8, hw, caches[i % len(caches)], tables, lens, traces[i], batch)
+                        for i in range(n):
+                            kernels.dsa_index(q8, hw, *sources[i % len(sources)], lens, traces[i], batch)
                     finally:
                         dsa_index.PROBE = ""
 
                 print(f"  ctx={context} B={batch} pdl={pdl} dsa_index trace ...", file=sys.stderr, flush=True)
-                per_launch = graph_time_us(body, launches, replays=10)
-                run = pages_per_cta(batch, tables.shape[1])
+                per_launch = graph_time_us(body, n, replays=10)
+                run = pages_per_cta(batch, state.pages_per_seq)
                 timelines = [dsa_timeline(t, run) for t in traces]
                 row = dict(context=context, batch=batch, pdl=pdl, run=run, us=per_launch, **timelines[-1])
                 rows.append({**row, **launch_gaps(timelines)})

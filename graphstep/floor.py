@@ -1,10 +1,16 @@
 """Bytes and FLOPs of each stage and the time floor at a bandwidth (METHOD: the two numbers).
 
 A stage's bytes are what its kernel must move at least: each input read once, each
-output written once (the indexer scores count for both scoring and top-k, since they
-are separate kernels). The step floor counts each tensor once across the step: the
-scores, an intermediate, are left out. At decode batch sizes every stage is
-memory-bound, so the floor is bytes / bandwidth.
+output written once at the narrowest width the step's data path needs (SparseCore's out
+as bf16, though the harness writes it in fp32 for the DCP combine; not the harness's own
+copies: the query rows' copy to the returned rows and the mailbox's re-arm). The indexer
+scores count for both scoring and top-k, since they are separate kernels. The step floor
+is the stages' sum less the scores (an intermediate a fused indexer would not store);
+the other intermediates (q_c, the indexer's queries, the slots, the query rows) count
+once written and once read, and QueryNorm's q_a and gamma also under MlaQuery, which
+reads them again on the side stream: together under 1 us at TP 8, B = 64. At decode
+batch sizes every stage is memory-bound, so the floor is bytes / bandwidth (4.3 TB/s,
+the H200's copy rate, unless given).
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
             0,
             b * local_topk * (shape.mla_token_bytes + 4)
             + b * shape.gathered * (q_row_bytes + m.kv_lora_rank * bf16 + 4),
-            4 * b * shape.gathered * local_topk * m.query_row,
+            2 * b * shape.gathered * local_topk * (m.query_row + m.kv_lora_rank),  # QK^T over 576, PV over 512
             cache_bytes=b * local_topk * shape.mla_token_bytes,
         )
     )

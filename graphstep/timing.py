@@ -88,7 +88,10 @@ def run_gpu(args, shape: RankShape) -> int:
         print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(
-            table(["batch", "mode", "p50 us", "p99 us", "floor us", "p50/floor"], [list(r.values()) for r in records])
+            table(
+                ["batch", "mode", "p50 us", "p99 us", "floor us (4.3 TB/s)", "p50/floor"],
+                [list(r.values()) for r in records],
+            )
         )
     return 0
 
@@ -268,7 +271,7 @@ def bench(args, shape: RankShape) -> int:
         "cute serial",
         "fork no-PDL",
         "torch",
-        "floor",
+        "floor (4.3 TB/s)",
         "default",
         "default/floor",
         "torch/default",

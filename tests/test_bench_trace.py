@@ -103,3 +103,28 @@ def test_top_k_timeline_reads_each_ctas_phases():
     assert got["list"] == pytest.approx(0.1)
     assert got["parts0"] == "0.30 / 0.10 / 0.10" and got["parts1"] == "0.20 / 0.10 / 0.10"
     assert got["parts2"] == "nan / nan / nan"
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_dsa_sources_read_disjoint_pages_past_twice_l2(batch):
+    """bench_indexer's DsaIndex graphs cycle over (cache, block tables) pairs whose pages do not
+    overlap, other sequences' tables before cache copies, as many as reading 2x L2 asks
+    (capped at 8 copies): a small launch is not timed from L2."""
+    from bench_indexer import L2_BYTES, dsa_sources
+
+    from graphstep.shapes import RankShape, Topology, preset
+    from graphstep.state import LayerState
+
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=16, max_context=4096, seed=1)
+    context, m = 4096, state.shape.model
+    sources = dsa_sources(state, batch, context)
+    per_launch = batch * context * m.index_token_bytes
+    caches = {id(cache) for cache, _ in sources}
+    assert len(caches) == min(-(-len(sources) // (16 // batch)), 8)
+    assert len(sources) * per_launch > 2 * L2_BYTES or len(caches) == 8
+    seen = {}
+    for cache, tables in sources:
+        assert tables.shape == (batch, state.pages_per_seq)
+        pages = set(tables[:, : context // m.page_size].flatten().tolist())
+        assert pages.isdisjoint(seen.setdefault(id(cache), set())), "two launches read one page of one cache"
+        seen[id(cache)] |= pages

@@ -22,6 +22,7 @@ def test_mla_query_and_sparse_core_by_hand_under_dcp():
     assert by["mla_query"].io_bytes == 4 * (1536 + 512 + 64) * 2 + 4 * 8 * 1152 * 2 + 4 * 1152
     # top-k 1000 of 1000 tokens, half of them on this rank; 16 gathered heads
     assert by["sparse_core"].bytes == 4 * 500 * (1152 + 4) + 4 * 16 * (1152 + 1024 + 4)
+    assert by["sparse_core"].flops == 2 * 4 * 16 * 500 * (576 + 512)  # QK^T over 576 dims, P @ V over 512
     assert by["query_wait"].bytes == 4 * 16 * 1152
     assert by["index_score"].cache_bytes == 4 * 500 * 132
 
