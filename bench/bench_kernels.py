@@ -227,7 +227,7 @@ def main() -> int:
         "mla no-pdl",
         "cublas qb+uk",
         "torch mla",
-        "floor",
+        "mla floor",
         "mla %4.3TB/s",
         "cublas/mla",
         "torch/mla",
