@@ -111,14 +111,10 @@ class Stages(ABC):
         main stream: it needs only the inputs."""
 
     @abstractmethod
-    def query_norm(self, size: int) -> None:
-        """q_a RMSNorm: b.qkv -> b.qc (the indexer's q_c)."""
-
     def key_and_query_norm(self, size: int) -> None:
-        """index_key, then query_norm: how the fork modes open the main stream (a backend may
-        run both at once: neither reads what the other writes)."""
-        self.index_key(size)
-        self.query_norm(size)
+        """index_key and the q_a RMSNorm (b.qkv -> b.qc, the indexer's q_c): how the fork modes
+        open the main stream (neither reads what the other writes, so a backend may run both
+        at once)."""
 
     @abstractmethod
     def index_query(self, size: int) -> None:
@@ -191,9 +187,6 @@ class CuteStages(Stages):
     def index_key(self, size: int) -> None:
         b = self.buffers
         self.kernels.index_key(b.qkv, b.context_lens, b.slot_mapping, self.state.caches.index_cache, size, self.error)
-
-    def query_norm(self, size: int) -> None:
-        self.kernels.query_norm(self.buffers.qkv, self.buffers.qc, size)
 
     def key_and_query_norm(self, size: int) -> None:
         b = self.buffers  # one launch (kernels/key_and_norm.py): IndexQuery's weight loads start a kernel earlier
@@ -301,8 +294,10 @@ class TorchStages(Stages):
     def index_key(self, size: int) -> None:
         torch_stages.index_key_insert(self.state, self._inputs(size), self.state.caches)
 
-    def query_norm(self, size: int) -> None:
-        self.buffers.qc[:size] = ref.query_norm(self.state, self._inputs(size))
+    def key_and_query_norm(self, size: int) -> None:
+        inputs = self._inputs(size)
+        torch_stages.index_key_insert(self.state, inputs, self.state.caches)
+        self.buffers.qc[:size] = ref.query_norm(self.state, inputs)
 
     def index_query(self, size: int) -> None:
         b = self.buffers

@@ -79,13 +79,13 @@ class Log(list):
             setattr(obj, name, lambda *a, _m=method, _n=name, **k: (self.append(_n), _m(*a, **k))[1])
 
 
-STAGES = ["index_key", "query_norm", "index_query", "index_scores", "top_k", "dcp_merge", "mla_query"]
+STAGES = ["index_key", "key_and_query_norm", "index_query", "index_scores", "top_k", "dcp_merge", "mla_query"]
 STAGES += ["query_wait", "sparse_core"]
 EXCHANGES = ["publish_query_rows", "share_query_rows", "publish_candidates", "arm"]
 SHARE = ["mla_query", "share_query_rows"]  # a transport's copies of the rows follow MlaQuery
 INDEXER = ["index_query", "index_scores", "top_k"]
 MERGE = ["publish_candidates", "dcp_merge"]  # the indexer's end under DCP
-FORK = ["publish_query_rows", "index_key", "query_norm", *INDEXER, *SHARE]  # phases: produce, exchange, consume
+FORK = ["publish_query_rows", "key_and_query_norm", *INDEXER, *SHARE]  # phases: produce, exchange, consume
 
 
 @pytest.mark.parametrize(
