@@ -652,9 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
-    for dcp in args.dcp if isinstance(args.dcp, list) else ():  # bench: every size of the list
+    for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
-        if dcp > 1 and args.tp % dcp:  # bench runs the DCP group of real ranks (graphstep.dcp_group)
+        group = args.command == "bench" or args.command == "run"  # they run a DCP group (graphstep.dcp_group)
+        if group and dcp > 1 and args.tp % dcp:
             raise ValueError(f"--dcp {dcp}: --tp {args.tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
     if getattr(args, "group_only", False) and max(args.dcp) == 1:
         raise ValueError("--group-only: needs --dcp sizes above 1 (the group of real ranks)")

@@ -6,8 +6,8 @@ is polled with volatile 16-byte loads, 8 in flight per thread, by
 min(32, ceil(chunks / 2048)) CTAs of 256 threads.
 
 Beyond the reference page, the spin is bounded: a chunk still unpublished when the
-global timer passes start + budget_ns is reported in `error` (int32 [2]: flag, lowest
-missing linear chunk index, see graphstep.step) and the kernel exits, so a lost
+global timer passes start + budget_ns is reported in `error` (its words 0-1: flag, lowest
+missing linear chunk index, see graphstep.launch.ErrorWord) and the kernel exits, so a lost
 publisher fails the step on the host instead of hanging the process.
 
 The kernel first waits (griddepcontrol) for the MlaQuery before it, so when the main

@@ -243,4 +243,5 @@ def test_cpu_run_dcp_runs_the_group(capsys):
 
 def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
     assert "--dcp 3: --tp 8 must be a multiple of it" in _error(["bench", "--tp", "8", "--dcp", "2,3"], capsys)
+    assert "--dcp 3: --tp 8 must be a multiple of it" in _error(["run", "--cpu", "--tp", "8", "--dcp", "3"], capsys)
     assert "--group-only: needs --dcp sizes above 1" in _error(["bench", "--group-only"], capsys)
