@@ -55,15 +55,22 @@ def _cutlass_dtype(dtype: torch.dtype):
         raise TypeError(f"no kernel pointer type for {dtype}") from None
 
 
-def ptr(tensor: torch.Tensor, align: int = 16):
-    """A global pointer to a CUDA tensor's first element."""
-    from .kernels.primitives import gmem_ptr
-
+def checked_address(tensor: torch.Tensor, align: int = 16) -> int:
+    """The address of a CUDA tensor's first element, refused unless it is on the GPU,
+    `align`-byte aligned and of a dtype a kernel pointer can have."""
     if not tensor.is_cuda:
         raise ValueError(f"kernel arguments must be CUDA tensors, got one on {tensor.device}")
     if tensor.data_ptr() % align:
         raise ValueError(f"kernel argument at {tensor.data_ptr():#x} is not {align}-byte aligned")
-    return gmem_ptr(_cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
+    _cutlass_dtype(tensor.dtype)  # TypeError for a dtype no kernel takes
+    return tensor.data_ptr()
+
+
+def ptr(tensor: torch.Tensor, align: int = 16):
+    """A global pointer to a CUDA tensor's first element."""
+    from .kernels.primitives import gmem_ptr
+
+    return gmem_ptr(_cutlass_dtype(tensor.dtype), checked_address(tensor, align), align)
 
 
 def current_stream():
@@ -859,12 +866,7 @@ class TvmFfiKernels(Kernels):
             self._function(variant)
 
     def _ptr(self, tensor: torch.Tensor, align: int = 16) -> int:
-        if not tensor.is_cuda:
-            raise ValueError(f"kernel arguments must be CUDA tensors, got one on {tensor.device}")
-        address = tensor.data_ptr()
-        if address % align:
-            raise ValueError(f"kernel argument at {address:#x} is not {align}-byte aligned")
-        return address
+        return checked_address(tensor, align)
 
     def _i32(self, value: int) -> int:
         return value
