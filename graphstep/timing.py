@@ -28,15 +28,40 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+L2_FALLBACK_BYTES = 50 << 20  # an H100 / H200's L2, where torch does not report it
+
+
+def l2_flush_bytes(l2_bytes: int | None) -> int:
+    """Bytes to read so that nothing a replay left in an L2 of `l2_bytes` stays there: twice it."""
+    return 2 * (l2_bytes or L2_FALLBACK_BYTES)
+
+
+def l2_flusher(device, l2_bytes: int | None = None):
+    """A function that evicts the L2 of `device` (of l2_bytes; None: as the device reports it)
+    by reading a buffer of l2_flush_bytes on the current stream: its lines stay clean, so no
+    write-back falls into the next timed region."""
+    if l2_bytes is None:
+        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+    buffer = torch.zeros(l2_flush_bytes(l2_bytes) // 4, device=device)
+    out = torch.empty((), device=device)
+    return lambda: torch.sum(buffer, dim=0, out=out)
+
+
 def replay_us(
-    step: DecodeStep, size: int, mode: str | None = None, replays: int = 100, warmup: int = 10
+    step: DecodeStep, size: int, mode: str | None = None, replays: int = 100, warmup: int = 10, cold_l2: bool = False
 ) -> list[float]:
-    """Per-replay device times (us) of the graph of `size` in `mode`."""
+    """Per-replay device times (us) of the graph of `size` in `mode`, back to back (the weights
+    and caches a replay reads may still be in the L2 from the one before: at TP 8, B = 1 a
+    step reads ~44 MB), or with cold_l2 after an untimed read that evicts the L2 before each
+    replay, as a serving loop's other layers would."""
     graph = step.graph(size, mode)
+    flush = l2_flusher(step.device) if cold_l2 else None
     for _ in range(warmup):
         graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in events:
+        if flush is not None:
+            flush()
         start.record()
         graph.replay()
         end.record()
@@ -241,6 +266,8 @@ def bench(args, shape: RankShape) -> int:
         bound = floor.step_floor(shape, size, args.context)
         default = overlap_for(size, None, shape.topology.dcp > 1, shape.topology.wide, shape.topology.split)
         step_us = t[f"cute_{default}"]  # the mode a step uses by default at this size
+        cold = replay_us(steps["cute"], size, default, args.replays, cold_l2=True)
+        t["cute_default_cold_l2"] = statistics.median(cold)
         record = dict(batch=size, context=args.context, floor_us=bound.us, indexer_floor_us=bound.indexer_us, **t)
         record.update(default_mode=default, default_us=step_us)
         records.append(record)
@@ -255,6 +282,8 @@ def bench(args, shape: RankShape) -> int:
                 bound.us,
                 default,
                 step_us / bound.us,
+                t["cute_default_cold_l2"],
+                t["cute_default_cold_l2"] / bound.us,
                 t["torch_fork"] / step_us,
                 t["cute_serial"] / t["cute_fork"],
                 t["cute_fork_nopdl"] / t["cute_fork"],
@@ -274,6 +303,8 @@ def bench(args, shape: RankShape) -> int:
         "floor (4.3 TB/s)",
         "default",
         "default/floor",
+        "default, cold L2",
+        "cold/floor",
         "torch/default",
         "serial/fork",
         "no-PDL/fork",
@@ -361,6 +392,7 @@ def _plot(records: list[dict], path: Path, meta: dict) -> None:
     for key, label in [
         ("cute_fork", "cute fork"),
         ("default_us", "cute (default mode)"),
+        ("cute_default_cold_l2", "cute (default mode), cold L2"),
         ("cute_serial", "cute serial"),
         ("torch_fork", "torch"),
         ("floor_us", "bytes floor"),

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from graphstep.timing import alone_line, default_trace, percentile, read_trace, serve_summary
+from graphstep.timing import (
+    L2_FALLBACK_BYTES,
+    alone_line,
+    default_trace,
+    l2_flush_bytes,
+    l2_flusher,
+    percentile,
+    read_trace,
+    serve_summary,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,3 +139,12 @@ def test_nsys_steps_wraps_every_launcher_of_the_cute_stages():
     step = DecodeStep(shape, capture_sizes=[2], backend="torch", device="cpu", max_context=256)
     stages = CuteStages(step.state, step.buffers, step.error, step.budget_ns)
     assert nsys_steps.stage_ranges(stages.kernels) == list(nsys_steps.STAGE_LAUNCHERS.values())
+
+
+def test_the_cold_l2_flush_reads_twice_the_l2():
+    """bench's cold-L2 column evicts the L2 before each replay by reading twice its size (an
+    H100 / H200's 50 MB where torch does not say)."""
+    assert l2_flush_bytes(60 << 20) == 120 << 20
+    assert l2_flush_bytes(None) == l2_flush_bytes(0) == 2 * L2_FALLBACK_BYTES == 100 << 20
+    flush = l2_flusher("cpu", 1 << 12)  # the same ops as on the GPU
+    flush()
