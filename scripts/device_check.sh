@@ -9,14 +9,21 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
   || { echo "pip install failed:"; tail -5 /tmp/install.log; exit 1; }
 python3 -c "import torch, cutlass, graphstep.kernels; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cutlass-dsl', cutlass.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+summary=()
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 seconds=$2; shift 2
   echo "=== $name"
+  local start=$SECONDS
   GRAPHSTEP_WATCHDOG=$((seconds - 5)) timeout -s KILL "$seconds" "$@" >"/tmp/$name.log" 2>&1
   local rc=$?
   { echo "=== $name: $*"; cat "/tmp/$name.log"; echo "=== $name rc=$rc"; } >>"$out/all.log"
   tail -n "${TAIL:-14}" "/tmp/$name.log"
   echo "=== $name rc=$rc"
+  # the last line of pytest's summary or of the command, for the table at the end
+  local last
+  last=$(grep -E "passed|failed|error" "/tmp/$name.log" | tail -n 1)
+  [[ -n "$last" ]] || last=$(tail -n 1 "/tmp/$name.log")
+  summary+=("$(printf '%-14s %4s %5ss  %s' "$name" "$rc" "$((SECONDS - start))" "${last:0:90}")")
 }
 if [[ $# -gt 0 ]]; then  # a subset: device_check.sh NAME... (gpu_tests gpu_lanes graph run bench bench_tp1 bench_dcp2 serve nsys nsys_eager trace group_tests
   only=" $* "            # run_group bench_group kernels indexer sparse topk pybench sanitize sanitize_all ops_tests ops)
@@ -54,3 +61,6 @@ want group_tests && step group_tests 300 python3 -m pytest -q -m gpu tests/test_
 want run_group && step run_group 120 graphstep run --dcp 2 --batch 1,4,16 --context 8192 --replays 30
 want bench_group && TAIL=30 step bench_group 420 graphstep bench --dcp 2,4 --batch 1,4,16,64 --context 32768 \
   --replays 30 --out "$out/group"
+echo "=== summary"
+printf '%-14s %4s %6s  %s\n' step rc time "last line"
+printf '%s\n' "${summary[@]}"
