@@ -25,8 +25,7 @@ from graphstep.launch import ErrorWord, Kernels
 from graphstep.report import table
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
-
-L2_BYTES = 60e6
+from graphstep.timing import L2_BYTES
 
 
 def graph_time_us(body, launches: int, replays: int = 20) -> float:

@@ -652,9 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
+    group = args.command in ("bench", "run")  # they run a DCP group of real ranks (graphstep.dcp_group)
     for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
-        group = args.command == "bench" or args.command == "run"  # they run a DCP group (graphstep.dcp_group)
         if group and dcp > 1 and args.tp % dcp:
             raise ValueError(f"--dcp {dcp}: --tp {args.tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
     if getattr(args, "group_only", False) and max(args.dcp) == 1:

@@ -39,7 +39,11 @@ def check_budget(budget_ns) -> int:
     return budget_ns
 
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.uint8)  # what a pointer can be
+
+
 def _cutlass_dtype(dtype: torch.dtype):
+    """The CuTe DSL type of a KERNEL_DTYPES dtype."""
     import cutlass
 
     table = {
@@ -49,20 +53,18 @@ def _cutlass_dtype(dtype: torch.dtype):
         torch.int64: cutlass.Int64,
         torch.uint8: cutlass.Uint8,
     }
-    try:
-        return table[dtype]
-    except KeyError:
-        raise TypeError(f"no kernel pointer type for {dtype}") from None
+    return table[dtype]
 
 
 def checked_address(tensor: torch.Tensor, align: int = 16) -> int:
     """The address of a CUDA tensor's first element, refused unless it is on the GPU,
-    `align`-byte aligned and of a dtype a kernel pointer can have."""
+    `align`-byte aligned and of a dtype a kernel pointer can have (KERNEL_DTYPES)."""
     if not tensor.is_cuda:
         raise ValueError(f"kernel arguments must be CUDA tensors, got one on {tensor.device}")
     if tensor.data_ptr() % align:
         raise ValueError(f"kernel argument at {tensor.data_ptr():#x} is not {align}-byte aligned")
-    _cutlass_dtype(tensor.dtype)  # TypeError for a dtype no kernel takes
+    if tensor.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"no kernel pointer type for {tensor.dtype}")
     return tensor.data_ptr()
 
 
@@ -70,7 +72,8 @@ def ptr(tensor: torch.Tensor, align: int = 16):
     """A global pointer to a CUDA tensor's first element."""
     from .kernels.primitives import gmem_ptr
 
-    return gmem_ptr(_cutlass_dtype(tensor.dtype), checked_address(tensor, align), align)
+    address = checked_address(tensor, align)
+    return gmem_ptr(_cutlass_dtype(tensor.dtype), address, align)
 
 
 def current_stream():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from graphstep.timing import (
-    L2_FALLBACK_BYTES,
+    L2_BYTES,
     alone_line,
     default_trace,
     l2_flush_bytes,
@@ -142,9 +142,9 @@ def test_nsys_steps_wraps_every_launcher_of_the_cute_stages():
 
 
 def test_the_cold_l2_flush_reads_twice_the_l2():
-    """bench's cold-L2 column evicts the L2 before each replay by reading twice its size (an
-    H100 / H200's 50 MB where torch does not say)."""
+    """bench's cold-L2 column evicts the L2 before each replay by reading twice its size (the
+    benches' 60 MB bound on an H100 / H200's where torch does not say)."""
     assert l2_flush_bytes(60 << 20) == 120 << 20
-    assert l2_flush_bytes(None) == l2_flush_bytes(0) == 2 * L2_FALLBACK_BYTES == 100 << 20
+    assert l2_flush_bytes(None) == l2_flush_bytes(0) == 2 * L2_BYTES == 120_000_000
     flush = l2_flusher("cpu", 1 << 12)  # the same ops as on the GPU
     flush()
