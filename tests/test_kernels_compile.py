@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from graphstep.kernels import catalog, guards, index_query, sparse_core, top_k
+from graphstep.kernels import catalog, guards, index_query, sparse_core, sparse_core_mma, sparse_core_wgmma, top_k
 
 from graphstep.cli import main
 from graphstep.graphs import short
@@ -766,8 +766,8 @@ def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_sp
     first, last = partial.index("barrier.cluster.arrive"), partial.rindex("barrier.cluster.wait")
     loads = [found.start() for found in re.finditer(r"ld\.shared::cluster", partial)]
     assert all(first < at < last for at in loads)
-    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
-    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core_mma.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core_mma.MMA_CONSUMER_REGS};")
     producer = partial[dec:inc] if dec < inc else partial[dec:]
     assert producer.count("barrier.cluster.arrive") == 2, "the producer warps meet both cluster barriers"
     (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
@@ -803,12 +803,12 @@ def test_sparse_core_mma_producer_path_keeps_its_registers_and_has_no_cta_barrie
     assert op.mma_ws and not op.wgmma and op.threads == op.consumers + 128 == 384
     assert op.stages == sparse_core.ws_stages(op.block, fp8) == (4 if fp8 else 3 if op.block == 64 else 4)
     assert found == {"regs": 168, "frame": 0}, found
-    assert 2 * sparse_core.MMA_CONSUMER_REGS + sparse_core.MMA_PRODUCER_REGS == 3 * 168
+    assert 2 * sparse_core_mma.MMA_CONSUMER_REGS + sparse_core_mma.MMA_PRODUCER_REGS == 3 * 168
     sixteenths = sparse_core.MMA_BULK_SIXTEENTHS["fp8" if fp8 else "bf16"] if bulk is None else bulk
     assert op.bulk_rows == op.block * sixteenths // 16
     rest = op.block - op.bulk_rows  # rows by cp.async
-    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
-    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core_mma.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core_mma.MMA_CONSUMER_REGS};")
     assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
     assert partial.count("mbarrier.init.shared::cta.b64") == 2 * op.stages
     arrivals = 32 + (96 if rest else 0)
@@ -878,8 +878,8 @@ def test_sparse_core_mma_producer_path_over_fp8_has_f16_operands_and_their_range
     q_fit, p_fit = partial.count("sub.s32 d, 269, e;"), partial.count("sub.s32 d, 268, e;")
     assert q_fit == (0 if shape.topology.q_format == "fp8" else 2) and p_fit == 2 * (f16 // per_block), (q_fit, p_fit)
     assert partial.count("cvt.rpi.f32.f32") == p_fit
-    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
-    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+    dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core_mma.MMA_PRODUCER_REGS};")
+    inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core_mma.MMA_CONSUMER_REGS};")
     consumers = partial[inc:] if dec < inc else partial[inc:dec]
     loop = consumers.index("mbarrier.try_wait")  # the first block's full wait
     named = [m.start() for m in re.finditer(r"bar\.sync \t1, 256;", consumers)]
@@ -1179,9 +1179,9 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         # most a 384-thread CTA may have, or the consumers' setmaxnreg.inc would never return
         assert found["regs"] == 168, found
         regs = (
-            (sparse_core.SCORER_REGS, sparse_core.VALUES_REGS, sparse_core.RESHAPE_PRODUCER_REGS)
+            (sparse_core_wgmma.SCORER_REGS, sparse_core_wgmma.VALUES_REGS, sparse_core_wgmma.RESHAPE_PRODUCER_REGS)
             if reshape
-            else (sparse_core.CONSUMER_REGS, sparse_core.CONSUMER_REGS, sparse_core.PRODUCER_REGS)
+            else (sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.PRODUCER_REGS)
         )
         assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[0]};" in partial
@@ -1243,11 +1243,11 @@ def _check_crossover(partial: str, op):
         return
     blocks = op.slots_per_cta // op.block
     roles = 2 if op.reshape else 1  # consume_blocks' code once per role
-    per_thread = sparse_core.TILE_CHUNKS // 4  # 18 chunks of its row (64-slot blocks: step 1)
-    assert per_thread * 16 * 128 == sparse_core.XOVER_BYTES == 36864
+    per_thread = sparse_core_wgmma.TILE_CHUNKS // 4  # 18 chunks of its row (64-slot blocks: step 1)
+    assert per_thread * 16 * 128 == sparse_core_wgmma.XOVER_BYTES == 36864
     assert pushes and len(pushes) % per_thread == 0, len(pushes)
     expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", partial)
-    assert expects and set(expects) == {str(sparse_core.XOVER_BYTES)}, expects
+    assert expects and set(expects) == {str(sparse_core_wgmma.XOVER_BYTES)}, expects
     assert partial.count("mapa.shared::cluster.u32") == 2 + partial.count(remote_arrive)
     assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 16;", partial)) == 2  # empty[s]
     assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 128;", partial)) == 2  # full[s]
@@ -1274,7 +1274,7 @@ def _check_crossover(partial: str, op):
 def _producer_ptx(partial: str, op) -> str:
     """partial_wgmma_ws's producer warpgroup's PTX: from its setmaxnreg.dec to the next
     setmaxnreg or the end of the kernel (the roles' code is laid out in source order)."""
-    regs = sparse_core.RESHAPE_PRODUCER_REGS if op.reshape else sparse_core.PRODUCER_REGS
+    regs = sparse_core_wgmma.RESHAPE_PRODUCER_REGS if op.reshape else sparse_core_wgmma.PRODUCER_REGS
     start = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{regs};")
     end = partial.find("setmaxnreg", start + 1)
     return partial[start : end if end > 0 else len(partial)]
@@ -1382,8 +1382,8 @@ def test_sparse_core_producer_probes_keep_the_registers(tmp_path, monkeypatch, p
         assert ("wgmma.mma_async" in ptx) == (probe != "no_math")
     else:
         (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
-        dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core.MMA_PRODUCER_REGS};")
-        inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core.MMA_CONSUMER_REGS};")
+        dec = partial.index(f"setmaxnreg.dec.sync.aligned.u32 \t{sparse_core_mma.MMA_PRODUCER_REGS};")
+        inc = partial.index(f"setmaxnreg.inc.sync.aligned.u32 \t{sparse_core_mma.MMA_CONSUMER_REGS};")
         producer = partial[dec:inc] if dec < inc else partial[dec:]
         assert ("mma.sync.aligned" in ptx) == (probe != "no_math")
         assert ("cp.async.bulk.shared" in producer) == (probe != "no_loads" and variant.op.bulk_rows > 0)

@@ -1,6 +1,6 @@
 """SparseCore's crossover (sparse_core.CROSSOVER, partial_wgmma_ws in head-group pairs) on the
 CPU: which launches take it, the rows each CTA's producer loads and pushes (the kernel's own
-map, sparse_core.producer_map), and a model of its mbarrier protocol run under random
+map, sparse_core_wgmma.producer_map), and a model of its mbarrier protocol run under random
 interleavings -- full[s] (local arrivals + the peer's st.async bytes), empty[s] (both CTAs'
 consumer warps), the two cluster barriers -- checking that every block a consumer reads is
 whole, that no stage is rewritten under a reader (local or by the peer's pushes), that no
@@ -11,7 +11,7 @@ wgmma descriptors of a cluster's rank-1 CTA (its shared addresses carry the rank
 import random
 
 import pytest
-from graphstep.kernels import catalog, sparse_core
+from graphstep.kernels import catalog, sparse_core, sparse_core_layout, sparse_core_wgmma
 
 from graphstep.shapes import RankShape, Topology, preset
 
@@ -64,7 +64,7 @@ def test_each_cta_of_the_pair_loads_half_of_every_row_chunk_once_and_pushes_xove
     32 v + 31, every 16-byte chunk of them once (18 chunks a thread: 16 of latent, 2 of rope),
     so CTA rank v pushes 128 x 18 x 16 = XOVER_BYTES into its peer a block, what the peer's
     full[s] expects; the two shares are the block's 64 rows (the unpaired kernel's map)."""
-    block, chunks = 64, sparse_core.TILE_CHUNKS
+    block, chunks = 64, sparse_core_wgmma.TILE_CHUNKS
     step = 8 // (block // 8)
     per_thread = (chunks // 4 + step - 1) // step
     assert per_thread == 18
@@ -72,11 +72,11 @@ def test_each_cta_of_the_pair_loads_half_of_every_row_chunk_once_and_pushes_xove
     for v in range(2):
         seen = []
         for ptid in range(128):
-            r, cg0, q4 = sparse_core.producer_map(ptid, v, block)
+            r, cg0, q4 = sparse_core_wgmma.producer_map(ptid, v, block)
             seen += [(r, 4 * (cg0 + step * j) + q4) for j in range(per_thread)]
         assert len(seen) == len(set(seen))
         assert set(seen) == {(r, c) for r in range(32 * v, 32 * v + 32) for c in range(chunks)}
-        assert 16 * len(seen) == sparse_core.XOVER_BYTES == sparse_core.XOVER_ROWS * chunks * 16 == 36864
+        assert 16 * len(seen) == sparse_core_wgmma.XOVER_BYTES == sparse_core_wgmma.XOVER_ROWS * chunks * 16 == 36864
         shares.append(set(seen))
     assert shares[0] | shares[1] == {(r, c) for r in range(64) for c in range(chunks)}
 
@@ -118,7 +118,7 @@ class Barrier:
 
 
 UNITS = 2  # stores a producer splits its half of a block into (each local + a push of BYTES)
-BYTES = sparse_core.XOVER_BYTES // UNITS
+BYTES = sparse_core_wgmma.XOVER_BYTES // UNITS
 WARPS = 8  # consumer warps a CTA
 
 
@@ -157,7 +157,7 @@ def run_model(
                 yield None  # other agents may run between the stores
             # thread 0's arrival (with the peer's bytes expected) and the other 127 threads' in
             # three groups, in any order
-            arrivals = [sparse_core.XOVER_BYTES if expect else -1, 0, 0, 0]
+            arrivals = [sparse_core_wgmma.XOVER_BYTES if expect else -1, 0, 0, 0]
             rng.shuffle(arrivals)
             groups = iter([42, 42, 43])
             for nbytes in arrivals:
@@ -288,13 +288,13 @@ def test_the_descriptors_ignore_the_cta_rank_a_cluster_puts_in_shared_addresses(
     crossover failures (rank 1's rows read 16 rows off, past p_s into ids_s / red)."""
     from graphstep.kernels import primitives as P
 
-    tile = sparse_core.TILE_BYTES
-    offsets = [0x400 + k * tile for k in range(4)]  # q_s, kv_s's two stages, p_s (the SASS's shared base 0x400)
-    layouts = {"K": (sparse_core.DESC_K, sparse_core.CHUNK, 128), "V": (sparse_core.DESC_V, 128, sparse_core.CHUNK)}
+    W = sparse_core_wgmma
+    offsets = [0x400 + k * W.TILE_BYTES for k in range(4)]  # q_s, kv_s's two stages, p_s (the SASS's shared base 0x400)
+    layouts = {"K": (W.DESC_K, W.CHUNK, 128), "V": (W.DESC_V, 128, W.CHUNK)}
     for name, (layout, lbo, sbo) in layouts.items():
         lines = P.smem_desc_lines("d", "{$r0}", layout)
         for offset in offsets:
-            assert offset < sparse_core.SMEM_BYTES < 1 << 18
+            assert offset < sparse_core_layout.SMEM_BYTES < 1 << 18
             ranks = [_descriptor(lines, rank << 24 | offset) for rank in range(2)]
             assert ranks[0] == ranks[1], name
             assert _fields(ranks[1]) == (offset, lbo, sbo), name

@@ -1,0 +1,822 @@
+"""SparseCore's 64-row partial paths (TP 1, TP 2; DCP 4 at TP 8): two warpgroups of wgmma.
+
+The operands are in shared memory in the no-swizzle canonical layout; P @ V at m64n256k16
+(each warpgroup 256 of the 512 latent dims).
+
+partial_wgmma     256 threads that copy and compute (PRODUCER off); each warpgroup scores
+                  half the block (m64n(block / 2)k16).
+partial_wgmma_ws  PRODUCER: a third warpgroup loads (and dequantizes) the blocks behind full /
+                  empty mbarriers (384 threads, setmaxnreg). Past RESHAPE_BLOCKS blocks a CTA
+                  the consumers score half-blocks as partial_wgmma does; up to it they take
+                  FlashMLA's shape: warpgroup 0 scores whole blocks (m64n(block)k16) and does
+                  P @ V on dims 0 .. 255 with P from registers, warpgroup 1 dims 256 .. 511.
+crossover         CROSSOVER (with the producer): a token's two 64-row CTAs (head groups 2 i,
+                  2 i + 1) of a split launch as a cluster of 2; each producer loads half of
+                  every block's rows (XOVER_ROWS) into its own tile and, by st.async completing
+                  on the peer's full mbarrier, into the peer's, so each SM moves and
+                  dequantizes half the rows (produce_blocks has the protocol); FlashMLA's
+                  consumer shape at every block count. A cluster launch puts the CTA's rank in
+                  its shared addresses' high bits, so every wgmma descriptor masks the address
+                  to its 18-bit field (primitives.smem_desc_lines). Without a partner
+                  (q_heads / 64 odd) or under 64-slot blocks: partial_wgmma_ws.
+
+`SparseCore` (kernels/sparse_core.py) takes these methods as a mixin and picks the path (its
+knobs, PRODUCER, CROSSOVER, RESHAPE_BLOCKS and XOVER_RESHAPE_BLOCKS, are its module's); what
+bounds them and why each default is what it is: docs/levers.md Part S.5-S.8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8
+
+from . import guards
+from . import primitives as P
+from .sparse_core_layout import CONSUMER_BAR, K_STEPS, LATENT, LOG2E, ROW
+
+# 64-row CTAs (wgmma): shared operands in the no-swizzle canonical layout, 16-byte chunks of
+# 8 dims; chunk c of row r at c x CHUNK + r x 16 (64 rows: 8-row core matrices 128 B apart)
+WG_ROWS, WG_THREADS = 64, 256  # two consumer warpgroups
+CHUNK = WG_ROWS * 16  # bytes between k chunks (the K-major LBO)
+TILE_BYTES = (ROW // 8) * CHUNK  # 64 rows x 576 dims as bf16: the query rows, or a block of cache rows
+TILE_CHUNKS = ROW // 8  # 72
+# partial_wgmma_ws: a producer warpgroup beside the two consumer warpgroups, the 3 x 168
+# registers ptxas gives 384 threads re-dealt by setmaxnreg as 2 x CONSUMER_REGS +
+# PRODUCER_REGS, or in FlashMLA's consumer shape (SparseCore.reshape) as scorer / values /
+# producer
+WS_THREADS = 3 * 128
+CONSUMER_REGS, PRODUCER_REGS = 184, 136
+SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
+P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
+XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
+XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
+
+
+def producer_map(ptid, v, block: int) -> tuple:
+    """(row r of the block, first chunk group cg0, quarter q4) of partial_wgmma_ws's producer
+    thread ptid (0 .. 127), share v (0 or 1: the shares of partial_wgmma's threads ptid and
+    ptid + 128): its 16-byte chunks 4 (cg0 + step j) + q4 of row r, step = 8 / (block / 8).
+    At 64-slot blocks share v is rows 32 v .. 32 v + 31: the crossover's CTA rank v loads
+    that share alone. (Python ints on the host, the kernel's Int32 on the device.)"""
+    groups = block // 8
+    vwarp, vlane = ptid // 32 + 4 * v, ptid % 32
+    return 8 * (vwarp % groups) + vlane % 8, vwarp // groups, vlane // 8
+
+
+# Descriptor bits besides the start address (PTX ISA, "Matrix Descriptor"; no swizzle):
+# K-major ((8, m), (T, 2k)) : ((T, SBO), (1, LBO)): SBO between 8-row groups, LBO between
+# k chunks. MN-major ((T, 1, m), (8, k)) : ((1, T, SBO), (T, LBO)): SBO between 8-element
+# groups along N, LBO between 8-row groups along K.
+DESC_K = (128 >> 4) << 32 | (CHUNK >> 4) << 16  # Q, K and P: 8-row groups 128 B apart, k chunks CHUNK
+DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHUNK apart, 8-slot groups 128 B
+
+
+def wgmma_scores(q_addr, k_addr, n: int) -> list:
+    """S[64 rows, n slots] = Q (shared, K-major) x K^T (shared rows, K-major B), bf16, FP32
+    accumulation over the 36 k steps of 16 dims; issued, committed and waited for in one
+    asm block. Thread (warp w of the warpgroup, g, t) gets s[4 j + 2 r + e] = row 16 w + g
+    + 8 r, slot 8 j + 2 t + e."""
+    d = ", ".join(f"{{$w{i}}}" for i in range(n // 2))
+    lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred first, more;"]
+    lines += P.smem_desc_lines("a0", "{$r0}", DESC_K) + P.smem_desc_lines("b0", "{$r1}", DESC_K)
+    lines += ["setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
+    for s in range(K_STEPS):
+        lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
+        lines.append(f"add.s64 b, b0, {2 * CHUNK * s >> 4};")
+        lines.append(
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, a, b, "
+            f"{'first' if s == 0 else 'more'}, 1, 1, 0, 0;"
+        )
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    return list(
+        cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * (n // 2), read_only_args=[q_addr, k_addr])
+    )
+
+
+def wgmma_wait(acc) -> list:
+    """Wait for this warpgroup's wgmmas in flight (wgmma_values(..., wait=False)); the
+    accumulators pass through, so nothing reads them before the wait."""
+    count = len(acc)
+    lines = ["wgmma.wait_group.sync.aligned 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    return list(cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc)))
+
+
+def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
+    """O[64 rows, 256 dims] += P (shared bf16, K-major: rows x slots) x V (the same shared
+    cache rows read MN-major: slots x dims, transposed B), k_steps steps of 16 slots.
+    acc: 128 FP32 in the accumulator layout (acc[4 j + 2 r + e]: row 16 w + g + 8 r, dim
+    8 j + 2 t + e); returned updated."""
+    count = len(acc)
+    d = ", ".join(f"{{$w{i}}}" for i in range(count))
+    lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred more;"]
+    lines += P.smem_desc_lines("a0", f"{{$r{count}}}", DESC_K) + P.smem_desc_lines("b0", f"{{$r{count + 1}}}", DESC_V)
+    lines += ["setp.eq.b32 more, 0, 0;"]
+    lines += [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
+    lines += ["wgmma.fence.sync.aligned;"]
+    for s in range(k_steps):
+        lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
+        lines.append(f"add.s64 b, b0, {16 * 16 * s >> 4};")
+        lines.append(f"wgmma.mma_async.sync.aligned.m64n{2 * count}k16.f32.bf16.bf16 {{{d}}}, a, b, more, 1, 1, 0, 1;")
+    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    return list(
+        cute.arch.inline_ptx(
+            "\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc) + [p_addr, v_addr]
+        )
+    )
+
+
+class WgmmaPaths:
+    """partial_wgmma and partial_wgmma_ws (with the crossover) and what they call
+    (SparseCore's mixin: the configuration they read is SparseCore's, set in its constructor)."""
+
+    @cute.jit
+    def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """64-row CTAs: two warpgroups (256 threads). Shared memory: the query rows (bf16, K-major
+        canonical), two buffers of `block` cache rows as bf16 (block b in buffer b % 2: bf16
+        rows by cp.async, fp8 rows loaded to registers and dequantized into it -- while P @ V
+        runs -- block b + 1's copies or loads in flight while block b is computed), P (bf16,
+        K-major), the two blocks' slot ids and the row maxima the warpgroups exchange (the
+        whole 227 KB but 1.5 KB). Each thread copies chunks of one row per block, so it
+        loads one slot id per block, a block ahead. Per block:
+        - warpgroup h: S = Q x K^T over the block's slots h x block / 2 .. (wgmma m64n(block/2)k16,
+          both operands in shared memory), holes -inf, scaled to log2 units;
+        - the row max over both warpgroups (shared memory, one CTA barrier), P = 2^(s - max)
+          as bf16 into shared memory (the whole block's P after a second barrier);
+        - warpgroup h: O[:, 256 h .. 256 h + 255] += P x V (wgmma m64n256k16, V = the same
+          shared rows' first 512 dims read MN-major), rescaled first when the max moved."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        block = self.block
+        half = block // 2  # the slots of a block whose scores one warpgroup computes
+        smem = cutlass.memory.SmemAllocator()
+        q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
+        kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(block // 8 * CHUNK), byte_alignment=128).iterator.toint()
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # This thread's cache row of every block (r) and its 16-byte chunks 4 cg + q4: the
+        # 8 lanes of a quarter-warp take 8 rows of one chunk (128 contiguous shared bytes).
+        groups = block // 8
+        r = 8 * (warp % groups) + lane % 8
+        cg0, q4 = warp // groups, lane // 8
+        writer = (cg0 == 0) & (q4 == 0)  # the thread of chunk 0: records the row's slot id
+        ids_row = slots + token * self.k + split * self.slots_per_cta + r
+        head0 = group * WG_ROWS
+        slot = P.load_i32(ids_row)
+        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        blocks = self.slots_per_cta // block
+        staged = self.fetch_rows(cache, slot, kv_s, r, cg0, q4, pool_slots)
+        if cutlass.const_expr(self.mla_fp8):
+            self.store_rows(staged, kv_s, r, cg0, q4)
+        if writer:
+            ids_s[r] = slot
+            if slot != -1 and not P.in_range(slot, pool_slots):
+                P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
+        # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
+        # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
+        upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
+        P.cp_async_commit()
+        P.cp_async_wait(0)
+        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
+
+        neg_inf = Float32(-math.inf)
+        acc_o = [Float32(0)] * 128
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
+        row_sum = [Float32(0), Float32(0)]  # this thread's share
+        row0 = 16 * w4 + g
+        for b in range(blocks):
+            cur = kv_s + (b % 2) * TILE_BYTES
+            ahead = b + 1
+            # block b + 1 into the other buffer (free: every thread passed the barrier that
+            # ended block b - 1, the last reader of it)
+            coming = P.select_i32(ahead < blocks, upcoming, -1)
+            nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
+            P.cp_async_commit()
+            if writer:
+                ids_s[(ahead % 2) * WG_ROWS + r] = coming
+                if coming != -1 and not P.in_range(coming, pool_slots):
+                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
+            # (not used before the next block: its load latency hides behind this block)
+            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
+
+            # scores of this warpgroup's half of the block, then P (both halves) in shared memory
+            s = wgmma_scores(q_s, cur + wg * half * 16, half)
+            row_max, row_sum, acc_o = self.block_softmax(
+                s, ids_s, b % 2, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, False
+            )
+
+            # P @ V in flight while this thread dequantizes its share of the next block (fp8)
+            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
+            if cutlass.const_expr(self.mla_fp8):
+                self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
+            acc_o = wgmma_wait(acc_o)
+            P.cp_async_wait(0)
+            P.fence_proxy_async()
+            cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
+
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, False)
+
+    @cute.jit
+    def finish_wgmma(self, acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, named: bool):
+        """The end of a 64-row CTA (256 computing threads): its rows' sums over both
+        warpgroups, then out and lse (one split: normalized here) or the split's partials.
+        named: the computing threads meet at their named barrier, not the CTA's."""
+        split, group, token = cute.arch.block_idx()
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        head0 = group * WG_ROWS
+        row0 = 16 * w4 + g
+        # the row sums over the 4 lanes of a row, then over the two warpgroups
+        for rr in cutlass.range_constexpr(2):
+            total = row_sum[rr] + cute.arch.shuffle_sync_bfly(row_sum[rr], offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if t == 0:
+                sums[wg * WG_ROWS + row0 + 8 * rr] = total
+        if cutlass.const_expr(named):
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        else:
+            cute.arch.sync_threads()
+        item = token * self.splits + split
+        for rr in cutlass.range_constexpr(2):
+            head = head0 + row0 + 8 * rr
+            total = sums[row0 + 8 * rr] + sums[WG_ROWS + row0 + 8 * rr]
+            dims = wg * (LATENT // 2) + 2 * t
+            if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
+                if head < self.gathered:
+                    inverse = self.inverse_of(total)
+                    at = out + (token * self.gathered + head) * LATENT + dims
+                    for j in cutlass.range_constexpr(32):
+                        P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr] * inverse, acc_o[4 * j + 2 * rr + 1] * inverse)
+                    if wg == 0 and t == 0:
+                        P.store_f32(lse + token * self.gathered + head, self.lse_of(row_max[rr], total))
+            else:
+                at = partial_o + (item * self.q_heads + head) * LATENT + dims
+                for j in cutlass.range_constexpr(32):
+                    P.store_f32x2(at + 8 * j, acc_o[4 * j + 2 * rr], acc_o[4 * j + 2 * rr + 1])
+                if wg == 0 and t == 0:
+                    P.store_f32x2(partial_ml + 2 * (item * self.q_heads + head), row_max[rr], total)
+
+    @cute.jit
+    def partial_wgmma_ws(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
+        """64-row CTAs with a producer warpgroup (384 threads). Warpgroup 2 (the producer) owns
+        the slot ids, their range guard and the cache rows: block b into bf16 buffer b % 2
+        (fp8 rows: loads issued, then the buffer's empty barrier, then dequantized into it;
+        bf16 rows: cp.async into it once empty, signalled a block later so two blocks are in
+        flight), its slot ids beside it, then it arrives on the buffer's full mbarrier.
+        Warpgroups 0 and 1 wait on full, compute the block as partial_wgmma does with named
+        barriers of their 256 threads (no CTA barrier in the loop) and release the buffer on
+        its empty mbarrier after their P @ V has completed. Shared memory as partial_wgmma,
+        plus the four mbarriers.
+        crossover: the CTA and its peer (the other head group of the same split and token,
+        a cluster of 2) share the blocks' rows: each producer loads (fp8: and dequantizes) its
+        half into both CTAs' buffers (bf16 rows through registers, not by cp.async), full[s]
+        also waits for the peer's bytes and empty[s] for the peer's consumers
+        (produce_blocks); the mbarriers' initialization is published to
+        the peer by a cluster barrier (arrived on here, waited on before any remote access),
+        and every thread meets the peer's at a second one before it exits."""
+        tid, _, _ = cute.arch.thread_idx()
+        split, group, token = cute.arch.block_idx()
+        warp = tid // 32
+        block = self.block
+        smem = cutlass.memory.SmemAllocator()
+        q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
+        kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
+        p_s = smem.allocate_tensor(Uint8, cute.make_layout(block // 8 * CHUNK), byte_alignment=128).iterator.toint()
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout(4), byte_alignment=8).iterator.toint()
+        full0, empty0 = bars, bars + 16  # full[s] at full0 + 8 s, empty[s] at empty0 + 8 s
+        # crossover: empty[s] also counts the peer's consumer warps (remote arrivals)
+        releases = 16 if self.crossover else 8
+        if tid == 0:
+            for s in cutlass.range_constexpr(2):
+                P.mbar_init(full0 + 8 * s, 128)  # every producer thread, after its stores
+                P.mbar_init(empty0 + 8 * s, releases)  # lane 0 of each consumer warp, after its P @ V
+            P.mbar_init_fence()
+        cute.arch.sync_threads()  # the mbarriers are initialized (the CTA's only full barrier)
+        if cutlass.const_expr(self.crossover):
+            # ... and, for the peer, by this cluster barrier (release), waited on by each thread
+            # before its first remote store or arrive (the producer's / consumers' cluster_wait)
+            cute.arch.cluster_arrive(aligned=True)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        consumers = (
+            q_rows,
+            q_out,
+            out,
+            lse,
+            partial_o,
+            partial_ml,
+            q_s,
+            kv_s,
+            p_s,
+            ids_s,
+            red,
+            sums,
+            full0,
+            empty0,
+            tid,
+            pool_slots,
+        )
+        if cutlass.const_expr(self.reshape):
+            if warp < 4:
+                cute.arch.setmaxregister_increase(SCORER_REGS)
+                self.consume_blocks(*consumers, 0)
+            elif warp < 8:
+                cute.arch.setmaxregister_decrease(VALUES_REGS)
+                self.consume_blocks(*consumers, 1)
+            else:
+                cute.arch.setmaxregister_decrease(RESHAPE_PRODUCER_REGS)
+                self.produce_blocks(
+                    slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
+                )
+        elif warp >= WG_THREADS // 32:  # warpgroup 2
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce_blocks(
+                slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
+            )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume_blocks(*consumers)
+
+    @cute.jit
+    def produce_blocks(self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+        """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
+        partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
+        the row and chunk maps are the same; the next block's slot ids load a block ahead.
+
+        crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads only
+        share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) into registers -- fp8
+        rows then dequantized, bf16 rows as raw 16-byte chunks (fetch_rows' raw: predicated
+        loads, all 18 issued before the buffer's empty wait, as the fp8 rows' are) -- and
+        stores each 16-byte bf16 chunk twice, st.shared into its own buffer and st.async into
+        the same place of the peer's (complete_tx on the peer's full[s]); the slot ids, their
+        range guard and the error word stay whole in each CTA (both shares' ids, as without).
+        Protocol (both CTAs alike):
+        - full[s]: 128 local arrivals (after this CTA's stores and proxy fence; producer thread
+          0's arrival also expects XOVER_BYTES) + the peer's XOVER_BYTES of st.async. The
+          peer's bytes of block b may land before this CTA's expect: the tx-count goes below
+          zero, and the phase cannot complete before the local arrivals anyway.
+        - empty[s]: 16 arrivals, lane 0 of each consumer warp of both CTAs (the peer's by
+          mapa + mbarrier.arrive.release.cluster), so stage s is rewritten (here and, by the
+          pushes, in the peer) only once both CTAs' consumers finished block b - 2 there;
+          waited on with acquire at cluster scope, as full[s] is (the peer's data).
+        - The consumers skip the remote arrive for a CTA's last two blocks (no producer waits
+          for those phases), so every remote arrive lands on a phase its owner waits for and
+          every push is waited for by the peer's consumers: neither CTA can have exited when
+          the other's pushes or arrivals reach it. A closing cluster barrier (every thread,
+          after its last remote store or arrive) keeps both CTAs resident until both are
+          done, as FlashMLA does.
+        st.async (not st.shared::cluster + a remote arrive): the bytes count themselves on the
+        peer's full[s] (no fence or second arrive per block, no round trip before the
+        arrive), and the one mbarrier covers local and remote halves. The peer's tile and
+        full barrier are mapped once (mapa) and offset per chunk, not mapped per store."""
+        block = self.block
+        blocks = self.slots_per_cta // block
+        maps = []
+        for v in cutlass.range_constexpr(2):
+            r, cg0, q4 = producer_map(ptid, v, block)
+            maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))  # the writer: chunk 0's thread
+        ids_row = slots + token * self.k + split * self.slots_per_cta
+        slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
+        rank = Int32(0)  # crossover: this CTA's rank in the pair, the share of each block it loads
+        half = maps[0]
+        peer_kv, peer_full0 = kv_s, full0  # crossover: the peer's tile and full[0] (shared::cluster)
+        if cutlass.const_expr(self.crossover):
+            rank = cute.arch.block_idx_in_cluster()
+            r, cg0, q4 = producer_map(ptid, rank, block)
+            half = (r, cg0, q4, (cg0 == 0) & (q4 == 0))
+            peer_kv = P.mapa(kv_s, 1 - rank)
+            peer_full0 = P.mapa(full0, 1 - rank)
+            cute.arch.cluster_wait()  # the peer's mbarriers are initialized
+        for b in range(blocks):
+            s = b % 2
+            buf = kv_s + s * TILE_BYTES
+            fetched = slot
+            if cutlass.const_expr(self.probe == "no_loads"):
+                fetched = [Int32(-1), Int32(-1)]
+            # the next block's slots (past the CTA's last block: the last block's again, unused)
+            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            if cutlass.const_expr(self.crossover):
+                own = P.select_i32(rank == 0, fetched[0], fetched[1])
+                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
+                if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                    P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+                else:
+                    P.mbar_arrive(full0 + 8 * s)
+            elif cutlass.const_expr(self.mla_fp8):
+                staged = [
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    for v in range(2)
+                ]
+                if b >= 2:  # block b - 2's consumers are done with the buffer
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.store_rows(staged[v], buf, maps[v][0], maps[v][1], maps[v][2])
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                P.mbar_arrive(full0 + 8 * s)
+            else:
+                if b >= 2:
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
+                for v in cutlass.range_constexpr(2):
+                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                P.cp_async_commit()
+                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
+                    P.cp_async_wait(1)
+                    P.fence_proxy_async()
+                    P.mbar_arrive(full0 + 8 * (1 - s))
+            slot = upcoming
+        if cutlass.const_expr(not (self.mla_fp8 or self.crossover)):  # the cp.async branch's last block
+            P.cp_async_wait(0)
+            P.fence_proxy_async()
+            P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
+        if cutlass.const_expr(self.crossover):  # the closing cluster barrier (see above)
+            cute.arch.cluster_arrive(aligned=True)
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
+        """The block's slot ids beside buffer s (the consumers' -inf mask), each by its row's
+        chunk-0 thread, which also records a slot outside the pool in the error word."""
+        for v in cutlass.range_constexpr(2):
+            r, _, _, writer = maps[v]
+            if writer:
+                ids_s[s * WG_ROWS + r] = slot[v]
+                if slot[v] != -1 and not P.in_range(slot[v], pool_slots):
+                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot[v])
+
+    @cute.jit
+    def consume_blocks(
+        self,
+        q_rows,
+        q_out,
+        out,
+        lse,
+        partial_o,
+        partial_ml,
+        q_s,
+        kv_s,
+        p_s,
+        ids_s,
+        red,
+        sums,
+        full0,
+        empty0,
+        tid,
+        pool_slots,
+        role: int | None = None,
+    ):
+        """The consumer warpgroups (tid 0 .. 255) between each buffer's full and empty
+        mbarriers, in one of two shapes (RESHAPE_BLOCKS):
+
+        role None: partial_wgmma's math per block (consume_block), each warpgroup scoring half
+        the block, the row max and P exchanged over two named barriers of the 256 threads.
+        The next block needs no third barrier: a warpgroup writes its next row maxima (`red`)
+        after this block's second barrier, which the other reaches only once it has read this
+        block's; and its next P after the next block's first barrier, which the other reaches
+        only once its P @ V over this block has completed.
+
+        role 0 / 1: FlashMLA's shape, this thread's warpgroup: 0 scores each block whole and
+        does P @ V on dims 0 .. 255 (score_block), 1 does P @ V on dims 256 .. 511
+        (values_block_half); P and the rows' rescale factors (`red`, 64 words) handed over by
+        named barriers: P_READY (0 arrives once they are in shared memory, 1 waits) and P_FREE
+        (1 arrives once its P @ V over them has completed, 0 waits before it writes the next
+        block's). Only warpgroup 0 keeps row maxima and sums; 1's sums are zeros in
+        finish_wgmma.
+
+        crossover: full[s] is waited on with acquire at cluster scope (half the block is the
+        peer's st.async), and lane 0 of each warp also releases the buffer to the peer's
+        producer (its empty[s], mapa + arrive.release.cluster) but for the CTA's last two
+        blocks (produce_blocks has the protocol); the thread passes the cluster barrier the
+        kernel arrived on after initializing its mbarriers before its first remote arrive, and
+        meets the peer at the closing one around finish_wgmma."""
+        _, group, token = cute.arch.block_idx()
+        lane = tid % 32
+        blocks = self.slots_per_cta // self.block
+        head0 = group * WG_ROWS
+        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
+        P.cp_async_commit()
+        P.cp_async_wait(0)
+        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        peer = Int32(0)  # crossover: the other CTA of the pair
+        if cutlass.const_expr(self.crossover):
+            peer = 1 - cute.arch.block_idx_in_cluster()
+            cute.arch.cluster_wait()  # the peer's mbarriers are initialized
+        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
+            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
+
+        neg_inf = Float32(-math.inf)
+        acc_o = [Float32(0)] * 128
+        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units (role 1: unused)
+        row_sum = [Float32(0), Float32(0)]  # this thread's share (role 1: unused)
+        for b in range(blocks):
+            s = b % 2
+            cur = kv_s + s * TILE_BYTES
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover)
+            if cutlass.const_expr(self.crossover):
+                P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
+            if cutlass.const_expr(self.probe != "no_math"):
+                if cutlass.const_expr(role is None):
+                    row_max, row_sum, acc_o = self.consume_block(
+                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
+                    )
+                elif cutlass.const_expr(role == 0):
+                    row_max, row_sum, acc_o = self.score_block(
+                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots, b > 0
+                    )
+                else:
+                    acc_o = self.values_block_half(cur, p_s, red, acc_o, tid, b < blocks - 1)
+            if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
+                P.mbar_arrive(empty0 + 8 * s)
+                if cutlass.const_expr(self.crossover):
+                    if b < blocks - 2:  # the peer's producer waits for it (before block b + 2)
+                        P.mbar_arrive_remote(empty0 + 8 * s, peer)
+
+        if cutlass.const_expr(self.crossover):  # this thread's last remote access is done
+            cute.arch.cluster_arrive(aligned=True)
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+        if cutlass.const_expr(self.crossover):
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def score_block(self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free):
+        """Warpgroup 0 of consume_blocks' FlashMLA shape, one block (buffer s at cur): S = Q x K^T over all
+        its slots (m64n(block)k16), holes -inf, the online softmax in registers, P as bf16
+        words -- the A fragments of P @ V -- and the rows' factors 2^(old max - new max) into
+        shared memory for warpgroup 1 (after P_FREE when wait_free: it has read the last
+        block's), then O[:, 0 .. 255] += P x V with P from registers (completed on return)."""
+        lane, w4 = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        block = self.block
+        row0 = 16 * w4 + g
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        sc = wgmma_scores(q_s, cur, block)
+        for j in cutlass.range_constexpr(block // 8):
+            for e in cutlass.range_constexpr(2):
+                live = P.in_range(ids_s[s * WG_ROWS + 8 * j + 2 * t + e], pool_slots)
+                for rr in cutlass.range_constexpr(2):
+                    sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for rr in cutlass.range_constexpr(2):
+            top = row_max[rr]
+            for j in cutlass.range_constexpr(block // 8):
+                top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+            row_max[rr] = top
+            row_sum[rr] = row_sum[rr] * alpha[rr]
+        words = []  # word i = 2 j + rr: row row0 + 8 rr, slots 8 j + 2 t, + 1
+        for i in cutlass.range_constexpr(block // 4):
+            p0 = P.exp2_approx(sc[2 * i] - use[i % 2])
+            p1 = P.exp2_approx(sc[2 * i + 1] - use[i % 2])
+            row_sum[i % 2] = row_sum[i % 2] + p0 + p1
+            words.append(P.pack_bf16x2(p0, p1))
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        if wait_free:
+            cute.arch.barrier(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+        for i in cutlass.range_constexpr(block // 4):
+            P.st_shared_u32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t, words[i])
+        if t == 0:
+            for rr in cutlass.range_constexpr(2):
+                factors[row0 + 8 * rr] = alpha[rr]
+        P.fence_proxy_async()  # P -> warpgroup 1's wgmma
+        cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        acc_o = P.wgmma_bf16_rs(acc_o, words, cur, DESC_V, 16 * 16, True)
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free):
+        """Warpgroup 1 of consume_blocks' FlashMLA shape, one block: once P_READY, O[:, 256 .. 511] rescaled
+        by the rows' factors, += P x V (P from shared memory; completed on return), then
+        P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
+        lane, w4 = tid % 32, tid // 32 - 4
+        row0 = 16 * w4 + lane // 4
+        cute.arch.barrier(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        alpha = [factors[row0], factors[row0 + 8]]
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        acc_o = wgmma_values(acc_o, p_s, cur + (LATENT // 2 // 8) * CHUNK, self.block // 16)
+        if arrive_free:
+            cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+        return acc_o
+
+    @cute.jit
+    def consume_block(self, q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):
+        """One block of consume_blocks (buffer s at cur): scores of this warpgroup's half,
+        the row max over both (named barrier), P into shared memory (named barrier), P @ V
+        (completed on return)."""
+        lane, warp = tid % 32, tid // 32
+        wg, w4 = warp // 4, warp % 4
+        g, t = lane // 4, lane % 4
+        block = self.block
+        half = block // 2
+        row0 = 16 * w4 + g
+        sc = wgmma_scores(q_s, cur + wg * half * 16, half)
+        row_max, row_sum, acc_o = self.block_softmax(
+            sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, True
+        )
+        acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def block_softmax(self, sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, named: bool):
+        """The online softmax of one block in the 64-row paths, from this warpgroup's half of
+        the scores (sc, wgmma_scores) to P in shared memory: slots outside the pool scored
+        -inf (the block's ids beside buffer s), each row's max over both halves exchanged
+        through `red`, the running max and sum and the output accumulators rescaled, P
+        stored as bf16 for P @ V. The two exchanges meet at the consumers' named barrier
+        (named: partial_wgmma_ws) or the CTA's (partial_wgmma). wg: this thread's
+        warpgroup, row0: its first row (16 w4 + g), t: its lane in the quad. Returns
+        (row_max, row_sum, acc_o)."""
+        half = self.block // 2
+        scale = Float32(self.softmax_scale * LOG2E)
+        neg_inf = Float32(-math.inf)
+        for j in cutlass.range_constexpr(half // 8):
+            for e in cutlass.range_constexpr(2):
+                live = P.in_range(ids_s[s * WG_ROWS + wg * half + 8 * j + 2 * t + e], pool_slots)
+                for rr in cutlass.range_constexpr(2):
+                    sc[4 * j + 2 * rr + e] = P.select(live, sc[4 * j + 2 * rr + e] * scale, neg_inf)
+        for rr in cutlass.range_constexpr(2):
+            top = sc[2 * rr]
+            for j in cutlass.range_constexpr(half // 8):
+                top = cute.arch.fmax(top, cute.arch.fmax(sc[4 * j + 2 * rr], sc[4 * j + 2 * rr + 1]))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            if t == 0:
+                red[wg * WG_ROWS + row0 + 8 * rr] = top
+        self.consumers_meet(named)  # both halves' maxima
+        alpha = [Float32(0), Float32(0)]
+        use = [Float32(0), Float32(0)]
+        for rr in cutlass.range_constexpr(2):
+            top = cute.arch.fmax(row_max[rr], cute.arch.fmax(red[row0 + 8 * rr], red[WG_ROWS + row0 + 8 * rr]))
+            use[rr] = P.select(top == neg_inf, Float32(0), top)  # no live slot yet: 2^-inf = 0
+            alpha[rr] = P.exp2_approx(row_max[rr] - use[rr])
+            row_max[rr] = top
+            row_sum[rr] = row_sum[rr] * alpha[rr]
+        for j in cutlass.range_constexpr(half // 8):
+            p = [P.exp2_approx(sc[4 * j + q] - use[q // 2]) for q in range(4)]
+            row_sum[0] = row_sum[0] + p[0] + p[1]
+            row_sum[1] = row_sum[1] + p[2] + p[3]
+            at = p_s + (wg * half // 8 + j) * CHUNK + row0 * 16 + 4 * t
+            P.st_shared_u32(at, P.pack_bf16x2(p[0], p[1]))
+            P.st_shared_u32(at + 8 * 16, P.pack_bf16x2(p[2], p[3]))
+        for i in cutlass.range_constexpr(128):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        P.fence_proxy_async()
+        self.consumers_meet(named)  # the block's P (both halves) is in shared memory
+        return row_max, row_sum, acc_o
+
+    @cute.jit
+    def consumers_meet(self, named: bool):
+        if cutlass.const_expr(named):
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots, raw: bool = False) -> list:
+        """This thread's chunks of cache row `slot` (block row r): bf16 rows by cp.async
+        straight into dst (the caller commits; returns []), or raw (the crossover, whose
+        producer stores each chunk into two tiles) by predicated 16-byte loads into registers
+        as they are; fp8 rows by predicated loads into registers. Registers are returned for
+        store_rows. Chunk j: 4 (cg0 + step j) + q4 of the row's 72 (8 dims each); a hole or a
+        slot outside the pool reads nothing (zeros)."""
+        step = 8 // (self.block // 8)
+        live = P.in_range(slot, pool_slots)
+        row = Int64(P.select_i32(live, slot, 0)) * self.row_bytes
+        staged = []
+        if cutlass.const_expr(not self.mla_fp8 and not raw):
+            src = cache + row + 16 * q4
+            at = dst + r * 16 + q4 * CHUNK
+            for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
+                c4 = cg0 + step * j  # chunk 4 c4 + q4
+                if cutlass.const_expr(step * (j + 1) <= TILE_CHUNKS // 4):
+                    P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
+                elif c4 < TILE_CHUNKS // 4:
+                    P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
+        else:
+            src = cache + row
+            if cutlass.const_expr(self.mla_fp8):
+                staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
+            for j in cutlass.range_constexpr((TILE_CHUNKS // 4 + step - 1) // step):
+                staged.append(self.fetch_piece(src, live, cg0, q4, j))
+        return staged
+
+    @cute.jit
+    def fetch_piece(self, src, live, cg0, q4, j: int):
+        """Piece j of fetch_rows' row at src in registers: chunk 4 (cg0 + step j) + q4 of its
+        72 -- fp8 rows: 8 e4m3 of the latent (8 bytes at 8 c), or 8 bf16 of the rope (16 bytes
+        at 528 + 16 (c - 64)); bf16 rows: the 16 bytes at 16 c -- zeros where not live (or
+        past the row's chunks)."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        words = None
+        if cutlass.const_expr(not self.mla_fp8):
+            inside = live if step * (j + 1) <= TILE_CHUNKS // 4 else live & (c4 < TILE_CHUNKS // 4)
+            words = P.load_u32x4_if(src + 16 * (4 * c4 + q4), inside)
+        elif cutlass.const_expr(step * (j + 1) <= LATENT // 32):
+            words = P.load_u32x2_if(src + 8 * (4 * c4 + q4), live)
+        else:
+            words = P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * (c4 - 16) + q4), live & (c4 < TILE_CHUNKS // 4))
+        return words
+
+    @cute.jit
+    def store_piece(self, words, scales, at, cg0, j: int, remote=None):
+        """fetch_piece's words -> its bf16 chunk of block row `at` (dst + 16 r + q4 x CHUNK):
+        e4m3 x the chunk's 128-dim scale, rounded to bf16; bf16 (the rope, or a raw bf16 row)
+        copied. remote (the crossover): (the same row's address in the peer's tile, the peer's
+        full mbarrier), both shared::cluster; the chunk is also pushed there (st.async)."""
+        step = 8 // (self.block // 8)
+        c4 = cg0 + step * j
+        if cutlass.const_expr(self.mla_fp8 and step * (j + 1) <= LATENT // 32):
+            # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
+            # for every cg0 < step (step divides 4)
+            sc = scales[step * j // 4]
+            outw = []
+            for i in cutlass.range_constexpr(2):
+                f = P.unpack_e4m3x4(words[i])
+                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+            self.put_chunk(outw, at, 4 * CHUNK * c4, remote)
+        elif cutlass.const_expr(not self.mla_fp8 and step * (j + 1) <= TILE_CHUNKS // 4):
+            self.put_chunk(words, at, 4 * CHUNK * c4, remote)  # (every thread's chunk is in the row)
+        elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
+            if c4 < TILE_CHUNKS // 4:
+                self.put_chunk(words, at, 4 * CHUNK * c4, remote)
+
+    @cute.jit
+    def put_chunk(self, words, at, offset, remote):
+        """A bf16 chunk (4 words) to shared at + offset, and (remote: the crossover's peer tile
+        and full mbarrier) by st.async to remote[0] + offset, counted on remote[1]."""
+        P.st_shared_u32x4(at + offset, words)
+        if cutlass.const_expr(remote is not None):
+            P.st_async_u32x4(remote[0] + offset, words, remote[1])
+
+    @cute.jit
+    def store_rows(self, staged, dst, r, cg0, q4, remote=None):
+        """fetch_rows' registers -> bf16 chunks of block row r in dst: fp8 rows' e4m3 x the
+        chunk's 128-dim scale, rounded to bf16, their rope and raw bf16 rows copied. remote
+        (the crossover): (the peer's dst, the peer's full mbarrier), shared::cluster: every
+        chunk also pushed there."""
+        at = dst + r * 16 + q4 * CHUNK
+        there = None
+        if cutlass.const_expr(remote is not None):
+            there = (remote[0] + r * 16 + q4 * CHUNK, remote[1])
+        pieces, scales = (staged[1:], staged[0]) if self.mla_fp8 else (staged, None)
+        for j in cutlass.range_constexpr(len(pieces)):
+            self.store_piece(pieces[j], scales, at, cg0, j, there)
+
+    @cute.jit
+    def load_query_tile(self, rows, head0, q_s, tid):
+        """The CTA's 64 query rows -> shared bf16 in the canonical K-major layout (chunk c of
+        row h at c x CHUNK + 16 h): bf16 rows by cp.async (the caller commits and waits),
+        e4m3 rows by loads all issued first and widened exactly; rows at or past
+        `gathered` are zeros."""
+        if cutlass.const_expr(self.q_fp8):
+            items = WG_ROWS * (ROW // 16)  # 16 e4m3 (two chunks) each
+            loads = []
+            for i in cutlass.range_constexpr(items // WG_THREADS):
+                index = tid + i * WG_THREADS
+                h, c2 = index % WG_ROWS, index // WG_ROWS
+                loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c2, head0 + h < self.gathered), h, c2))
+            for words, h, c2 in loads:
+                outw = []
+                for j in cutlass.range_constexpr(4):
+                    f = P.unpack_e4m3x4(words[j])
+                    outw.append(P.pack_bf16x2(f[0], f[1]))
+                    outw.append(P.pack_bf16x2(f[2], f[3]))
+                P.st_shared_u32x4(q_s + 2 * c2 * CHUNK + 16 * h, outw[:4])
+                P.st_shared_u32x4(q_s + (2 * c2 + 1) * CHUNK + 16 * h, outw[4:])
+        else:
+            for i in cutlass.range_constexpr(WG_ROWS * TILE_CHUNKS // WG_THREADS):
+                index = tid + i * WG_THREADS
+                h, c = index % WG_ROWS, index // WG_ROWS
+                P.cp_async_16(q_s + c * CHUNK + 16 * h, rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered)
