@@ -18,6 +18,7 @@ import statistics
 import sys
 
 import torch
+from graphstep.kernels import mla_query
 
 from graphstep import formats
 from graphstep.floor import H200_COPY_BW, stage_costs
@@ -110,6 +111,20 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
 
             return body
 
+        def mla_streamed(kset):
+            """MlaQuery with the streamed project (mla_query_stream) wherever the batch allows
+            (<= 64 tokens; kernels/mla_query.py STREAM_FROM_HEADS), captured with it forced on."""
+            plain = mla(kset)
+
+            def body():
+                saved, mla_query.STREAM_FROM_HEADS = mla_query.STREAM_FROM_HEADS, 1
+                try:
+                    plain()
+                finally:
+                    mla_query.STREAM_FROM_HEADS = saved
+
+            return body
+
         def torch_mla():
             pos = inputs.positions
             w_sets = [s.weights for s in copies.states]
@@ -163,6 +178,7 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
             "torch_rmsnorm": torch_norm(),
             "mla_query_pdl": mla(copies.kernels),
             "mla_query_nopdl": mla(copies.kernels_nopdl),
+            "mla_query_streamed": mla_streamed(copies.kernels),
             "torch_mla_query": torch_mla(),
             "cublas_qb_uk": cublas_qb_uk(),
         }
@@ -224,6 +240,7 @@ def main() -> int:
         "torch norm",
         "mla pdl",
         "mla no-pdl",
+        "mla streamed",
         "cublas qb+uk",
         "torch mla",
         "mla floor",
@@ -243,6 +260,7 @@ def main() -> int:
                 r["torch_rmsnorm"],
                 r["mla_query_pdl"],
                 r["mla_query_nopdl"],
+                r["mla_query_streamed"],
                 r["cublas_qb_uk"],
                 r["torch_mla_query"],
                 r["floor_us"],
@@ -252,7 +270,8 @@ def main() -> int:
             ]
             for r in rows
         ],
-        "times in us per launch (median of graph replays)",
+        "times in us per launch (median of graph replays); mla streamed: MlaQuery with its streamed project "
+        "(kernels/mla_query.py mla_query_stream) at B <= 64, the register kernel above",
         args.json,
     )
     return 0

@@ -275,6 +275,13 @@ class Kernels:
         """Whether QueryNorm (alone or inside MlaQuery) runs its tiled variant at this batch."""
         return batch >= tiled_from(self.shape.heads)
 
+    def mla_query_tokens(self, batch: int) -> int:
+        """MlaQuery's project at this batch: the streamed kernel's token rows, or 0 (the
+        register kernel; kernels/mla_query.py stream_tokens)."""
+        from .kernels.mla_query import stream_tokens
+
+        return stream_tokens(batch, self.shape.heads)
+
     def compiled(self, kernel: str, **choice):
         """The compiled variant of `kernel` for this rank and the launch-time `choice`
         (kernels/catalog.py build)."""
@@ -416,7 +423,13 @@ class Kernels:
             `q_rows` in bytes (0 for this rank; peer memory of this GPU or, over P2P, of
             another): the rows are stored into every rank's mailbox. None: `q_rows` only."""
         w = self.weights
-        op = self.compiled("mla_query", tiled=self.tiled(batch), poll=poll, remote=mailbox_offsets is not None)
+        op = self.compiled(
+            "mla_query",
+            tiled=self.tiled(batch),
+            poll=poll,
+            remote=mailbox_offsets is not None,
+            tokens=self.mla_query_tokens(batch),
+        )
         op(
             self._ptr(qkv),
             self._ptr(w.gamma_q),
@@ -854,6 +867,13 @@ class TvmFfiKernels(Kernels):
             raw = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
             self._by_variant[variant.name] = (compiled, raw)
         return self._by_variant[variant.name][1]
+
+    def mla_query_tokens(self, batch: int) -> int:
+        """MlaQuery's project at this batch: the streamed kernel's token rows, or 0 (the
+        register kernel; kernels/mla_query.py stream_tokens)."""
+        from .kernels.mla_query import stream_tokens
+
+        return stream_tokens(batch, self.shape.heads)
 
     def compiled(self, kernel: str, **choice):
         key = (kernel, tuple(sorted(choice.items())))

@@ -110,8 +110,9 @@ def _query_norm(shape, pdl, tiled: bool):
     return f"query_norm_{_rows_or_tiled(tiled)}", query_norm.QueryNorm(tiled, shape.model.packed_width, pdl)
 
 
-def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False):
-    """remote: store the rows into every rank's mailbox of a DCP group (peer memory)."""
+def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False, tokens: int = 0):
+    """remote: store the rows into every rank's mailbox of a DCP group (peer memory); tokens:
+    the streamed project's token rows (mla_query.stream_tokens), 0 for the register kernel."""
     topo = shape.topology
     op = mla_query.MlaQuery(
         shape.heads,
@@ -126,8 +127,10 @@ def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False):
         pdl,
         shape.model.fp8_scale_format == "ue8m0",
         topo.dcp if remote else 1,
+        tokens,
     )
-    return f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}{'_remote' if remote else ''}", op
+    name = f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}{'_remote' if remote else ''}"
+    return name + (f"_s{tokens}" if tokens else ""), op
 
 
 def _query_wait(shape, pdl):
@@ -240,7 +243,7 @@ _BUILDERS = {
 
 def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
-    launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote;
+    launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote, tokens;
     index_query: tokens; dsa_index: stages (its ring); top_k: split (a top_k.Split, or None: one CTA per row);
     sparse_core: slots (per CTA), publish, poll, producer, crossover; the others none."""
     if kernel not in _BUILDERS:
@@ -271,7 +274,8 @@ def variants(
         out.append(build(shape, "query_norm", pdl, tiled=tiled))
         out.append(build(shape, "key_and_norm", pdl, tiled=tiled))
         for poll in polls if dcp else (False,):
-            out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll, remote=group))
+            for tokens in sorted({mla_query.stream_tokens(b, shape.heads) for b in batches}):
+                out.append(build(shape, "mla_query", pdl, tiled=tiled, poll=poll, remote=group, tokens=tokens))
     out.append(build(shape, "index_key", pdl))
     for tokens in sorted({tokens for b in batches for _, _, tokens in index_query.launches(b)}):
         out.append(build(shape, "index_query", pdl, tokens=tokens))

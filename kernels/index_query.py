@@ -218,17 +218,12 @@ class IndexQuery:
             if lane == 0:
                 cpasync.prefetch_descriptor(w_tma)
                 cpasync.prefetch_descriptor(q_tma)
-                for slots, full, empty, _ in (w_sync, q_sync):
-                    for slot in cutlass.range_constexpr(slots):
-                        P.mbar_init(full + 8 * slot, 1)
-                        P.mbar_init(empty + 8 * slot, J.THREADS)
+                J.init_rings((w_sync, q_sync))
                 if cutlass.const_expr(self.hadamard):
                     P.mbar_init(swap.iterator.toint(), 1)
                     P.mbar_init(swap.iterator.toint() + 8, 1)
                 P.mbar_init_fence()
-                for slots, full, _, nbytes in (w_sync, q_sync):
-                    for slot in cutlass.range_constexpr(slots):
-                        P.mbar_expect(full + 8 * slot, Int32(nbytes))
+                J.arm_rings((w_sync, q_sync))
                 if cutlass.const_expr(self.hadamard):  # armed before any push can land: no negative tx count
                     P.mbar_expect(swap.iterator.toint() + 8, Int32(tokens * J.ROWS * 4))
         # the mbarriers are initialized before anyone waits on them or a copy completes on
@@ -253,42 +248,8 @@ class IndexQuery:
         if cutlass.const_expr(tokens <= EARLY_READS):
             reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
 
-        # In each ring, stage `it` lives in slot it % slots, in the full barrier's phase
-        # it // slots. Warp 0 refills the slots of stage it - 1 once every thread has released
-        # them (their empty barriers' phase (it - 1) // slots), keeping slots - 1 stages of
-        # each operand in flight; the other warps wait only for the stage they compute.
-        acc = s.zero_acc()
-        for it in cutlass.range_constexpr(J.STAGES):
-            for copies, (slots, full, empty, nbytes) in ((weights, w_sync), (queries, q_sync)):
-                nxt = J.refill(it, slots)
-                if cutlass.const_expr(nxt is not None):
-                    if warp == 0:
-                        P.mbar_wait(empty + 8 * (nxt % slots), J.parity(it - 1, slots))
-                        if lane == 0:
-                            P.mbar_expect(full + 8 * (nxt % slots), Int32(nbytes))
-                        cute.arch.sync_warp()
-                        J.issue(copies, nxt)
-            for slots, full, _, _ in (w_sync, q_sync):
-                P.mbar_wait(full + 8 * (it % slots), J.parity(it, slots))
-            acc = s.compute(it, acc)
-            if cutlass.const_expr(J.released(it, w_slots) or J.released(it, q_slots)):
-                P.fence_proxy_async()  # the fragments' reads before the copies' async-proxy writes
-                for slots, _, empty, _ in (w_sync, q_sync):
-                    if cutlass.const_expr(J.released(it, slots)):  # the slot is refilled: release it
-                        P.mbar_arrive(empty + 8 * (it % slots))
-        cute.arch.sync_threads()  # every warp is done with the rings (every copy has landed)
-
-        # k-half 1 stores, k-half 0 adds its own first: the fp32 [token][row] tile.
-        out = s.w_base
-        addrs = s.acc_addrs(out, lane)
-        if s.khalf == 1:
-            for i in cutlass.range_constexpr(len(addrs)):
-                P.st_shared_f32(addrs[i], acc[i // 4][i % 4])
-        cute.arch.sync_threads()
-        if s.khalf == 0:
-            for i in cutlass.range_constexpr(len(addrs)):
-                P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
-        cute.arch.sync_threads()
+        acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
+        out = J.sum_khalves(s, acc, lane)
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
         if cutlass.const_expr(tokens > EARLY_READS):

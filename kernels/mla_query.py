@@ -13,6 +13,15 @@ mla_query_project
          the MLA KV insert of the new tokens (kv_a RMSNorm 512 + interleaved-RoPE k_pe 64,
          bf16 or the fp8 656-byte row; slot -1 writes nothing, and a slot outside
          [0, pool_slots) too, recorded in the error word: kernels/guards.py).
+mla_query_stream
+         (`tokens` 16, 32 or 64: the streamed project; grid: H x 3 CTAs of 64 Q_B rows,
+         256 threads; batch <= tokens) the same q from IndexQuery's streamed GEMM core
+         (kernels/projection.py): the CTA's 192 KB of Q_B rows stream once through a
+         shared-memory ring of TMA copies (the first stages issued before griddepcontrol.wait),
+         q_c's tokens through a ring of their own, each token read once per CTA instead of
+         once per MMA; the two k-halves summed in a fixed order into an fp32 [token][row]
+         tile, stored to the workspace. Warps 1-7 of the first CTAs do the KV insert first.
+         Used where `stream_tokens` says (STREAM_FROM_HEADS).
 mla_query_absorb
          (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
          W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
@@ -41,9 +50,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass.cute.nvgpu import cpasync
 
 from . import guards
 from . import primitives as P
+from . import projection as J
 from .query_norm import QueryNorm
 
 THREADS = 128
@@ -54,6 +65,21 @@ K = 1536
 TARGET_CTAS = 528  # ~4 per SM of an H100/H200: batch tiles split over more CTAs up to this
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"q_lora_rank": (K,), "kv_lora_rank": (512,), "qk_nope_dim": (128,), "qk_rope_dim": (64,)}
+# mla_query_stream: (weight slots, q_c slots) per `tokens`, IndexQuery's rings (two CTAs an SM)
+STREAM_RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
+STREAM_TOKENS = tuple(sorted(STREAM_RINGS))
+# The streamed project from this many heads per rank, at batches up to STREAM_TOKENS[-1];
+# None: never. Not yet measured on a GPU (bench/plans/s25_a.txt times it against the
+# register kernel at TP 1 and TP 8), so off.
+STREAM_FROM_HEADS = None
+
+
+def stream_tokens(batch: int, heads: int) -> int:
+    """The streamed project's token rows for a launch of `batch` tokens at `heads` heads per
+    rank (the smallest of STREAM_TOKENS that holds the batch), or 0: the register kernel."""
+    if STREAM_FROM_HEADS is None or heads < STREAM_FROM_HEADS or batch > STREAM_TOKENS[-1]:
+        return 0
+    return next(t for t in STREAM_TOKENS if batch <= t)
 
 
 def tile_groups(ctas: int) -> int:
@@ -104,13 +130,18 @@ class MlaQuery:
         pdl: bool = True,
         ue8m0: bool = False,
         targets: int = 1,
+        tokens: int = 0,
     ):
         """ue8m0: the fp8 MLA cache's scales rounded up to powers of two. targets: the
-        mailboxes each chunk is stored into (1: this rank's; dcp: every rank's of a group)."""
+        mailboxes each chunk is stored into (1: this rank's; dcp: every rank's of a group).
+        tokens: 0, the register project kernel (any batch); or 16, 32, 64, the streamed one
+        (mla_query_stream) with that many token rows a stage (launch with batch <= tokens)."""
+        if tokens and tokens not in STREAM_RINGS:
+            raise ValueError(f"MlaQuery's streamed project takes tokens in {STREAM_TOKENS} (or 0), got {tokens}")
         self.heads, self.head_base, self.q_heads, self.gathered = heads, head_base, q_heads, gathered
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl, self.ue8m0 = q_fp8, mla_fp8, pdl, ue8m0
-        self.targets = targets
+        self.targets, self.tokens = targets, tokens
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
         self.norm = QueryNorm(tiled, row_stride, pdl)
@@ -142,29 +173,63 @@ class MlaQuery:
     ):
         tiles = (batch + BATCH_TILE - 1) // BATCH_TILE
         self.norm(qkv, gamma_q, qc, batch, eps, stream)
-        project_ctas = self.heads * QB_TILES
-        self.mla_query_project(
-            qkv,
-            gamma_kv,
-            w_qb,
-            cos,
-            sin,
-            context_lens,
-            slots,
-            qc,
-            workspace,
-            mla_cache,
-            error,
-            batch,
-            eps,
-            pool_slots,
-            rope_rows,
-        ).launch(
-            grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
-            block=[THREADS, 1, 1],
-            stream=stream,
-            use_pdl=self.pdl,
-        )
+        if cutlass.const_expr(self.tokens):
+            # The tensor maps are encoded here, on the host (a graph holds them by value);
+            # q_c's holds only the batch's rows (the box's rows past it arrive as zeros).
+            w_tma, w_coords = J.tma_atom(cute.make_tensor(w_qb, J.operand_layout(self.heads * 192)), J.ROWS)
+            q_tma, q_coords = J.tma_atom(
+                cute.make_tensor(qc, J.operand_layout(cutlass.min(batch, self.tokens))), self.tokens
+            )
+            self.mla_query_stream(
+                w_tma,
+                w_coords,
+                q_tma,
+                q_coords,
+                qkv,
+                gamma_kv,
+                cos,
+                sin,
+                context_lens,
+                slots,
+                workspace,
+                mla_cache,
+                error,
+                batch,
+                eps,
+                pool_slots,
+                rope_rows,
+            ).launch(
+                grid=[self.heads * 192 // J.ROWS, 1, 1],
+                block=[J.THREADS, 1, 1],
+                stream=stream,
+                use_pdl=self.pdl,
+                min_blocks_per_mp=2,
+                preferred_smem_carveout=100,
+            )
+        else:
+            project_ctas = self.heads * QB_TILES
+            self.mla_query_project(
+                qkv,
+                gamma_kv,
+                w_qb,
+                cos,
+                sin,
+                context_lens,
+                slots,
+                qc,
+                workspace,
+                mla_cache,
+                error,
+                batch,
+                eps,
+                pool_slots,
+                rope_rows,
+            ).launch(
+                grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
+                block=[THREADS, 1, 1],
+                stream=stream,
+                use_pdl=self.pdl,
+            )
         absorb_ctas = self.heads * LATENT_SLICES
         self.mla_query_absorb(
             w_uk_t, cos, sin, context_lens, workspace, q_rows, mailbox_offsets, error, batch, budget_ns, rope_rows
@@ -252,6 +317,88 @@ class MlaQuery:
                 head, d0 = mtile // QB_TILES, mtile % QB_TILES * 16
                 P.store_f32x2(workspace + (row * self.heads + head) * 192 + d0 + 2 * pair, sums[0], sums[1])
             cute.arch.sync_threads()  # the next tile reuses `partial`
+
+    @cute.kernel
+    def mla_query_stream(
+        self,
+        w_tma: cute.CopyAtom,
+        w_coords: cute.Tensor,
+        q_tma: cute.CopyAtom,
+        q_coords: cute.Tensor,
+        qkv: cute.Pointer,
+        gamma_kv: cute.Pointer,
+        cos: cute.Pointer,
+        sin: cute.Pointer,
+        context_lens: cute.Pointer,
+        slots: cute.Pointer,
+        workspace: cute.Pointer,
+        mla_cache: cute.Pointer,
+        error: cute.Pointer,
+        batch: Int32,
+        eps: Float32,
+        pool_slots: Int32,
+        rope_rows: Int32,
+    ):
+        tokens, (w_slots, q_slots) = self.tokens, STREAM_RINGS[self.tokens]
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        lane, warp = tid % 32, tid // 32
+        smem = cutlass.memory.SmemAllocator()
+        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, w_slots), byte_alignment=1024)
+        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, q_slots), byte_alignment=1024)
+        w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
+        q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
+        s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
+        w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
+        q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, J.operand_bytes(tokens))
+        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, w_bars.iterator)
+        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
+        if warp == 0:
+            if lane == 0:
+                cpasync.prefetch_descriptor(w_tma)
+                cpasync.prefetch_descriptor(q_tma)
+                J.init_rings((w_sync, q_sync))
+                P.mbar_init_fence()
+                J.arm_rings((w_sync, q_sync))
+        cute.arch.sync_threads()  # the mbarriers are initialized before any copy completes on them
+        if warp == 0:  # Q_B never changes within a step: its first stages go out before the wait
+            for stage in cutlass.range_constexpr(w_slots):
+                J.issue(weights, stage)
+        cute.arch.griddepcontrol_wait()  # q_c comes from the QueryNorm launch before this one
+        cute.arch.griddepcontrol_launch_dependents()
+        if warp == 0:
+            for stage in cutlass.range_constexpr(q_slots):
+                J.issue(queries, stage)
+        else:  # the KV insert, one warp per new token (warps 1-7 of the first CTAs)
+            for row in range(cta * (J.WARPS - 1) + warp - 1, batch, ctas * (J.WARPS - 1)):
+                self.kv_insert(
+                    qkv,
+                    gamma_kv,
+                    cos,
+                    sin,
+                    context_lens,
+                    slots,
+                    mla_cache,
+                    error,
+                    row,
+                    lane,
+                    eps,
+                    pool_slots,
+                    rope_rows,
+                )
+        acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
+        out = J.sum_khalves(s, acc, lane)
+
+        # The workspace's q [token, head, 192] fp32: this CTA's rows are dims d0 .. d0 + 63 of
+        # one head; 16 threads per token, 4 rows each.
+        head, d0 = cta // 3, cta % 3 * J.ROWS
+        j, row0 = tid % 16, tid // 16
+        for p in cutlass.range_constexpr(tokens // 16):
+            token = row0 + 16 * p
+            if token < batch:
+                values = P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j)
+                P.store_f32x4(workspace + (token * self.heads + head) * 192 + d0 + 4 * j, values)
 
     @cute.jit
     def kv_insert(

@@ -127,6 +127,10 @@ def store_f32x2(ptr, a, b):
     cute.arch.inline_ptx("st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
 
 
+def store_f32x4(ptr, values):
+    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[ptr, *values])
+
+
 def store_u32x2(ptr, a, b):
     cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[ptr, a, b])
 

@@ -32,8 +32,9 @@ in shared memory (reusing the weight ring), so results do not depend on scheduli
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import primitives as P
@@ -169,6 +170,77 @@ class Stream:
                 token = 8 * nt + 2 * t + q % 2
                 addrs.append(out + token * OUT_PITCH + 4 * row)
         return addrs
+
+
+# -- the rings' barriers and the loop (a kernel's shared-memory rings: `Ring` tuples) --------
+# A ring is (slots, its first full mbarrier's shared address, its first empty one's, the bytes
+# of one fill); slot i's mbarriers are 8 i bytes past the first.
+
+
+def init_rings(rings):
+    """Lane 0 of warp 0, before the mbarrier init fence: each slot's full mbarrier (one
+    arrival: the expect_tx of a fill) and empty one (every thread releases the slot)."""
+    for slots, full, empty, _ in rings:
+        for slot in range(slots):
+            P.mbar_init(full + 8 * slot, 1)
+            P.mbar_init(empty + 8 * slot, THREADS)
+
+
+def arm_rings(rings):
+    """Lane 0 of warp 0, after the fence: every slot's first fill expected (its bytes)."""
+    for slots, full, _, nbytes in rings:
+        for slot in range(slots):
+            P.mbar_expect(full + 8 * slot, Int32(nbytes))
+
+
+@cute.jit
+def stream_stages(s, weights: Copies, queries: Copies, w_sync, q_sync, warp, lane) -> list:
+    """The CTA's K loop over both rings, after each ring's first `slots` stages were issued:
+    returns this warp's accumulators (Stream.zero_acc's shape), every copy landed and every
+    warp done with the rings.
+
+    In each ring, stage `it` lives in slot it % slots, in the full barrier's phase
+    it // slots. Warp 0 refills the slots of stage it - 1 once every thread has released
+    them (their empty barriers' phase (it - 1) // slots), keeping slots - 1 stages of each
+    operand in flight; the other warps wait only for the stage they compute."""
+    acc = s.zero_acc()
+    for it in cutlass.range_constexpr(STAGES):
+        for copies, (slots, full, empty, nbytes) in ((weights, w_sync), (queries, q_sync)):
+            nxt = refill(it, slots)
+            if cutlass.const_expr(nxt is not None):
+                if warp == 0:
+                    P.mbar_wait(empty + 8 * (nxt % slots), parity(it - 1, slots))
+                    if lane == 0:
+                        P.mbar_expect(full + 8 * (nxt % slots), Int32(nbytes))
+                    cute.arch.sync_warp()
+                    issue(copies, nxt)
+        for slots, full, _, _ in (w_sync, q_sync):
+            P.mbar_wait(full + 8 * (it % slots), parity(it, slots))
+        acc = s.compute(it, acc)
+        if cutlass.const_expr(released(it, s.w_ring) or released(it, s.q_ring)):
+            P.fence_proxy_async()  # the fragments' reads before the copies' async-proxy writes
+            for slots, _, empty, _ in (w_sync, q_sync):
+                if cutlass.const_expr(released(it, slots)):  # the slot is refilled: release it
+                    P.mbar_arrive(empty + 8 * (it % slots))
+    cute.arch.sync_threads()  # every warp is done with the rings (every copy has landed)
+    return acc
+
+
+@cute.jit
+def sum_khalves(s, acc, lane):
+    """The fp32 [token][row] tile (OUT_PITCH bytes a token) at the weight ring's base, in a fixed
+    order: k-half 1 stores, k-half 0 adds its own first. Returns the tile's shared address."""
+    out = s.w_base
+    addrs = s.acc_addrs(out, lane)
+    if s.khalf == 1:
+        for i in cutlass.range_constexpr(len(addrs)):
+            P.st_shared_f32(addrs[i], acc[i // 4][i % 4])
+    cute.arch.sync_threads()
+    if s.khalf == 0:
+        for i in cutlass.range_constexpr(len(addrs)):
+            P.st_shared_f32(addrs[i], P.add_rn(acc[i // 4][i % 4], P.ld_shared_f32(addrs[i])))
+    cute.arch.sync_threads()
+    return out
 
 
 # -- a ring's schedule (the kernel's loop and tests/test_projection_layout.py's model) -------

@@ -128,8 +128,11 @@ BEFORE_WAIT = {
     "query_norm": {"ld.global.nc.v4.b32"},  # gamma
     "mla_query": {
         "ld.global.nc.v4.b32",  # gamma (its QueryNorm kernel)
-        "cp.async.bulk.prefetch.L2.global",
-    },  # Q_B / W_UK slices into L2 (no data reaches the SM)
+        "cp.async.bulk.prefetch.L2.global",  # Q_B / W_UK slices into L2 (no data reaches the SM)
+        # the streamed project (mla_query_*_sN): Q_B's first ring by TMA, and the tensor maps
+        "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint",
+        "prefetch.tensormap",
+    },
     "index_key": {"ld.global.nc.b32"},  # the LayerNorm weight and bias
     "key_and_norm": {"ld.global.nc.v4.b32", "ld.global.nc.b32"},  # QueryNorm's gamma, IndexKey's weights
     "index_query": {
@@ -264,7 +267,7 @@ def test_key_and_norm_runs_both_parts_each_behind_its_own_wait(ptx):
 
 def test_mla_query_streams_weights_on_tensor_cores(ptx):
     for (_shape, name), text in ptx.items():
-        if name.startswith("mla_query"):
+        if name.startswith("mla_query") and not re.search(r"_s\d+$", name):
             assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 32, name
             assert text.count("cp.async.bulk.prefetch.L2.global") == 2, name
             entries = _entries(text)
@@ -273,6 +276,77 @@ def test_mla_query_streams_weights_on_tensor_cores(ptx):
             assert len(prefetching) == 2
             for entry in prefetching:
                 assert entry.index("cp.async.bulk.prefetch.L2") < entry.index("griddepcontrol.wait")
+
+
+STREAMED = {  # MlaQuery's streamed project (kernels/mla_query.py STREAM_FROM_HEADS): shape -> heads per rank
+    "tp1": RankShape(preset("deepseek-v3.2"), Topology(tp=1)),
+    "kimi-dcp2-fp8": SHAPES["kimi-dcp2-fp8"],
+}
+
+
+@pytest.fixture(scope="module")
+def streamed_ptx(tmp_path_factory):
+    """PTX of the variants a step launches with the streamed project on at any head count: every
+    token count, both QueryNorm variants (and in a DCP group the remote, polling ones)."""
+    from graphstep.kernels import mla_query
+
+    saved, mla_query.STREAM_FROM_HEADS = mla_query.STREAM_FROM_HEADS, 1
+    try:
+        out = {}
+        for shape_name, shape in STREAMED.items():
+            group = shape.topology.dcp > 1
+            for variant in catalog.variants(shape, batches=(1, 16, 17, 33, 64, 65), group=group):
+                if variant.name.startswith("mla_query"):
+                    folder = tmp_path_factory.mktemp(f"{shape_name}-{variant.name}")
+                    catalog.compile_op(variant.op, variant.args, "sm_90a", str(folder))
+                    (path,) = [p for p in folder.iterdir() if p.suffix == ".ptx"]
+                    out[(shape_name, variant.name)] = path.read_text()
+        return out
+    finally:
+        mla_query.STREAM_FROM_HEADS = saved
+
+
+def test_mla_query_streamed_project_variants(streamed_ptx):
+    """With the streamed project on, a step launches it at every batch up to 64 (the register
+    kernel above: 65): a variant per token count, each PDL-chained, wide, with no local memory."""
+    from graphstep.kernels import mla_query
+
+    for shape_name in STREAMED:
+        names = {name for shape, name in streamed_ptx if shape == shape_name}
+        assert {n for n in names if n.endswith(("_s16", "_s32", "_s64"))} == {
+            f"{n}_s{t}" for n in {re.sub(r"_s\d+$", "", n) for n in names} for t in mla_query.STREAM_TOKENS
+        }, names
+        assert any(not re.search(r"_s\d+$", n) for n in names), "batches above 64 keep the register kernel"
+    test_every_kernel_waits_and_releases(streamed_ptx)
+    test_wide_global_accesses_and_no_local_memory(streamed_ptx)
+
+
+@pytest.mark.parametrize("tokens", (16, 32, 64))
+def test_mla_query_streamed_project_streams_q_b_once(streamed_ptx, tokens):
+    """The streamed project is IndexQuery's GEMM core over Q_B (kernels/projection.py): each
+    of its 12 stages per operand one TMA tensor copy, Q_B's first ring before the PDL wait and
+    q_c's after it, no per-thread weight loads, and fp32 q stored as whole 16-byte words."""
+    from graphstep.kernels import mla_query
+    from graphstep.kernels import projection as J
+
+    w_slots, q_slots = mla_query.STREAM_RINGS[tokens]
+    for (shape_name, name), text in streamed_ptx.items():
+        if not name.endswith(f"_s{tokens}"):
+            continue
+        entries = _entries(text)
+        assert len(entries) == 3, name  # QueryNorm's kernel, the streamed project, absorb
+        (entry,) = [e for e in entries if "mla_query_stream" in e.split("(")[0]]
+        wait = entry.index("griddepcontrol.wait;")
+        copies = _tensor_copies(entry)
+        weights = [at for at, param in copies if param == 0]
+        q_c = [at for at, param in copies if param == 1]
+        assert len(weights) == len(q_c) == J.STAGES, (shape_name, name)
+        assert sum(at < wait for at in weights) == w_slots and all(at > wait for at in q_c), (shape_name, name)
+        assert entry.count("prefetch.tensormap") == 2 and "cp.async.bulk.prefetch.L2" not in entry
+        assert "ld.global.nc.v4.b32" in entry  # the KV insert's gamma, read after the wait
+        assert not re.search(r"ld\.global", entry[:wait])
+        assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
+        assert entry.count("st.global.v4.f32") == tokens // 16
 
 
 def test_fp8_variants_convert_with_saturation(ptx):

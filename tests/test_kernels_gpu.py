@@ -90,6 +90,67 @@ def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
     error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
 
 
+STREAMED = {  # MlaQuery's streamed project (kernels/mla_query.py), forced on at every head count
+    "tp1": Topology(tp=1),
+    "tp8": Topology(tp=8),
+    "tp1-fp8": Topology(tp=1, q_format="fp8", mla_cache="fp8"),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMED))
+@pytest.mark.parametrize("batch", [1, 3, 16, 17, 40, 64])
+def test_mla_query_streamed_project(monkeypatch, case, batch):
+    """The streamed project (Q_B through IndexQuery's TMA rings) writes every element of q
+    within fp32 rounding of the register kernel's and of the reference, and MlaQuery's rows
+    and KV insert match the reference as the register kernel's do."""
+    from graphstep.kernels import mla_query
+
+    state = _state(STREAMED[case], max_batch=64)
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(batch)
+    fp8 = state.shape.topology.mla_cache == "fp8"
+    outputs = {}
+    for streamed in (False, True):
+        monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", 1 if streamed else None)
+        assert bool(kernels.mla_query_tokens(batch)) == streamed
+        caches = state.clone_caches()
+        caches.mla_cache.view(torch.uint8).fill_(0xFF)  # NaN in both formats: nothing MlaQuery writes
+        buf = _buffers(state, batch)
+        error = ErrorWord.new("cuda")
+        kernels.mla_query(
+            inputs.qkv,
+            inputs.context_lens,
+            inputs.slot_mapping,
+            buf["qc"],
+            buf["qc_private"],
+            buf["workspace"],
+            buf["q_rows"],
+            caches.mla_cache,
+            error,
+            batch,
+            store_qc=False,
+            poll=False,
+        )
+        torch.cuda.synchronize()
+        error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
+        row_bytes = 656 if fp8 else 1152
+        new_rows = caches.mla_cache.view(torch.uint8).view(-1, row_bytes)[inputs.slot_mapping.long()]
+        outputs[streamed] = (buf["workspace"], buf["q_rows"], new_rows)
+    ws, q_rows, new_rows = outputs[True]
+    assert torch.isfinite(ws).all(), "every element of q is written"
+    q_c = ref.query_norm(state, inputs)
+    want = (q_c.double() @ state.weights.w_qb.double().T).view(batch, state.shape.heads, 192)
+    assert rel_err(ws, want) < 1e-5
+    assert rel_err(ws, outputs[False][0]) < 1e-5
+    fmt = state.shape.topology.q_format
+    got = formats.decode_q_rows(q_rows, fmt)[:, : state.shape.heads]
+    expect = ref.mla_query(state, inputs, q_c)
+    assert rel_err(got, expect.clamp(-448, 448) if fmt == "fp8" else expect) < (0.05 if fmt == "fp8" else 1e-2)
+    assert torch.equal(new_rows, outputs[False][2]), "the KV insert is the register kernel's code"
+    rows = formats.unpack_mla_fp8(new_rows, 512) if fp8 else new_rows.view(torch.bfloat16).float()
+    assert rel_err(rows, ref.kv_row(state, inputs)) < (0.05 if fp8 else 1e-2)
+
+
 def test_kv_insert_past_2_gib_of_cache():
     """A 32K-context, 64-sequence bf16 MLA cache is 2.4 GB: the highest slots' byte
     offsets do not fit in 32 bits (the step crashed at B = 64 before they were 64-bit)."""

@@ -478,3 +478,46 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
         with pytest.raises(ValueError, match="polling launch of"):
             launch(b, poll_budget_ns=DEFAULT_BUDGET_NS, **kw)
     assert cpu_launches == ["SparseCore"] * 2
+
+
+def test_mla_query_streamed_project_policy(monkeypatch):
+    """stream_tokens: off while STREAM_FROM_HEADS is None; from that many heads, the smallest
+    token count holding the batch; the register kernel above 64 tokens or below the heads."""
+    from graphstep.kernels import mla_query
+
+    monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", None)
+    assert {mla_query.stream_tokens(b, 128) for b in range(1, 130)} == {0}
+    monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", 64)
+    assert [mla_query.stream_tokens(b, 128) for b in (1, 16, 17, 32, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, 0]
+    assert mla_query.stream_tokens(4, 16) == 0 and mla_query.stream_tokens(4, 64) == 16
+    with pytest.raises(ValueError, match="tokens in"):
+        mla_query.MlaQuery(128, 0, 128, 128, 2304, False, False, False, False, tokens=8)
+
+
+@pytest.mark.parametrize("batch, tokens", [(1, 16), (17, 32), (64, 64), (65, 0)])
+def test_mla_query_launches_the_streamed_project_it_plans(cpu_launches, monkeypatch, batch, tokens):
+    """The launcher runs the MlaQuery variant stream_tokens names (the compiled op's tokens),
+    with the same arguments as the register kernel's."""
+    from graphstep.kernels import mla_query
+
+    monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", 1)
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=1)), max_batch=65, max_context=256, seed=3)
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(batch)
+    qc = torch.zeros(batch, 1536, dtype=torch.bfloat16)
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        qc,
+        qc.clone(),
+        torch.zeros(batch, 128, 192),
+        state.caches.mailbox,
+        state.caches.mla_cache,
+        ErrorWord(torch.zeros(4, dtype=torch.int32)),
+        batch,
+        store_qc=True,
+        poll=False,
+    )
+    (op,) = Launch.ops
+    assert op.tokens == kernels.mla_query_tokens(batch) == tokens
