@@ -282,20 +282,9 @@ class MlaQuery:
         if group == 0:  # the KV insert, one warp per new token, spread over the CTA row
             for row in range(mtile * 4 + warp, batch, ctas * 4):
                 self.kv_insert(
-                    qkv,
-                    gamma_kv,
-                    cos,
-                    sin,
-                    context_lens,
-                    slots,
-                    mla_cache,
-                    error,
-                    row,
-                    lane,
-                    eps,
-                    pool_slots,
+                    qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, error, row, lane, eps, pool_slots,
                     rope_rows,
-                )
+                )  # fmt: skip
 
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             # Q_B over this warp's quarter of K, from q_c
@@ -373,20 +362,9 @@ class MlaQuery:
         else:  # the KV insert, one warp per new token (warps 1-7 of the first CTAs)
             for row in range(cta * (J.WARPS - 1) + warp - 1, batch, ctas * (J.WARPS - 1)):
                 self.kv_insert(
-                    qkv,
-                    gamma_kv,
-                    cos,
-                    sin,
-                    context_lens,
-                    slots,
-                    mla_cache,
-                    error,
-                    row,
-                    lane,
-                    eps,
-                    pool_slots,
+                    qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, error, row, lane, eps, pool_slots,
                     rope_rows,
-                )
+                )  # fmt: skip
         acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
         out = J.sum_khalves(s, acc, lane)
 
