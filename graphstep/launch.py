@@ -868,13 +868,6 @@ class TvmFfiKernels(Kernels):
             self._by_variant[variant.name] = (compiled, raw)
         return self._by_variant[variant.name][1]
 
-    def mla_query_tokens(self, batch: int) -> int:
-        """MlaQuery's project at this batch: the streamed kernel's token rows, or 0 (the
-        register kernel; kernels/mla_query.py stream_tokens)."""
-        from .kernels.mla_query import stream_tokens
-
-        return stream_tokens(batch, self.shape.heads)
-
     def compiled(self, kernel: str, **choice):
         key = (kernel, tuple(sorted(choice.items())))
         function = self._by_choice.get(key)

@@ -14,13 +14,15 @@ mla_query_project
          bf16 or the fp8 656-byte row; slot -1 writes nothing, and a slot outside
          [0, pool_slots) too, recorded in the error word: kernels/guards.py).
 mla_query_stream
-         (`tokens` 16, 32 or 64: the streamed project; grid: H x 3 CTAs of 64 Q_B rows,
-         256 threads; batch <= tokens) the same q from IndexQuery's streamed GEMM core
+         (`tokens` 16, 32 or 64: the streamed project; grid: ceil(B / 8) CTAs of KV inserts,
+         then H x 3 CTAs of 64 Q_B rows; 256 threads; batch <= tokens) the same q from
+         IndexQuery's streamed GEMM core
          (kernels/projection.py): the CTA's 192 KB of Q_B rows stream once through a
          shared-memory ring of TMA copies (the first stages issued before griddepcontrol.wait),
          q_c's tokens through a ring of their own, each token read once per CTA instead of
          once per MMA; the two k-halves summed in a fixed order into an fp32 [token][row]
-         tile, stored to the workspace. Warps 1-7 of the first CTAs do the KV insert first.
+         tile, stored to the workspace. The KV insert has CTAs of its own (a warp a token),
+         so its dependent reads stay off the rings' schedule.
          Used where `stream_tokens` says (STREAM_FROM_HEADS).
 mla_query_absorb
          (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
@@ -199,7 +201,7 @@ class MlaQuery:
                 pool_slots,
                 rope_rows,
             ).launch(
-                grid=[self.heads * 192 // J.ROWS, 1, 1],
+                grid=[(batch + J.WARPS - 1) // J.WARPS + self.heads * 192 // J.ROWS, 1, 1],
                 block=[J.THREADS, 1, 1],
                 stream=stream,
                 use_pdl=self.pdl,
@@ -331,8 +333,11 @@ class MlaQuery:
         tokens, (w_slots, q_slots) = self.tokens, STREAM_RINGS[self.tokens]
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tid % 32, tid // 32
+        # CTAs [0, inserts) do the KV insert, a warp per new token; the rest stream 64 Q_B rows
+        # each (`block`): the inserts' dependent reads stay off the rings' schedule
+        inserts = (batch + J.WARPS - 1) // J.WARPS
+        block = cta - inserts
         smem = cutlass.memory.SmemAllocator()
         w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, w_slots), byte_alignment=1024)
         q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, q_slots), byte_alignment=1024)
@@ -341,42 +346,46 @@ class MlaQuery:
         s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
         w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
         q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, J.operand_bytes(tokens))
-        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, w_bars.iterator)
+        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, block, w_bars.iterator)
         queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
-        if warp == 0:
-            if lane == 0:
-                cpasync.prefetch_descriptor(w_tma)
-                cpasync.prefetch_descriptor(q_tma)
-                J.init_rings((w_sync, q_sync))
-                P.mbar_init_fence()
-                J.arm_rings((w_sync, q_sync))
-        cute.arch.sync_threads()  # the mbarriers are initialized before any copy completes on them
-        if warp == 0:  # Q_B never changes within a step: its first stages go out before the wait
-            for stage in cutlass.range_constexpr(w_slots):
-                J.issue(weights, stage)
-        cute.arch.griddepcontrol_wait()  # q_c comes from the QueryNorm launch before this one
-        cute.arch.griddepcontrol_launch_dependents()
-        if warp == 0:
-            for stage in cutlass.range_constexpr(q_slots):
-                J.issue(queries, stage)
-        else:  # the KV insert, one warp per new token (warps 1-7 of the first CTAs)
-            for row in range(cta * (J.WARPS - 1) + warp - 1, batch, ctas * (J.WARPS - 1)):
+        if cta < inserts:
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+            row = cta * J.WARPS + warp
+            if row < batch:
                 self.kv_insert(
                     qkv, gamma_kv, cos, sin, context_lens, slots, mla_cache, error, row, lane, eps, pool_slots,
                     rope_rows,
                 )  # fmt: skip
-        acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
-        out = J.sum_khalves(s, acc, lane)
+        else:
+            if warp == 0:
+                if lane == 0:
+                    cpasync.prefetch_descriptor(w_tma)
+                    cpasync.prefetch_descriptor(q_tma)
+                    J.init_rings((w_sync, q_sync))
+                    P.mbar_init_fence()
+                    J.arm_rings((w_sync, q_sync))
+            cute.arch.sync_threads()  # the mbarriers are initialized before any copy completes on them
+            if warp == 0:  # Q_B never changes within a step: its first stages go out before the wait
+                for stage in cutlass.range_constexpr(w_slots):
+                    J.issue(weights, stage)
+            cute.arch.griddepcontrol_wait()  # q_c comes from the QueryNorm launch before this one
+            cute.arch.griddepcontrol_launch_dependents()
+            if warp == 0:
+                for stage in cutlass.range_constexpr(q_slots):
+                    J.issue(queries, stage)
+            acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
+            out = J.sum_khalves(s, acc, lane)
 
-        # The workspace's q [token, head, 192] fp32: this CTA's rows are dims d0 .. d0 + 63 of
-        # one head; 16 threads per token, 4 rows each.
-        head, d0 = cta // 3, cta % 3 * J.ROWS
-        j, row0 = tid % 16, tid // 16
-        for p in cutlass.range_constexpr(tokens // 16):
-            token = row0 + 16 * p
-            if token < batch:
-                values = P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j)
-                P.store_f32x4(workspace + (token * self.heads + head) * 192 + d0 + 4 * j, values)
+            # The workspace's q [token, head, 192] fp32: this CTA's rows are dims d0 .. d0 + 63
+            # of one head; 16 threads per token, 4 rows each.
+            head, d0 = block // 3, block % 3 * J.ROWS
+            j, row0 = tid % 16, tid // 16
+            for p in cutlass.range_constexpr(tokens // 16):
+                token = row0 + 16 * p
+                if token < batch:
+                    values = P.ld_shared_f32x4(out + token * J.OUT_PITCH + 16 * j)
+                    P.store_f32x4(workspace + (token * self.heads + head) * 192 + d0 + 4 * j, values)
 
     @cute.jit
     def kv_insert(
