@@ -1,5 +1,6 @@
-"""The streamed decode-batch GEMM core of the indexer's wq_b (IndexQuery): a CTA owns 64
-weight rows (half of one head, 192 KB of bf16) over the whole K = 1536 and computes
+"""The streamed decode-batch GEMM core of the indexer's wq_b (IndexQuery) and of MlaQuery's
+streamed Q_B (mla_query_stream): a CTA owns 64 weight rows (192 KB of bf16: half of an
+indexer head, a third of an MLA head) over the whole K = 1536 and computes
 out[row, token] = W[row, :] . q_c[token, :] for up to `tokens` tokens on the tensor cores.
 
 The weights stream once through a shared-memory ring of `w_ring` stages of 128 k-columns,
