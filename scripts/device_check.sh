@@ -49,7 +49,7 @@ want nsys_eager && TAIL=40 step nsys_eager 100 bash scripts/nsys_capture.sh "$ou
 want trace && TAIL=24 step trace 90 graphstep trace --batch 4 --context 8192 --replays 20 --out "$out/trace.json"
 want ops_tests && step ops_tests 240 python3 -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider
 want ops && TAIL=24 step ops 150 python3 bench/bench_ops.py --batch 1,16 --json "$out/ops.json" --watchdog 145
-want kernels && step kernels 70 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 65
+want kernels && step kernels 120 python3 bench/bench_kernels.py --heads 16,128 --batch 1,16,64 --watchdog 115
 want indexer && TAIL=20 step indexer 240 python3 bench/bench_indexer.py --json "$out/indexer.json" --watchdog 235
 want sparse && TAIL=16 step sparse 240 python3 bench/bench_sparse_core.py --sweep --json "$out/sparse.json" --watchdog 235
 want topk && TAIL=20 step topk 240 python3 bench/bench_indexer.py --top-k-sweep --json "$out/topk.json" --watchdog 235
