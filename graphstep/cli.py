@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import faulthandler
 import json
 import math
@@ -39,6 +40,54 @@ def add_shape_args(parser: argparse.ArgumentParser, dcps: bool = False) -> None:
     parser.add_argument("--split", action="store_true", help="the split query under DCP")
     parser.add_argument("--q-format", default="bf16", choices=["bf16", "fp8"], help="query rows in the mailbox")
     parser.add_argument("--mla-cache", default="bf16", choices=["bf16", "fp8"], help="MLA cache format")
+    parser.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="KERNEL.NAME=VALUE",
+        help="set a kernel module's tuning constant for this run, e.g. mla_query.STREAM_FROM_HEADS=64 (repeatable)",
+    )
+
+
+def parse_knob(text: str) -> tuple[str, str, object]:
+    """(kernel module, constant, value) of a --knob KERNEL.NAME=VALUE. The module is one of
+    kernels/catalog.py's KERNELS, the constant one of its upper-case names, and the value a
+    Python literal of the constant's type (None and an int stand for each other, as a
+    threshold that can be off; a dict keeps the constant's keys). Raises ValueError."""
+    from .kernels import catalog
+
+    name, sep, literal = text.partition("=")
+    kernel, dot, constant = name.strip().partition(".")
+    if not sep or not dot:
+        raise ValueError(f"--knob {text!r}: expected KERNEL.NAME=VALUE")
+    if kernel not in catalog.KERNELS:
+        raise ValueError(f"--knob {text!r}: no kernel {kernel!r} (kernels: {', '.join(sorted(catalog.KERNELS))})")
+    module = catalog.KERNELS[kernel]
+    current = getattr(module, constant, None)
+    if not constant.isupper() or not hasattr(module, constant) or callable(current) or constant == "SUPPORTED":
+        raise ValueError(f"--knob {text!r}: kernels/{kernel}.py has no tuning constant {constant!r}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--knob {text!r}: {literal.strip()!r} is not a Python literal") from None
+    kinds = {type(current), type(value)}
+    if type(value) is not type(current) and not kinds <= {int, type(None)}:
+        raise ValueError(f"--knob {text!r}: {kernel}.{constant} is {current!r}, a {type(current).__name__}")
+    if isinstance(current, dict) and set(value) != set(current):
+        raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes the keys {sorted(current)}")
+    return kernel, constant, value
+
+
+def apply_knobs(texts: list[str]) -> dict[str, object]:
+    """Set every --knob on its kernel module (the compiled variants and the host's choices read
+    them when the step is built); returns {KERNEL.NAME: value} for the records."""
+    from .kernels import catalog
+
+    applied = {}
+    for kernel, constant, value in [parse_knob(text) for text in texts]:
+        setattr(catalog.KERNELS[kernel], constant, value)
+        applied[f"{kernel}.{constant}"] = value
+    return applied
 
 
 def rank_shape(args) -> RankShape:
@@ -652,6 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
+    for text in args.knob:
+        parse_knob(text)
     group = args.command in ("bench", "run")  # they run a DCP group of real ranks (graphstep.dcp_group)
     for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
@@ -709,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             seconds = watchdog_seconds()
             check_args(args)
+            args.knobs = apply_knobs(args.knob)
             if seconds:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
                 faulthandler.dump_traceback_later(seconds, exit=True)
             return args.func(args)

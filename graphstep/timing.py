@@ -113,6 +113,7 @@ def run_gpu(args, shape: RankShape) -> int:
         )
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
+        meta["knobs"] = getattr(args, "knobs", {})
         print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(
@@ -325,6 +326,7 @@ def bench(args, shape: RankShape) -> int:
         shape=shape.model.name,
         topology=shape.topology.name,
         context=args.context,
+        knobs=getattr(args, "knobs", {}),
     )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))

@@ -245,3 +245,49 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
     assert "--dcp 3: --tp 8 must be a multiple of it" in _error(["bench", "--tp", "8", "--dcp", "2,3"], capsys)
     assert "--dcp 3: --tp 8 must be a multiple of it" in _error(["run", "--cpu", "--tp", "8", "--dcp", "3"], capsys)
     assert "--group-only: needs --dcp sizes above 1" in _error(["bench", "--group-only"], capsys)
+
+
+@pytest.mark.parametrize(
+    "knob, error",
+    [
+        ("mla_query.STREAM_FROM_HEADS", "expected KERNEL.NAME=VALUE"),
+        ("STREAM_FROM_HEADS=4", "expected KERNEL.NAME=VALUE"),
+        ("mla_querry.STREAM_FROM_HEADS=4", "no kernel 'mla_querry'"),
+        ("mla_query.stream_tokens=4", "no tuning constant 'stream_tokens'"),
+        ("mla_query.SUPPORTED={}", "no tuning constant 'SUPPORTED'"),
+        ("sparse_core.NOPE=1", "no tuning constant 'NOPE'"),
+        ("mla_query.STREAM_FROM_HEADS=sixty", "'sixty' is not a Python literal"),
+        ("sparse_core.COMBINE=1", "is True, a bool"),
+        ("sparse_core.PROBE=None", "is '', a str"),
+        ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
+    ],
+)
+def test_knob_errors_name_what_is_wrong(capsys, knob, error):
+    """--knob is checked with the other flags: a bad one exits 2 with its reason, touching nothing."""
+    from graphstep.kernels import mla_query, sparse_core
+
+    before = (mla_query.STREAM_FROM_HEADS, sparse_core.COMBINE, sparse_core.PROBE, dict(sparse_core.PRODUCER))
+    assert main(["info", "--knob", knob]) == 2
+    assert error in capsys.readouterr().err
+    assert (mla_query.STREAM_FROM_HEADS, sparse_core.COMBINE, sparse_core.PROBE, sparse_core.PRODUCER) == before
+
+
+def test_knob_sets_the_constant_the_variants_follow(tmp_path, monkeypatch, capsys):
+    """`graphstep ptx --knob mla_query.STREAM_FROM_HEADS=1` writes MlaQuery's streamed variant
+    in place of the register kernel (the knobs apply before the command runs)."""
+    from graphstep.kernels import mla_query, sparse_core
+
+    from graphstep.cli import apply_knobs
+
+    monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", None)  # restored after the test
+    monkeypatch.setattr(sparse_core, "PRODUCER", dict(sparse_core.PRODUCER))
+    assert apply_knobs(["sparse_core.PRODUCER={'fp8': True, 'bf16': False}"]) == {
+        "sparse_core.PRODUCER": {"fp8": True, "bf16": False}
+    }
+    assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}
+    out = tmp_path / "ptx"
+    args = ["ptx", "--tp", "1", "--batch-size", "4", "--out", str(out), "--knob", "mla_query.STREAM_FROM_HEADS=1"]
+    assert main(args) == 0
+    assert mla_query.STREAM_FROM_HEADS == 1
+    names = {p.name.split(".")[0] for p in out.iterdir()}
+    assert "mla_query_rows_s16" in names and "mla_query_rows" not in names
