@@ -51,9 +51,10 @@ def add_shape_args(parser: argparse.ArgumentParser, dcps: bool = False) -> None:
 
 def parse_knob(text: str) -> tuple[str, str, object]:
     """(kernel module, constant, value) of a --knob KERNEL.NAME=VALUE. The module is one of
-    kernels/catalog.py's KERNELS, the constant one of its upper-case names, and the value a
-    Python literal of the constant's type (None and an int stand for each other, as a
-    threshold that can be off; a dict keeps the constant's keys). Raises ValueError."""
+    kernels/catalog.py's KERNELS, the constant one of its KNOBS (the tuning constants the host
+    reads when it builds a variant; not the probes, whose results are wrong), and the value a
+    Python literal of a type its KNOBS entry names (a dict with the constant's keys). Raises
+    ValueError."""
     from .kernels import catalog
 
     name, sep, literal = text.partition("=")
@@ -63,16 +64,22 @@ def parse_knob(text: str) -> tuple[str, str, object]:
     if kernel not in catalog.KERNELS:
         raise ValueError(f"--knob {text!r}: no kernel {kernel!r} (kernels: {', '.join(sorted(catalog.KERNELS))})")
     module = catalog.KERNELS[kernel]
-    current = getattr(module, constant, None)
-    if not constant.isupper() or not hasattr(module, constant) or callable(current) or constant == "SUPPORTED":
-        raise ValueError(f"--knob {text!r}: kernels/{kernel}.py has no tuning constant {constant!r}")
+    knobs = getattr(module, "KNOBS", {})
+    if constant not in knobs:
+        listed = f"its knobs: {', '.join(knobs)}" if knobs else "it has none"
+        raise ValueError(f"--knob {text!r}: {constant!r} is not a knob of kernels/{kernel}.py ({listed})")
+    current = getattr(module, constant)
+    kinds = knobs[constant] if isinstance(knobs[constant], tuple) else (knobs[constant],)
     try:
         value = ast.literal_eval(literal.strip())
     except (ValueError, SyntaxError):
         raise ValueError(f"--knob {text!r}: {literal.strip()!r} is not a Python literal") from None
-    kinds = {type(current), type(value)}
-    if type(value) is not type(current) and not kinds <= {int, type(None)}:
-        raise ValueError(f"--knob {text!r}: {kernel}.{constant} is {current!r}, a {type(current).__name__}")
+    if type(value) not in kinds:  # (exact types: a bool is no int here)
+        names = " or ".join(
+            "None" if kind is type(None) else f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
+            for kind in kinds
+        )
+        raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes {names} (now {current!r})")
     if isinstance(current, dict) and set(value) != set(current):
         raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes the keys {sorted(current)}")
     return kernel, constant, value

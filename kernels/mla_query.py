@@ -74,6 +74,8 @@ STREAM_TOKENS = tuple(sorted(STREAM_RINGS))
 # None: never. Not yet measured on a GPU (bench/plans/s25_a.txt times it against the
 # register kernel at TP 1 and TP 8), so off.
 STREAM_FROM_HEADS = None
+# The constants a run may change, and the types each takes (graphstep's --knob)
+KNOBS = {"STREAM_FROM_HEADS": (int, type(None)), "TARGET_CTAS": int}
 
 
 def stream_tokens(batch: int, heads: int) -> int:

@@ -117,6 +117,17 @@ CLUSTER_SPLITS = 2
 # together at the rates each showed alone (levers.md S.3; bench_sparse_core.py --paths
 # mws<N> sets N sixteenths).
 MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
+# The constants above a run may change, and the types each takes (graphstep's --knob; the
+# probes PROBE and COMBINE give wrong results and stay for the benchmarks' own flags).
+KNOBS = {
+    "PRODUCER": dict,
+    "RESHAPE_BLOCKS": int,
+    "CROSSOVER": dict,
+    "XOVER_RESHAPE_BLOCKS": int,
+    "MMA_PRODUCER_BLOCKS": dict,
+    "CLUSTER_SPLITS": int,
+    "MMA_BULK_SIXTEENTHS": dict,
+}
 
 
 def heads_per_cta(q_heads: int) -> int:

@@ -253,12 +253,16 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
         ("mla_query.STREAM_FROM_HEADS", "expected KERNEL.NAME=VALUE"),
         ("STREAM_FROM_HEADS=4", "expected KERNEL.NAME=VALUE"),
         ("mla_querry.STREAM_FROM_HEADS=4", "no kernel 'mla_querry'"),
-        ("mla_query.stream_tokens=4", "no tuning constant 'stream_tokens'"),
-        ("mla_query.SUPPORTED={}", "no tuning constant 'SUPPORTED'"),
-        ("sparse_core.NOPE=1", "no tuning constant 'NOPE'"),
+        ("mla_query.stream_tokens=4", "'stream_tokens' is not a knob of kernels/mla_query.py (its knobs: "),
+        ("mla_query.SUPPORTED={}", "'SUPPORTED' is not a knob"),
+        ("sparse_core.PROBE='no_math'", "'PROBE' is not a knob"),  # a probe: wrong results
+        ("sparse_core.COLS=4", "'COLS' is not a knob"),  # a layout fact other modules hold too
+        ("top_k.PICKS=()", "is not a knob of kernels/top_k.py (it has none)"),
         ("mla_query.STREAM_FROM_HEADS=sixty", "'sixty' is not a Python literal"),
-        ("sparse_core.COMBINE=1", "is True, a bool"),
-        ("sparse_core.PROBE=None", "is '', a str"),
+        ("sparse_core.CLUSTER_SPLITS=True", "sparse_core.CLUSTER_SPLITS takes an int (now 2)"),
+        ("sparse_core.RESHAPE_BLOCKS=None", "sparse_core.RESHAPE_BLOCKS takes an int"),
+        ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now None)"),
+        ("sparse_core.PRODUCER=True", "sparse_core.PRODUCER takes a dict"),
         ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
     ],
 )
@@ -266,10 +270,10 @@ def test_knob_errors_name_what_is_wrong(capsys, knob, error):
     """--knob is checked with the other flags: a bad one exits 2 with its reason, touching nothing."""
     from graphstep.kernels import mla_query, sparse_core
 
-    before = (mla_query.STREAM_FROM_HEADS, sparse_core.COMBINE, sparse_core.PROBE, dict(sparse_core.PRODUCER))
-    assert main(["info", "--knob", knob]) == 2
+    before = (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, dict(sparse_core.PRODUCER))
+    assert main(["info", "--knob", "mla_query.STREAM_FROM_HEADS=64", "--knob", knob]) == 2
     assert error in capsys.readouterr().err
-    assert (mla_query.STREAM_FROM_HEADS, sparse_core.COMBINE, sparse_core.PROBE, sparse_core.PRODUCER) == before
+    assert (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, sparse_core.PRODUCER) == before
 
 
 def test_knob_sets_the_constant_the_variants_follow(tmp_path, monkeypatch, capsys):
@@ -291,3 +295,16 @@ def test_knob_sets_the_constant_the_variants_follow(tmp_path, monkeypatch, capsy
     assert mla_query.STREAM_FROM_HEADS == 1
     names = {p.name.split(".")[0] for p in out.iterdir()}
     assert "mla_query_rows_s16" in names and "mla_query_rows" not in names
+
+
+def test_every_knob_is_a_constant_of_a_type_it_takes():
+    """Each kernel module's KNOBS names constants it has, of a type the entry lists (what
+    --knob checks a new value against)."""
+    from graphstep.kernels import catalog
+
+    declared = {name: module.KNOBS for name, module in catalog.KERNELS.items() if hasattr(module, "KNOBS")}
+    assert {"sparse_core", "mla_query"} <= set(declared)
+    for name, knobs in declared.items():
+        for constant, kinds in knobs.items():
+            kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+            assert type(getattr(catalog.KERNELS[name], constant)) in kinds, (name, constant)
