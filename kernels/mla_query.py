@@ -14,16 +14,15 @@ mla_query_project
          bf16 or the fp8 656-byte row; slot -1 writes nothing, and a slot outside
          [0, pool_slots) too, recorded in the error word: kernels/guards.py).
 mla_query_stream
-         (`tokens` 16, 32 or 64: the streamed project; grid: ceil(B / 8) CTAs of KV inserts,
-         then H x 3 CTAs of 64 Q_B rows; 256 threads; batch <= tokens) the same q from
-         IndexQuery's streamed GEMM core
-         (kernels/projection.py): the CTA's 192 KB of Q_B rows stream once through a
-         shared-memory ring of TMA copies (the first stages issued before griddepcontrol.wait),
-         q_c's tokens through a ring of their own, each token read once per CTA instead of
-         once per MMA; the two k-halves summed in a fixed order into an fp32 [token][row]
-         tile, stored to the workspace. The KV insert has CTAs of its own (a warp a token),
-         so its dependent reads stay off the rings' schedule.
-         Used where `stream_tokens` says (STREAM_FROM_HEADS).
+         (`tokens` 16, 32 or 64: the streamed project, in place of mla_query_project where
+         `stream_tokens` says; grid: ceil(B / 8) CTAs of KV inserts, then H x 3 CTAs of 64
+         Q_B rows; 256 threads; batch <= tokens) the same q from IndexQuery's streamed GEMM
+         core (kernels/projection.py): the CTA's 192 KB of Q_B rows stream once through a
+         shared-memory ring of TMA copies (the first stages issued before
+         griddepcontrol.wait), q_c's tokens through a ring of their own, each token read
+         once per CTA instead of once per MMA; the two k-halves summed in a fixed order
+         into an fp32 [token][row] tile, stored to the workspace. The KV insert has CTAs of
+         its own (a warp a token), so its dependent reads stay off the rings' schedule.
 mla_query_absorb
          (grid: H x 8 latent slices of 64, x batch-tile groups; W_UK slice in registers)
          W_UK absorption of q_nope into the 512-wide latent (weights pre-transposed to
@@ -39,11 +38,10 @@ mla_query_absorb
 RoPE rows are read at context_lens - 1; a length outside [1, rope_rows] reads row 0 instead
 (that token's rows are garbage, in bounds) and is recorded (kernels/guards.py).
 
-Both hold their weight rows in registers and run the same 16 x 16 tensor-core tile
-(`held_rows`, `tile_mma`); they bulk-prefetch their weight slices into L2 before
-griddepcontrol_wait, so the weight stream starts while the kernel before them drains.
-(IndexQuery's wq_b, 25 MB read once, streams through shared memory instead:
-kernels/projection.py.)
+mla_query_project and mla_query_absorb hold their weight rows in registers and run the same
+16 x 16 tensor-core tile (`held_rows`, `tile_mma`); they bulk-prefetch their weight slices
+into L2 before griddepcontrol_wait, so the weight stream starts while the kernel before them
+drains. (mla_query_stream, like IndexQuery's wq_b, streams through shared memory instead.)
 """
 
 from __future__ import annotations
