@@ -72,8 +72,15 @@ STREAM_TOKENS = tuple(sorted(STREAM_RINGS))
 # None: never. Not yet measured on a GPU (bench/plans/s25_a.txt times it against the
 # register kernel at TP 1 and TP 8), so off.
 STREAM_FROM_HEADS = None
+# mla_query_absorb: True stages each tile's q_nope in shared memory as bf16 once per CTA (a
+# 16-byte load per thread per 8 dims, NOPE_PITCH bytes a token: ldmatrix-free B fragments
+# without bank conflicts) instead of every warp loading it from the workspace per MMA (4x the
+# L2 reads: ~134 MB at TP 1, B = 64). Same bf16 words, same MMAs: bit-identical. Not yet
+# measured on a GPU (plan s25_d), so off.
+ABSORB_STAGED = False
+NOPE_PITCH = 320  # 128 bf16 + 64 bytes: a quarter-warp's 8 fragment loads hit 8 distinct 16-byte bank groups
 # The constants a run may change, and the types each takes (graphstep's --knob)
-KNOBS = {"STREAM_FROM_HEADS": (int, type(None)), "TARGET_CTAS": int}
+KNOBS = {"STREAM_FROM_HEADS": (int, type(None)), "TARGET_CTAS": int, "ABSORB_STAGED": bool}
 
 
 def stream_tokens(batch: int, heads: int) -> int:
@@ -144,6 +151,7 @@ class MlaQuery:
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl, self.ue8m0 = q_fp8, mla_fp8, pdl, ue8m0
         self.targets, self.tokens = targets, tokens
+        self.staged = ABSORB_STAGED
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
         self.norm = QueryNorm(tiled, row_stride, pdl)
@@ -462,6 +470,10 @@ class MlaQuery:
         head, part = x // LATENT_SLICES, x % LATENT_SLICES
         smem = cutlass.memory.SmemAllocator()
         out = smem.allocate_tensor(Float32, cute.make_layout(BATCH_TILE * 68), byte_alignment=16)
+        nope_s = 0  # staged: the tile's q_nope as bf16, NOPE_PITCH bytes a token
+        if cutlass.const_expr(self.staged):
+            nope_s = smem.allocate_tensor(Uint8, cute.make_layout(BATCH_TILE * NOPE_PITCH), byte_alignment=16)
+            nope_s = nope_s.iterator.toint()
         slice_base = w_uk_t + (head * 512 + part * 64) * 128
         if tid == 0:
             P.prefetch_l2(slice_base, 64 * 128 * 2)
@@ -478,7 +490,21 @@ class MlaQuery:
         chunks = 64 * self.q_bytes // 16  # 16-byte chunks per token of this slice (and of the rope)
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             # W_UK over q_nope, read from the workspace as bf16
-            acc = tile_mma(lo, hi, column, tile, g, batch, lambda row, k: self.nope_word(workspace, row, head, k))
+            if cutlass.const_expr(self.staged):
+                # thread -> (token tid // 8 of the tile, dims 16 (tid % 8) ..): its two words,
+                # tokens past the batch as the last one (as tile_mma reads them)
+                first = tile * BATCH_TILE
+                row = cutlass.min(first + tid // 8, batch - 1)
+                for h in cutlass.range_constexpr(2):
+                    word = self.nope_word(workspace, row, head, 16 * (tid % 8) + 8 * h)
+                    P.st_shared_u32x4(nope_s + (tid // 8) * NOPE_PITCH + 32 * (tid % 8) + 16 * h, word)
+                cute.arch.sync_threads()
+                acc = tile_mma(
+                    lo, hi, column, tile, g, batch,
+                    lambda row, k: P.ld_shared_u32x4(nope_s + (row - first) * NOPE_PITCH + 2 * k),
+                )  # fmt: skip
+            else:
+                acc = tile_mma(lo, hi, column, tile, g, batch, lambda row, k: self.nope_word(workspace, row, head, k))
             for nt in cutlass.range_constexpr(2):
                 for q in cutlass.range_constexpr(4):
                     out[(nt * 8 + 2 * t + q % 2) * 68 + warp * 16 + g + 8 * (q // 2)] = acc[nt][q]

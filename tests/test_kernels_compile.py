@@ -359,6 +359,29 @@ def test_mla_query_streamed_project_streams_q_b_once(streamed_ptx, tokens):
         assert entry.count("st.global.v4.f32") == tokens // 16
 
 
+def test_mla_query_staged_absorb_reads_each_token_once(monkeypatch, tmp_path):
+    """mla_query.ABSORB_STAGED: the absorb stages a tile's q_nope in shared memory (two 16-byte
+    stores a thread after four 16-byte fp32 loads, one more CTA barrier) and its MMAs read the
+    8 token words a thread from there, where the plain absorb loads all 16 fp32 quads per MMA
+    pass from the workspace; the same 16 MMAs."""
+    from graphstep.kernels import mla_query
+
+    counts = {}
+    for staged in (False, True):
+        monkeypatch.setattr(mla_query, "ABSORB_STAGED", staged)
+        variant = catalog.build(STREAMED["tp1"], "mla_query", tiled=False, poll=False)
+        folder = tmp_path / str(staged)
+        catalog.compile_op(variant.op, variant.args, "sm_90a", str(folder))
+        (path,) = [p for p in folder.iterdir() if p.suffix == ".ptx"]
+        (absorb,) = [e for e in _entries(path.read_text()) if "mla_query_absorb" in e.split("(")[0]]
+        assert ".local" not in absorb
+        counts[staged] = [absorb.count(op) for op in ("ld.global.v4.f32", "ld.shared.v4.b32", "st.shared.v4.b32")]
+        counts[staged] += [absorb.count("bar.sync"), absorb.count("mma.sync.aligned.m16n8k16")]
+    rope = 2  # the rope dims' fp32 quads of the publish, in both
+    assert counts[False] == [16 + rope, 2, 0, 2, 16]
+    assert counts[True] == [4 + rope, 2 + 8, 2, 3, 16]
+
+
 def test_fp8_variants_convert_with_saturation(ptx):
     text = ptx[("kimi-dcp2-fp8", "mla_query_rows")]
     assert "cvt.rn.satfinite.e4m3x2.f32" in text

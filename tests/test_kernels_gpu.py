@@ -152,6 +152,43 @@ def test_mla_query_streamed_project(monkeypatch, case, batch):
     assert rel_err(rows, ref.kv_row(state, inputs)) < (0.05 if fp8 else 1e-2)
 
 
+@pytest.mark.parametrize("case", list(STREAMED))
+@pytest.mark.parametrize("batch", [1, 17, 64, 70])
+def test_mla_query_staged_absorb_is_bit_identical(monkeypatch, case, batch):
+    """The absorb with its tiles' q_nope staged in shared memory (mla_query.ABSORB_STAGED)
+    writes exactly the plain absorb's query rows: the same bf16 words into the same MMAs."""
+    from graphstep.kernels import mla_query
+
+    state = _state(STREAMED[case], max_batch=70)
+    kernels = Kernels(state.shape, state.weights)
+    inputs = state.inputs(batch)
+    rows = {}
+    for staged in (False, True):
+        monkeypatch.setattr(mla_query, "ABSORB_STAGED", staged)
+        buf = _buffers(state, batch)
+        error = ErrorWord.new("cuda")
+        kernels.mla_query(
+            inputs.qkv,
+            inputs.context_lens,
+            inputs.slot_mapping,
+            buf["qc"],
+            buf["qc_private"],
+            buf["workspace"],
+            buf["q_rows"],
+            state.clone_caches().mla_cache,
+            error,
+            batch,
+            store_qc=False,
+            poll=False,
+        )
+        torch.cuda.synchronize()
+        error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
+        rows[staged] = buf["q_rows"][:batch, : state.shape.heads]
+    chunks = rows[True].reshape(batch, state.shape.heads, -1, 16)
+    assert not (chunks == 0xFF).all(dim=-1).any(), "every 16-byte chunk of every row is written"
+    assert torch.equal(rows[True], rows[False])
+
+
 def test_kv_insert_past_2_gib_of_cache():
     """A 32K-context, 64-sequence bf16 MLA cache is 2.4 GB: the highest slots' byte
     offsets do not fit in 32 bits (the step crashed at B = 64 before they were 64-bit)."""
