@@ -112,7 +112,8 @@ def _query_norm(shape, pdl, tiled: bool):
 
 def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False, tokens: int = 0):
     """remote: store the rows into every rank's mailbox of a DCP group (peer memory); tokens:
-    the streamed project's token rows (mla_query.stream_tokens), 0 for the register kernel."""
+    the streamed project's token rows (mla_query.stream_tokens), 0 for the register kernel.
+    The name ends in _staged where the absorb stages its tokens (mla_query.ABSORB_STAGED)."""
     topo = shape.topology
     op = mla_query.MlaQuery(
         shape.heads,
@@ -130,7 +131,7 @@ def _mla_query(shape, pdl, tiled: bool, poll: bool, remote: bool = False, tokens
         tokens,
     )
     name = f"mla_query_{_rows_or_tiled(tiled)}{'_poll' if poll else ''}{'_remote' if remote else ''}"
-    return name + (f"_s{tokens}" if tokens else ""), op
+    return name + (f"_s{tokens}" if tokens else "") + ("_staged" if op.staged else ""), op
 
 
 def _query_wait(shape, pdl):

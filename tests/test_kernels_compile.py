@@ -370,6 +370,7 @@ def test_mla_query_staged_absorb_reads_each_token_once(monkeypatch, tmp_path):
     for staged in (False, True):
         monkeypatch.setattr(mla_query, "ABSORB_STAGED", staged)
         variant = catalog.build(STREAMED["tp1"], "mla_query", tiled=False, poll=False)
+        assert variant.name == "mla_query_rows" + ("_staged" if staged else "")
         folder = tmp_path / str(staged)
         catalog.compile_op(variant.op, variant.args, "sm_90a", str(folder))
         (path,) = [p for p in folder.iterdir() if p.suffix == ".ptx"]
