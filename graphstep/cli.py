@@ -49,12 +49,20 @@ def add_shape_args(parser: argparse.ArgumentParser, dcps: bool = False) -> None:
     )
 
 
+def _a(kind: type) -> str:
+    """A type as the knob errors name it: 'an int', 'a dict', 'None'."""
+    if kind is type(None):
+        return "None"
+    return f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
+
+
 def parse_knob(text: str) -> tuple[str, str, object]:
     """(kernel module, constant, value) of a --knob KERNEL.NAME=VALUE. The module is one of
     kernels/catalog.py's KERNELS, the constant one of its KNOBS (the tuning constants the host
     reads when it builds a variant; not the probes, whose results are wrong), and the value a
-    Python literal of a type its KNOBS entry names (a dict with the constant's keys). Raises
-    ValueError."""
+    Python literal of a type its KNOBS entry names (a dict with the constant's keys, each
+    value of its present value's type). Ranges are the kernel's to check when the step is
+    built (a ValueError then too). Raises ValueError."""
     from .kernels import catalog
 
     name, sep, literal = text.partition("=")
@@ -75,13 +83,15 @@ def parse_knob(text: str) -> tuple[str, str, object]:
     except (ValueError, SyntaxError):
         raise ValueError(f"--knob {text!r}: {literal.strip()!r} is not a Python literal") from None
     if type(value) not in kinds:  # (exact types: a bool is no int here)
-        names = " or ".join(
-            "None" if kind is type(None) else f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
-            for kind in kinds
-        )
+        names = " or ".join(_a(kind) for kind in kinds)
         raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes {names} (now {current!r})")
-    if isinstance(current, dict) and set(value) != set(current):
-        raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes the keys {sorted(current)}")
+    if isinstance(current, dict):
+        if set(value) != set(current):
+            raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes the keys {sorted(current)}")
+        for key, item in value.items():
+            if type(item) is not type(current[key]):  # (exact: a bool is no int, 10.5 no int)
+                kind = _a(type(current[key]))
+                raise ValueError(f"--knob {text!r}: {kernel}.{constant}[{key!r}] takes {kind} (now {current[key]!r})")
     return kernel, constant, value
 
 

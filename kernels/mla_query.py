@@ -91,9 +91,10 @@ def stream_tokens(batch: int, heads: int) -> int:
     return next(t for t in STREAM_TOKENS if batch <= t)
 
 
-def tile_groups(ctas: int) -> int:
-    """How many CTA rows share the batch tiles when the grid has `ctas` CTAs per row."""
-    return max(1, TARGET_CTAS // ctas)
+def tile_groups(ctas: int, target: int) -> int:
+    """How many CTA rows share the batch tiles when the grid has `ctas` CTAs per row and
+    aims at `target` CTAs (TARGET_CTAS, as the op was built with)."""
+    return max(1, target // ctas)
 
 
 def held_rows(weights, stride: int, chunks: int, column, g) -> tuple[list, list]:
@@ -151,7 +152,7 @@ class MlaQuery:
         self.row_stride, self.tiled, self.poll = row_stride, tiled, poll
         self.q_fp8, self.mla_fp8, self.pdl, self.ue8m0 = q_fp8, mla_fp8, pdl, ue8m0
         self.targets, self.tokens = targets, tokens
-        self.staged = ABSORB_STAGED
+        self.staged, self.target_ctas = ABSORB_STAGED, TARGET_CTAS  # (knobs: part of the compile-cache key)
         self.q_bytes = 1 if q_fp8 else 2
         self.row_chunks = 36 * self.q_bytes
         self.norm = QueryNorm(tiled, row_stride, pdl)
@@ -235,7 +236,7 @@ class MlaQuery:
                 pool_slots,
                 rope_rows,
             ).launch(
-                grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas)), 1],
+                grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas, self.target_ctas)), 1],
                 block=[THREADS, 1, 1],
                 stream=stream,
                 use_pdl=self.pdl,
@@ -244,7 +245,7 @@ class MlaQuery:
         self.mla_query_absorb(
             w_uk_t, cos, sin, context_lens, workspace, q_rows, mailbox_offsets, error, batch, budget_ns, rope_rows
         ).launch(
-            grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas)), 1],
+            grid=[absorb_ctas, cutlass.min(tiles, tile_groups(absorb_ctas, self.target_ctas)), 1],
             block=[THREADS, 1, 1],
             stream=stream,
             use_pdl=self.pdl,
@@ -491,13 +492,14 @@ class MlaQuery:
         for tile in range(group, (batch + BATCH_TILE - 1) // BATCH_TILE, groups):
             # W_UK over q_nope, read from the workspace as bf16
             if cutlass.const_expr(self.staged):
-                # thread -> (token tid // 8 of the tile, dims 16 (tid % 8) ..): its two words,
-                # tokens past the batch as the last one (as tile_mma reads them)
+                # thread -> (token tid // 8 of the tile, dims 8 (tid % 8) + 64 h): its two words
+                # (a quarter-warp's stores 16 bytes apart: no bank conflict), tokens past the
+                # batch as the last one (as tile_mma reads them)
                 first = tile * BATCH_TILE
                 row = cutlass.min(first + tid // 8, batch - 1)
                 for h in cutlass.range_constexpr(2):
-                    word = self.nope_word(workspace, row, head, 16 * (tid % 8) + 8 * h)
-                    P.st_shared_u32x4(nope_s + (tid // 8) * NOPE_PITCH + 32 * (tid % 8) + 16 * h, word)
+                    k = 8 * (tid % 8) + 64 * h
+                    P.st_shared_u32x4(nope_s + (tid // 8) * NOPE_PITCH + 2 * k, self.nope_word(workspace, row, head, k))
                 cute.arch.sync_threads()
                 acc = tile_mma(
                     lo, hi, column, tile, g, batch,

@@ -264,12 +264,17 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
         ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now None)"),
         ("sparse_core.PRODUCER=True", "sparse_core.PRODUCER takes a dict"),
         ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
+        ("sparse_core.PRODUCER={'fp8': 'no', 'bf16': True}", "sparse_core.PRODUCER['fp8'] takes a bool (now True)"),
+        ("sparse_core.MMA_BULK_SIXTEENTHS={'fp8': 9, 'bf16': 10.5}", "MMA_BULK_SIXTEENTHS['bf16'] takes an int"),
+        ("sparse_core.MMA_PRODUCER_BLOCKS={'fp8': None, 'bf16': 1}", "MMA_PRODUCER_BLOCKS['fp8'] takes an int"),
     ],
 )
-def test_knob_errors_name_what_is_wrong(capsys, knob, error):
+def test_knob_errors_name_what_is_wrong(capsys, monkeypatch, knob, error):
     """--knob is checked with the other flags: a bad one exits 2 with its reason, touching nothing."""
     from graphstep.kernels import mla_query, sparse_core
 
+    for module, name in ((mla_query, "STREAM_FROM_HEADS"), (sparse_core, "CLUSTER_SPLITS"), (sparse_core, "PRODUCER")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored whatever this test does
     before = (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, dict(sparse_core.PRODUCER))
     assert main(["info", "--knob", "mla_query.STREAM_FROM_HEADS=64", "--knob", knob]) == 2
     assert error in capsys.readouterr().err

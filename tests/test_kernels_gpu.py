@@ -157,7 +157,7 @@ def test_mla_query_streamed_project(monkeypatch, case, batch):
 def test_mla_query_staged_absorb_is_bit_identical(monkeypatch, case, batch):
     """The absorb with its tiles' q_nope staged in shared memory (mla_query.ABSORB_STAGED)
     writes exactly the plain absorb's query rows: the same bf16 words into the same MMAs."""
-    from graphstep.kernels import mla_query
+    from graphstep.kernels import catalog, mla_query
 
     state = _state(STREAMED[case], max_batch=70)
     kernels = Kernels(state.shape, state.weights)
@@ -165,6 +165,8 @@ def test_mla_query_staged_absorb_is_bit_identical(monkeypatch, case, batch):
     rows = {}
     for staged in (False, True):
         monkeypatch.setattr(mla_query, "ABSORB_STAGED", staged)
+        variant = catalog.build(state.shape, "mla_query", tiled=kernels.tiled(batch), poll=False)
+        assert variant.name.endswith("_staged") == staged  # the launch below compiles this variant
         buf = _buffers(state, batch)
         error = ErrorWord.new("cuda")
         kernels.mla_query(
