@@ -284,6 +284,30 @@ def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tb
     return dict(model=m.name, topology=t.name, assumed=list(m.assumed), sizes=sizes, floors=floors)
 
 
+def cmd_knobs(args) -> int:
+    """`graphstep knobs`: every kernel module's KNOBS with its value for this run (after any
+    --knob) and the types it takes; needs no GPU."""
+    from .kernels import catalog
+
+    rows = []
+    for kernel, module in catalog.KERNELS.items():
+        for name, kinds in getattr(module, "KNOBS", {}).items():
+            kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+            given = f"{kernel}.{name}" in args.knobs
+            rows.append(
+                [
+                    kernel,
+                    name,
+                    repr(getattr(module, name)),
+                    " or ".join(_a(k) for k in kinds),
+                    "--knob" if given else "",
+                ]
+            )
+    print(table(["kernel", "knob", "value", "takes", "set by"], rows))
+    print("set one for a run with --knob KERNEL.NAME=VALUE; what each does: its comment in kernels/KERNEL.py")
+    return 0
+
+
 def cmd_info(args) -> int:
     """`graphstep info`: sizes, bytes, FLOPs and floors per stage; needs no GPU."""
     record = info_record(rank_shape(args), args.batch, args.context, args.bandwidth)
@@ -617,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true", help="print the sizes and floors as JSON")
     info.set_defaults(func=cmd_info)
+
+    knobs = command("knobs", "each kernel's tuning constants (--knob), their values for this run and types")
+    knobs.set_defaults(func=cmd_knobs)
 
     run = command("run", "build, capture and replay the step (reference on the CPU without an sm_90 GPU)")
     run.add_argument(

@@ -313,3 +313,16 @@ def test_every_knob_is_a_constant_of_a_type_it_takes():
         for constant, kinds in knobs.items():
             kinds = kinds if isinstance(kinds, tuple) else (kinds,)
             assert type(getattr(catalog.KERNELS[name], constant)) in kinds, (name, constant)
+
+
+def test_knobs_lists_every_knob_with_this_runs_value(capsys, monkeypatch):
+    from graphstep.kernels import catalog, sparse_core
+
+    monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", sparse_core.CLUSTER_SPLITS)  # restored after the test
+    assert main(["knobs", "--knob", "sparse_core.CLUSTER_SPLITS=4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    declared = [(k, n) for k, m in catalog.KERNELS.items() for n in getattr(m, "KNOBS", {})]
+    assert len(lines) == 2 + len(declared) + 1  # header, rule, a row each, the hint
+    row = next(line.split() for line in lines if "CLUSTER_SPLITS" in line)
+    assert row[:3] == ["sparse_core", "CLUSTER_SPLITS", "4"] and row[-1] == "--knob"
+    assert sparse_core.CLUSTER_SPLITS == 4
