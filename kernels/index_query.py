@@ -193,20 +193,14 @@ class IndexQuery:
         lane, warp = tid % 32, tid // 32
         head, rank = cta // 2, cta % 2  # the cluster is (2, 1, 1): rank = cta % 2
         smem = cutlass.memory.SmemAllocator()
-        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, w_slots), byte_alignment=1024)
-        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, q_slots), byte_alignment=1024)
-        w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
-        q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
+        # per ring: (slots, its full mbarriers' address, its empty ones', the bytes of a fill)
+        s, weights, queries, w_sync, q_sync = J.allocate_rings(
+            smem, tokens, w_slots, q_slots, w_tma, w_coords, q_tma, q_coords, cta, warp, lane
+        )
         if cutlass.const_expr(not self.hadamard):
             peer_amax = smem.allocate_tensor(Float32, cute.make_layout(tokens), byte_alignment=16)
         else:  # the rotation's exchange: the peer's tile read (`free`), the peer's half landed (`ready`)
             swap = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=8)
-        s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
-        # per ring: (slots, its full mbarriers' address, its empty ones', the bytes of a fill)
-        w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
-        q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, J.operand_bytes(tokens))
-        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, cta, w_bars.iterator)
-        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
         if cutlass.const_expr(not self.hadamard):
             cute.arch.cluster_arrive_relaxed(aligned=True)  # waited on before the first store into the peer CTA
 

@@ -348,15 +348,9 @@ class MlaQuery:
         inserts = (batch + J.WARPS - 1) // J.WARPS
         block = cta - inserts
         smem = cutlass.memory.SmemAllocator()
-        w_ring = smem.allocate_tensor(BFloat16, J.stage_layout(J.ROWS, w_slots), byte_alignment=1024)
-        q_ring = smem.allocate_tensor(BFloat16, J.stage_layout(tokens, q_slots), byte_alignment=1024)
-        w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
-        q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
-        s = J.Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
-        w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, J.operand_bytes(J.ROWS))
-        q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, J.operand_bytes(tokens))
-        weights = J.Copies(w_tma, w_coords, w_ring, J.ROWS, block, w_bars.iterator)
-        queries = J.Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
+        s, weights, queries, w_sync, q_sync = J.allocate_rings(
+            smem, tokens, w_slots, q_slots, w_tma, w_coords, q_tma, q_coords, block, warp, lane
+        )
         if cta < inserts:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()

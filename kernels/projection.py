@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import primitives as P
@@ -176,6 +176,22 @@ class Stream:
 # -- the rings' barriers and the loop (a kernel's shared-memory rings: `Ring` tuples) --------
 # A ring is (slots, its first full mbarrier's shared address, its first empty one's, the bytes
 # of one fill); slot i's mbarriers are 8 i bytes past the first.
+
+
+def allocate_rings(smem, tokens: int, w_slots: int, q_slots: int, w_tma, w_coords, q_tma, q_coords, block, warp, lane):
+    """A CTA's two rings in shared memory (each 1024-byte aligned) and their mbarriers, and
+    what the loop works with: (the Stream, the weights' Copies of row block `block`, q_c's
+    Copies, the weight ring, the token ring)."""
+    w_ring = smem.allocate_tensor(BFloat16, stage_layout(ROWS, w_slots), byte_alignment=1024)
+    q_ring = smem.allocate_tensor(BFloat16, stage_layout(tokens, q_slots), byte_alignment=1024)
+    w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
+    q_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * q_slots), byte_alignment=8)
+    s = Stream(tokens, w_slots, q_slots, w_ring.iterator.toint(), q_ring.iterator.toint(), warp, lane)
+    w_sync = (w_slots, w_bars.iterator.toint(), w_bars.iterator.toint() + 8 * w_slots, operand_bytes(ROWS))
+    q_sync = (q_slots, q_bars.iterator.toint(), q_bars.iterator.toint() + 8 * q_slots, operand_bytes(tokens))
+    weights = Copies(w_tma, w_coords, w_ring, ROWS, block, w_bars.iterator)
+    queries = Copies(q_tma, q_coords, q_ring, tokens, 0, q_bars.iterator)
+    return s, weights, queries, w_sync, q_sync
 
 
 def init_rings(rings):
