@@ -192,23 +192,8 @@ class MlaQuery:
                 cute.make_tensor(qc, J.operand_layout(cutlass.min(batch, self.tokens))), self.tokens
             )
             self.mla_query_stream(
-                w_tma,
-                w_coords,
-                q_tma,
-                q_coords,
-                qkv,
-                gamma_kv,
-                cos,
-                sin,
-                context_lens,
-                slots,
-                workspace,
-                mla_cache,
-                error,
-                batch,
-                eps,
-                pool_slots,
-                rope_rows,
+                w_tma, w_coords, q_tma, q_coords, qkv, gamma_kv, cos, sin, context_lens, slots, workspace, mla_cache,
+                error, batch, eps, pool_slots, rope_rows,
             ).launch(
                 grid=[(batch + J.WARPS - 1) // J.WARPS + self.heads * 192 // J.ROWS, 1, 1],
                 block=[J.THREADS, 1, 1],
@@ -216,31 +201,18 @@ class MlaQuery:
                 use_pdl=self.pdl,
                 min_blocks_per_mp=2,
                 preferred_smem_carveout=100,
-            )
+            )  # fmt: skip
         else:
             project_ctas = self.heads * QB_TILES
             self.mla_query_project(
-                qkv,
-                gamma_kv,
-                w_qb,
-                cos,
-                sin,
-                context_lens,
-                slots,
-                qc,
-                workspace,
-                mla_cache,
-                error,
-                batch,
-                eps,
-                pool_slots,
-                rope_rows,
+                qkv, gamma_kv, w_qb, cos, sin, context_lens, slots, qc, workspace, mla_cache, error, batch, eps,
+                pool_slots, rope_rows,
             ).launch(
                 grid=[project_ctas, cutlass.min(tiles, tile_groups(project_ctas, self.target_ctas)), 1],
                 block=[THREADS, 1, 1],
                 stream=stream,
                 use_pdl=self.pdl,
-            )
+            )  # fmt: skip
         absorb_ctas = self.heads * LATENT_SLICES
         self.mla_query_absorb(
             w_uk_t, cos, sin, context_lens, workspace, q_rows, mailbox_offsets, error, batch, budget_ns, rope_rows

@@ -39,6 +39,24 @@ def _buffers(state, batch):
     )
 
 
+def _mla_query(kernels, inputs, buf, mla_cache, error, batch, store_qc=False):
+    """MlaQuery over `inputs` into `_buffers`' tensors (no poll)."""
+    kernels.mla_query(
+        inputs.qkv,
+        inputs.context_lens,
+        inputs.slot_mapping,
+        buf["qc"],
+        buf["qc_private"],
+        buf["workspace"],
+        buf["q_rows"],
+        mla_cache,
+        error,
+        batch,
+        store_qc=store_qc,
+        poll=False,
+    )
+
+
 def _batches(heads):
     edge = tiled_from(heads)
     return sorted({1, edge - 1, edge, 37, 128})
@@ -64,20 +82,7 @@ def test_mla_query_qc_is_bit_identical_and_rows_match_reference(tp8, batch):
     norm_qc = _buffers(state, batch)["qc"]
     kernels.query_norm(inputs.qkv, norm_qc, batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        caches.mla_cache,
-        error,
-        batch,
-        store_qc=True,
-        poll=False,
-    )
+    _mla_query(kernels, inputs, buf, caches.mla_cache, error, batch, store_qc=True)
     torch.cuda.synchronize()
     assert torch.equal(buf["qc"], norm_qc), "MlaQuery's q_c must be bit-identical to QueryNorm's"
     assert (buf["qc_private"].view(torch.int16) == POISON).all(), "store_qc writes the indexer's q_c only"
@@ -117,20 +122,7 @@ def test_mla_query_streamed_project(monkeypatch, case, batch):
         caches.mla_cache.view(torch.uint8).fill_(0xFF)  # NaN in both formats: nothing MlaQuery writes
         buf = _buffers(state, batch)
         error = ErrorWord.new("cuda")
-        kernels.mla_query(
-            inputs.qkv,
-            inputs.context_lens,
-            inputs.slot_mapping,
-            buf["qc"],
-            buf["qc_private"],
-            buf["workspace"],
-            buf["q_rows"],
-            caches.mla_cache,
-            error,
-            batch,
-            store_qc=False,
-            poll=False,
-        )
+        _mla_query(kernels, inputs, buf, caches.mla_cache, error, batch)
         torch.cuda.synchronize()
         error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
         row_bytes = 656 if fp8 else 1152
@@ -169,20 +161,7 @@ def test_mla_query_staged_absorb_is_bit_identical(monkeypatch, case, batch):
         assert variant.name.endswith("_staged") == staged  # the launch below compiles this variant
         buf = _buffers(state, batch)
         error = ErrorWord.new("cuda")
-        kernels.mla_query(
-            inputs.qkv,
-            inputs.context_lens,
-            inputs.slot_mapping,
-            buf["qc"],
-            buf["qc_private"],
-            buf["workspace"],
-            buf["q_rows"],
-            state.clone_caches().mla_cache,
-            error,
-            batch,
-            store_qc=False,
-            poll=False,
-        )
+        _mla_query(kernels, inputs, buf, state.clone_caches().mla_cache, error, batch)
         torch.cuda.synchronize()
         error.check(state.shape.gathered, state.shape.mailbox_row_chunks)
         rows[staged] = buf["q_rows"][:batch, : state.shape.heads]
@@ -203,20 +182,7 @@ def test_kv_insert_past_2_gib_of_cache():
     slots = inputs.slot_mapping.long()
     rows[slots] = torch.full((4, 576), POISON, dtype=torch.int16, device="cuda").view(torch.bfloat16)
     buf = _buffers(state, 4)
-    kernels.mla_query(
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        state.caches.mla_cache,
-        ErrorWord.new("cuda"),
-        4,
-        store_qc=False,
-        poll=False,
-    )
+    _mla_query(kernels, inputs, buf, state.caches.mla_cache, ErrorWord.new("cuda"), 4)
     torch.cuda.synchronize()
     assert (rows[slots].view(torch.int16) != POISON).all()
     assert rel_err(rows[slots].float(), ref.kv_row(state, inputs)) < 1e-2
@@ -231,20 +197,7 @@ def test_kv_insert_writes_exactly_the_new_slots(tp8):
     caches.mla_cache.view(torch.int16).fill_(POISON)
     before = caches.mla_cache.clone()
     buf = _buffers(state, batch)
-    kernels.mla_query(
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        caches.mla_cache,
-        ErrorWord.new("cuda"),
-        batch,
-        store_qc=False,
-        poll=False,
-    )
+    _mla_query(kernels, inputs, buf, caches.mla_cache, ErrorWord.new("cuda"), batch)
     torch.cuda.synchronize()
     assert (buf["qc"].view(torch.int16) == POISON).all(), "without store_qc the indexer's q_c is untouched"
     rows = caches.mla_cache.view(-1, 576)
@@ -265,20 +218,7 @@ def test_fp8_query_rows_and_cache(tp8):
     caches.mla_cache.fill_(0xFF)  # e4m3 NaN, a NaN fp32 scale, bf16 NaN: nothing MlaQuery writes
     before = caches.mla_cache.clone()
     buf = _buffers(state, batch)
-    kernels.mla_query(
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        caches.mla_cache,
-        ErrorWord.new("cuda"),
-        batch,
-        store_qc=False,
-        poll=False,
-    )
+    _mla_query(kernels, inputs, buf, caches.mla_cache, ErrorWord.new("cuda"), batch)
     torch.cuda.synchronize()
     expect = ref.mla_query(state, inputs, ref.query_norm(state, inputs))
     got = formats.decode_q_rows(buf["q_rows"], "fp8")[:, :16]
