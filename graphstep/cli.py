@@ -745,8 +745,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
-    for text in args.knob:
-        parse_knob(text)
     group = args.command in ("bench", "run")  # they run a DCP group of real ranks (graphstep.dcp_group)
     for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
@@ -804,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             seconds = watchdog_seconds()
             check_args(args)
-            args.knobs = apply_knobs(args.knob)
+            args.knobs = apply_knobs(args.knob)  # every knob checked before any is set
             if seconds:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
                 faulthandler.dump_traceback_later(seconds, exit=True)
             return args.func(args)
