@@ -179,9 +179,9 @@ class Stream:
 
 
 def allocate_rings(smem, tokens: int, w_slots: int, q_slots: int, w_tma, w_coords, q_tma, q_coords, block, warp, lane):
-    """A CTA's two rings in shared memory (each 1024-byte aligned) and their mbarriers, and
-    what the loop works with: (the Stream, the weights' Copies of row block `block`, q_c's
-    Copies, the weight ring, the token ring)."""
+    """A CTA's two rings in shared memory (each 1024-byte aligned) and their mbarriers, as the
+    loop works with them: (the Stream, the weights' Copies of row block `block`, q_c's Copies,
+    the weight ring's (slots, full, empty, bytes), the token ring's)."""
     w_ring = smem.allocate_tensor(BFloat16, stage_layout(ROWS, w_slots), byte_alignment=1024)
     q_ring = smem.allocate_tensor(BFloat16, stage_layout(tokens, q_slots), byte_alignment=1024)
     w_bars = smem.allocate_tensor(Int64, cute.make_layout(2 * w_slots), byte_alignment=8)
