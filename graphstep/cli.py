@@ -235,7 +235,7 @@ dcp_sizes = positive_ints("DCP sizes")  # bench --dcp
 
 def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tbs: float) -> dict:
     """What `graphstep info` reports: the per-rank sizes and, per batch, each stage's bytes,
-    FLOPs and floor, the step floor and the indexer floor."""
+    FLOPs, bytes floor and MMA time, the step floor and the indexer floor."""
     m, t = shape.model, shape.topology
     sizes = dict(
         heads=shape.heads,
@@ -266,6 +266,7 @@ def info_record(shape: RankShape, batches: list[int], context: int, bandwidth_tb
                 io_bytes=c.io_bytes,
                 flops=c.flops,
                 floor_us=c.floor_us(step.bandwidth),
+                mma_us=c.mma_us(),
             )
             for c in step.costs
         ]
@@ -346,13 +347,16 @@ def cmd_info(args) -> int:
                 round(mb(c["weight_bytes"] + c["io_bytes"]), 2),
                 round(c["flops"] / 1e9, 3),
                 c["floor_us"],
+                round(c["mma_us"], 3),
+                "MMA" if c["mma_us"] > c["floor_us"] else "bytes",
             ]
             for c in f["stages"]
         ]
-        rows.append(["step (floor.py's rule)", "", "", "", round(mb(f["step_bytes"]), 2), "", f["step_floor_us"]])
+        rows.append(["step (floor.py's rule)", "", "", "", round(mb(f["step_bytes"]), 2), "", f["step_floor_us"], "", ""])
         indexer_mb = round(mb(f["indexer_bytes"]), 2)
-        rows.append(["indexer floor (wq_b + cache)", "main", "", "", indexer_mb, "", f["indexer_floor_us"]])
-        print(table(["stage", "stream", "weights MB", "io MB", "total MB", "GFLOP", "floor us"], rows))
+        rows.append(["indexer floor (wq_b + cache)", "main", "", "", indexer_mb, "", f["indexer_floor_us"], "", ""])
+        mma = f"MMA us ({floor.MMA_RATE / 1e12:.0f} TFLOP/s)"
+        print(table(["stage", "stream", "weights MB", "io MB", "total MB", "GFLOP", "floor us", mma, "bound"], rows))
     return 0
 
 

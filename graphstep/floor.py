@@ -8,9 +8,17 @@ scores count for both scoring and top-k, since they are separate kernels. The st
 is the stages' sum less the scores (an intermediate a fused indexer would not store);
 the other intermediates (q_c, the indexer's queries, the slots, the query rows) count
 once written and once read, and QueryNorm's q_a and gamma also under MlaQuery, which
-reads them again on the side stream: together under 1 us at TP 8, B = 64. At decode
-batch sizes every stage is memory-bound, so the floor is bytes / bandwidth (4.3 TB/s,
-the H200's copy rate, unless given).
+reads them again on the side stream: together under 1 us at TP 8, B = 64. The floor is
+bytes / bandwidth (4.3 TB/s, the H200's copy rate, unless given): the bar the issues'
+step targets are set against.
+
+Not every stage is memory-bound: at 128 heads (TP 1) the sparse core does 2 x 128 x 2048
+x 1088 FLOP a token, 0.71 us at MMA_RATE against 0.38 / 0.62 us of bytes (fp8 / bf16
+cache), so it is compute-bound at every batch (`StageCost.mma_us`; `graphstep info` shows
+both). The step's bytes floor still bounds it: the main stream's stages one after another,
+each at the larger of its two times, take less than the whole step's bytes at 4.3 TB/s,
+since MlaQuery's weights on the side stream outweigh the sparse core's excess
+(tests/test_floor.py checks it for both presets, TP 1 / 8 and DCP, 2K-128K, B = 1-64).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from dataclasses import dataclass
 from .shapes import RankShape, check_batch
 
 H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (KINDS.md)
+# FLOP/s of dense bf16 / fp16 MMAs that issue 9 measures kernels against (the H200's datasheet
+# peak is 989e12; cuBLAS's large GEMMs reach ~700-800e12)
+MMA_RATE = 800e12
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,10 @@ class StageCost:
     def floor_us(self, bandwidth: float = H200_COPY_BW) -> float:
         """The stage's time if it moved its bytes at `bandwidth` (bytes/s) and did nothing else."""
         return self.bytes / bandwidth * 1e6
+
+    def mma_us(self, rate: float = MMA_RATE) -> float:
+        """The stage's time if it did its FLOPs at `rate` (FLOP/s) and did nothing else."""
+        return self.flops / rate * 1e6
 
 
 def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:

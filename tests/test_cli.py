@@ -12,6 +12,16 @@ def test_info(capsys):
     assert main(["info", "--preset", "deepseek-v3.2", "--tp", "8", "--batch", "16"]) == 0
     out = capsys.readouterr().out
     assert "16 / 16 / 16" in out and "index_query" in out and "21.9" in out
+    sparse_core = next(line for line in out.splitlines() if line.startswith("sparse_core"))
+    assert sparse_core.split()[-1] == "bytes"  # 16 heads: 71 MFLOP a token against 0.5 MB
+
+
+def test_info_marks_the_compute_bound_sparse_core_at_tp1(capsys):
+    assert main(["info", "--tp", "1", "--mla-cache", "fp8", "--batch", "16", "--json"]) == 0
+    stages = {c["name"]: c for c in json.loads(capsys.readouterr().out)["floors"][0]["stages"]}
+    assert stages["sparse_core"]["mma_us"] == pytest.approx(16 * 2 * 128 * 2048 * 1088 / 800e12 * 1e6)
+    assert stages["sparse_core"]["mma_us"] > stages["sparse_core"]["floor_us"]
+    assert stages["index_query"]["mma_us"] < stages["index_query"]["floor_us"]
 
 
 def test_info_rejects_bad_topology(capsys):
