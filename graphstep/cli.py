@@ -352,7 +352,9 @@ def cmd_info(args) -> int:
             ]
             for c in f["stages"]
         ]
-        rows.append(["step (floor.py's rule)", "", "", "", round(mb(f["step_bytes"]), 2), "", f["step_floor_us"], "", ""])
+        rows.append(
+            ["step (floor.py's rule)", "", "", "", round(mb(f["step_bytes"]), 2), "", f["step_floor_us"], "", ""]
+        )
         indexer_mb = round(mb(f["indexer_bytes"]), 2)
         rows.append(["indexer floor (wq_b + cache)", "main", "", "", indexer_mb, "", f["indexer_floor_us"], "", ""])
         mma = f"MMA us ({floor.MMA_RATE / 1e12:.0f} TFLOP/s)"

@@ -44,7 +44,10 @@ def test_floor_rejects_bad_sizes():
 
 def test_sparse_core_at_128_heads_is_compute_bound():
     for cache in ("fp8", "bf16"):
-        by = {c.name: c for c in stage_costs(RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache=cache)), 1, 32768)}
+        by = {
+            c.name: c
+            for c in stage_costs(RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache=cache)), 1, 32768)
+        }
         assert by["sparse_core"].mma_us() == pytest.approx(2 * 128 * 2048 * 1088 / MMA_RATE * 1e6)
         assert by["sparse_core"].mma_us() > by["sparse_core"].floor_us()
     tp8 = {c.name: c for c in stage_costs(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), 64, 32768)}
@@ -52,7 +55,9 @@ def test_sparse_core_at_128_heads_is_compute_bound():
 
 
 @pytest.mark.parametrize("preset_name", ["deepseek-v3.2", "kimi-k3.1"])
-@pytest.mark.parametrize("topology", [Topology(tp=1, mla_cache="fp8"), Topology(tp=1), Topology(tp=8), Topology(tp=8, dcp=2)])
+@pytest.mark.parametrize(
+    "topology", [Topology(tp=1, mla_cache="fp8"), Topology(tp=1), Topology(tp=8), Topology(tp=8, dcp=2)]
+)
 def test_bytes_floor_bounds_the_main_chain_with_flops_counted(preset_name, topology):
     """The step's bytes floor is a floor even where a stage is compute-bound: the main stream's
     stages in sequence, each at max(bytes time, MMA time), take no longer than it."""
