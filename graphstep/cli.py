@@ -756,6 +756,13 @@ def check_args(args) -> None:
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
         if group and dcp > 1 and args.tp % dcp:
             raise ValueError(f"--dcp {dcp}: --tp {args.tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
+    for name in ("context", "cpu_context"):
+        value = getattr(args, name, None)
+        if value is not None and value > shape.model.max_seq_len:
+            raise ValueError(
+                f"--{name.replace('_', '-')} {value}: more than {shape.model.name}'s {shape.model.max_seq_len} "
+                "tokens (ModelShape.max_seq_len, the positions the model is built for)"
+            )
     if getattr(args, "group_only", False) and max(args.dcp) == 1:
         raise ValueError("--group-only: needs --dcp sizes above 1 (the group of real ranks)")
     if args.command in ("ptx", "bench"):

@@ -173,6 +173,10 @@ class LayerState:
         self.shape = shape
         self.max_batch = check_batch(max_batch, "max_batch")
         self.max_context = check_batch(max_context, "max_context")
+        if max_context > shape.model.max_seq_len:
+            raise ValueError(
+                f"max_context {max_context}: more than {shape.model.name}'s max_seq_len {shape.model.max_seq_len}"
+            )
         self.device = torch.device(device)
         self.seed = seed
         model, topo = shape.model, shape.topology

@@ -91,8 +91,28 @@ def test_output_folders_are_checked_before_any_work(tmp_path, capsys):
 
 
 def test_a_context_that_does_not_fit_says_how_much_it_needs(capsys):
-    err = _error(["run", "--cpu", "--cpu-context", "1000000000"], capsys)
-    assert "--cpu-context 1000000000: the state for batch 4 needs about" in err and "GB of memory available" in err
+    err = _error(["run", "--cpu", "--cpu-batch", "10000", "--cpu-context", "163840"], capsys)
+    assert "--cpu-context 163840: the state for batch 10000 needs about" in err and "GB of memory available" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--cpu", "--cpu-context", "163841"],
+        ["info", "--context", "200000"],
+        ["bench", "--context", "163841"],  # before "needs a GPU"
+        ["info", "--preset", "kimi-k3.1", "--context", "262145"],
+    ],
+)
+def test_a_context_past_the_models_max_seq_len_is_refused(argv, capsys):
+    err = _error(argv, capsys)
+    value = argv[-1]
+    limit = "262144" if "kimi-k3.1" in argv else "163840"
+    assert f"context {value}: more than" in err and f"'s {limit} tokens (ModelShape.max_seq_len" in err
+
+
+def test_the_models_max_seq_len_itself_is_accepted(capsys):
+    assert main(["info", "--preset", "kimi-k3.1", "--context", "262144", "--batch", "1"]) == 0
 
 
 def test_the_memory_check_counts_every_state_a_command_keeps():

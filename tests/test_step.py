@@ -38,6 +38,7 @@ def test_padding_picks_the_next_captured_size():
         (dict(policy="1:fork_poll", topology=Topology(tp=1, wide=True)), "'fork_poll'"),
         (dict(policy="2:bogus"), "'2:bogus'"),
         (dict(backend="cute"), "sm_90"),
+        (dict(max_context=163841), "max_context 163841: more than small's max_seq_len 163840"),
     ],
 )
 def test_construction_errors(kwargs, message):
