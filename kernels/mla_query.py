@@ -69,8 +69,9 @@ SUPPORTED = {"q_lora_rank": (K,), "kv_lora_rank": (512,), "qk_nope_dim": (128,),
 STREAM_RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
 STREAM_TOKENS = tuple(sorted(STREAM_RINGS))
 # The streamed project from this many heads per rank, at batches up to STREAM_TOKENS[-1];
-# None: never. Not yet measured on a GPU (bench/plans/s25_a.txt times it against the
-# register kernel at TP 1 and TP 8), so off.
+# None: never. Measured once (H100, session 26, bench/RESULTS.md): its op tests pass, and the
+# TP 1 fp8 step takes -27.1 / -2.7 / +0.4 / +0.8 us at B = 64 / 16 / 4 / 1 with it (TP 8:
+# -1.4..+1.1). Off until the step's GPU tests have run with it on; then 128 (TP 1 only).
 STREAM_FROM_HEADS = None
 # mla_query_absorb: True stages each tile's q_nope in shared memory as bf16 once per CTA (a
 # 16-byte load per thread per 8 dims, NOPE_PITCH bytes a token: ldmatrix-free B fragments
