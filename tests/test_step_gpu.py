@@ -274,3 +274,40 @@ def test_fork_poll_joins_where_the_sparse_core_may_not_poll():
     assert not any(t.isnan().any() for t in (results["fork"][0], results["fork"][3], results["fork"][4]))
     assert _equal(results["fork"], results["fork_poll"])
     step.check()
+
+
+def test_tp1_step_with_the_streamed_project_matches_the_reference(monkeypatch):
+    """TP 1 (fp8 MLA cache, as `graphstep bench --tp 1 --mla-cache fp8`) with MlaQuery's streamed
+    project on (kernels/mla_query.py STREAM_FROM_HEADS): every captured size's graph against the
+    reference on fresh inputs, its replay equal to its eager launches, the mailbox re-armed."""
+    from graphstep.kernels import mla_query
+
+    monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", 128)
+    sizes = (1, 16, 64)
+    step = DecodeStep(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache="fp8")),
+        capture_sizes=sizes,
+        policy="fork",
+        max_context=2048,
+        seed=_seed(),
+    )
+    assert [step.stages.kernels.mla_query_tokens(b) for b in sizes] == [16, 16, 64]  # streamed at every size
+    step.capture(modes=("serial", "fork_poll"))
+    for size in sizes:
+        inputs = step.state.inputs(size, seed=_seed())
+        expect = ref.reference_step(step.state, inputs, step.state.clone_caches())
+        _poison(step, size)
+        got = step.step(inputs)
+        torch.cuda.synchronize()
+        assert rel_err(got.q_rows, expect.q_rows) < 1e-2, size
+        scores = step.buffers.scores[:size]
+        assert torch.equal(got.slots, ref.to_slots(ref.topk_indices(scores, 2048), inputs.block_tables, 64))
+        assert rel_err(got.out, expect.out) < 2e-2, size
+        replayed = _outputs(step, size)
+        step.load(inputs)
+        _poison(step, size)
+        step.run_stages(size, step.modes[size])
+        torch.cuda.synchronize()
+        assert _equal(_outputs(step, size), replayed), f"B = {size}: replay and eager launches differ"
+        step.error.check(step.shape.gathered, step.shape.mailbox_row_chunks)
+        assert bool((step.caches.mailbox == formats.SENTINEL_BYTE).all()), "a mailbox chunk left published"
