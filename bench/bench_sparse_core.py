@@ -48,7 +48,7 @@ from bench_kernels import L2_BYTES, graph_time_us, parse_args, report
 from graphstep.kernels import sparse_core
 
 from graphstep import formats
-from graphstep.floor import H200_COPY_BW
+from graphstep.floor import H200_COPY_BW, MMA_RATE
 from graphstep.launch import Kernels
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
@@ -63,7 +63,6 @@ CONFIGS = {
     "tp2-fp8": ("deepseek-v3.2", Topology(tp=2, mla_cache="fp8")),
 }
 FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
-MMA_PEAK = 800e12
 
 
 def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = False) -> list[dict]:
@@ -129,7 +128,7 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
                 floor_us=step_bytes / H200_COPY_BW * 1e6,
                 bw=step_bytes / (us * 1e-6) / H200_COPY_BW,
                 tflops=flops / (us * 1e-6) / 1e12,
-                mma=flops / (us * 1e-6) / MMA_PEAK,
+                mma=flops / (us * 1e-6) / MMA_RATE,
                 flash_mla=peer,
                 best_slots=best,
                 best_us=times[best],

@@ -39,8 +39,9 @@ def _buffers(state, batch):
     )
 
 
-def _mla_query(kernels, inputs, buf, mla_cache, error, batch, store_qc=False):
-    """MlaQuery over `inputs` into `_buffers`' tensors (no poll)."""
+def _mla_query(kernels, inputs, buf, mla_cache, error, batch, store_qc=False, poll=False, **options):
+    """MlaQuery over `inputs` into `_buffers`' tensors (poll: then wait for the peers' rows;
+    options: the launcher's others, such as budget_ns)."""
     kernels.mla_query(
         inputs.qkv,
         inputs.context_lens,
@@ -53,7 +54,8 @@ def _mla_query(kernels, inputs, buf, mla_cache, error, batch, store_qc=False):
         error,
         batch,
         store_qc=store_qc,
-        poll=False,
+        poll=poll,
+        **options,
     )
 
 
@@ -263,20 +265,7 @@ def test_publish_then_wait_returns(dcp2, poll_in_mla):
     buf = _buffers(state, batch)
     _publish_peers(state, buf["q_rows"], batch)
     error = ErrorWord.new("cuda")
-    kernels.mla_query(
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        state.clone_caches().mla_cache,
-        error,
-        batch,
-        store_qc=False,
-        poll=poll_in_mla,
-    )
+    _mla_query(kernels, inputs, buf, state.clone_caches().mla_cache, error, batch, poll=poll_in_mla)
     if not poll_in_mla:
         kernels.query_wait(buf["q_rows"], error, batch)
     torch.cuda.synchronize()
@@ -296,21 +285,10 @@ def test_missing_publisher_is_reported_and_the_next_step_works(dcp2, poll_in_mla
     missing = (5, 11, 40)  # token 5, rank 0's head row 11, chunk 40
     _publish_peers(state, buf["q_rows"], batch, skip=missing)
     error = ErrorWord.new("cuda")
-    args = (
-        inputs.qkv,
-        inputs.context_lens,
-        inputs.slot_mapping,
-        buf["qc"],
-        buf["qc_private"],
-        buf["workspace"],
-        buf["q_rows"],
-        state.clone_caches().mla_cache,
-        error,
-        batch,
-    )
+    mla_cache = state.clone_caches().mla_cache
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    kernels.mla_query(*args, store_qc=False, poll=poll_in_mla, budget_ns=20_000_000)
+    _mla_query(kernels, inputs, buf, mla_cache, error, batch, poll=poll_in_mla, budget_ns=20_000_000)
     if not poll_in_mla:
         kernels.query_wait(buf["q_rows"], error, batch, budget_ns=20_000_000)
     end.record()
