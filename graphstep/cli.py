@@ -610,8 +610,8 @@ def run_cpu_group(args) -> int:
 
 
 def cmd_ptx(args) -> int:
-    """`graphstep ptx`: compile every kernel variant for --arch and write one .ptx each (no GPU
-    needed)."""
+    """`graphstep ptx`: compile every kernel variant for --arch and write one .ptx each, and with
+    --sass its cubin's listing with source lines (no GPU needed)."""
     from .kernels.catalog import write_ptx
     from .shapes import tiled_from
 
@@ -624,8 +624,10 @@ def cmd_ptx(args) -> int:
         batch=batch,
         tiled=tiled,
         written_one=lambda path: print(path, flush=True),
+        sass=args.sass,
     )
-    print(f"{len(paths)} kernel variants compiled for {args.arch} into {args.out}")
+    variants = sum(path.suffix == ".ptx" for path in paths)
+    print(f"{variants} kernel variants compiled for {args.arch} into {args.out}")
     return 0
 
 
@@ -695,6 +697,12 @@ def build_parser() -> argparse.ArgumentParser:
     ptx.add_argument("--out", default="ptx", help="folder for the .ptx files (created if missing)")
     ptx.add_argument(
         "--batch-size", type=positive_int, default=None, help="compile for this batch only (default: every batch)"
+    )
+    ptx.add_argument(
+        "--sass",
+        action="store_true",
+        help="also write each variant's SASS with source lines (nvdisasm -g -c of the cubin the DSL built, the one "
+        "a GPU runs): where a compute-sanitizer or ncu offset such as +0xd90 falls, found without a GPU",
     )
     ptx.set_defaults(func=cmd_ptx)
 

@@ -1,5 +1,5 @@
 """The one registry of kernel variants: each built from a shape (`build`), compiled once
-and kept alive (`compile_op`), and its PTX on disk (`write_ptx`).
+and kept alive (`compile_op`), and its PTX (and, on request, its SASS) on disk (`write_ptx`).
 
 graphstep/launch.py builds every op it launches with `build` and warms the list `variants`
 gives for its capture sizes; `graphstep ptx` writes that same list, so the launchers and the
@@ -12,6 +12,8 @@ finalizer unloads it), so the cache keeps every one alive for the process.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +87,10 @@ def _key(op, arch) -> tuple:
     return (_config(op), arch)
 
 
-def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
-    """Compile `op` (a kernel class instance) for its placeholder args, once per config."""
+def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None, cubin: bool = False):
+    """Compile `op` (a kernel class instance) for its placeholder args, once per config.
+    dump_dir: write its PTX there; cubin: also the cubin the DSL built, with line info (the
+    same instructions: line info adds only debug sections)."""
     key = _key(op, arch)
     if key in _CACHE and dump_dir is None:
         return _CACHE[key]
@@ -96,6 +100,8 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None):
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         options += [cute.KeepPTX(), DumpDir(dump_dir)]
+        if cubin:
+            options += [cute.KeepCUBIN(), cute.GenerateLineInfo()]
     compiler = cute.compile[tuple(options)] if options else cute.compile
     fn = compiler(op, *args, make_fake_stream())
     _CACHE[key] = fn
@@ -305,13 +311,44 @@ def variants(
     return out
 
 
+def nvdisasm() -> str:
+    """The path of an nvdisasm: on the PATH, under $CUDA_HOME or /usr/local/cuda*, or from the
+    `nvidia-cuda-nvdisasm` wheel (nvidia/cu*/bin). Raises FileNotFoundError naming the places."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(Path("/usr/local").glob("cuda-*"))]
+    try:
+        import nvidia  # the namespace package of NVIDIA's CUDA wheels
+
+        roots += [d for p in nvidia.__path__ for d in sorted(Path(p).glob("cu*"))]
+    except ImportError:
+        pass
+    for root in roots:
+        candidate = Path(root) / "bin" / "nvdisasm"
+        if str(root) and candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise FileNotFoundError(
+        "nvdisasm was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda*/bin, the nvidia-cuda-nvdisasm wheel): "
+        "install the CUDA toolkit or `pip install nvidia-cuda-nvdisasm`"
+    )
+
+
 def write_ptx(
-    out_dir, arch: str, shape, batch: int | None = None, tiled: bool | None = None, written_one=None
+    out_dir,
+    arch: str,
+    shape,
+    batch: int | None = None,
+    tiled: bool | None = None,
+    written_one=None,
+    sass: bool = False,
 ) -> list[Path]:
     """Compile every variant for `arch` and write `<variant>.<arch>.ptx` files into out_dir.
     batch: only the variants that batch launches, `tiled` saying its QueryNorm / MlaQuery
     variant (every DsaIndex ring and TopK split is written: the choice depends on the context too).
-    written_one(path), if given, is called as each file is written."""
+    sass: also `<variant>.<arch>.sass` (write_variant). written_one(path), if given, is called
+    as each file is written."""
+    disassembler = nvdisasm() if sass else None  # before any compile: a missing tool fails at once
     if batch is None:
         norms, batches = (False, True), range(1, 65)
     elif tiled is None:
@@ -322,14 +359,32 @@ def write_ptx(
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for variant in variants(shape, norms=norms, batches=batches):
-        with tempfile.TemporaryDirectory() as tmp:
-            compile_op(variant.op, variant.args, arch, tmp)
-            ptx = [p for p in Path(tmp).iterdir() if p.suffix == ".ptx"]
-            if len(ptx) != 1:
-                raise RuntimeError(f"{variant.name}: expected one PTX file, found {[p.name for p in ptx]}")
-            target = out / f"{variant.name}.{arch}.ptx"
-            target.write_text(ptx[0].read_text())
-            written.append(target)
+        for path in write_variant(variant, out, arch, disassembler):
+            written.append(path)
             if written_one is not None:
-                written_one(target)
+                written_one(path)
     return written
+
+
+def write_variant(variant: Variant, out: Path, arch: str, disassembler: str | None = None) -> list[Path]:
+    """Compile one variant for `arch` into `out`: `<name>.<arch>.ptx`, and with a disassembler
+    (an nvdisasm path) `<name>.<arch>.sass`, its listing (`-g -c`) of the cubin the DSL built,
+    the one a GPU runs, each instruction under its source line: where a compute-sanitizer or
+    ncu offset (`+0xd90`) falls, read without a GPU."""
+    paths = []
+    with tempfile.TemporaryDirectory() as tmp:
+        compile_op(variant.op, variant.args, arch, tmp, cubin=disassembler is not None)
+        for kind in ("ptx", "cubin") if disassembler else ("ptx",):
+            found = [p for p in Path(tmp).iterdir() if p.suffix == f".{kind}"]
+            if len(found) != 1:
+                raise RuntimeError(f"{variant.name}: expected one {kind} file, found {[p.name for p in found]}")
+            if kind == "ptx":
+                target, text = out / f"{variant.name}.{arch}.ptx", found[0].read_text()
+            else:
+                listing = subprocess.run([disassembler, "-g", "-c", str(found[0])], capture_output=True, text=True)
+                if listing.returncode != 0:
+                    raise RuntimeError(f"{variant.name}: {disassembler} failed: {listing.stderr.strip()}")
+                target, text = out / f"{variant.name}.{arch}.sass", listing.stdout
+            target.write_text(text)
+            paths.append(target)
+    return paths

@@ -44,6 +44,9 @@ if [[ -z "$sanitizer" || ! -x "$sanitizer" ]]; then
 fi
 logs="${SANITIZE_LOGS:-/tmp/sanitize}"
 mkdir -p "$logs"
+# The kernels compiled with line info, so each finding names its source line: it adds debug
+# sections only, no instruction changes (tests/test_kernels_compile.py checks this).
+export CUTE_DSL_LINEINFO="${CUTE_DSL_LINEINFO:-1}"
 echo "sanitize: $sanitizer; cases: $cases; tools: $tools; $jobs at once; logs in $logs"
 
 flags() {  # the tool's flags: memcheck skips API errors (the CUDA binding's symbol probes are not kernel errors)

@@ -223,7 +223,7 @@ def test_ptx_prints_each_file_as_it_is_written(tmp_path, monkeypatch, capsys):
 
     printed = []
 
-    def write_ptx(out_dir, arch, shape, batch=None, tiled=None, written_one=None):
+    def write_ptx(out_dir, arch, shape, batch=None, tiled=None, written_one=None, sass=False):
         paths = []
         for name in ("a.ptx", "b.ptx"):
             path = tmp_path / name
@@ -237,6 +237,21 @@ def test_ptx_prints_each_file_as_it_is_written(tmp_path, monkeypatch, capsys):
     assert main(["ptx", "--out", str(tmp_path)]) == 0
     assert printed == [f"{tmp_path / 'a.ptx'}\n", f"{tmp_path / 'b.ptx'}\n"]
     assert "2 kernel variants" in capsys.readouterr().out
+
+
+def test_ptx_sass_passes_the_flag_and_counts_variants_not_files(tmp_path, monkeypatch, capsys):
+    from graphstep.kernels import catalog
+
+    asked = []
+
+    def write_ptx(out_dir, arch, shape, batch=None, tiled=None, written_one=None, sass=False):
+        asked.append(sass)
+        return [tmp_path / "a.sm_90a.ptx", tmp_path / "a.sm_90a.sass"]
+
+    monkeypatch.setattr(catalog, "write_ptx", write_ptx)
+    assert main(["ptx", "--out", str(tmp_path), "--sass"]) == 0
+    assert asked == [True]
+    assert "1 kernel variants" in capsys.readouterr().out
 
 
 def test_graph_table_names_each_kernel_by_its_stage():

@@ -488,6 +488,81 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
     assert f"{10 + len(splits)} kernel variants" in out and all(str(tmp_path / name) in out for name in files)
 
 
+def _disassembler():
+    try:
+        return catalog.nvdisasm()
+    except FileNotFoundError:
+        pytest.skip("no nvdisasm here (the dev extra's nvidia-cuda-nvdisasm provides one)")
+
+
+def _text_sections(cubin: Path) -> dict[str, bytes]:
+    """The .text.* (instruction) sections of an ELF64 cubin, by name."""
+    data = cubin.read_bytes()
+    table = struct.unpack_from("<Q", data, 0x28)[0]
+    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, table + i * entry_size) for i in range(count)]
+    names_at = headers[names_index][4]
+    out = {}
+    for name, _, _, _, offset, size in headers:
+        title = data[names_at + name : data.index(b"\0", names_at + name)].decode()
+        if title.startswith(".text."):
+            out[title] = data[offset : offset + size]
+    return out
+
+
+def test_sass_listing_places_each_instruction_at_its_source_line(tmp_path):
+    """`graphstep ptx --sass`: the listing of the cubin the DSL built names the kernel module's
+    lines, and the line info changes no instruction (the listing is of the code a GPU runs)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    disassembler = _disassembler()
+    variant = catalog.build(SHAPES["tp8"], "top_k", split=top_k.SPLITS[0])
+    paths = catalog.write_variant(variant, tmp_path, "sm_90a", disassembler)
+    assert [p.name for p in paths] == [f"{variant.name}.sm_90a.ptx", f"{variant.name}.sm_90a.sass"]
+    listing = paths[1].read_text()
+    lines = set(re.findall(r'//## File "([^"]+)", line (\d+)', listing))
+    assert any(path.endswith("kernels/top_k.py") for path, _ in lines), sorted(lines)[:5]
+    assert re.search(r"/\*[0-9a-f]{4}\*/\s+BAR\.SYNC", listing)  # offsets as the sanitizer prints them
+    # the same op compiled without line info: the same instructions
+    with_lines, without = tmp_path / "with", tmp_path / "without"
+    for folder, options in (
+        (with_lines, (cute.KeepCUBIN(), cute.GenerateLineInfo())),
+        (without, (cute.KeepCUBIN(),)),
+    ):
+        folder.mkdir()
+        cute.compile[(cute.GPUArch("sm_90a"), DumpDir(str(folder)), *options)](
+            variant.op, *variant.args, make_fake_stream()
+        )
+    texts = [_text_sections(next(f.glob("*.cubin"))) for f in (with_lines, without)]
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_ptx_sass_without_nvdisasm_fails_before_compiling(tmp_path, monkeypatch, capsys):
+    def missing():
+        raise FileNotFoundError("nvdisasm was not found (somewhere)")
+
+    def compile_op(*args, **kwargs):
+        raise AssertionError("compiled although --sass cannot be honoured")
+
+    monkeypatch.setattr(catalog, "nvdisasm", missing)
+    monkeypatch.setattr(catalog, "compile_op", compile_op)
+    assert main(["ptx", "--out", str(tmp_path), "--batch-size", "1", "--sass"]) == 2
+    assert "graphstep ptx: nvdisasm was not found" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_nvdisasm_is_found_under_cuda_home(tmp_path, monkeypatch):
+    tool = tmp_path / "bin" / "nvdisasm"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(catalog.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert catalog.nvdisasm() == str(tool)
+
+
 def test_ptx_of_one_batch_needs_its_norm_variant(tmp_path):
     with pytest.raises(ValueError, match="needs `tiled`"):
         catalog.write_ptx(tmp_path, "sm_90a", SHAPES["tp8"], batch=4)
