@@ -368,7 +368,7 @@ def write_ptx(
 
 def write_variant(variant: Variant, out: Path, arch: str, disassembler: str | None = None) -> list[Path]:
     """Compile one variant for `arch` into `out`: `<name>.<arch>.ptx`, and with a disassembler
-    (an nvdisasm path) `<name>.<arch>.sass`, its listing (`-g -c`) of the cubin the DSL built,
+    (an nvdisasm path) `<name>.<arch>.sass`, its listing (`-gi -c`) of the cubin the DSL built,
     the one a GPU runs, each instruction under its source line: where a compute-sanitizer or
     ncu offset (`+0xd90`) falls, read without a GPU."""
     paths = []
@@ -381,7 +381,7 @@ def write_variant(variant: Variant, out: Path, arch: str, disassembler: str | No
             if kind == "ptx":
                 target, text = out / f"{variant.name}.{arch}.ptx", found[0].read_text()
             else:
-                listing = subprocess.run([disassembler, "-g", "-c", str(found[0])], capture_output=True, text=True)
+                listing = subprocess.run([disassembler, "-gi", "-c", str(found[0])], capture_output=True, text=True)
                 if listing.returncode != 0:
                     raise RuntimeError(f"{variant.name}: {disassembler} failed: {listing.stderr.strip()}")
                 target, text = out / f"{variant.name}.{arch}.sass", listing.stdout
