@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer's memcheck, racecheck, synccheck and initcheck over one eager step and one
 # captured replay of every mode of each case (scripts/sanitize_case.py: TP 8, TP 1 wide, DCP 2,
-# the fp8 formats), then a table (case x tool -> errors). Exit 0 only if every run finished
-# and reported 0 errors.
+# the fp8 formats), then a table (case x tool -> errors) and, under each failing run, where
+# its reports point (kernel+offset and source line; SANITIZE_SITES of them, default 6). Exit
+# 0 only if every run finished and reported 0 errors.
 #   scripts/sanitize.sh [--quick] [--cases tp8,dcp2] [--tools memcheck,racecheck] [--jobs N] [-- case args]
 # --quick: the tp8 and tp8-range cases only. --jobs: runs at once (default 4: the tools of a case side by side
 # on the one GPU). Logs: $SANITIZE_LOGS (default /tmp/sanitize), one per run. Each run is
@@ -22,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --tools) tools="${2//,/ }"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --) shift; case_args=("$@"); break ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "sanitize: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -86,6 +87,12 @@ errors_of() {  # errors_of LOG: the error count of its summary line, empty if no
   [[ -n "$line" ]] && sed -E 's/.*\(([0-9]+) error.*/\1/' <<<"$line"
 }
 
+where_of() {  # where_of LOG: the run's most reported code sites, "count kernel+offset [file:line]"
+  grep -oE "at [^ ]+\+0x[0-9a-f]+( in [^ ]+:[0-9]+)?" "$1" | sed -E 's/^at //; s/ in / /' \
+    | sed -E 's/^kernel_cutlass_([a-z0-9_]+)_graphstep[^+]*/\1/; s#[^ ]*/(kernels/[^ /]+:[0-9]+)$#\1#' \
+    | sort | uniq -c | sort -rn | head -"${SANITIZE_SITES:-6}"
+}
+
 failed=0
 printf '\n%-10s' "case"
 for tool in $tools; do printf ' %-12s' "$tool"; done
@@ -110,6 +117,15 @@ for case_name in $cases; do
     printf ' %-12s' "$cell"
   done
   printf '\n'
+done
+for case_name in $cases; do  # where each failing run's reports point (source lines: the kernels have line info)
+  for tool in $tools; do
+    log="$logs/$case_name.$tool.log"
+    errors=$(errors_of "$log")
+    [[ -n "$errors" && "$errors" != 0 ]] || continue
+    echo "sanitize: $case_name $tool: where (reports, kernel+offset, source line):"
+    where_of "$log" | sed 's/^/  /'
+  done
 done
 echo "sanitize: $((SECONDS - started)) s; cells: errors reported, 'timeout', 'no-summary' (the tool printed none)," \
   "'0,rc=N' (no errors but the case failed); logs in $logs"

@@ -57,3 +57,38 @@ def test_errors_fail_the_run_and_show_in_the_table(tmp_path):
 def test_unknown_cases_are_refused_before_any_run(tmp_path):
     result, _ = _sanitize(tmp_path, "--cases", "tp9")
     assert result.returncode == 2 and "unknown case tp9" in result.stderr
+
+
+def test_a_failing_run_names_its_code_sites(tmp_path):
+    """Under each failing run the table is followed by where its reports point: kernel (its DSL
+    name shortened) + offset, and the source line where the kernels carry line info."""
+    site = "kernel_cutlass_sparse_core_partial_graphstepkernelssparse_coreSparseCore_object_at__x_0"
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(
+        f"""#!/usr/bin/env bash
+echo "$*" >> "$0.log"
+echo "LINEINFO=$CUTE_DSL_LINEINFO" >> "$0.log"
+if [[ "$2" == synccheck && "$*" == *tp1-fp8* ]]; then
+  for i in 1 2 3; do
+    echo "========= Barrier error detected. Divergent thread(s) in block"
+    echo "=========     at {site}+0xd90 in /somewhere/kernels/sparse_core_wgmma.py:523"
+  done
+  echo "=========     at {site}+0x39f0"
+  echo "========= ERROR SUMMARY: 4 errors"; exit 97
+fi
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": sys.executable, "COMPUTE_SANITIZER": str(fake), "SANITIZE_LOGS": str(tmp_path / "l")}
+    env.pop("CUTE_DSL_LINEINFO", None)
+    args = ["bash", str(SCRIPT), "--cases", "tp8,tp1-fp8", "--tools", "memcheck,synccheck"]
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    where = result.stdout.split("tp1-fp8 synccheck: where")[1].splitlines()[1:3]
+    assert where[0].split() == ["3", "sparse_core_partial+0xd90", "kernels/sparse_core_wgmma.py:523"]
+    assert where[1].split() == ["1", "sparse_core_partial+0x39f0"]
+    assert "tp8 memcheck: where" not in result.stdout  # clean runs list nothing
+    assert set(line for line in fake.with_suffix(".log").read_text().splitlines() if "LINEINFO" in line) == {
+        "LINEINFO=1"
+    }
