@@ -3,14 +3,20 @@
 // SparseCore's 64-row consumers (kernels/sparse_core_wgmma.py) meet at a named barrier
 // (bar.sync 1, 256) from two role branches: the scorer and the values warpgroup each reach
 // it at an instruction of their own, as warp-specialized kernels do. synccheck reports
-// "Divergent thread(s) in block" there and racecheck hazards on the words the barrier
-// orders; the aligned (bar.sync) and non-aligned (barrier.sync) forms assemble to the same
-// SASS on sm_90a. This probe asks the tool about the pattern alone: warp 0 writes 32 shared
-// words and meets warp 1 at the barrier, warp 1 then reads them, in three forms:
-//   split      bar.sync 1, 64 reached at two instructions (one per role branch)
-//   unaligned  barrier.sync 1, 64 at two instructions
-//   joined     one bar.sync 1, 64 after the branches (both roles reach the same instruction)
-// Each form checks the words warp 1 read (a wrong value is a real race).
+// "Divergent thread(s) in block" there (sparse_core_wgmma.py:523) and racecheck hazards on
+// the row sums that barrier orders (:248 / :256). In the DSL's cubin the aligned (bar.sync)
+// and non-aligned (barrier.sync) forms assemble to the same SASS, so the tool cannot tell
+// them apart there. By the PTX spec's letter only the non-aligned form may be reached from
+// role branches (bar.sync promises that every thread of the CTA executes that instruction).
+// This probe asks the tool about the SASS pattern alone: warp 0 writes 32 shared words per
+// block and meets warp 1 at the barrier; warp 1 then reads them. The role is warp-uniform
+// (a shuffle from lane 0), as in SparseCore, so ptxas assembles both forms alike:
+//   split      bar.sync 1, 64 in each role branch (two instructions)
+//   unaligned  barrier.sync 1, 64 in each role branch (the spec-legal form of split)
+//   joined     one bar.sync 1, 64 after the branches (both roles at one instruction)
+// If split and unaligned are flagged and joined is not, the tool flags the role-split pattern
+// itself, legal form or not. Each block writes its own 32 output words; a wrong one would be
+// a real race.
 //
 //   nvcc -O3 -arch=sm_90a -lineinfo -o /tmp/probe_role_barrier bench/probe_role_barrier.cu
 //   for f in split unaligned joined; do compute-sanitizer --tool synccheck /tmp/probe_role_barrier $f; done
@@ -27,19 +33,20 @@ enum Form { SPLIT = 0, UNALIGNED = 1, JOINED = 2 };
 template <int FORM>
 __global__ void role_barrier(const int* __restrict__ in, int* __restrict__ out) {
   __shared__ int words[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // the role, warp-uniform as ptxas can see (SparseCore's roles come from the warp index alike)
+  const int lane = threadIdx.x % 32, warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   int seen = 0;
   if (warp == 0) {  // the writing role
     words[lane] = in[lane] * 3 + 1;
     if (FORM == SPLIT) asm volatile("bar.sync 1, 64;" ::: "memory");
     if (FORM == UNALIGNED) asm volatile("barrier.sync 1, 64;" ::: "memory");
-  } else {  // the reading role: some work of its own first, so the branches do not merge
+  } else {  // the reading role
     seen = in[32 + lane] ^ 0x5a5a;
     if (FORM == SPLIT) asm volatile("bar.sync 1, 64;" ::: "memory");
     if (FORM == UNALIGNED) asm volatile("barrier.sync 1, 64;" ::: "memory");
   }
   if (FORM == JOINED) asm volatile("bar.sync 1, 64;" ::: "memory");
-  if (warp == 1) out[lane] = words[31 - lane] + (seen ^ 0x5a5a) - in[32 + lane];
+  if (warp == 1) out[blockIdx.x * 32 + lane] = words[31 - lane] + (seen ^ 0x5a5a) - in[32 + lane];
 }
 
 int main(int argc, char** argv) {
@@ -47,22 +54,24 @@ int main(int argc, char** argv) {
   int form = !std::strcmp(name, "split") ? SPLIT : !std::strcmp(name, "unaligned") ? UNALIGNED
            : !std::strcmp(name, "joined") ? JOINED : -1;
   if (form < 0) { std::fprintf(stderr, "usage: probe_role_barrier split|unaligned|joined\n"); return 2; }
-  int host_in[64], host_out[32];
+  constexpr int kBlocks = 132;
+  static int host_out[kBlocks * 32];
+  int host_in[64];
   for (int i = 0; i < 64; ++i) host_in[i] = 7 * i + 11;
   int *in, *out;
   CHECK(cudaMalloc(&in, sizeof host_in));
   CHECK(cudaMalloc(&out, sizeof host_out));
   CHECK(cudaMemcpy(in, host_in, sizeof host_in, cudaMemcpyHostToDevice));
-  CHECK(cudaMemset(out, 0xff, sizeof host_out));  // poisoned: every word must be written
-  for (int launch = 0; launch < 64; ++launch) {
-    if (form == SPLIT) role_barrier<SPLIT><<<132, 64>>>(in, out);
-    if (form == UNALIGNED) role_barrier<UNALIGNED><<<132, 64>>>(in, out);
-    if (form == JOINED) role_barrier<JOINED><<<132, 64>>>(in, out);
-  }
-  CHECK(cudaGetLastError());
-  CHECK(cudaMemcpy(host_out, out, sizeof host_out, cudaMemcpyDeviceToHost));
   int wrong = 0;
-  for (int i = 0; i < 32; ++i) wrong += host_out[i] != host_in[31 - i] * 3 + 1;
-  std::printf("%s: %d of 32 words wrong\n", name, wrong);
+  for (int launch = 0; launch < 16; ++launch) {
+    CHECK(cudaMemset(out, 0xff, sizeof host_out));  // poisoned: every word must be written
+    if (form == SPLIT) role_barrier<SPLIT><<<kBlocks, 64>>>(in, out);
+    if (form == UNALIGNED) role_barrier<UNALIGNED><<<kBlocks, 64>>>(in, out);
+    if (form == JOINED) role_barrier<JOINED><<<kBlocks, 64>>>(in, out);
+    CHECK(cudaGetLastError());
+    CHECK(cudaMemcpy(host_out, out, sizeof host_out, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < kBlocks * 32; ++i) wrong += host_out[i] != host_in[31 - i % 32] * 3 + 1;
+  }
+  std::printf("%s: %d of %d words wrong\n", name, wrong, 16 * kBlocks * 32);
   return wrong != 0;
 }

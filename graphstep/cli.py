@@ -701,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     ptx.add_argument(
         "--sass",
         action="store_true",
-        help="also write each variant's SASS with source lines (nvdisasm -g -c of the cubin the DSL built, the one "
+        help="also write each variant's SASS with source lines (nvdisasm -gi -c of the cubin the DSL built, the one "
         "a GPU runs): where a compute-sanitizer or ncu offset such as +0xd90 falls, found without a GPU",
     )
     ptx.set_defaults(func=cmd_ptx)

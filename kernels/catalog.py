@@ -91,6 +91,8 @@ def compile_op(op, args, arch: str | None = None, dump_dir: str | None = None, c
     """Compile `op` (a kernel class instance) for its placeholder args, once per config.
     dump_dir: write its PTX there; cubin: also the cubin the DSL built, with line info (the
     same instructions: line info adds only debug sections)."""
+    if cubin and dump_dir is None:
+        raise ValueError("compile_op: cubin=True needs a dump_dir to write the cubin into")
     key = _key(op, arch)
     if key in _CACHE and dump_dir is None:
         return _CACHE[key]
@@ -312,21 +314,22 @@ def variants(
 
 
 def nvdisasm() -> str:
-    """The path of an nvdisasm: on the PATH, under $CUDA_HOME or /usr/local/cuda*, or from the
-    `nvidia-cuda-nvdisasm` wheel (nvidia/cu*/bin). Raises FileNotFoundError naming the places."""
+    """The path of an nvdisasm: on the PATH, under $CUDA_HOME, from the `nvidia-cuda-nvdisasm`
+    wheel (nvidia/cu*/bin), or under /usr/local/cuda*. Raises FileNotFoundError naming them."""
     found = shutil.which("nvdisasm")
     if found:
         return found
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(Path("/usr/local").glob("cuda-*"))]
+    roots = [Path(os.environ["CUDA_HOME"])] if os.environ.get("CUDA_HOME") else []
     try:
         import nvidia  # the namespace package of NVIDIA's CUDA wheels
 
-        roots += [d for p in nvidia.__path__ for d in sorted(Path(p).glob("cu*"))]
+        roots += [d for p in nvidia.__path__ for d in sorted(Path(p).glob("cu*"), reverse=True)]
     except ImportError:
         pass
+    roots += [Path("/usr/local/cuda"), *sorted(Path("/usr/local").glob("cuda-*"), reverse=True)]  # newest first
     for root in roots:
-        candidate = Path(root) / "bin" / "nvdisasm"
-        if str(root) and candidate.is_file() and os.access(candidate, os.X_OK):
+        candidate = root / "bin" / "nvdisasm"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise FileNotFoundError(
         "nvdisasm was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda*/bin, the nvidia-cuda-nvdisasm wheel): "

@@ -926,3 +926,18 @@ def fence_proxy_async():
     """Order this thread's generic-proxy shared-memory accesses with the async proxy's: its
     writes visible to wgmma / bulk copies, its reads done before a bulk copy overwrites them."""
     cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+
+
+def named_sync(barrier: int, threads: int):
+    """Wait at named barrier `barrier` until `threads` threads (whole warps) have arrived. The
+    non-aligned form (`barrier.sync`, not `bar.sync`): warps of different roles may reach it at
+    different instructions, which the aligned form leaves undefined by the PTX spec. ptxas
+    assembles both forms to the same SASS for SparseCore's roles (every variant, session 27):
+    this keeps the PTX within the spec and changes no instruction."""
+    cute.arch.inline_ptx(f"barrier.sync {barrier}, {threads};")
+
+
+def named_arrive(barrier: int, threads: int):
+    """Arrive at named barrier `barrier` (of `threads` threads) without waiting; non-aligned, as
+    named_sync."""
+    cute.arch.inline_ptx(f"barrier.arrive {barrier}, {threads};")

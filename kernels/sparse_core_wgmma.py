@@ -247,7 +247,7 @@ class WgmmaPaths:
             if t == 0:
                 sums[wg * WG_ROWS + row0 + 8 * rr] = total
         if cutlass.const_expr(named):
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+            P.named_sync(CONSUMER_BAR, WG_THREADS)
         else:
             cute.arch.sync_threads()
         item = token * self.splits + split
@@ -520,7 +520,7 @@ class WgmmaPaths:
         P.cp_async_commit()
         P.cp_async_wait(0)
         P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
-        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+        P.named_sync(CONSUMER_BAR, WG_THREADS)
         peer = Int32(0)  # crossover: the other CTA of the pair
         if cutlass.const_expr(self.crossover):
             peer = 1 - cute.arch.block_idx_in_cluster()
@@ -601,14 +601,14 @@ class WgmmaPaths:
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         if wait_free:
-            cute.arch.barrier(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+            P.named_sync(P_FREE, WG_THREADS)
         for i in cutlass.range_constexpr(block // 4):
             P.st_shared_u32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t, words[i])
         if t == 0:
             for rr in cutlass.range_constexpr(2):
                 factors[row0 + 8 * rr] = alpha[rr]
         P.fence_proxy_async()  # P -> warpgroup 1's wgmma
-        cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        P.named_arrive(P_READY, WG_THREADS)
         acc_o = P.wgmma_bf16_rs(acc_o, words, cur, DESC_V, 16 * 16, True)
         return row_max, row_sum, acc_o
 
@@ -619,13 +619,13 @@ class WgmmaPaths:
         P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
         lane, w4 = tid % 32, tid // 32 - 4
         row0 = 16 * w4 + lane // 4
-        cute.arch.barrier(barrier_id=P_READY, number_of_threads=WG_THREADS)
+        P.named_sync(P_READY, WG_THREADS)
         alpha = [factors[row0], factors[row0 + 8]]
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         acc_o = wgmma_values(acc_o, p_s, cur + (LATENT // 2 // 8) * CHUNK, self.block // 16)
         if arrive_free:
-            cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=WG_THREADS)
+            P.named_arrive(P_FREE, WG_THREADS)
         return acc_o
 
     @cute.jit
@@ -697,7 +697,7 @@ class WgmmaPaths:
     @cute.jit
     def consumers_meet(self, named: bool):
         if cutlass.const_expr(named):
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=WG_THREADS)
+            P.named_sync(CONSUMER_BAR, WG_THREADS)
         else:
             cute.arch.sync_threads()
 

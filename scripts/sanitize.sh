@@ -2,8 +2,10 @@
 # compute-sanitizer's memcheck, racecheck, synccheck and initcheck over one eager step and one
 # captured replay of every mode of each case (scripts/sanitize_case.py: TP 8, TP 1 wide, DCP 2,
 # the fp8 formats), then a table (case x tool -> errors) and, under each failing run, where
-# its reports point (kernel+offset and source line; SANITIZE_SITES of them, default 6). Exit
-# 0 only if every run finished and reported 0 errors.
+# its reports point: the SANITIZE_SITES (default 6) most printed kernel+offset sites with their
+# source lines (counts of the reports printed, which compute-sanitizer caps; kernels of one
+# name, e.g. two SparseCore variants, share a row). Exit 0 only if every run finished and
+# reported 0 errors.
 #   scripts/sanitize.sh [--quick] [--cases tp8,dcp2] [--tools memcheck,racecheck] [--jobs N] [-- case args]
 # --quick: the tp8 and tp8-range cases only. --jobs: runs at once (default 4: the tools of a case side by side
 # on the one GPU). Logs: $SANITIZE_LOGS (default /tmp/sanitize), one per run. Each run is
@@ -23,12 +25,14 @@ while [[ $# -gt 0 ]]; do
     --tools) tools="${2//,/ }"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --) shift; case_args=("$@"); break ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "sanitize: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "sanitize: --jobs $jobs: expected a positive integer" >&2; exit 2; }
+[[ "${SANITIZE_SITES:-6}" =~ ^[1-9][0-9]*$ ]] \
+  || { echo "sanitize: SANITIZE_SITES=$SANITIZE_SITES: expected a positive integer" >&2; exit 2; }
 known=$("$python" scripts/sanitize_case.py --list) \
   || { echo "sanitize: '$python scripts/sanitize_case.py --list' failed (set PYTHON to one with torch)" >&2; exit 2; }
 cases="${cases:-$known}"
@@ -46,7 +50,8 @@ fi
 logs="${SANITIZE_LOGS:-/tmp/sanitize}"
 mkdir -p "$logs"
 # The kernels compiled with line info, so each finding names its source line: it adds debug
-# sections only, no instruction changes (tests/test_kernels_compile.py checks this).
+# sections only, no instruction changes (tests/test_kernels_compile.py checks a TopK variant;
+# bench/RESULTS.md session 27 the TP 1 SparseCore partials).
 export CUTE_DSL_LINEINFO="${CUTE_DSL_LINEINFO:-1}"
 echo "sanitize: $sanitizer; cases: $cases; tools: $tools; $jobs at once; logs in $logs"
 
@@ -124,7 +129,8 @@ for case_name in $cases; do  # where each failing run's reports point (source li
     errors=$(errors_of "$log")
     [[ -n "$errors" && "$errors" != 0 ]] || continue
     echo "sanitize: $case_name $tool: where (reports, kernel+offset, source line):"
-    where_of "$log" | sed 's/^/  /'
+    sites=$(where_of "$log")
+    echo "${sites:-(no kernel+offset in the log)}" | sed 's/^/  /'
   done
 done
 echo "sanitize: $((SECONDS - started)) s; cells: errors reported, 'timeout', 'no-summary' (the tool printed none)," \
