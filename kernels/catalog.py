@@ -374,20 +374,24 @@ def write_variant(variant: Variant, out: Path, arch: str, disassembler: str | No
     (an nvdisasm path) `<name>.<arch>.sass`, its listing (`-gi -c`) of the cubin the DSL built,
     the one a GPU runs, each instruction under its source line: where a compute-sanitizer or
     ncu offset (`+0xd90`) falls, read without a GPU."""
-    paths = []
     with tempfile.TemporaryDirectory() as tmp:
         compile_op(variant.op, variant.args, arch, tmp, cubin=disassembler is not None)
-        for kind in ("ptx", "cubin") if disassembler else ("ptx",):
-            found = [p for p in Path(tmp).iterdir() if p.suffix == f".{kind}"]
-            if len(found) != 1:
-                raise RuntimeError(f"{variant.name}: expected one {kind} file, found {[p.name for p in found]}")
-            if kind == "ptx":
-                target, text = out / f"{variant.name}.{arch}.ptx", found[0].read_text()
-            else:
-                listing = subprocess.run([disassembler, "-gi", "-c", str(found[0])], capture_output=True, text=True)
-                if listing.returncode != 0:
-                    raise RuntimeError(f"{variant.name}: {disassembler} failed: {listing.stderr.strip()}")
-                target, text = out / f"{variant.name}.{arch}.sass", listing.stdout
-            target.write_text(text)
-            paths.append(target)
-    return paths
+        ptx = out / f"{variant.name}.{arch}.ptx"
+        ptx.write_text(_dumped(tmp, ".ptx", variant.name).read_text())
+        if disassembler is None:
+            return [ptx]
+        cubin = _dumped(tmp, ".cubin", variant.name)
+        listing = subprocess.run([disassembler, "-gi", "-c", str(cubin)], capture_output=True, text=True)
+        if listing.returncode != 0:
+            raise RuntimeError(f"{variant.name}: {disassembler} failed: {listing.stderr.strip()}")
+        sass = out / f"{variant.name}.{arch}.sass"
+        sass.write_text(listing.stdout)
+        return [ptx, sass]
+
+
+def _dumped(folder: str, suffix: str, name: str) -> Path:
+    """The one file with `suffix` a compile dumped into `folder`."""
+    found = [p for p in Path(folder).iterdir() if p.suffix == suffix]
+    if len(found) != 1:
+        raise RuntimeError(f"{name}: expected one {suffix} file, found {[p.name for p in found]}")
+    return found[0]

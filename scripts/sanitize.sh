@@ -93,8 +93,8 @@ errors_of() {  # errors_of LOG: the error count of its summary line, empty if no
 }
 
 where_of() {  # where_of LOG: the run's most reported code sites, "count kernel+offset [file:line]"
-  grep -oE "at [^ ]+\+0x[0-9a-f]+( in [^ ]+:[0-9]+)?" "$1" | sed -E 's/^at //; s/ in / /' \
-    | sed -E 's/^kernel_cutlass_([a-z0-9_]+)_graphstep[^+]*/\1/; s#[^ ]*/(kernels/[^ /]+:[0-9]+)$#\1#' \
+  grep -oE "at [^ ]+\+0x[0-9a-f]+( in [^ ]+:[0-9]+)?" "$1" \
+    | sed -E 's/^at //; s/ in / /; s/^kernel_cutlass_([a-z0-9_]+)_graphstep[^+]*/\1/; s#[^ ]*/(kernels/[^ /]+:[0-9]+)$#\1#' \
     | sort | uniq -c | sort -rn | head -"${SANITIZE_SITES:-6}"
 }
 

@@ -496,19 +496,6 @@ def _disassembler():
         pytest.skip("no nvdisasm here (the dev extra's nvidia-cuda-nvdisasm provides one)")
 
 
-def _sections(cubin: Path) -> dict[str, bytes]:
-    """The sections of an ELF64 cubin, by name."""
-    data = cubin.read_bytes()
-    table = struct.unpack_from("<Q", data, 0x28)[0]
-    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", data, table + i * entry_size) for i in range(count)]
-    names_at = headers[names_index][4]
-    return {
-        data[names_at + name : data.index(b"\0", names_at + name)].decode(): data[offset : offset + size]
-        for name, _, _, _, offset, size in headers
-    }
-
-
 def test_sass_listing_places_each_instruction_at_its_source_line(tmp_path):
     """`graphstep ptx --sass`: the listing of the cubin the DSL built names the kernel module's
     lines, and the line info changes no instruction (the listing is of the code a GPU runs)."""
@@ -540,7 +527,10 @@ def test_sass_listing_places_each_instruction_at_its_source_line(tmp_path):
         cute.compile[(cute.GPUArch("sm_90a"), DumpDir(str(folder)), *options)](
             variant.op, *variant.args, make_fake_stream()
         )
-    sections = [_sections(next(f.glob("*.cubin"))) for f in (with_lines, without)]
+    sections = []
+    for folder in (with_lines, without):
+        cubin = next(folder.glob("*.cubin")).read_bytes()
+        sections.append({name: cubin[offset : offset + size] for name, _, offset, size, *_ in _elf_sections(cubin)})
     # the two builds differ (line tables in one only: neither took line info from the environment)
     assert ".debug_line" in sections[0] and ".debug_line" not in sections[1]
     texts = [{name: body for name, body in built.items() if name.startswith(".text.")} for built in sections]
@@ -1197,26 +1187,35 @@ def test_cluster_top_k_pushes_fill_every_slot_once_with_the_expected_bytes(split
     assert sum(len(p) for p in parts) == len(set().union(*parts)) == words
 
 
+def _elf_sections(cubin: bytes) -> list[tuple[str, int, int, int, int, int]]:
+    """(name, type, offset, size, link, entry size) of each section of an ELF64 cubin."""
+    assert cubin[:4] == b"\x7fELF"
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    return [
+        (cubin[names + name : cubin.index(b"\0", names + name)].decode(), kind, offset, size, link, entsize)
+        for name, kind, _, _, offset, size, link, _, _, entsize in headers
+    ]
+
+
 def _cubin_kernels(cubin: bytes) -> dict:
     """{kernel symbol name: {"regs": REGCOUNT, "frame": FRAME_SIZE (local memory per thread:
     spills)}} of a cubin, from its ELF .nv.info attributes (EIATTR 0x2f and 0x11: [symbol
     index, value] words) and its symbol table."""
-    assert cubin[:4] == b"\x7fELF"
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx][4]
+    sections = _elf_sections(cubin)
     symbols = {}
-    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+    for _, kind, offset, size, link, entsize in sections:
         if kind == 2:  # SHT_SYMTAB: Elf64_Sym entries, names in the linked string table
-            strings = sections[link][4]
+            strings = sections[link][2]
             for i in range(size // entsize):
                 (name,) = struct.unpack_from("<I", cubin, offset + i * entsize)
                 end = cubin.index(b"\0", strings + name)
                 symbols[i] = cubin[strings + name : end].decode()
     found = {}
-    for name, _, _, _, offset, size, *_ in sections:
-        if not cubin[names + name :].startswith(b".nv.info"):
+    for name, _, offset, size, *_ in sections:
+        if not name.startswith(".nv.info"):
             continue
         i = 0
         while i + 4 <= size:
