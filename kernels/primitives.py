@@ -932,8 +932,10 @@ def named_sync(barrier: int, threads: int):
     """Wait at named barrier `barrier` until `threads` threads (whole warps) have arrived. The
     non-aligned form (`barrier.sync`, not `bar.sync`): warps of different roles may reach it at
     different instructions, which the aligned form leaves undefined by the PTX spec. ptxas
-    assembles both forms to the same SASS for SparseCore's roles (every variant, session 27):
-    this keeps the PTX within the spec and changes no instruction."""
+    assembles both to the same BAR.SYNC (SparseCore's `.text` is byte-identical either way,
+    session 27) but lists only this one in the cubin's member-mask instructions (EIATTR 0x28),
+    which compute-sanitizer's synccheck reads (session 28: the aligned form in role branches is
+    reported as divergent, this one is not)."""
     cute.arch.inline_ptx(f"barrier.sync {barrier}, {threads};")
 
 

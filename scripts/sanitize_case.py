@@ -3,9 +3,9 @@ mode of a topology, one eager step, then one captured replay, each synchronized 
 error word checked. Small on purpose (batch 2, context 4096): the tools slow kernels 10-100x.
 The `tp8-range` case loads out-of-range ids unchecked (check_values=False: a slot, a used
 block-table page and a length far past the pool) and expects no access out of bounds and
-the kernels' guards to report the first one (DecodeStep.check raising InputRangeError). The
-`tp1-stream` case runs MlaQuery's streamed project (kernels/mla_query.py STREAM_FROM_HEADS, off
-by default) in place of its register kernel.
+the kernels' guards to report the first one (DecodeStep.check raising InputRangeError). `tp1`
+runs MlaQuery's streamed project (kernels/mla_query.py STREAM_FROM_HEADS: 128 heads and up) and
+the bf16 64-row SparseCore.
 
     python scripts/sanitize_case.py CASE [--batch 2] [--context 4096]
     python scripts/sanitize_case.py --list
@@ -31,7 +31,7 @@ CASES = {
     "tp1-fp8": Topology(tp=1, q_format="fp8", mla_cache="fp8"),
     "dcp2-fp8": Topology(tp=8, dcp=2, rank=1, q_format="fp8", mla_cache="fp8"),
     "tp8-range": Topology(tp=8),
-    "tp1-stream": Topology(tp=1),
+    "tp1": Topology(tp=1),
 }
 # The mailbox polls give up after a budget of device time; under a sanitizer a healthy poll
 # runs far slower, so the budget is 10 s instead of 200 ms.
@@ -46,10 +46,6 @@ def modes_of(topology: Topology) -> tuple[str, ...]:
 
 
 def run_case(name: str, batch: int, context: int) -> None:
-    if name.endswith("-stream"):
-        from graphstep.kernels import mla_query
-
-        mla_query.STREAM_FROM_HEADS = 1
     shape = RankShape(preset("deepseek-v3.2"), CASES[name])
     modes = modes_of(shape.topology)
     step = DecodeStep(shape, capture_sizes=[batch], policy=modes[0], max_context=context, budget_ns=SANITIZER_BUDGET_NS)

@@ -306,7 +306,7 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
         ("mla_query.STREAM_FROM_HEADS=sixty", "'sixty' is not a Python literal"),
         ("sparse_core.CLUSTER_SPLITS=True", "sparse_core.CLUSTER_SPLITS takes an int (now 2)"),
         ("sparse_core.RESHAPE_BLOCKS=None", "sparse_core.RESHAPE_BLOCKS takes an int"),
-        ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now None)"),
+        ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now 128)"),
         ("sparse_core.PRODUCER=True", "sparse_core.PRODUCER takes a dict"),
         ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
         ("sparse_core.PRODUCER={'fp8': 'no', 'bf16': True}", "sparse_core.PRODUCER['fp8'] takes a bool (now True)"),

@@ -6,10 +6,16 @@ import ast
 import os
 import re
 import struct
+import subprocess
 from pathlib import Path
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
 import pytest
+from cutlass import Int32
 from graphstep.kernels import catalog, guards, index_query, sparse_core, sparse_core_mma, sparse_core_wgmma, top_k
+from graphstep.kernels import primitives as P
 
 from graphstep.cli import main
 from graphstep.graphs import short
@@ -535,6 +541,70 @@ def test_sass_listing_places_each_instruction_at_its_source_line(tmp_path):
     assert ".debug_line" in sections[0] and ".debug_line" not in sections[1]
     texts = [{name: body for name, body in built.items() if name.startswith(".text.")} for built in sections]
     assert texts[0] and texts[0] == texts[1]
+
+
+class _RoleBarrier:
+    """Two warps meet at named barrier 1 from two role branches, SparseCore's pattern: warp 0
+    stores 32 shared words, warp 1 reads them after the barrier. `named`: the barrier as
+    primitives.named_sync issues it (non-aligned), else the aligned `bar.sync`."""
+
+    def __init__(self, named: bool):
+        self.named = named
+
+    @cute.jit
+    def __call__(self, out: cute.Pointer, stream: cuda.CUstream):
+        self.kernel(out).launch(grid=[1, 1, 1], block=[64, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, out: cute.Pointer):
+        tid, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tid // 32)
+        words = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+        seen = Int32(0)
+        if warp == 0:
+            words[tid] = tid * 3 + 1
+            self.barrier()
+        else:
+            seen = tid
+            self.barrier()
+        cute.make_tensor(out, cute.make_layout(64))[tid] = words[tid % 32] + seen
+
+    def barrier(self):
+        if self.named:
+            P.named_sync(1, 64)
+        else:
+            cute.arch.inline_ptx("bar.sync 1, 64;")
+
+
+def test_non_aligned_named_barriers_are_marked_in_the_cubin(tmp_path):
+    """The two forms of a named barrier reached from two role branches assemble to the same
+    barrier instruction (`BAR.SYNC.DEFER_BLOCKING 0x1, 0x40`, one a branch), and differ in the
+    cubin's list of member-mask instructions (EIATTR 0x28): `barrier.sync`
+    (primitives.named_sync) is listed, `bar.sync` is not. compute-sanitizer's
+    synccheck reads that list: on an H100 (session 28, bench/probe_role_barrier.cu) the
+    aligned form in role branches gave 4224 "Divergent thread(s) in block" errors and the
+    non-aligned form none."""
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    disassembler = _disassembler()
+    built = {}
+    for named in (False, True):
+        folder = tmp_path / ("named" if named else "aligned")
+        folder.mkdir()
+        out = P.gmem_ptr(Int32)
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(folder))](
+            _RoleBarrier(named), out, make_fake_stream()
+        )
+        (path,) = folder.glob("*.cubin")
+        cubin = path.read_bytes()
+        listing = subprocess.run([disassembler, "-c", str(path)], check=True, capture_output=True, text=True).stdout
+        ((kernel, bars),) = _named_barriers(listing).items()
+        built[named] = bars, _coop_group_offsets(cubin).get(kernel, set())
+    (aligned_bars, aligned_marked), (named_bars, named_marked) = built[False], built[True]
+    assert len(aligned_bars) == len(named_bars) == 2  # one a role branch
+    assert not aligned_bars & aligned_marked
+    assert named_bars <= named_marked
 
 
 def test_ptx_sass_without_nvdisasm_fails_before_compiling(tmp_path, monkeypatch, capsys):
@@ -1234,6 +1304,60 @@ def _cubin_kernels(cubin: bytes) -> dict:
     return found
 
 
+def _coop_group_offsets(cubin: bytes) -> dict[str, set[int]]:
+    """{kernel symbol name: the .text offsets its .nv.info lists as EIATTR_COOP_GROUP_INSTR_OFFSETS
+    (0x28)}: the instructions ptxas marks as executed by a member mask (shuffles, votes, and
+    the non-aligned barriers: `barrier.sync`, not `bar.sync`). The SASS of both barrier forms
+    is the same; this list is what tells them apart, and compute-sanitizer's synccheck reads
+    it (session 28, bench/probe_role_barrier.cu)."""
+    found = {}
+    for name, _, offset, size, *_ in _elf_sections(cubin):
+        if not name.startswith(".nv.info."):
+            continue
+        offsets, i = found.setdefault(name[len(".nv.info.") :], set()), 0
+        while i + 4 <= size:
+            fmt, attribute = cubin[offset + i], cubin[offset + i + 1]
+            (value,) = struct.unpack_from("<H", cubin, offset + i + 2)
+            if fmt == 4:  # a sized value
+                if attribute == 0x28:
+                    offsets.update(struct.unpack_from(f"<{value // 4}I", cubin, offset + i + 4))
+                i += 4 + value
+            else:
+                i += 4
+    return found
+
+
+def _named_barriers(listing: str) -> dict[str, set[int]]:
+    """{kernel symbol name: offsets of its BAR.SYNC on barriers 1-15} in an nvdisasm listing
+    (barrier 0 is the CTA's `bar.sync 0`, aligned by design; an arrive, BAR.ARV, waits for no
+    one and ptxas lists it in neither form)."""
+    found, kernel = {}, None
+    for line in listing.splitlines():
+        header = re.match(r"^\.text\.(\S+):", line)
+        if header:
+            kernel = header.group(1)
+            found.setdefault(kernel, set())
+            continue
+        bar = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\d\s+)?BAR\.SYNC\S*\s+0x([0-9a-f]+)\b", line)
+        if bar and kernel and int(bar.group(2), 16) != 0:
+            found[kernel].add(int(bar.group(1), 16))
+    return found
+
+
+def _check_named_barriers_marked(path: Path, kernel_part: str, expect: int):
+    """Every named-barrier wait (BAR.SYNC) of the cubin's kernel whose name holds `kernel_part` is in
+    its list of member-mask instructions (test_non_aligned_named_barriers_are_marked_in_the_cubin),
+    at least `expect` of them. Needs nvdisasm (the dev extra's); without it, nothing is checked."""
+    try:
+        disassembler = catalog.nvdisasm()
+    except FileNotFoundError:
+        return
+    listing = subprocess.run([disassembler, "-c", str(path)], check=True, capture_output=True, text=True).stdout
+    marked = _coop_group_offsets(path.read_bytes())
+    ((kernel, bars),) = [(k, v) for k, v in _named_barriers(listing).items() if kernel_part in k]
+    assert len(bars) >= expect and bars <= marked[kernel], (sorted(bars), sorted(marked[kernel]))
+
+
 def _cubin_attributes(cubin: bytes) -> dict:
     """REGCOUNT and FRAME_SIZE of a one-kernel cubin (the most over its functions)."""
     found = _cubin_kernels(cubin).values()
@@ -1389,6 +1513,8 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
         assert set(arrives) == (named - {("1", "256")}), arrives
         # the named barriers are non-aligned: the roles reach them at different instructions
         assert not re.search(r"\bbar\.(sync|arrive)\s+[1-3],", partial)
+        # and the cubin lists each of them as one (EIATTR 0x28), which synccheck reads
+        _check_named_barriers_marked(cubin, "sparse_core_partial", expect=len(named))
         wait = partial.index("mbarrier.try_wait.parity")
         assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < wait
         _check_crossover(partial, variant.op)

@@ -494,6 +494,16 @@ def test_mla_query_streamed_project_policy(monkeypatch):
         mla_query.MlaQuery(128, 0, 128, 128, 2304, False, False, False, False, tokens=8)
 
 
+def test_mla_query_streams_at_tp1_by_default():
+    """The default (STREAM_FROM_HEADS = 128, measured in sessions 26 and 28): TP 1's 128 heads
+    stream Q_B at every batch up to 64; TP 8's 16 heads and batches above 64 keep the register kernel."""
+    from graphstep.kernels import mla_query
+
+    assert mla_query.STREAM_FROM_HEADS == 128
+    assert [mla_query.stream_tokens(b, 128) for b in (1, 4, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 0]
+    assert {mla_query.stream_tokens(b, 16) for b in range(1, 130)} == {0}
+
+
 @pytest.mark.parametrize("batch, tokens", [(1, 16), (17, 32), (64, 64), (65, 0)])
 def test_mla_query_launches_the_streamed_project_it_plans(cpu_launches, monkeypatch, batch, tokens):
     """The launcher runs the MlaQuery variant stream_tokens names (the compiled op's tokens),
