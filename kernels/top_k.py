@@ -836,6 +836,10 @@ class ClusterTopK:
         self.mark(trace[0], "clk_round0", trace[1], tid)
         listed, fill = cutlass.Boolean(False), Int32(0)
         if cutlass.const_expr(self.entries > 0):
+            # round 0's histogram becomes the list: this CTA's reads of it (the hops' pushes) came
+            # before, through hop 2's mbarrier (push_group_bins). compute-sanitizer's racecheck pairs
+            # them with another CTA's list writes at the same offsets (its view of a cluster's shared
+            # memory): a cluster barrier here silences it at up to +0.8 us (bench/RESULTS.md, session 28)
             fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
             cute.arch.sync_threads()  # the list and its overflow flag
             listed = hists[OVERFLOW] == 0
