@@ -92,3 +92,73 @@ echo "========= ERROR SUMMARY: 0 errors"
     assert set(line for line in fake.with_suffix(".log").read_text().splitlines() if "LINEINFO" in line) == {
         "LINEINFO=1"
     }
+
+
+KERNEL = "kernel_cutlass_top_k_cluster_graphstepkernelstop_kClusterTopK_object_at__x_0"
+RACE = f"""#!/usr/bin/env bash
+echo "$*" >> "$0.log"
+if [[ "$2" == racecheck ]]; then
+  echo "========= Error: Race reported between Read access at {KERNEL}+0xcc0 in /x/kernels/primitives.py:711"
+  echo "=========     and Write access at {KERNEL}+0x1d80 in /x/kernels/top_k.py:472 [3512 hazards]"
+  echo "=========     and Write access at {KERNEL}+0x1e60 in /x/kernels/top_k.py:472 [3688 hazards]"
+  EXTRA
+  echo "========= RACECHECK SUMMARY: 12 hazards displayed (12 errors, 0 warnings)"; exit 97
+fi
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+def _race(tmp_path, extra: str, *args):
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(RACE.replace("EXTRA", extra))
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": sys.executable, "COMPUTE_SANITIZER": str(fake), "SANITIZE_LOGS": str(tmp_path / "l")}
+    command = ["bash", str(SCRIPT), "--cases", "tp8", "--tools", "synccheck,racecheck", *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    return result, result.stdout.split("\ncase")[1].splitlines()[1].split()
+
+
+def test_known_racecheck_reports_are_shown_and_do_not_fail(tmp_path):
+    """A racecheck run whose every hazard pair scripts/sanitize_known.txt lists shows as N(known),
+    the sweep passes and prints why; --strict fails it."""
+    result, row = _race(tmp_path, "")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert row == ["tp8", "0", "12(known)"]
+    assert "ClusterTopK: round 0's histogram" in result.stdout and "every run clean" in result.stdout
+    assert "tp8 racecheck: where" in result.stdout  # the sites are still listed
+    result, row = _race(tmp_path, "", "--strict")
+    assert result.returncode == 1 and row == ["tp8", "0", "12"] and "FAILED" in result.stderr
+
+
+def test_an_unlisted_hazard_pair_fails_the_run(tmp_path):
+    """One hazard pair the file does not list (here: the known read against another write, and
+    a pair without line info) makes the run fail as any error would."""
+    for extra in (
+        f'echo "=========     and Write access at {KERNEL}+0x2000 in /x/kernels/top_k.py:480 [4 hazards]"',
+        f'echo "========= Error: Race reported between Write access at {KERNEL}+0x10 and Read access at {KERNEL}+0x20"',
+    ):
+        result, row = _race(tmp_path, extra)
+        assert result.returncode == 1 and row == ["tp8", "0", "12"], (extra, result.stdout)
+
+
+def test_known_sites_are_still_in_their_functions():
+    """Each site of scripts/sanitize_known.txt (kernels/FILE:LINE@FUNCTION) is a line of that
+    function's body: an edit that moves the code makes this fail before a sweep silently stops
+    matching (or matches another line)."""
+    import ast
+
+    root = SCRIPT.parent.parent
+    entries = [
+        line.split("|")[0].split()
+        for line in (SCRIPT.parent / "sanitize_known.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert entries
+    for tool, kernel, *sites in entries:
+        assert tool == "racecheck" and kernel and len(sites) == 2, (tool, kernel, sites)
+        for site in sites:
+            place, function = site.split("@")
+            name, line = place.split(":")
+            tree = ast.parse((root / "kernels" / name).read_text())
+            (found,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+            assert found.lineno < int(line) <= found.end_lineno, (site, found.lineno, found.end_lineno)
