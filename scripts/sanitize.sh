@@ -4,7 +4,8 @@
 # the fp8 formats), then a table (case x tool -> errors) and, under each failing run, where
 # its reports point: the SANITIZE_SITES (default 6) most printed kernel+offset sites with their
 # source lines (counts of the reports printed, which compute-sanitizer caps; kernels of one
-# name, e.g. two SparseCore variants, share a row). Exit 0 only if every run finished and
+# name, e.g. two SparseCore variants, share a row), and for racecheck every distinct hazard
+# pair, known ones marked. Exit 0 only if every run finished and
 # reported 0 errors, or racecheck hazards that scripts/sanitize_known.txt lists as the tool's
 # (shown as "N(known)", each with its reason; --strict: those fail too).
 #   scripts/sanitize.sh [--quick] [--strict] [--cases tp8,dcp2] [--tools memcheck,racecheck] [--jobs N] [-- case args]
@@ -28,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --tools) tools="${2//,/ }"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --) shift; case_args=("$@"); break ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "sanitize: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -103,6 +104,7 @@ where_of() {  # where_of LOG: the run's most reported code sites, "count kernel+
 
 pairs_of() {  # pairs_of LOG: racecheck's hazard pairs, "kernel first_site second_site" ("?": no line info)
   grep -E "Race reported between (Read|Write) access at|^=+ +and (Read|Write) access at" "$1" \
+    | sed -E 's/( between .*) (and (Read|Write) access at)/\1\n\2/' \
     | sed -E 's/.*(between|and) (Read|Write) access at ([^ ]+)\+0x[0-9a-f]+( in ([^ ]+:[0-9]+))?.*/\1 \3 \5/' \
     | sed -E 's/ kernel_cutlass_([a-z0-9_]+)_graphstep[^ ]*/ \1/; s# [^ ]*/([^ /]+:[0-9]+)$# \1#' \
     | awk '$1 == "between" { kernel = $2; first = ($3 == "" ? "?" : $3); next }
@@ -160,6 +162,15 @@ for case_name in $cases; do  # where each failing run's reports point (source li
     echo "sanitize: $case_name $tool: where (reports, kernel+offset, source line):"
     sites=$(where_of "$log")
     echo "${sites:-(no kernel+offset in the log)}" | sed 's/^/  /'
+    if [[ "$tool" == racecheck ]]; then  # every distinct pair, however few its reports (the sites above are the top ones)
+      pairs=$(pairs_of "$log")
+      [[ -n "$pairs" ]] || continue
+      echo "sanitize: $case_name racecheck: every hazard pair (kernel, first site, second site):"
+      unknown=$(unknown_of "$log" racecheck)
+      while read -r pair; do
+        grep -qxF "$pair" <<<"$unknown" && echo "  $pair" || echo "  $pair (known)"
+      done <<<"$pairs"
+    fi
   done
 done
 if [[ $matched -ne 0 ]]; then  # the reasons of the known reports the table counted

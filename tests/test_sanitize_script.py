@@ -135,12 +135,24 @@ def test_known_racecheck_reports_are_shown_and_do_not_fail(tmp_path):
 def test_an_unlisted_hazard_pair_fails_the_run(tmp_path):
     """One hazard pair the file does not list (here: the known read against another write, and
     a pair without line info) makes the run fail as any error would."""
-    for extra in (
-        f'echo "=========     and Write access at {KERNEL}+0x2000 in /x/kernels/top_k.py:480 [4 hazards]"',
-        f'echo "========= Error: Race reported between Write access at {KERNEL}+0x10 and Read access at {KERNEL}+0x20"',
+    for extra, unlisted in (
+        (
+            f'echo "=========     and Write access at {KERNEL}+0x2000 in /x/kernels/top_k.py:480 [4 hazards]"',
+            "top_k_cluster primitives.py:711 top_k.py:480",
+        ),
+        (
+            f'echo "========= Error: Race reported between Write access at {KERNEL}+0x10 '
+            f'and Read access at {KERNEL}+0x20"',
+            "top_k_cluster ? ?",
+        ),
     ):
         result, row = _race(tmp_path, extra)
         assert result.returncode == 1 and row == ["tp8", "0", "12"], (extra, result.stdout)
+        # under the run, every pair, the known one marked, however few reports the others have
+        pairs = result.stdout.split("tp8 racecheck: every hazard pair (kernel, first site, second site):\n")[1]
+        assert sorted(pairs.splitlines()[:2]) == sorted(
+            [f"  {unlisted}", "  top_k_cluster primitives.py:711 top_k.py:472 (known)"]
+        ), pairs
 
 
 def test_known_reports_of_a_case_that_did_not_finish_fail(tmp_path):
