@@ -1330,7 +1330,7 @@ def _coop_group_offsets(cubin: bytes) -> dict[str, set[int]]:
 def _named_barriers(listing: str) -> dict[str, set[int]]:
     """{kernel symbol name: offsets of its BAR.SYNC on barriers 1-15} in an nvdisasm listing
     (barrier 0 is the CTA's `bar.sync 0`, aligned by design; an arrive, BAR.ARV, waits for no
-    one and ptxas lists it in neither form)."""
+    one, and ptxas leaves even `barrier.arrive` out of the list)."""
     found, kernel = {}, None
     for line in listing.splitlines():
         header = re.match(r"^\.text\.(\S+):", line)
