@@ -6,7 +6,9 @@
 #   host:   git -C /work/main archive BRANCH | tar -x -C .probe/BRANCH   (one per branch)
 #   device: source .device/bootstrap.sh && bash scripts/probe_trees.sh PLAN
 # PLAN: one step a line, "NAME SECONDS COMMAND...", NAME a folder under .probe (or "main"
-# for this tree); blank lines and lines starting with # are skipped.
+# for this tree); blank lines and lines starting with # are skipped. The device tool brings
+# back at most 8 files: with more under $OUT (step logs, a step's own files there) they are
+# packed into one, $OUT/out.tgz.
 set -uo pipefail
 plan=${1:?usage: probe_trees.sh PLAN}
 out="${OUT:-out}"
@@ -45,3 +47,8 @@ while read -r name seconds cmd; do
 done <"$plan"
 echo "=== summary (step tree rc seconds)"
 printf '%s\n' "${summary[@]}"
+files=$(find "$out" -type f | wc -l)
+if [[ $files -gt 8 ]]; then
+  tar -czf /tmp/probe_out.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/probe_out.tgz "$out/out.tgz"
+  echo "probe_trees: $files files under $out, packed into $out/out.tgz ($(du -h "$out/out.tgz" | cut -f1))"
+fi
