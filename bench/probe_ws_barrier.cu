@@ -15,7 +15,10 @@
 //                (`empty`) and arrives on barrier 3 but after the last block
 //   start        both consumer warpgroups meet at barrier 1 after warpgroup 0 stages a tile
 //   finish       warpgroup 0 stores its row sums, warpgroup 1 zeros, both meet at barrier 1,
-//                warpgroup 0 reads both and writes the CTA's outputs
+//                each reads both halves and writes its outputs
+// One ordering is through mbarriers alone, as in SparseCore: the scorer's reads of a ring slot
+// come before the producer rewrites it only via barrier 2 (the values wait on the scorer) and
+// the values' arrival on `empty`; racecheck may report that pair (the ring's lines) too.
 // and adds, by the second argument's letters:
 //   c  a cluster of 2 CTAs: a cluster barrier at the start (every thread), and the crossover's
 //      closing one around the finish (arrive before, wait after)
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) ws_finish(const int* __restrict__
       if (CLUSTER) cluster_arrive();
       if (t % 2 == 0) sums[kRows + t / 2] = 0;  // the values hold no row sums
       named_sync(1);  // finish
-      result = acc + sums[kRows + t / 2];
+      result = acc + sums[t / 2] + sums[kRows + t / 2];  // both halves, as SparseCore's finish reads them
       if (CLUSTER) cluster_wait();
     }
     out[blockIdx.x * kConsumers + tid] = result;
@@ -133,9 +136,12 @@ int expected(const int* in, int block, int tid) {  // a consumer thread's output
     return row_sum;
   }
   const int row = t % kRows, tile = in[row] * 7 + block;
-  int acc = 0;
-  for (int b = 0; b < kBlocks; ++b) acc += part_of(in, block, b, row) + 2 * tile;
-  return acc;
+  int acc = 0, row_sum = 0;  // the values: their sum of P, plus the scorer's stored row sum
+  for (int b = 0; b < kBlocks; ++b) {
+    acc += part_of(in, block, b, row) + 2 * tile;
+    row_sum += part_of(in, block, b, (2 * (t / 2)) % kRows);
+  }
+  return acc + row_sum;
 }
 
 int main(int argc, char** argv) {

@@ -70,8 +70,8 @@ STREAM_RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
 STREAM_TOKENS = tuple(sorted(STREAM_RINGS))
 # The streamed project from this many heads per rank, at batches up to STREAM_TOKENS[-1];
 # None: never. 128: TP 1 only. Measured on an H100 (bench/RESULTS.md): session 26, the TP 1 fp8
-# step -27.1 / -2.7 / +0.4 / +0.8 us at B = 64 / 16 / 4 / 1 (TP 8: -1.4..+1.1); session 28, with
-# the step's GPU tests passing with it on, -28.0 / -5.0 / -1.0 / +1.0 us (fork_poll).
+# step -27.1 / -2.7 / +0.4 / +0.8 us at B = 64 / 16 / 4 / 1 (TP 8: -1.4..+1.1); session 28, once
+# its step test (tests/test_step_gpu.py, streamed) had passed, -28.0 / -5.0 / -1.0 / +1.0 us (fork_poll).
 STREAM_FROM_HEADS = 128
 # mla_query_absorb: True stages each tile's q_nope in shared memory as bf16 once per CTA (a
 # 16-byte load per thread per 8 dims, NOPE_PITCH bytes a token: ldmatrix-free B fragments

@@ -472,6 +472,17 @@ def store_entry(address, key, offset):
     cute.arch.inline_ptx("st.shared.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[address, key, offset])
 
 
+def load_hist_quad(address) -> tuple:
+    """4 histogram words at shared address `address` (16-byte aligned), as the hops read them
+    (primitives.ld_shared_u32x4's instruction): its own source line, so scripts/sanitize_known.txt
+    can name these reads, and only these, against store_entry's list writes."""
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32] * 4,
+        read_only_args=[address],
+    )
+
+
 def word_of(key) -> Uint32:
     """order_key's inverse: the fp32 bits of a key."""
     flip = Uint32(cutlass.select_((key >> Uint32(31)) == Uint32(1), Uint32(0x80000000), Uint32(0xFFFFFFFF)))
@@ -836,10 +847,11 @@ class ClusterTopK:
         self.mark(trace[0], "clk_round0", trace[1], tid)
         listed, fill = cutlass.Boolean(False), Int32(0)
         if cutlass.const_expr(self.entries > 0):
-            # round 0's histogram becomes the list: this CTA's reads of it (the hops' pushes) came
-            # before, through hop 2's mbarrier (push_group_bins). compute-sanitizer's racecheck pairs
-            # them with another CTA's list writes at the same offsets (its view of a cluster's shared
-            # memory): a cluster barrier here silences it at up to +0.8 us (bench/RESULTS.md, session 28)
+            # round 0's histogram becomes the list: this CTA's reads of it (the hops' pushes,
+            # load_hist_quad) came before, through hop 2's mbarrier (push_group_bins).
+            # compute-sanitizer's racecheck reports them against the list writes; a CTA barrier here
+            # leaves the report, a cluster barrier clears it (its view of a cluster's shared memory,
+            # by that A/B; bench/RESULTS.md session 28), so it is listed in scripts/sanitize_known.txt
             fill = self.collect(keys, stash, limit, counts, sizes, base_address, threshold, tid, lane, warp)
             cute.arch.sync_threads()  # the list and its overflow flag
             listed = hists[OVERFLOW] == 0
@@ -1017,7 +1029,7 @@ class ClusterTopK:
         for p in cutlass.range_constexpr((quads + self.threads - 1) // self.threads):
             quad = tid + self.threads * p
             if quad - lane < quads:
-                words = P.ld_shared_u32x4(hist_address + 16 * quad)
+                words = load_hist_quad(hist_address + 16 * quad)
                 total = Int32(words[0]) + Int32(words[1]) + Int32(words[2]) + Int32(words[3])
                 for offset in (1, 2, 4):
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
@@ -1033,7 +1045,7 @@ class ClusterTopK:
         which needs this CTA's own push, so the warp's loads are done before it is rewritten
         (the sync_warp makes that formal for the lanes that push only to other CTAs)."""
         quad = lane % 8
-        words = P.ld_shared_u32x4(bins_address + 16 * quad)
+        words = load_hist_quad(bins_address + 16 * quad)
         cute.arch.sync_warp()
         for p in cutlass.range_constexpr((8 * self.ctas + 31) // 32):
             if lane // 8 + 4 * p < self.ctas:

@@ -48,7 +48,16 @@ done <"$plan"
 echo "=== summary (step tree rc seconds)"
 printf '%s\n' "${summary[@]}"
 files=$(find "$out" -type f | wc -l)
-if [[ $files -gt 8 ]]; then
-  tar -czf /tmp/probe_out.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/probe_out.tgz "$out/out.tgz"
-  echo "probe_trees: $files files under $out, packed into $out/out.tgz ($(du -h "$out/out.tgz" | cut -f1))"
+if [[ $files -gt 8 ]]; then  # packed only at the end: a call cut off by its time limit leaves them as they are
+  archive=$(mktemp --suffix=.tgz)
+  tar -czf "$archive" -C "$out" .
+  rc=$?  # 1: a file changed while read (a log still written): packed all the same
+  size=$(stat -c %s "$archive" 2>/dev/null || echo 0)
+  if [[ $rc -le 1 && $size -gt 0 && $size -le $((16 << 20)) ]]; then
+    find "$out" -mindepth 1 -delete && mv "$archive" "$out/out.tgz"
+    echo "probe_trees: $files files under $out, packed into $out/out.tgz ($size bytes)"
+  else
+    rm -f "$archive"
+    echo "probe_trees: $files files under $out not packed (tar rc $rc, $size bytes; at most 16 MiB a file comes back)" >&2
+  fi
 fi

@@ -29,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --tools) tools="${2//,/ }"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --) shift; case_args=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "sanitize: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -108,7 +108,8 @@ pairs_of() {  # pairs_of LOG: racecheck's hazard pairs, "kernel first_site secon
     | sed -E 's/.*(between|and) (Read|Write) access at ([^ ]+)\+0x[0-9a-f]+( in ([^ ]+:[0-9]+))?.*/\1 \3 \5/' \
     | sed -E 's/ kernel_cutlass_([a-z0-9_]+)_graphstep[^ ]*/ \1/; s# [^ ]*/([^ /]+:[0-9]+)$# \1#' \
     | awk '$1 == "between" { kernel = $2; first = ($3 == "" ? "?" : $3); next }
-           { print kernel, first, ($3 == "" ? "?" : $3) }' \
+           $1 == "and" { print kernel, first, ($3 == "" ? "?" : $3); next }
+           { kernel = "?"; first = "?"; print "? ? ?" }' \
     | sort -u
 }
 
@@ -121,6 +122,10 @@ unknown_of() {  # unknown_of LOG TOOL: the run's hazard pairs not listed as know
   local pairs
   [[ "$2" == racecheck ]] && pairs=$(pairs_of "$1")
   [[ -n "${pairs:-}" ]] || { echo "-"; return; }
+  # a report the tool counted but did not print (its print limit) could be any pair
+  local printed
+  printed=$(grep -c "Race reported between" "$1")
+  [[ "$printed" == "$(errors_of "$1")" ]] || echo "? $printed of $(errors_of "$1") reports printed ?"
   grep -vxF -f <(known_pairs "$2"; echo "no known pair") <<<"$pairs"
 }
 

@@ -15,10 +15,11 @@ def test_probe_compiles_for_sm90a(tmp_path, probe):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here")
-    command = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "probe.cubin")]
+    binary = tmp_path / probe.stem
+    command = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-lineinfo", "-o", str(binary)]
     result = subprocess.run([*command, str(probe)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "probe.cubin").stat().st_size > 0
+    assert binary.stat().st_size > 0  # compiled and linked, as the plans build them
 
 
 def test_the_probes_are_found():
