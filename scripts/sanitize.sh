@@ -123,14 +123,16 @@ unknown_of() {  # unknown_of LOG TOOL: the run's hazard pairs not listed as know
   [[ "$2" == racecheck ]] && pairs=$(pairs_of "$1")
   [[ -n "${pairs:-}" ]] || { echo "-"; return; }
   # a report the tool counted but did not print (its print limit) could be any pair
-  local printed
+  local printed counted
   printed=$(grep -c "Race reported between" "$1")
-  [[ "$printed" == "$(errors_of "$1")" ]] || echo "? $printed of $(errors_of "$1") reports printed ?"
-  grep -vxF -f <(known_pairs "$2"; echo "no known pair") <<<"$pairs"
+  counted=$(errors_of "$1")
+  [[ "$printed" == "$counted" ]] || echo "? $printed of $counted reports printed ?"
+  grep -vxF -f <(known_pairs "$2"; echo "no known pair") <<<"$pairs" || true  # none left: every pair known
 }
 
 failed=0
 matched=0
+declare -A unknowns  # CASE.TOOL -> unknown_of's answer, for the table and the pair list alike
 printf '\n%-10s' "case"
 for tool in $tools; do printf ' %-12s' "$tool"; done
 printf '\n'
@@ -144,7 +146,8 @@ for case_name in $cases; do
       cell="timeout"; failed=1
     elif [[ -z "$errors" ]]; then
       cell="no-summary"; failed=1
-    elif [[ "$errors" != 0 && $strict == 0 && -z "$(unknown_of "$log" "$tool")" ]]; then
+    elif [[ "$errors" != 0 ]] && unknowns[$case_name.$tool]=$(unknown_of "$log" "$tool") \
+      && [[ $strict == 0 && -z "${unknowns[$case_name.$tool]}" ]]; then
       cell="$errors(known)"; matched=1  # every hazard pair listed in scripts/sanitize_known.txt
       # the tool's exit code (97) hides the case's own: the case must have printed its last line
       grep -q "^sanitize_case $case_name: done in" "$log" || { cell="$cell,unfinished"; failed=1; }
@@ -171,9 +174,8 @@ for case_name in $cases; do  # where each failing run's reports point (source li
       pairs=$(pairs_of "$log")
       [[ -n "$pairs" ]] || continue
       echo "sanitize: $case_name racecheck: every hazard pair (kernel, first site, second site):"
-      unknown=$(unknown_of "$log" racecheck)
       while read -r pair; do
-        grep -qxF "$pair" <<<"$unknown" && echo "  $pair" || echo "  $pair (known)"
+        grep -qxF "$pair" <<<"${unknowns[$case_name.$tool]:-}" && echo "  $pair" || echo "  $pair (known)"
       done <<<"$pairs"
     fi
   done
