@@ -30,7 +30,8 @@ msync = every thread copies (partial_mma_sync); default: the module's choice
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
 the cp.async warps alone); no_combine: the module's path without its combine launch
-(sparse_core.COMBINE), the partial kernel's own time. --probe-paths: the paths the probes run
+(sparse_core.COMBINE), the partial kernel's own time; no_dequant (tp1-fp8, ws / wsx): the
+producer stores the fp8 rows' raw words, no conversion. --probe-paths: the paths the probes run
 on (default ws; e.g. ws,wsx: each probe on the producer path without and with the crossover).
 FlashMLA: its sparse FP8-cache decode (SGLang kernel package 0.4.6 / vLLM 0.26), quoted as
 issue 9 gives it (measured on the same kind of H200, not run by this script), beside both of
@@ -165,7 +166,7 @@ def main() -> int:
     parser.add_argument(
         "--probes",
         default="",
-        help="probes: no_loads,no_math (the producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
+        help="probes: no_loads,no_math,no_dequant (producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
     )
     parser.add_argument("--probe-batch", default="64")
     parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")

@@ -91,8 +91,10 @@ XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
-# wait for each block and release it.
-PROBES = ("", "no_loads", "no_math")
+# wait for each block and release it; "no_dequant" (partial_wgmma_ws over the fp8 cache): the
+# producer stores each latent piece's raw e4m3 words twice over as its bf16 chunk (the same
+# loads and stores, no conversion or scale): what the dequantization's instructions cost.
+PROBES = ("", "no_loads", "no_math", "no_dequant")
 PROBE = ""
 # A device probe of any path (bench_sparse_core.py --probes no_combine): False launches no
 # combine kernel, so a split token's out and lse are never written (wrong results): the
@@ -273,6 +275,8 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.combine = COMBINE
         if self.probe not in PROBES:
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
+        if self.probe == "no_dequant" and not (self.wgmma and mla_fp8):
+            raise ValueError("sparse_core.PROBE 'no_dequant' probes partial_wgmma_ws over the fp8 cache only")
         if self.wgmma:
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:

@@ -761,10 +761,13 @@ class WgmmaPaths:
             # for every cg0 < step (step divides 4)
             sc = scales[step * j // 4]
             outw = []
-            for i in cutlass.range_constexpr(2):
-                f = P.unpack_e4m3x4(words[i])
-                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
-                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+            if cutlass.const_expr(self.probe == "no_dequant"):  # raw words: the stores without the math
+                outw = [words[0], words[1], words[0], words[1]]
+            else:
+                for i in cutlass.range_constexpr(2):
+                    f = P.unpack_e4m3x4(words[i])
+                    outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                    outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
             self.put_chunk(outw, at, 4 * CHUNK * c4, remote)
         elif cutlass.const_expr(not self.mla_fp8 and step * (j + 1) <= TILE_CHUNKS // 4):
             self.put_chunk(words, at, 4 * CHUNK * c4, remote)  # (every thread's chunk is in the row)

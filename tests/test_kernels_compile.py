@@ -1627,6 +1627,37 @@ def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, shape_name, probe
     _check_crossover(partial, variant.op)
 
 
+def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, monkeypatch):
+    """bench_sparse_core.py --probes no_dequant (the crossover over the fp8 cache): the producer
+    stores its 16 latent pieces a block raw, so exactly their 4 e4m3 conversions each go (the
+    query rows' stay), at the same 168 registers and no stack; elsewhere the probe is refused."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    counts = {}
+    for probe in ("", "no_dequant"):
+        monkeypatch.setattr(sparse_core, "PROBE", probe)
+        variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
+        assert variant.op.crossover and variant.op.probe == probe
+        out = tmp_path / (probe or "default")
+        out.mkdir()
+        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(out))](
+            variant.op, *variant.args, make_fake_stream()
+        )
+        (ptx,) = [p.read_text() for p in out.iterdir() if p.suffix == ".ptx"]
+        (cubin,) = [p for p in out.iterdir() if p.suffix == ".cubin"]
+        (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+        assert found == {"regs": 168, "frame": 0}, (probe, found)
+        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+        counts[probe] = partial.count("cvt.rn.f16x2.e4m3x2")
+    assert counts[""] - counts["no_dequant"] == 16 * 4 and counts["no_dequant"] > 0, counts
+    monkeypatch.setattr(sparse_core, "PROBE", "no_dequant")
+    for shape in (TP1["tp1-bf16"], MMA_SHAPES["tp8-fp8"]):
+        with pytest.raises(ValueError, match="no_dequant"):
+            catalog.build(shape, "sparse_core", slots=2048, publish=False, producer=True)
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
