@@ -5,6 +5,7 @@ against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's fig
         [--sweep]
         [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
+        [--trace --configs tp1-fp8 --probe-batch 64]
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
@@ -146,6 +147,72 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
     return rows
 
 
+def trace_config(name: str, batch: int) -> list[list]:
+    """The trace probe (sparse_core.PROBE = "trace"): one eager launch after a warm-up one, each
+    role's steps per block from the CTAs' %clock words (sparse_core_wgmma.TRACE_*): the median,
+    10th and 90th percentile over every CTA's steady blocks (the third to the last), in SM cycles."""
+    from graphstep.kernels import sparse_core_wgmma as W
+
+    model, topology = CONFIGS[name]
+    shape = RankShape(preset(model), topology)
+    m, k = shape.model, shape.model.index_topk
+    state = LayerState(shape, max_batch=64, max_context=8192, seed=5, device="cuda")
+    kernels = Kernels(shape, state.weights)
+    cache = state.caches.mla_cache
+    total = cache.view(-1, cache.shape[-1]).shape[0]
+    q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
+    mailbox = formats.arm(
+        torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8, device="cuda")
+    )
+    mailbox[:, : shape.gathered] = formats.encode_q_rows(q, topology.q_format).view(batch, shape.gathered, -1)
+    slots = torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
+    lse = torch.empty(batch, shape.gathered, device="cuda")
+    planned = kernels.sparse_core_plan(batch)
+    partial_o = torch.zeros(batch * k // planned, shape.q_heads, m.kv_lora_rank, device="cuda")
+    partial_ml = torch.empty(batch * k // planned, shape.q_heads, 2, device="cuda")
+    for _ in range(2):  # the first launch compiles and warms; the second is read
+        kernels.sparse_core(mailbox, slots, cache, partial_o, partial_ml, out, lse, batch)
+    torch.cuda.synchronize()
+    blocks = planned // sparse_core.block_for(planned)  # a CTA's (one split: planned = k)
+    groups = shape.q_heads // W.WG_ROWS
+    words = partial_o.view(batch, groups, -1).view(torch.int32)[:, :, : W.TRACE_WORDS].long() & 0xFFFFFFFF
+    words = words.reshape(batch * groups, -1).cpu()
+
+    def at(base: int, per: int, step: int) -> torch.Tensor:  # [CTAs, blocks]
+        return words[:, base + step : base + per * blocks : per]
+
+    def span(later: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:  # %clock wraps at 2^32
+        return ((later - earlier) % (1 << 32)).double()
+
+    sc = [at(W.TRACE_SCORER, 4, i) for i in range(4)]
+    va = [at(W.TRACE_VALUES, 2, i) for i in range(2)]
+    pr = [at(W.TRACE_PRODUCER, 3, i) for i in range(3)]
+    start = words[:, W.TRACE_START : W.TRACE_START + 1]
+    steady = slice(2, blocks)
+    phases = [
+        ("scorer: full waited (after its last P @ V)", span(sc[0][:, 1:], sc[3][:, :-1])[:, 1:]),
+        ("scorer: scores (36 wgmma + wait)", span(sc[1], sc[0])[:, steady]),
+        ("scorer: softmax, P handed over", span(sc[2], sc[1])[:, steady]),
+        ("scorer: its P @ V (RS) + wait", span(sc[3], sc[2])[:, steady]),
+        ("scorer: a block (full waited to full waited)", span(sc[0][:, 1:], sc[0][:, :-1])[:, 1:]),
+        ("values: P ready (after its last P @ V)", span(va[0][:, 1:], va[1][:, :-1])[:, 1:]),
+        ("values: rescale + its P @ V (SS) + wait", span(va[1], va[0])[:, steady]),
+        ("producer: slot ids + loads issued", span(pr[0][:, 1:], pr[2][:, :-1])[:, 1:]),
+        ("producer: empty waited", span(pr[1], pr[0])[:, steady]),
+        ("producer: loads landed, dequantized, stored", span(pr[2], pr[1])[:, steady]),
+        ("first block: entry to scorer's full waited", span(sc[0][:, :1], start)),
+        ("whole CTA: entry to the last P @ V", span(sc[3][:, -1:], start)),
+    ]
+    cells = []
+    for label, values in phases:
+        flat = values.flatten()
+        cells.append([name, batch, label] + [round(float(flat.quantile(p))) for p in (0.5, 0.1, 0.9)])
+    del state
+    torch.cuda.empty_cache()
+    return cells
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,4,16,64")
@@ -168,6 +235,12 @@ def main() -> int:
         default="",
         help="probes: no_loads,no_math,no_dequant (producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="only the trace probe at --probe-batch (the crossover at one split: tp1-fp8 / tp1-bf16 at B = 64): "
+        "each role's SM cycles per step of a block",
+    )
     parser.add_argument("--probe-batch", default="64")
     parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")
     args = parse_args(parser)
@@ -175,6 +248,19 @@ def main() -> int:
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batch.split(",")]
+    if args.trace:
+        cells = []
+        sparse_core.PROBE = "trace"
+        try:
+            for name in args.configs.split(","):
+                for batch in (int(b) for b in args.probe_batch.split(",")):
+                    cells += trace_config(name, batch)
+        finally:
+            sparse_core.PROBE = ""
+        headers = ["config", "B", "step", "median cycles", "p10", "p90"]
+        caption = "SparseCore's trace probe: SM cycles per step of a block (medians over CTAs and blocks)"
+        report([dict(zip(headers, c)) for c in cells], headers, cells, caption, args.json)
+        return 0
     paths = [(p, "") for p in args.paths.split(",")] if args.paths else [("", "")]
     probe_paths = args.probe_paths.split(",")
     for probe in (p for p in args.probes.split(",") if p):

@@ -67,7 +67,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 from .sparse_core_layout import FP8_ROW, LATENT, PRODUCER_THREADS, ROW, STRIDE
 from .sparse_core_mma import COLS, MmaPaths, ring_stages, ws_stages
-from .sparse_core_wgmma import WG_ROWS, WG_THREADS, WS_THREADS, WgmmaPaths
+from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, WgmmaPaths
 
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
@@ -93,8 +93,10 @@ XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
 # wait for each block and release it; "no_dequant" (partial_wgmma_ws over the fp8 cache): the
 # producer stores each latent piece's raw e4m3 words twice over as its bf16 chunk (the same
-# loads and stores, no conversion or scale): what the dequantization's instructions cost.
-PROBES = ("", "no_loads", "no_math", "no_dequant")
+# loads and stores, no conversion or scale): what the dequantization's instructions cost;
+# "trace" (the crossover at one split): each role's %clock at each step of each block, written
+# over the unused partial_o (sparse_core_wgmma.TRACE_WORDS; bench_sparse_core.py --trace).
+PROBES = ("", "no_loads", "no_math", "no_dequant", "trace")
 PROBE = ""
 # A device probe of any path (bench_sparse_core.py --probes no_combine): False launches no
 # combine kernel, so a split token's out and lse are never written (wrong results): the
@@ -277,6 +279,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
             raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
         if self.probe == "no_dequant" and not (self.wgmma and mla_fp8):
             raise ValueError("sparse_core.PROBE 'no_dequant' probes partial_wgmma_ws over the fp8 cache only")
+        traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
+        if self.probe == "trace" and not traced:
+            raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         if self.wgmma:
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:

@@ -53,6 +53,17 @@ SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
+# The trace probe (sparse_core.PROBE = "trace": the crossover at one split, B = 64 at TP 1;
+# bench_sparse_core.py --trace): one thread of each role stores its %clock at each step of each
+# block into int32 words of its CTA's first partial_o row (unused at one split), TRACE_BLOCKS
+# blocks at most: the scorer (thread 0) at TRACE_SCORER + 4 b + (full waited, scores done, P
+# handed over, its P @ V done), the values warpgroup (thread 128) at TRACE_VALUES + 2 b + (P
+# ready, its P @ V done), the producer (thread 256) at TRACE_PRODUCER + 3 b + (loads issued,
+# buffer empty, rows stored), thread 0's kernel entry at TRACE_START.
+TRACE_BLOCKS = 32
+TRACE_SCORER, TRACE_VALUES, TRACE_PRODUCER = 0, 4 * TRACE_BLOCKS, 6 * TRACE_BLOCKS
+TRACE_START = 9 * TRACE_BLOCKS
+TRACE_WORDS = TRACE_START + 1
 
 
 def producer_map(ptid, v, block: int) -> tuple:
@@ -287,11 +298,14 @@ class WgmmaPaths:
         also waits for the peer's bytes and empty[s] for the peer's consumers
         (produce_blocks); the mbarriers' initialization is published to
         the peer by a cluster barrier (arrived on here, waited on before any remote access),
-        and every thread meets the peer's at a second one before it exits."""
+        and every thread meets the peer's at a second one before it exits.
+        trace: the trace probe's words (TRACE_WORDS), CTA-local."""
         tid, _, _ = cute.arch.thread_idx()
         split, group, token = cute.arch.block_idx()
         warp = tid // 32
         block = self.block
+        trace = partial_o + (token * self.q_heads + group * WG_ROWS) * LATENT  # the trace probe's words
+        self.stamp(trace, TRACE_START, tid == 0)
         smem = cutlass.memory.SmemAllocator()
         q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
         kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
@@ -332,6 +346,7 @@ class WgmmaPaths:
             empty0,
             tid,
             pool_slots,
+            trace,
         )
         if cutlass.const_expr(self.reshape):
             if warp < 4:
@@ -343,7 +358,7 @@ class WgmmaPaths:
             else:
                 cute.arch.setmaxregister_decrease(RESHAPE_PRODUCER_REGS)
                 self.produce_blocks(
-                    slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots
+                    slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots, trace
                 )
         elif warp >= WG_THREADS // 32:  # warpgroup 2
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -355,7 +370,9 @@ class WgmmaPaths:
             self.consume_blocks(*consumers)
 
     @cute.jit
-    def produce_blocks(self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots):
+    def produce_blocks(
+        self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots, trace=None
+    ):
         """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
         partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
         the row and chunk maps are the same; the next block's slot ids load a block ahead.
@@ -415,9 +432,12 @@ class WgmmaPaths:
             if cutlass.const_expr(self.crossover):
                 own = P.select_i32(rank == 0, fetched[0], fetched[1])
                 staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
+                self.stamp(trace, TRACE_PRODUCER + 3 * b, ptid == 0)
                 if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
                 self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+                self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
                 if ptid == 0:  # the peer's bytes of this block, expected with this arrival
@@ -457,6 +477,13 @@ class WgmmaPaths:
             cute.arch.cluster_wait()
 
     @cute.jit
+    def stamp(self, trace, word, who):
+        """The trace probe: thread `who`'s %clock into int32 word `word` of its CTA's trace."""
+        if cutlass.const_expr(self.probe == "trace"):
+            if who:
+                P.store_i32(trace + word, cute.arch.clock())
+
+    @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
         """The block's slot ids beside buffer s (the consumers' -inf mask), each by its row's
         chunk-0 thread, which also records a slot outside the pool in the error word."""
@@ -486,6 +513,7 @@ class WgmmaPaths:
         empty0,
         tid,
         pool_slots,
+        trace,
         role: int | None = None,
     ):
         """The consumer warpgroups (tid 0 .. 255) between each buffer's full and empty
@@ -511,7 +539,7 @@ class WgmmaPaths:
         producer (its empty[s], mapa + arrive.release.cluster) but for the CTA's last two
         blocks (produce_blocks has the protocol); the thread passes the cluster barrier the
         kernel arrived on after initializing its mbarriers before its first remote arrive, and
-        meets the peer at the closing one around finish_wgmma."""
+        meets the peer at the closing one around finish_wgmma. trace: the trace probe's words."""
         _, group, token = cute.arch.block_idx()
         lane = tid % 32
         blocks = self.slots_per_cta // self.block
@@ -538,6 +566,7 @@ class WgmmaPaths:
             P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover)
             if cutlass.const_expr(self.crossover):
                 P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
+            self.stamp(trace, TRACE_SCORER + 4 * b, tid == 0)
             if cutlass.const_expr(self.probe != "no_math"):
                 if cutlass.const_expr(role is None):
                     row_max, row_sum, acc_o = self.consume_block(
@@ -545,10 +574,11 @@ class WgmmaPaths:
                     )
                 elif cutlass.const_expr(role == 0):
                     row_max, row_sum, acc_o = self.score_block(
-                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots, b > 0
+                        q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots, b > 0, trace, b
                     )
+                    self.stamp(trace, TRACE_SCORER + 4 * b + 3, tid == 0)
                 else:
-                    acc_o = self.values_block_half(cur, p_s, red, acc_o, tid, b < blocks - 1)
+                    acc_o = self.values_block_half(cur, p_s, red, acc_o, tid, b < blocks - 1, trace, b)
             if lane == 0:  # this warp's reads of buffer s (its wgmmas, the slot ids) are done
                 P.mbar_arrive(empty0 + 8 * s)
                 if cutlass.const_expr(self.crossover):
@@ -562,7 +592,9 @@ class WgmmaPaths:
             cute.arch.cluster_wait()
 
     @cute.jit
-    def score_block(self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free):
+    def score_block(
+        self, q_s, cur, p_s, ids_s, s, factors, row_max, row_sum, acc_o, tid, pool_slots, wait_free, trace=None, b=0
+    ):
         """Warpgroup 0 of consume_blocks' FlashMLA shape, one block (buffer s at cur): S = Q x K^T over all
         its slots (m64n(block)k16), holes -inf, the online softmax in registers, P as bf16
         words -- the A fragments of P @ V -- and the rows' factors 2^(old max - new max) into
@@ -575,6 +607,7 @@ class WgmmaPaths:
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
         sc = wgmma_scores(q_s, cur, block)
+        self.stamp(trace, TRACE_SCORER + 4 * b + 1, tid == 0)
         for j in cutlass.range_constexpr(block // 8):
             for e in cutlass.range_constexpr(2):
                 live = P.in_range(ids_s[s * WG_ROWS + 8 * j + 2 * t + e], pool_slots)
@@ -609,21 +642,24 @@ class WgmmaPaths:
                 factors[row0 + 8 * rr] = alpha[rr]
         P.fence_proxy_async()  # P -> warpgroup 1's wgmma
         P.named_arrive(P_READY, WG_THREADS)
+        self.stamp(trace, TRACE_SCORER + 4 * b + 2, tid == 0)
         acc_o = P.wgmma_bf16_rs(acc_o, words, cur, DESC_V, 16 * 16, True)
         return row_max, row_sum, acc_o
 
     @cute.jit
-    def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free):
+    def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free, trace=None, b=0):
         """Warpgroup 1 of consume_blocks' FlashMLA shape, one block: once P_READY, O[:, 256 .. 511] rescaled
         by the rows' factors, += P x V (P from shared memory; completed on return), then
         P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
         lane, w4 = tid % 32, tid // 32 - 4
         row0 = 16 * w4 + lane // 4
         P.named_sync(P_READY, WG_THREADS)
+        self.stamp(trace, TRACE_VALUES + 2 * b, tid == WG_THREADS // 2)
         alpha = [factors[row0], factors[row0 + 8]]
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         acc_o = wgmma_values(acc_o, p_s, cur + (LATENT // 2 // 8) * CHUNK, self.block // 16)
+        self.stamp(trace, TRACE_VALUES + 2 * b + 1, tid == WG_THREADS // 2)
         if arrive_free:
             P.named_arrive(P_FREE, WG_THREADS)
         return acc_o
