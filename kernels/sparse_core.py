@@ -88,6 +88,12 @@ RESHAPE_BLOCKS = 2
 # levers.md S.7.
 CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
+# FlashMLA's consumer shape: True has the values warpgroup load P from shared memory into
+# registers and take it as the A operand of its P @ V (wgmma RS, as the scorer's), False reads
+# it there as wgmma's A (SS). Session 29's trace (TP 1 fp8, B = 64, H100): the SS P @ V took
+# 3,569 cycles from P ready against the scorer's RS 876 for the same shape, and gates each
+# buffer's release (levers.md S.9). Registers re-dealt 200 / 176 / 128 with it (spill-free).
+VALUES_RS = False
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -128,6 +134,7 @@ KNOBS = {
     "RESHAPE_BLOCKS": int,
     "CROSSOVER": dict,
     "XOVER_RESHAPE_BLOCKS": int,
+    "VALUES_RS": bool,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -273,6 +280,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.crossover = bool(want) and paired and self.producer and self.block == WG_ROWS
         reshape_blocks = XOVER_RESHAPE_BLOCKS if self.crossover else RESHAPE_BLOCKS
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
+        self.values_rs = self.reshape and bool(VALUES_RS)
         self.probe = PROBE if self.producer else ""
         self.combine = COMBINE
         if self.probe not in PROBES:

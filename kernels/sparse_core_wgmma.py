@@ -50,6 +50,7 @@ TILE_CHUNKS = ROW // 8  # 72
 WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
+VALUES_RS_REGS = (200, 176, 128)  # sparse_core.VALUES_RS: P's 16 words held through the P @ V
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
@@ -349,14 +350,15 @@ class WgmmaPaths:
             trace,
         )
         if cutlass.const_expr(self.reshape):
+            regs = VALUES_RS_REGS if self.values_rs else (SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS)
             if warp < 4:
-                cute.arch.setmaxregister_increase(SCORER_REGS)
+                cute.arch.setmaxregister_increase(regs[0])
                 self.consume_blocks(*consumers, 0)
             elif warp < 8:
-                cute.arch.setmaxregister_decrease(VALUES_REGS)
+                cute.arch.setmaxregister_decrease(regs[1])
                 self.consume_blocks(*consumers, 1)
             else:
-                cute.arch.setmaxregister_decrease(RESHAPE_PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(regs[2])
                 self.produce_blocks(
                     slots, cache, kv_s, ids_s, full0, empty0, tid - WG_THREADS, split, token, error, pool_slots, trace
                 )
@@ -649,16 +651,25 @@ class WgmmaPaths:
     @cute.jit
     def values_block_half(self, cur, p_s, factors, acc_o, tid, arrive_free, trace=None, b=0):
         """Warpgroup 1 of consume_blocks' FlashMLA shape, one block: once P_READY, O[:, 256 .. 511] rescaled
-        by the rows' factors, += P x V (P from shared memory; completed on return), then
+        by the rows' factors, += P x V (P from shared memory, as wgmma's A or, VALUES_RS, loaded
+        into registers first; completed on return), then
         P_FREE (arrive_free: not after the CTA's last block, which nothing waits for)."""
         lane, w4 = tid % 32, tid // 32 - 4
-        row0 = 16 * w4 + lane // 4
+        row0, t = 16 * w4 + lane // 4, lane % 4
         P.named_sync(P_READY, WG_THREADS)
         self.stamp(trace, TRACE_VALUES + 2 * b, tid == WG_THREADS // 2)
         alpha = [factors[row0], factors[row0 + 8]]
+        words = []
+        if cutlass.const_expr(self.values_rs):  # the scorer's words for these rows, as score_block stored them
+            for i in cutlass.range_constexpr(self.block // 4):
+                words.append(P.ld_shared_i32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t))
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
-        acc_o = wgmma_values(acc_o, p_s, cur + (LATENT // 2 // 8) * CHUNK, self.block // 16)
+        v_half = cur + (LATENT // 2 // 8) * CHUNK
+        if cutlass.const_expr(self.values_rs):
+            acc_o = P.wgmma_bf16_rs(acc_o, words, v_half, DESC_V, 16 * 16, True)
+        else:
+            acc_o = wgmma_values(acc_o, p_s, v_half, self.block // 16)
         self.stamp(trace, TRACE_VALUES + 2 * b + 1, tid == WG_THREADS // 2)
         if arrive_free:
             P.named_arrive(P_FREE, WG_THREADS)

@@ -1686,6 +1686,39 @@ def test_the_trace_probe_stamps_each_role_once_a_step(tmp_path, monkeypatch, sha
             catalog.build(shape, "sparse_core", slots=slots, publish=False, producer=True)
 
 
+@pytest.mark.parametrize("slots", [128, 2048])
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_values_warpgroup_takes_p_from_registers_when_asked(tmp_path, monkeypatch, shape_name, slots):
+    """sparse_core.VALUES_RS (bench_sparse_core.py --paths wsxv): both warpgroups' P @ V are
+    wgmma RS (P's words loaded from shared memory by the values warpgroup), none SS, the
+    registers re-dealt as sparse_core_wgmma.VALUES_RS_REGS (within the launch's 3 x 168),
+    no stack (ptxas spilled the values' P words at 168 and serialized the scorer's wgmmas at
+    192)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "VALUES_RS", True)
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=slots)
+    op = variant.op
+    assert op.crossover and op.reshape and op.values_rs
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+    regs = sparse_core_wgmma.VALUES_RS_REGS
+    assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
+    assert [int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \t(\d+);", partial)] == list(regs)
+    rs = re.findall(r"m64n256k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", partial)
+    # every m64n256 wgmma RS, at least the two warpgroups' k steps a block (LLVM may copy a
+    # peeled block's)
+    assert partial.count("m64n256k16") == len(rs) >= 2 * (op.block // 16) and len(rs) % (op.block // 16) == 0
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

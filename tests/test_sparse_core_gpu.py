@@ -157,17 +157,20 @@ def test_the_producer_path_with_half_block_scorers_matches_the_reference(monkeyp
     _check(case, batch, slots_per_cta)
 
 
+@pytest.mark.parametrize("values_rs", [False, True])
 @pytest.mark.parametrize("slots_per_cta", [16, 32, 64, 128, 256, 512, 1024, 2048])
 @pytest.mark.parametrize("case", ["q128-tp1-bf16", "q64-kimi-tp1-fp8cache"])
-def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta):
+def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypatch, case, slots_per_cta, values_rs):
     """The producer path with FlashMLA's consumer shape at every block count (the default up
     to RESHAPE_BLOCKS; bench_sparse_core.py --paths wsr), whatever the cache's default: the
     bf16 cache's cp.async producer, bf16 query rows, 64 gathered heads (one block: no
-    P_FREE wait; 16 and 32 slots: blocks narrower than 64)."""
+    P_FREE wait; 16 and 32 slots: blocks narrower than 64); with the values warpgroup's P
+    from shared memory or, sparse_core.VALUES_RS, from registers."""
     from graphstep.kernels import sparse_core
 
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30)
+    monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
     _check(case, 5, slots_per_cta)
 
 
@@ -177,20 +180,23 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
-def _crossover(monkeypatch, reshape):
+def _crossover(monkeypatch, consumers):
     """sparse_core.CROSSOVER on (the producer path's head-group pairs sharing each block's
-    loads, bench_sparse_core.py --paths wsx), the consumers the module's (None:
-    XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or FlashMLA's shape (1 << 30: wsxr)
-    at every block count."""
+    loads, bench_sparse_core.py --paths wsx), the consumers (reshape, values_rs): the module's
+    (None: XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or FlashMLA's shape (1 << 30:
+    wsxr) at every block count; values_rs: sparse_core.VALUES_RS (wsxv: the values warpgroup's
+    P @ V with P from registers)."""
     from graphstep.kernels import sparse_core
 
+    reshape, values_rs = consumers
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
+    monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
     if reshape is not None:
         monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", reshape)
 
 
-CONSUMERS = {"wsx": None, "wsxh": 0, "wsxr": 1 << 30}
+CONSUMERS = {"wsx": (None, False), "wsxh": (0, False), "wsxr": (1 << 30, False), "wsxv": (1 << 30, True)}
 
 
 @pytest.mark.parametrize("path", CONSUMERS)
@@ -206,7 +212,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     _crossover(monkeypatch, CONSUMERS[path])
     shape = _state(case).shape
     op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
-    assert op.crossover == (shape.q_heads == 128)
+    assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
     _check(case, batch)
 
 
@@ -224,7 +230,7 @@ def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch,
 def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, batch):
     """The fp8 rows x 2^24 / 2^-24 and the bf16 query rows x 2^-24 / 2^24 (exact; the scores
     unchanged, the output x 2^shift): the peer's half dequantized with its rows' scales."""
-    _crossover(monkeypatch, None)
+    _crossover(monkeypatch, CONSUMERS["wsx"])
     for shift in (24, -24):
         _check("q128-tp1-fp8cache", batch, cache_shift=shift, q_shift=-shift)
 
@@ -232,7 +238,7 @@ def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, b
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
 def test_poll_and_the_crossover(monkeypatch, case):
     """The poll (fork_poll) on the crossover: each CTA of a pair polls its own rows."""
-    _crossover(monkeypatch, None)
+    _crossover(monkeypatch, CONSUMERS["wsx"])
     test_poll_waits_for_the_rows_and_names_a_chunk_never_published(case, 2, None)
 
 
