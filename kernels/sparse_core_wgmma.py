@@ -51,6 +51,7 @@ WS_THREADS = 3 * 128
 CONSUMER_REGS, PRODUCER_REGS = 184, 136
 SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 VALUES_RS_REGS = (200, 176, 128)  # sparse_core.VALUES_RS: P's 16 words held through the P @ V
+LAUNCH_REGS = 168  # what ptxas gives each of the 384 threads; setmaxnreg re-deals that pool
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
@@ -355,7 +356,10 @@ class WgmmaPaths:
                 cute.arch.setmaxregister_increase(regs[0])
                 self.consume_blocks(*consumers, 0)
             elif warp < 8:
-                cute.arch.setmaxregister_decrease(regs[1])
+                if cutlass.const_expr(regs[1] > LAUNCH_REGS):  # (a dec past the launch's count traps)
+                    cute.arch.setmaxregister_increase(regs[1])
+                else:
+                    cute.arch.setmaxregister_decrease(regs[1])
                 self.consume_blocks(*consumers, 1)
             else:
                 cute.arch.setmaxregister_decrease(regs[2])

@@ -1712,7 +1712,10 @@ def test_the_values_warpgroup_takes_p_from_registers_when_asked(tmp_path, monkey
     (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     regs = sparse_core_wgmma.VALUES_RS_REGS
     assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
-    assert [int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \t(\d+);", partial)] == list(regs)
+    assert sum(regs) == 3 * sparse_core_wgmma.LAUNCH_REGS
+    # past the launch's count a role must ask with inc (a dec there is an illegal instruction)
+    dealt = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32 \t(\d+);", partial)
+    assert dealt == [("inc", "200"), ("inc", "176"), ("dec", "128")] and [int(r) for _, r in dealt] == list(regs)
     rs = re.findall(r"m64n256k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", partial)
     # every m64n256 wgmma RS, at least the two warpgroups' k steps a block (LLVM may copy a
     # peeled block's)
