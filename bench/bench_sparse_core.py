@@ -187,7 +187,7 @@ def trace_config(name: str, batch: int) -> list[list]:
         return ((later - earlier) % (1 << 32)).double()
 
     sc = [at(W.TRACE_SCORER, 4, i) for i in range(4)]
-    va = [at(W.TRACE_VALUES, 2, i) for i in range(2)]
+    va = [at(W.TRACE_VALUES, 3, i) for i in range(3)]
     pr = [at(W.TRACE_PRODUCER, 3, i) for i in range(3)]
     start = words[:, W.TRACE_START : W.TRACE_START + 1]
     steady = slice(2, blocks)
@@ -197,8 +197,9 @@ def trace_config(name: str, batch: int) -> list[list]:
         ("scorer: softmax, P handed over", span(sc[2], sc[1])[:, steady]),
         ("scorer: its P @ V (RS) + wait", span(sc[3], sc[2])[:, steady]),
         ("scorer: a block (full waited to full waited)", span(sc[0][:, 1:], sc[0][:, :-1])[:, 1:]),
-        ("values: P ready (after its last P @ V)", span(va[0][:, 1:], va[1][:, :-1])[:, 1:]),
-        ("values: rescale + its P @ V (SS) + wait", span(va[1], va[0])[:, steady]),
+        ("values: P ready (after its last P @ V)", span(va[0][:, 1:], va[2][:, :-1])[:, 1:]),
+        ("values: rescale (and VALUES_RS: P loaded)", span(va[1], va[0])[:, steady]),
+        ("values: its P @ V issued and waited", span(va[2], va[1])[:, steady]),
         ("producer: slot ids + loads issued", span(pr[0][:, 1:], pr[2][:, :-1])[:, 1:]),
         ("producer: empty waited", span(pr[1], pr[0])[:, steady]),
         ("producer: loads landed, dequantized, stored", span(pr[2], pr[1])[:, steady]),

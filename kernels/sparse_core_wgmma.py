@@ -59,12 +59,13 @@ XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the
 # bench_sparse_core.py --trace): one thread of each role stores its %clock at each step of each
 # block into int32 words of its CTA's first partial_o row (unused at one split), TRACE_BLOCKS
 # blocks at most: the scorer (thread 0) at TRACE_SCORER + 4 b + (full waited, scores done, P
-# handed over, its P @ V done), the values warpgroup (thread 128) at TRACE_VALUES + 2 b + (P
-# ready, its P @ V done), the producer (thread 256) at TRACE_PRODUCER + 3 b + (loads issued,
-# buffer empty, rows stored), thread 0's kernel entry at TRACE_START.
+# handed over, its P @ V done), the values warpgroup (thread 128) at TRACE_VALUES + 3 b + (P
+# ready, rescaled and about to issue its P @ V, its P @ V done), the producer (thread 256) at
+# TRACE_PRODUCER + 3 b + (loads issued, buffer empty, rows stored), thread 0's kernel entry at
+# TRACE_START.
 TRACE_BLOCKS = 32
-TRACE_SCORER, TRACE_VALUES, TRACE_PRODUCER = 0, 4 * TRACE_BLOCKS, 6 * TRACE_BLOCKS
-TRACE_START = 9 * TRACE_BLOCKS
+TRACE_SCORER, TRACE_VALUES, TRACE_PRODUCER = 0, 4 * TRACE_BLOCKS, 7 * TRACE_BLOCKS
+TRACE_START = 10 * TRACE_BLOCKS
 TRACE_WORDS = TRACE_START + 1
 
 
@@ -661,7 +662,7 @@ class WgmmaPaths:
         lane, w4 = tid % 32, tid // 32 - 4
         row0, t = 16 * w4 + lane // 4, lane % 4
         P.named_sync(P_READY, WG_THREADS)
-        self.stamp(trace, TRACE_VALUES + 2 * b, tid == WG_THREADS // 2)
+        self.stamp(trace, TRACE_VALUES + 3 * b, tid == WG_THREADS // 2)
         alpha = [factors[row0], factors[row0 + 8]]
         words = []
         if cutlass.const_expr(self.values_rs):  # the scorer's words for these rows, as score_block stored them
@@ -670,11 +671,12 @@ class WgmmaPaths:
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         v_half = cur + (LATENT // 2 // 8) * CHUNK
+        self.stamp(trace, TRACE_VALUES + 3 * b + 1, tid == WG_THREADS // 2)
         if cutlass.const_expr(self.values_rs):
             acc_o = P.wgmma_bf16_rs(acc_o, words, v_half, DESC_V, 16 * 16, True)
         else:
             acc_o = wgmma_values(acc_o, p_s, v_half, self.block // 16)
-        self.stamp(trace, TRACE_VALUES + 2 * b + 1, tid == WG_THREADS // 2)
+        self.stamp(trace, TRACE_VALUES + 3 * b + 2, tid == WG_THREADS // 2)
         if arrive_free:
             P.named_arrive(P_FREE, WG_THREADS)
         return acc_o
