@@ -239,9 +239,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--trace",
-        action="store_true",
+        nargs="?",
+        const="trace",
+        choices=("trace", "trace_no_push"),
         help="only the trace probe at --probe-batch (the crossover at one split: tp1-fp8 / tp1-bf16 at B = 64): "
-        "each role's SM cycles per step of a block",
+        "each role's SM cycles per step of a block; --trace trace_no_push: with the producers pushing nothing "
+        "into their peers (wrong results)",
     )
     parser.add_argument("--probe-batch", default="64")
     parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")
@@ -252,7 +255,7 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     if args.trace:
         cells = []
-        sparse_core.PROBE = "trace"
+        sparse_core.PROBE = args.trace  # trace_no_push: the producers push nothing into their peers (wrong results)
         try:
             for name in args.configs.split(","):
                 for batch in (int(b) for b in args.probe_batch.split(",")):

@@ -101,8 +101,11 @@ VALUES_RS = False
 # producer stores each latent piece's raw e4m3 words twice over as its bf16 chunk (the same
 # loads and stores, no conversion or scale): what the dequantization's instructions cost;
 # "trace" (the crossover at one split): each role's %clock at each step of each block, written
-# over the unused partial_o (sparse_core_wgmma.TRACE_WORDS; bench_sparse_core.py --trace).
-PROBES = ("", "no_loads", "no_math", "no_dequant", "trace")
+# over the unused partial_o (sparse_core_wgmma.TRACE_WORDS; bench_sparse_core.py --trace);
+# "no_push" (the crossover): each producer stores its half of a block into its own tile only,
+# none into the peer's (whose full barrier then expects no bytes): what the st.async pushes
+# cost, the other half of every tile stale; "trace_no_push" both.
+PROBES = ("", "no_loads", "no_math", "no_dequant", "trace", "no_push", "trace_no_push")
 PROBE = ""
 # A device probe of any path (bench_sparse_core.py --probes no_combine): False launches no
 # combine kernel, so a split token's out and lse are never written (wrong results): the
@@ -288,8 +291,10 @@ class SparseCore(MmaPaths, WgmmaPaths):
         if self.probe == "no_dequant" and not (self.wgmma and mla_fp8):
             raise ValueError("sparse_core.PROBE 'no_dequant' probes partial_wgmma_ws over the fp8 cache only")
         traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
-        if self.probe == "trace" and not traced:
+        if self.probe.startswith("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
+        if self.probe.endswith("no_push") and not self.crossover:
+            raise ValueError("sparse_core.PROBE 'no_push' probes the crossover's pushes only")
         if self.wgmma:
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:

@@ -443,11 +443,14 @@ class WgmmaPaths:
                 if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
-                self.store_rows(staged, buf, half[0], half[1], half[2], (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s))
+                push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
+                if cutlass.const_expr(self.probe.endswith("no_push")):  # the peer's half never comes
+                    push = None
+                self.store_rows(staged, buf, half[0], half[1], half[2], push)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
-                if ptid == 0:  # the peer's bytes of this block, expected with this arrival
+                if ptid == 0 and not self.probe.endswith("no_push"):  # the peer's bytes, expected with this arrival
                     P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
                 else:
                     P.mbar_arrive(full0 + 8 * s)
@@ -486,7 +489,7 @@ class WgmmaPaths:
     @cute.jit
     def stamp(self, trace, word, who):
         """The trace probe: thread `who`'s %clock into int32 word `word` of its CTA's trace."""
-        if cutlass.const_expr(self.probe == "trace"):
+        if cutlass.const_expr(self.probe.startswith("trace")):
             if who:
                 P.store_i32(trace + word, cute.arch.clock())
 
