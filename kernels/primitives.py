@@ -922,6 +922,17 @@ def bulk_copy_g2s(dst, src, nbytes, bar):
     )
 
 
+def bulk_copy_s2cluster(dst, src, nbytes, bar):
+    """This CTA's shared memory -> shared::cluster address `dst` (another CTA of the cluster),
+    a bulk copy of `nbytes` (a multiple of 16, both ends 16-byte aligned) by the SM's copy
+    engine, its bytes completing on the mbarrier at shared::cluster address `bar` (in dst's
+    CTA). The source's generic-proxy writes must be fenced (fence_proxy_async) before it."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst, src, nbytes, bar],
+    )
+
+
 def fence_proxy_async():
     """Order this thread's generic-proxy shared-memory accesses with the async proxy's: its
     writes visible to wgmma / bulk copies, its reads done before a bulk copy overwrites them."""

@@ -94,6 +94,14 @@ XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape
 # 3,569 cycles from P ready against the scorer's RS 876 for the same shape, and gates each
 # buffer's release (levers.md S.9). Registers re-dealt 200 / 176 / 128 with it (spill-free).
 VALUES_RS = False
+# How the crossover's producer puts its half of each block into the peer CTA's tile: "st_async"
+# (each thread's 16-byte chunks by st.async as it stores them locally: 18 a thread a block
+# through its warp's MIO queue) or "bulk" (the half stored locally only, then, after the
+# producer warpgroup's barrier, 72 bulk copies of 512 bytes by the SM's copy engine, completing
+# on the same full barrier). Session 29's trace placed 2,575 cycles a block in the values
+# warpgroup's two shared loads while the pushes run (levers.md S.9; plan s30_a tests it).
+XOVER_PUSH = "st_async"
+XOVER_PUSHES = ("st_async", "bulk")
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -138,6 +146,7 @@ KNOBS = {
     "CROSSOVER": dict,
     "XOVER_RESHAPE_BLOCKS": int,
     "VALUES_RS": bool,
+    "XOVER_PUSH": str,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -293,6 +302,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
         traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
         if self.probe.startswith("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
+        self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
+        if XOVER_PUSH not in XOVER_PUSHES:
+            raise ValueError(f"sparse_core.XOVER_PUSH must be one of {XOVER_PUSHES}, got {XOVER_PUSH!r}")
         if self.probe.endswith("no_push") and not self.crossover:
             raise ValueError("sparse_core.PROBE 'no_push' probes the crossover's pushes only")
         if self.wgmma:

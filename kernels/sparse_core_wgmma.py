@@ -53,8 +53,10 @@ SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 VALUES_RS_REGS = (200, 176, 128)  # sparse_core.VALUES_RS: P's 16 words held through the P @ V
 LAUNCH_REGS = 168  # what ptxas gives each of the 384 threads; setmaxnreg re-deals that pool
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
+PUSH_BAR = 4  # the crossover's producer warpgroup (128 threads): its block stored (XOVER_PUSH "bulk")
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
+XOVER_PIECE = XOVER_ROWS * 16  # a CTA's rows of one k chunk: 512 contiguous bytes of the tile
 # The trace probe (sparse_core.PROBE = "trace": the crossover at one split, B = 64 at TP 1;
 # bench_sparse_core.py --trace): one thread of each role stores its %clock at each step of each
 # block into int32 words of its CTA's first partial_o row (unused at one split), TRACE_BLOCKS
@@ -444,12 +446,14 @@ class WgmmaPaths:
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
                 push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
-                if cutlass.const_expr(self.probe.endswith("no_push")):  # the peer's half never comes
-                    push = None
+                if cutlass.const_expr(self.probe.endswith("no_push") or self.bulk_push):
+                    push = None  # (no_push: the peer's half never comes; bulk: copied below)
                 self.store_rows(staged, buf, half[0], half[1], half[2], push)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma (and the bulk copies)
+                if cutlass.const_expr(self.bulk_push and not self.probe.endswith("no_push")):
+                    self.push_half(buf, full0 + 8 * s, rank, ptid)
                 if ptid == 0 and not self.probe.endswith("no_push"):  # the peer's bytes, expected with this arrival
                     P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
                 else:
@@ -492,6 +496,24 @@ class WgmmaPaths:
         if cutlass.const_expr(self.probe.startswith("trace")):
             if who:
                 P.store_i32(trace + word, cute.arch.clock())
+
+    @cute.jit
+    def push_half(self, buf, full, rank, ptid):
+        """XOVER_PUSH "bulk": once every producer thread has stored (and fenced) its chunks of
+        this CTA's half of the block (tile buf, its full barrier full), warp 0 copies the half
+        into the same place of the peer's tile: rows 32 rank .. 32 rank + 31 of each of the 72
+        k chunks, 512 contiguous bytes a chunk, each a bulk copy completing on the peer's full
+        barrier (XOVER_BYTES in all, as the st.async pushes). The local tile is rewritten only
+        after the peer's consumers have released this block, so after every copy has completed
+        there. (The peer's addresses mapped here, so none stays live across the loop.)"""
+        P.named_sync(PUSH_BAR, 128)
+        if ptid < 32:
+            peer_full = P.mapa(full, 1 - rank)
+            for i in cutlass.range_constexpr((TILE_CHUNKS + 31) // 32):
+                chunk = ptid + 32 * i
+                if chunk < TILE_CHUNKS:
+                    src = buf + chunk * CHUNK + rank * XOVER_PIECE
+                    P.bulk_copy_s2cluster(P.mapa(src, 1 - rank), src, Int32(XOVER_PIECE), peer_full)
 
     @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):

@@ -1731,6 +1731,43 @@ def test_the_values_warpgroup_takes_p_from_registers_when_asked(tmp_path, monkey
     assert partial.count("m64n256k16") == len(rs) >= 2 * (op.block // 16) and len(rs) % (op.block // 16) == 0
 
 
+@pytest.mark.parametrize("slots", [128, 2048])
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_crossover_pushes_by_bulk_copies_when_asked(tmp_path, monkeypatch, shape_name, slots):
+    """sparse_core.XOVER_PUSH = "bulk" (bench_sparse_core.py --paths wsxb): no st.async; the
+    producer warpgroup meets at PUSH_BAR (its 128 threads) after storing and fencing its half,
+    then copies it into the peer by shared::cta -> shared::cluster bulk copies (72 of 512 bytes
+    a block, at most 3 a lane of warp 0), thread 0 still expecting the peer's XOVER_BYTES on
+    full[s]; 168 registers, at most 16 bytes of stack (ptxas keeps four of the fp8 producer's
+    loop scalars in local memory at its 144 registers)."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "XOVER_PUSH", "bulk")
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=slots, publish=False)
+    op = variant.op
+    assert op.crossover and op.bulk_push
+    assert sparse_core_wgmma.XOVER_PIECE * sparse_core_wgmma.TILE_CHUNKS == sparse_core_wgmma.XOVER_BYTES
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    assert found["regs"] == 168 and found["frame"] <= 16, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+    assert "st.async" not in partial
+    copies = partial.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
+    assert copies >= -(-sparse_core_wgmma.TILE_CHUNKS // 32), copies
+    assert f"barrier.sync {sparse_core_wgmma.PUSH_BAR}, 128;" in partial
+    expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", partial)
+    assert expects and set(expects) == {str(sparse_core_wgmma.XOVER_BYTES)}, expects
+    monkeypatch.setattr(sparse_core, "XOVER_PUSH", "dsmem")
+    with pytest.raises(ValueError, match="XOVER_PUSH"):
+        catalog.build(TP1[shape_name], "sparse_core", slots=slots)
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

@@ -182,13 +182,15 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
 
 def _crossover(monkeypatch, consumers):
     """sparse_core.CROSSOVER on (the producer path's head-group pairs sharing each block's
-    loads, bench_sparse_core.py --paths wsx), the consumers (reshape, values_rs): the module's
-    (None: XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or FlashMLA's shape (1 << 30:
-    wsxr) at every block count; values_rs: sparse_core.VALUES_RS (wsxv: the values warpgroup's
-    P @ V with P from registers)."""
+    loads, bench_sparse_core.py --paths wsx), the consumers and the push (reshape, values_rs,
+    push): the module's consumers (None: XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or
+    FlashMLA's shape (1 << 30: wsxr) at every block count; values_rs: sparse_core.VALUES_RS
+    (wsxv: the values warpgroup's P @ V with P from registers); push: sparse_core.XOVER_PUSH
+    (wsxb: each half pushed into the peer by bulk copies)."""
     from graphstep.kernels import sparse_core
 
-    reshape, values_rs = consumers
+    reshape, values_rs, push = consumers
+    monkeypatch.setattr(sparse_core, "XOVER_PUSH", push)
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
@@ -196,7 +198,13 @@ def _crossover(monkeypatch, consumers):
         monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", reshape)
 
 
-CONSUMERS = {"wsx": (None, False), "wsxh": (0, False), "wsxr": (1 << 30, False), "wsxv": (1 << 30, True)}
+CONSUMERS = {
+    "wsx": (None, False, "st_async"),
+    "wsxh": (0, False, "st_async"),
+    "wsxr": (1 << 30, False, "st_async"),
+    "wsxv": (1 << 30, True, "st_async"),
+    "wsxb": (None, False, "bulk"),
+}
 
 
 @pytest.mark.parametrize("path", CONSUMERS)
@@ -213,6 +221,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     shape = _state(case).shape
     op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
+    assert op.bulk_push == (path == "wsxb" and op.crossover)
     _check(case, batch)
 
 
