@@ -243,10 +243,9 @@ def main() -> int:
         "--trace",
         nargs="?",
         const="trace",
-        choices=("trace", "trace_no_push"),
         help="only the trace probe at --probe-batch (the crossover at one split: tp1-fp8 / tp1-bf16 at B = 64): "
-        "each role's SM cycles per step of a block; --trace trace_no_push: with the producers pushing nothing "
-        "into their peers (wrong results)",
+        "each role's SM cycles per step of a block; --trace trace+PROBE: with other probes joined "
+        "(trace+no_push, trace+cta_full: wrong results)",
     )
     parser.add_argument("--probe-batch", default="64")
     parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")
@@ -257,7 +256,9 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     if args.trace:
         cells = []
-        sparse_core.PROBE = args.trace  # trace_no_push: the producers push nothing into their peers (wrong results)
+        if "trace" not in args.trace.split("+"):
+            parser.error(f"--trace {args.trace!r}: expected trace or trace+PROBE")
+        sparse_core.PROBE = args.trace  # (joined probes: wrong results)
         try:
             for name in args.configs.split(","):
                 for batch in (int(b) for b in args.probe_batch.split(",")):
@@ -282,7 +283,8 @@ def main() -> int:
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
             known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "nows", "mws", "msync")
-            if (path not in known and not path.startswith("mws")) or probe not in (*sparse_core.PROBES, "no_combine"):
+            probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
+            if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
             crossover, xover_reshape = sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS

@@ -111,9 +111,12 @@ XOVER_PUSHES = ("st_async", "bulk")
 # "trace" (the crossover at one split): each role's %clock at each step of each block, written
 # over the unused partial_o (sparse_core_wgmma.TRACE_WORDS; bench_sparse_core.py --trace);
 # "no_push" (the crossover): each producer stores its half of a block into its own tile only,
-# none into the peer's (whose full barrier then expects no bytes): what the st.async pushes
-# cost, the other half of every tile stale; "trace_no_push" both.
-PROBES = ("", "no_loads", "no_math", "no_dequant", "trace", "no_push", "trace_no_push")
+# none into the peer's (whose full barrier then expects no bytes): what the pushes cost, the
+# other half of every tile stale; "cta_full" (the crossover): the consumers wait for full at
+# CTA scope, not the cluster's (no L1 invalidation a wait; the peer's st.async writes are then
+# not acquired as the memory model asks): what the cluster-scope acquire costs. PROBE may join
+# several with "+" (e.g. "trace+no_push").
+PROBES = ("no_loads", "no_math", "no_dequant", "trace", "no_push", "cta_full")
 PROBE = ""
 # A device probe of any path (bench_sparse_core.py --probes no_combine): False launches no
 # combine kernel, so a split token's out and lse are never written (wrong results): the
@@ -294,19 +297,21 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
         self.values_rs = self.reshape and bool(VALUES_RS)
         self.probe = PROBE if self.producer else ""
+        self.probes = frozenset(p for p in self.probe.split("+") if p)
         self.combine = COMBINE
-        if self.probe not in PROBES:
-            raise ValueError(f"sparse_core.PROBE must be one of {PROBES}, got {self.probe!r}")
-        if self.probe == "no_dequant" and not (self.wgmma and mla_fp8):
+        if not self.probes <= set(PROBES):
+            raise ValueError(f"sparse_core.PROBE must join some of {PROBES} by '+', got {self.probe!r}")
+        if self.probing("no_dequant") and not (self.wgmma and mla_fp8):
             raise ValueError("sparse_core.PROBE 'no_dequant' probes partial_wgmma_ws over the fp8 cache only")
         traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
-        if self.probe.startswith("trace") and not traced:
+        if self.probing("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
         if XOVER_PUSH not in XOVER_PUSHES:
             raise ValueError(f"sparse_core.XOVER_PUSH must be one of {XOVER_PUSHES}, got {XOVER_PUSH!r}")
-        if self.probe.endswith("no_push") and not self.crossover:
-            raise ValueError("sparse_core.PROBE 'no_push' probes the crossover's pushes only")
+        for probe in ("no_push", "cta_full"):
+            if self.probing(probe) and not self.crossover:
+                raise ValueError(f"sparse_core.PROBE {probe!r} probes the crossover only")
         if self.wgmma:
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:
@@ -315,6 +320,10 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
         self.q_in_registers = self.heads == 16
+
+    def probing(self, probe: str) -> bool:
+        """Whether sparse_core.PROBE (one probe, or several joined by "+") holds `probe`."""
+        return probe in self.probes
 
     @cute.jit
     def __call__(

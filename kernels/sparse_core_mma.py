@@ -383,7 +383,7 @@ class MmaPaths:
             copied = fill != -1
             flag = P.select_i32(copied, 1, 0)
             nbytes = P.select_i32(copied, bulk * self.row_bytes, 0)
-            if cutlass.const_expr(self.probe == "no_loads"):  # nothing copied, every block computed
+            if cutlass.const_expr(self.probing("no_loads")):  # nothing copied, every block computed
                 flag, nbytes = Int32(1), Int32(0)
             if lane == 0:
                 live_s[s] = flag
@@ -391,7 +391,7 @@ class MmaPaths:
             else:
                 P.mbar_arrive(full0 + 8 * s)
             cute.arch.sync_warp()  # the bytes are expected before any lane's copies land
-            if cutlass.const_expr(self.probe != "no_loads"):
+            if cutlass.const_expr(not self.probing("no_loads")):
                 if copied:
                     for i in cutlass.range_constexpr(per_lane):
                         if cutlass.const_expr(copies[i] is not None):
@@ -438,7 +438,7 @@ class MmaPaths:
             s = b % stages
             upcoming = P.load_i32(ids + cutlass.min(b + 1, blocks - 1) * block)
             self.wait_release(empty0, b, s)
-            if cutlass.const_expr(self.probe != "no_loads"):
+            if cutlass.const_expr(not self.probing("no_loads")):
                 stage = ring + s * (block * stride)
                 for i in cutlass.range_constexpr((rest + warps - 1) // warps):
                     row = first + warps * i
@@ -567,7 +567,7 @@ class MmaPaths:
             s = b % stages
             kv = ring + s * stage_bytes
             P.mbar_wait(full0 + 8 * s, (b // stages) % 2)
-            if cutlass.const_expr(self.probe != "no_math"):
+            if cutlass.const_expr(not self.probing("no_math")):
                 if live_s[s] != 0:  # (the same word for every consumer: every warp or none)
                     row_max, row_sum, acc_o, p_scale = self.consume_mma_block(
                         q_lane,

@@ -434,7 +434,7 @@ class WgmmaPaths:
             s = b % 2
             buf = kv_s + s * TILE_BYTES
             fetched = slot
-            if cutlass.const_expr(self.probe == "no_loads"):
+            if cutlass.const_expr(self.probing("no_loads")):
                 fetched = [Int32(-1), Int32(-1)]
             # the next block's slots (past the CTA's last block: the last block's again, unused)
             upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
@@ -446,15 +446,15 @@ class WgmmaPaths:
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
                 push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
-                if cutlass.const_expr(self.probe.endswith("no_push") or self.bulk_push):
+                if cutlass.const_expr(self.probing("no_push") or self.bulk_push):
                     push = None  # (no_push: the peer's half never comes; bulk: copied below)
                 self.store_rows(staged, buf, half[0], half[1], half[2], push)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
                 self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma (and the bulk copies)
-                if cutlass.const_expr(self.bulk_push and not self.probe.endswith("no_push")):
+                if cutlass.const_expr(self.bulk_push and not self.probing("no_push")):
                     self.push_half(buf, full0 + 8 * s, rank, ptid)
-                if ptid == 0 and not self.probe.endswith("no_push"):  # the peer's bytes, expected with this arrival
+                if ptid == 0 and not self.probing("no_push"):  # the peer's bytes, expected with this arrival
                     P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
                 else:
                     P.mbar_arrive(full0 + 8 * s)
@@ -493,7 +493,7 @@ class WgmmaPaths:
     @cute.jit
     def stamp(self, trace, word, who):
         """The trace probe: thread `who`'s %clock into int32 word `word` of its CTA's trace."""
-        if cutlass.const_expr(self.probe.startswith("trace")):
+        if cutlass.const_expr(self.probing("trace")):
             if who:
                 P.store_i32(trace + word, cute.arch.clock())
 
@@ -595,11 +595,12 @@ class WgmmaPaths:
         for b in range(blocks):
             s = b % 2
             cur = kv_s + s * TILE_BYTES
-            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover)
+            # (the cta_full probe: at CTA scope, without the L1 invalidation the cluster's acquire costs)
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover and not self.probing("cta_full"))
             if cutlass.const_expr(self.crossover):
                 P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
             self.stamp(trace, TRACE_SCORER + 4 * b, tid == 0)
-            if cutlass.const_expr(self.probe != "no_math"):
+            if cutlass.const_expr(not self.probing("no_math")):
                 if cutlass.const_expr(role is None):
                     row_max, row_sum, acc_o = self.consume_block(
                         q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots
@@ -839,7 +840,7 @@ class WgmmaPaths:
             # for every cg0 < step (step divides 4)
             sc = scales[step * j // 4]
             outw = []
-            if cutlass.const_expr(self.probe == "no_dequant"):  # raw words: the stores without the math
+            if cutlass.const_expr(self.probing("no_dequant")):  # raw words: the stores without the math
                 outw = [words[0], words[1], words[0], words[1]]
             else:
                 for i in cutlass.range_constexpr(2):

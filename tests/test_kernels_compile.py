@@ -1658,14 +1658,15 @@ def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, mon
             catalog.build(shape, "sparse_core", slots=2048, publish=False, producer=True)
 
 
-@pytest.mark.parametrize("probe", ["trace", "trace_no_push"])
+@pytest.mark.parametrize("probe", ["trace", "trace+no_push", "trace+cta_full"])
 @pytest.mark.parametrize("shape_name", TP1)
 def test_the_trace_probe_stamps_each_role_once_a_step(tmp_path, monkeypatch, shape_name, probe):
     """bench_sparse_core.py --trace (the crossover at one split): eleven %clock reads or more, each
     stored by one thread (kernel entry; the scorer's four steps, the values warpgroup's three and the
     producer's three a block), at the same 168 registers and no stack; refused where partial_o
-    holds partials (several splits) or the path has no roles (TP 8). trace_no_push (and
-    no_push): no st.async into the peer, the full barrier expecting no bytes from it."""
+    holds partials (several splits) or the path has no roles (TP 8). With no_push joined: no
+    st.async into the peer, the full barrier expecting no bytes from it; with cta_full: the
+    consumers' full waits at CTA scope (the producer's empty waits still the cluster's)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
@@ -1680,12 +1681,14 @@ def test_the_trace_probe_stamps_each_role_once_a_step(tmp_path, monkeypatch, sha
     (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
     # (without the pushes ptxas allocates the fp8 producer otherwise: 32 bytes of stack there)
-    assert found["regs"] == 168 and found["frame"] <= (0 if probe == "trace" else 32), found
+    assert found["regs"] == 168 and found["frame"] <= (32 if "no_push" in probe else 0), found
     (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     # (LLVM may peel a loop's first or last block and copy its stamps: at least one read a step)
     assert len(re.findall(r"mov\.u32\s+%r\d+, %clock;", partial)) >= 11
-    assert ("st.async" in partial) == (probe == "trace")
-    assert ("mbarrier.expect_tx" in partial or "arrive.expect_tx" in partial) == (probe == "trace")
+    assert ("st.async" in partial) == ("no_push" not in probe)
+    assert ("arrive.expect_tx" in partial) == ("no_push" not in probe)
+    waits = re.findall(r"mbarrier\.try_wait\.parity(\S*)\.shared::cta", partial)
+    assert set(waits) == ({"", ".acquire.cluster"} if "cta_full" in probe else {".acquire.cluster"}), waits
     for shape, slots in ((TP1[shape_name], 512), (MMA_SHAPES["tp8-fp8"], 2048)):
         with pytest.raises(ValueError, match="trace"):
             catalog.build(shape, "sparse_core", slots=slots, publish=False, producer=True)
