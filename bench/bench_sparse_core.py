@@ -21,7 +21,8 @@ in FlashMLA's shape at every split, wsx = the crossover with its module consumer
 loading half of every block, bf16 rows as raw chunks; sparse_core.XOVER_RESHAPE_BLOCKS),
 wsxh / wsxr = the crossover with half-block / FlashMLA's consumers at every split, wsxv = wsxr
 with the values warpgroup's P @ V taking P from registers (sparse_core.VALUES_RS), wsxb = wsx
-with each producer's half of a block pushed into its peer by bulk copies (sparse_core.XOVER_PUSH)
+with each producer's half of a block pushed into its peer by bulk copies (sparse_core.XOVER_PUSH),
+wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_core.XOVER_FULL_WAIT)
 (ws / wsh /
 wsr: without it, whatever the module's default), nows =
 every thread loads (partial_wgmma); and the 16-row
@@ -231,7 +232,7 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,wsxv,wsxb,nows; 16/32-row mws,mwsN,msync "
+        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,wsxv,wsxb,wsxo,nows; 16/32-row mws,mwsN,msync "
         "(default: the module's)",
     )
     parser.add_argument(
@@ -282,13 +283,14 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "nows", "mws", "msync")
+            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "nows", "mws", "msync")
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
             crossover, xover_reshape = sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS
-            sixteenths, values_rs, push = sparse_core.MMA_BULK_SIXTEENTHS, sparse_core.VALUES_RS, sparse_core.XOVER_PUSH
+            sixteenths, values_rs = sparse_core.MMA_BULK_SIXTEENTHS, sparse_core.VALUES_RS
+            push, full_wait = sparse_core.XOVER_PUSH, sparse_core.XOVER_FULL_WAIT
             if bulk:
                 sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(sixteenths, int(bulk))
             if path.startswith("mws") or path == "msync":
@@ -306,6 +308,7 @@ def main() -> int:
             if path.startswith("wsx"):  # wsxv: the values warpgroup's P from registers; wsxb: bulk-copy pushes
                 sparse_core.VALUES_RS = path == "wsxv"
                 sparse_core.XOVER_PUSH = "bulk" if path == "wsxb" else "st_async"
+                sparse_core.XOVER_FULL_WAIT = "one" if path == "wsxo" else "all"
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:
@@ -317,6 +320,7 @@ def main() -> int:
                 sparse_core.COMBINE = True
                 sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
                 sparse_core.VALUES_RS, sparse_core.XOVER_PUSH = values_rs, push
+                sparse_core.XOVER_FULL_WAIT = full_wait
             for row in found:
                 row["path"] = (
                     (path or "default") + (f"+{probe}" if probe else "") + (f":{probe_bulk}" if probe_bulk else "")

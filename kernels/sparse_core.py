@@ -102,6 +102,13 @@ VALUES_RS = False
 # warpgroup's two shared loads while the pushes run (levers.md S.9; plan s30_a tests it).
 XOVER_PUSH = "st_async"
 XOVER_PUSHES = ("st_async", "bulk")
+# Who waits for the crossover's full barrier (cluster-scope acquire, which ptxas follows with an
+# L1 invalidation, CCTL.IVALL, in each waiting warp): "all" the consumer warps, or "one" -- the
+# first warp of each of FlashMLA's consumer warpgroups waits and its warpgroup meets it at a
+# named barrier (the acquire then reaches the other warps through the barrier). For the
+# cta_full probe's answer (plan s30_a); off until measured.
+XOVER_FULL_WAIT = "all"
+XOVER_FULL_WAITS = ("all", "one")
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -150,6 +157,7 @@ KNOBS = {
     "XOVER_RESHAPE_BLOCKS": int,
     "VALUES_RS": bool,
     "XOVER_PUSH": str,
+    "XOVER_FULL_WAIT": str,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -307,6 +315,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
         if self.probing("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
+        self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
+        if XOVER_FULL_WAIT not in XOVER_FULL_WAITS:
+            raise ValueError(f"sparse_core.XOVER_FULL_WAIT must be one of {XOVER_FULL_WAITS}, got {XOVER_FULL_WAIT!r}")
         if XOVER_PUSH not in XOVER_PUSHES:
             raise ValueError(f"sparse_core.XOVER_PUSH must be one of {XOVER_PUSHES}, got {XOVER_PUSH!r}")
         for probe in ("no_push", "cta_full"):

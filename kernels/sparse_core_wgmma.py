@@ -54,6 +54,7 @@ VALUES_RS_REGS = (200, 176, 128)  # sparse_core.VALUES_RS: P's 16 words held thr
 LAUNCH_REGS = 168  # what ptxas gives each of the 384 threads; setmaxnreg re-deals that pool
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
 PUSH_BAR = 4  # the crossover's producer warpgroup (128 threads): its block stored (XOVER_PUSH "bulk")
+FULL_BAR = (5, 6)  # the scorer's / values' warpgroup (128 threads): full waited by its first warp (XOVER_FULL_WAIT)
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
 XOVER_PIECE = XOVER_ROWS * 16  # a CTA's rows of one k chunk: 512 contiguous bytes of the tile
@@ -596,7 +597,13 @@ class WgmmaPaths:
             s = b % 2
             cur = kv_s + s * TILE_BYTES
             # (the cta_full probe: at CTA scope, without the L1 invalidation the cluster's acquire costs)
-            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=self.crossover and not self.probing("cta_full"))
+            acquire = self.crossover and not self.probing("cta_full")
+            if cutlass.const_expr(self.one_full_waiter):  # XOVER_FULL_WAIT "one": role is 0 or 1 here
+                if tid % 128 < 32:
+                    P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=acquire)
+                P.named_sync(FULL_BAR[role], 128)
+            else:
+                P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=acquire)
             if cutlass.const_expr(self.crossover):
                 P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
             self.stamp(trace, TRACE_SCORER + 4 * b, tid == 0)

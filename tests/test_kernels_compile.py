@@ -1771,6 +1771,37 @@ def test_the_crossover_pushes_by_bulk_copies_when_asked(tmp_path, monkeypatch, s
         catalog.build(TP1[shape_name], "sparse_core", slots=slots)
 
 
+@pytest.mark.parametrize("shape_name", TP1)
+def test_one_warp_of_each_consumer_warpgroup_waits_for_full_when_asked(tmp_path, monkeypatch, shape_name):
+    """sparse_core.XOVER_FULL_WAIT = "one" (bench_sparse_core.py --paths wsxo): each consumer
+    warpgroup meets at its own named barrier (FULL_BAR, 128 threads) after its first warp's
+    cluster-scope wait for full, so the consumers' waits (each followed by an L1 invalidation)
+    are two a block, not eight; 168 registers, no stack; refused values are named."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", "one")
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
+    op = variant.op
+    assert op.crossover and op.reshape and op.one_full_waiter
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    assert found == {"regs": 168, "frame": 0}, found
+    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
+    for barrier in sparse_core_wgmma.FULL_BAR:
+        assert f"barrier.sync {barrier}, 128;" in partial
+    waits = re.findall(r"mbarrier\.try_wait\.parity(\S*)\.shared::cta", partial)
+    assert waits and set(waits) == {".acquire.cluster"}, waits
+    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", "some")
+    with pytest.raises(ValueError, match="XOVER_FULL_WAIT"):
+        catalog.build(TP1[shape_name], "sparse_core", slots=2048)
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

@@ -186,11 +186,13 @@ def _crossover(monkeypatch, consumers):
     push): the module's consumers (None: XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or
     FlashMLA's shape (1 << 30: wsxr) at every block count; values_rs: sparse_core.VALUES_RS
     (wsxv: the values warpgroup's P @ V with P from registers); push: sparse_core.XOVER_PUSH
-    (wsxb: each half pushed into the peer by bulk copies)."""
+    (wsxb: each half pushed into the peer by bulk copies); wait: sparse_core.XOVER_FULL_WAIT
+    (wsxo: one warp of each consumer warpgroup waits for full, the rest meet it)."""
     from graphstep.kernels import sparse_core
 
-    reshape, values_rs, push = consumers
+    reshape, values_rs, push, wait = consumers
     monkeypatch.setattr(sparse_core, "XOVER_PUSH", push)
+    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", wait)
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
@@ -199,11 +201,12 @@ def _crossover(monkeypatch, consumers):
 
 
 CONSUMERS = {
-    "wsx": (None, False, "st_async"),
-    "wsxh": (0, False, "st_async"),
-    "wsxr": (1 << 30, False, "st_async"),
-    "wsxv": (1 << 30, True, "st_async"),
-    "wsxb": (None, False, "bulk"),
+    "wsx": (None, False, "st_async", "all"),
+    "wsxh": (0, False, "st_async", "all"),
+    "wsxr": (1 << 30, False, "st_async", "all"),
+    "wsxv": (1 << 30, True, "st_async", "all"),
+    "wsxb": (None, False, "bulk", "all"),
+    "wsxo": (None, False, "st_async", "one"),
 }
 
 
@@ -222,6 +225,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)).op
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
     assert op.bulk_push == (path == "wsxb" and op.crossover)
+    assert op.one_full_waiter == (path == "wsxo" and op.crossover)
     _check(case, batch)
 
 
