@@ -71,27 +71,37 @@ CONFIGS = {
 FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
 
 
-def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = False) -> list[dict]:
+def setup(name: str) -> tuple:
+    """(shape, its layer state, the launcher, the MLA cache, its rows) of a config."""
     model, topology = CONFIGS[name]
     shape = RankShape(preset(model), topology)
-    m, k = shape.model, shape.model.index_topk
     state = LayerState(shape, max_batch=64, max_context=8192, seed=5, device="cuda")
-    kernels = Kernels(shape, state.weights)
     cache = state.caches.mla_cache
-    total = cache.view(-1, cache.shape[-1]).shape[0]
+    return shape, state, Kernels(shape, state.weights), cache, cache.view(-1, cache.shape[-1]).shape[0]
+
+
+def launch_io(shape: RankShape, batch: int) -> tuple:
+    """A launch's published query rows (the mailbox of random rows) and its out and lse."""
+    m = shape.model
+    q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
+    mailbox = formats.arm(
+        torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8, device="cuda")
+    )
+    mailbox[:, : shape.gathered] = formats.encode_q_rows(q, shape.topology.q_format).view(batch, shape.gathered, -1)
+    out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
+    return mailbox, out, torch.empty(batch, shape.gathered, device="cuda")
+
+
+def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = False) -> list[dict]:
+    shape, state, kernels, cache, total = setup(name)
+    m, k = shape.model, shape.model.index_topk
     row_bytes = cache.view(-1, cache.shape[-1]).shape[-1] * cache.element_size()
     rows = []
     for batch in batches:
         step_bytes = batch * (k * row_bytes + shape.gathered * (m.query_row * shape.q_bytes + 4 * (m.kv_lora_rank + 1)))
         launches = min(64, max(8, int(2 * L2_BYTES / step_bytes) + 1))
-        q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
-        mailbox = formats.arm(
-            torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8, device="cuda")
-        )
-        mailbox[:, : shape.gathered] = formats.encode_q_rows(q, topology.q_format).view(batch, shape.gathered, -1)
+        mailbox, out, lse = launch_io(shape, batch)
         slot_sets = [torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda") for _ in range(launches)]
-        out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
-        lse = torch.empty(batch, shape.gathered, device="cuda")
         planned = kernels.sparse_core_plan(batch)
         choices = [planned]
         if sweep:
@@ -151,42 +161,21 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
     return rows
 
 
-def trace_config(name: str, batch: int) -> list[list]:
-    """The trace probe (sparse_core.PROBE = "trace"): one eager launch after a warm-up one, each
-    role's steps per block from the CTAs' %clock words (sparse_core_wgmma.TRACE_*): the median,
-    10th and 90th percentile over every CTA's steady blocks (the third to the last), in SM cycles."""
+def trace_steps(partial_o: torch.Tensor, groups: int, blocks: int) -> list[list]:
+    """[step, median, 10th, 90th percentile] in SM cycles of each role's steps from the trace
+    probe's words (sparse_core_wgmma.TRACE_*: int32 %clock values over the first partial_o row
+    of each CTA, rows token x q_heads), over every CTA's steady blocks (the third to the last;
+    the waits after a previous step from the second): %clock wraps at 2^32."""
     from graphstep.kernels import sparse_core_wgmma as W
 
-    model, topology = CONFIGS[name]
-    shape = RankShape(preset(model), topology)
-    m, k = shape.model, shape.model.index_topk
-    state = LayerState(shape, max_batch=64, max_context=8192, seed=5, device="cuda")
-    kernels = Kernels(shape, state.weights)
-    cache = state.caches.mla_cache
-    total = cache.view(-1, cache.shape[-1]).shape[0]
-    q = torch.randn(batch, shape.gathered, m.query_row, device="cuda") * 0.3
-    mailbox = formats.arm(
-        torch.empty(batch, shape.q_heads, m.query_row * shape.q_bytes, dtype=torch.uint8, device="cuda")
-    )
-    mailbox[:, : shape.gathered] = formats.encode_q_rows(q, topology.q_format).view(batch, shape.gathered, -1)
-    slots = torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda")
-    out = torch.empty(batch, shape.gathered, m.kv_lora_rank, device="cuda")
-    lse = torch.empty(batch, shape.gathered, device="cuda")
-    planned = kernels.sparse_core_plan(batch)
-    partial_o = torch.zeros(batch * k // planned, shape.q_heads, m.kv_lora_rank, device="cuda")
-    partial_ml = torch.empty(batch * k // planned, shape.q_heads, 2, device="cuda")
-    for _ in range(2):  # the first launch compiles and warms; the second is read
-        kernels.sparse_core(mailbox, slots, cache, partial_o, partial_ml, out, lse, batch)
-    torch.cuda.synchronize()
-    blocks = planned // sparse_core.block_for(planned)  # a CTA's (one split: planned = k)
-    groups = shape.q_heads // W.WG_ROWS
-    words = partial_o.view(batch, groups, -1).view(torch.int32)[:, :, : W.TRACE_WORDS].long() & 0xFFFFFFFF
-    words = words.reshape(batch * groups, -1).cpu()
+    ctas = partial_o.shape[0] * groups
+    words = partial_o.reshape(partial_o.shape[0], groups, -1).view(torch.int32)[:, :, : W.TRACE_WORDS]
+    words = (words.long() & 0xFFFFFFFF).reshape(ctas, -1).cpu()
 
     def at(base: int, per: int, step: int) -> torch.Tensor:  # [CTAs, blocks]
         return words[:, base + step : base + per * blocks : per]
 
-    def span(later: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:  # %clock wraps at 2^32
+    def span(later: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
         return ((later - earlier) % (1 << 32)).double()
 
     sc = [at(W.TRACE_SCORER, 4, i) for i in range(4)]
@@ -209,10 +198,27 @@ def trace_config(name: str, batch: int) -> list[list]:
         ("first block: entry to scorer's full waited", span(sc[0][:, :1], start)),
         ("whole CTA: entry to the last P @ V", span(sc[3][:, -1:], start)),
     ]
-    cells = []
-    for label, values in phases:
-        flat = values.flatten()
-        cells.append([name, batch, label] + [round(float(flat.quantile(p))) for p in (0.5, 0.1, 0.9)])
+    return [[label] + [round(float(v.flatten().quantile(p))) for p in (0.5, 0.1, 0.9)] for label, v in phases]
+
+
+def trace_config(name: str, batch: int) -> list[list]:
+    """The trace probe (sparse_core.PROBE = "trace"): one eager launch after a warm-up one, each
+    role's steps per block from the CTAs' %clock words (sparse_core_wgmma.TRACE_*): the median,
+    10th and 90th percentile over every CTA's steady blocks (the third to the last), in SM cycles."""
+    from graphstep.kernels import sparse_core_wgmma as W
+
+    shape, state, kernels, cache, total = setup(name)
+    m, k = shape.model, shape.model.index_topk
+    mailbox, out, lse = launch_io(shape, batch)
+    slots = torch.randint(0, total, (batch, k), dtype=torch.int32, device="cuda")
+    planned = kernels.sparse_core_plan(batch)
+    partial_o = torch.zeros(batch * k // planned, shape.q_heads, m.kv_lora_rank, device="cuda")
+    partial_ml = torch.empty(batch * k // planned, shape.q_heads, 2, device="cuda")
+    for _ in range(2):  # the first launch compiles and warms; the second is read
+        kernels.sparse_core(mailbox, slots, cache, partial_o, partial_ml, out, lse, batch)
+    torch.cuda.synchronize()
+    blocks = planned // sparse_core.block_for(planned)  # a CTA's (one split: planned = k)
+    cells = [[name, batch, *row] for row in trace_steps(partial_o, shape.q_heads // W.WG_ROWS, blocks)]
     del state
     torch.cuda.empty_cache()
     return cells

@@ -935,19 +935,26 @@ MMA_SHAPES = {
 
 def _compile_sparse_core(tmp_path, shape, slots: int, producer: bool) -> tuple:
     """PTX and cubin attributes of a SparseCore variant's partial kernel."""
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
+    return (variant.op, *_compile_partial(tmp_path, variant))
+
+
+def _compile_partial(out, variant) -> tuple:
+    """(PTX, cubin attributes) of a SparseCore catalog variant's partial kernel, compiled for
+    sm_90a into the folder `out` (created)."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
-    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer)
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+    out.mkdir(parents=True, exist_ok=True)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(out))](
         variant.op, *variant.args, make_fake_stream()
     )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (ptx,) = [p.read_text() for p in out.iterdir() if p.suffix == ".ptx"]
     partial = next(e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0])
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    (cubin,) = [p for p in out.iterdir() if p.suffix == ".cubin"]
     (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
-    return variant.op, partial, found
+    return partial, found
 
 
 def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, monkeypatch):
@@ -1631,25 +1638,13 @@ def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, mon
     """bench_sparse_core.py --probes no_dequant (the crossover over the fp8 cache): the producer
     stores its 16 latent pieces a block raw, so exactly their 4 e4m3 conversions each go (the
     query rows' stay), at the same 168 registers and no stack; elsewhere the probe is refused."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
     counts = {}
     for probe in ("", "no_dequant"):
         monkeypatch.setattr(sparse_core, "PROBE", probe)
         variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
         assert variant.op.crossover and variant.op.probe == probe
-        out = tmp_path / (probe or "default")
-        out.mkdir()
-        cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(out))](
-            variant.op, *variant.args, make_fake_stream()
-        )
-        (ptx,) = [p.read_text() for p in out.iterdir() if p.suffix == ".ptx"]
-        (cubin,) = [p for p in out.iterdir() if p.suffix == ".cubin"]
-        (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+        partial, found = _compile_partial(tmp_path / (probe or "default"), variant)
         assert found == {"regs": 168, "frame": 0}, (probe, found)
-        (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
         counts[probe] = partial.count("cvt.rn.f16x2.e4m3x2")
     assert counts[""] - counts["no_dequant"] == 16 * 4 and counts["no_dequant"] > 0, counts
     monkeypatch.setattr(sparse_core, "PROBE", "no_dequant")
@@ -1667,22 +1662,12 @@ def test_the_trace_probe_stamps_each_role_once_a_step(tmp_path, monkeypatch, sha
     holds partials (several splits) or the path has no roles (TP 8). With no_push joined: no
     st.async into the peer, the full barrier expecting no bytes from it; with cta_full: the
     consumers' full waits at CTA scope (the producer's empty waits still the cluster's)."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
     monkeypatch.setattr(sparse_core, "PROBE", probe)
     variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True)
     assert variant.op.crossover and variant.op.reshape and variant.op.probe == probe
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
-        variant.op, *variant.args, make_fake_stream()
-    )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    partial, found = _compile_partial(tmp_path, variant)
     # (without the pushes ptxas allocates the fp8 producer otherwise: 32 bytes of stack there)
     assert found["regs"] == 168 and found["frame"] <= (32 if "no_push" in probe else 0), found
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     # (LLVM may peel a loop's first or last block and copy its stamps: at least one read a step)
     assert len(re.findall(r"mov\.u32\s+%r\d+, %clock;", partial)) >= 11
     assert ("st.async" in partial) == ("no_push" not in probe)
@@ -1706,22 +1691,12 @@ def test_the_values_warpgroup_takes_p_from_registers_when_asked(tmp_path, monkey
     registers re-dealt as sparse_core_wgmma.VALUES_RS_REGS (within the launch's 3 x 168),
     no stack (ptxas spilled the values' P words at 168 and serialized the scorer's wgmmas at
     192)."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
     monkeypatch.setattr(sparse_core, "VALUES_RS", True)
     variant = catalog.build(TP1[shape_name], "sparse_core", slots=slots)
     op = variant.op
     assert op.crossover and op.reshape and op.values_rs
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
-        op, *variant.args, make_fake_stream()
-    )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    partial, found = _compile_partial(tmp_path, variant)
     assert found == {"regs": 168, "frame": 0}, found
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     regs = sparse_core_wgmma.VALUES_RS_REGS
     assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
     assert sum(regs) == 3 * sparse_core_wgmma.LAUNCH_REGS
@@ -1743,23 +1718,13 @@ def test_the_crossover_pushes_by_bulk_copies_when_asked(tmp_path, monkeypatch, s
     a block, at most 3 a lane of warp 0), thread 0 still expecting the peer's XOVER_BYTES on
     full[s]; 168 registers, at most 16 bytes of stack (ptxas keeps four of the fp8 producer's
     loop scalars in local memory at its 144 registers)."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
     monkeypatch.setattr(sparse_core, "XOVER_PUSH", "bulk")
     variant = catalog.build(TP1[shape_name], "sparse_core", slots=slots, publish=False)
     op = variant.op
     assert op.crossover and op.bulk_push
     assert sparse_core_wgmma.XOVER_PIECE * sparse_core_wgmma.TILE_CHUNKS == sparse_core_wgmma.XOVER_BYTES
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
-        op, *variant.args, make_fake_stream()
-    )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    partial, found = _compile_partial(tmp_path, variant)
     assert found["regs"] == 168 and found["frame"] <= 16, found
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     assert "st.async" not in partial
     copies = partial.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
     assert copies >= -(-sparse_core_wgmma.TILE_CHUNKS // 32), copies
@@ -1777,22 +1742,12 @@ def test_one_warp_of_each_consumer_warpgroup_waits_for_full_when_asked(tmp_path,
     warpgroup meets at its own named barrier (FULL_BAR, 128 threads) after its first warp's
     cluster-scope wait for full, so the consumers' waits (each followed by an L1 invalidation)
     are two a block, not eight; 168 registers, no stack; refused values are named."""
-    import cutlass.cute as cute
-    from cutlass.base_dsl.compiler import DumpDir
-    from cutlass.cute.runtime import make_fake_stream
-
     monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", "one")
     variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
     op = variant.op
     assert op.crossover and op.reshape and op.one_full_waiter
-    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
-        op, *variant.args, make_fake_stream()
-    )
-    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
-    (found,) = [v for k, v in _cubin_kernels(cubin.read_bytes()).items() if "sparse_core_partial" in k]
+    partial, found = _compile_partial(tmp_path, variant)
     assert found == {"regs": 168, "frame": 0}, found
-    (partial,) = [e for e in _entries(ptx) if "sparse_core_partial" in e.split("(")[0]]
     for barrier in sparse_core_wgmma.FULL_BAR:
         assert f"barrier.sync {barrier}, 128;" in partial
     waits = re.findall(r"mbarrier\.try_wait\.parity(\S*)\.shared::cta", partial)
