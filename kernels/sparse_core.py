@@ -90,9 +90,10 @@ CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 # FlashMLA's consumer shape: True has the values warpgroup load P from shared memory into
 # registers and take it as the A operand of its P @ V (wgmma RS, as the scorer's), False reads
-# it there as wgmma's A (SS). Session 29's trace (TP 1 fp8, B = 64, H100): the SS P @ V took
-# 3,569 cycles from P ready against the scorer's RS 876 for the same shape, and gates each
-# buffer's release (levers.md S.9). Registers re-dealt 200 / 176 / 128 with it (spill-free).
+# it there as wgmma's A (SS). Registers re-dealt 200 / 176 / 128 with it (spill-free). Measured
+# (session 29, TP 1, H100): -3.4% at fp8 B = 64, +0.6% over bf16, the TP 1 step unchanged --
+# what held the values warpgroup was its shared loads before the MMAs, not the SS operand
+# (levers.md S.9) -- so off.
 VALUES_RS = False
 # How the crossover's producer puts its half of each block into the peer CTA's tile: "st_async"
 # (each thread's 16-byte chunks by st.async as it stores them locally: 18 a thread a block
