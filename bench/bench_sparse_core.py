@@ -244,7 +244,7 @@ def main() -> int:
     parser.add_argument(
         "--probes",
         default="",
-        help="probes: no_loads,no_math,no_dequant (producer paths; NAME:N: N sixteenths bulk), no_combine (any path)",
+        help="probes, each sparse_core.PROBES joined by + (producer paths; NAME:N: N sixteenths bulk), no_combine",
     )
     parser.add_argument(
         "--trace",
@@ -293,20 +293,20 @@ def main() -> int:
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
-            default, reshape, mma = sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.MMA_PRODUCER_BLOCKS
-            crossover, xover_reshape = sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS
-            sixteenths, values_rs = sparse_core.MMA_BULK_SIXTEENTHS, sparse_core.VALUES_RS
-            push, full_wait = sparse_core.XOVER_PUSH, sparse_core.XOVER_FULL_WAIT
+            # the module's constants as they are, every one restored after this path's run
+            saved = {constant: getattr(sparse_core, constant) for constant in (*sparse_core.KNOBS, "PROBE", "COMBINE")}
             if bulk:
-                sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(sixteenths, int(bulk))
+                sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(saved["MMA_BULK_SIXTEENTHS"], int(bulk))
             if path.startswith("mws") or path == "msync":
-                sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1 if path != "msync" else 1 << 30)
+                sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(
+                    saved["MMA_PRODUCER_BLOCKS"], 1 if path != "msync" else 1 << 30
+                )
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
                 if path in ("ws", "wsx"):  # (the probes' paths) 16-row CTAs' producer too
-                    sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(mma, 1)
+                    sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(saved["MMA_PRODUCER_BLOCKS"], 1)
                 # the crossover only on wsx*, so ws* is the path without it whatever CROSSOVER says
-                sparse_core.CROSSOVER = dict.fromkeys(crossover, path.startswith("wsx"))
+                sparse_core.CROSSOVER = dict.fromkeys(saved["CROSSOVER"], path.startswith("wsx"))
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
             if path in ("wsxh", "wsxr", "wsxv"):
@@ -321,12 +321,8 @@ def main() -> int:
                 probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
                 found = bench_config(name, probe_batches, args.sweep, args.profile)
             finally:
-                sparse_core.PRODUCER, sparse_core.RESHAPE_BLOCKS, sparse_core.PROBE = default, reshape, ""
-                sparse_core.CROSSOVER, sparse_core.XOVER_RESHAPE_BLOCKS = crossover, xover_reshape
-                sparse_core.COMBINE = True
-                sparse_core.MMA_PRODUCER_BLOCKS, sparse_core.MMA_BULK_SIXTEENTHS = mma, sixteenths
-                sparse_core.VALUES_RS, sparse_core.XOVER_PUSH = values_rs, push
-                sparse_core.XOVER_FULL_WAIT = full_wait
+                for constant, value in saved.items():
+                    setattr(sparse_core, constant, value)
             for row in found:
                 row["path"] = (
                     (path or "default") + (f"+{probe}" if probe else "") + (f":{probe_bulk}" if probe_bulk else "")
