@@ -34,11 +34,19 @@ def num(r, i):
     except ValueError: return 0.0
 body = [r for r in rows[head + 1:] if len(r) == len(names)]
 total = sum(num(r, allc) for r in body) or 1.0
-print(f"{len(body)} SASS instructions, {int(total)} stall samples; top {sys.argv[2]} (samples, %, not-issued, executed, SASS):")
+addr = col("Address")
+# per-reason columns (each names a stall), for each listed instruction's two largest
+per_reason = [i for i, n in enumerate(names) if "stall" in n.lower() and i not in (allc, notc)]
+print(f"{len(body)} SASS instructions, {int(total)} stall samples; top {sys.argv[2]} "
+      "(samples, %, not-issued, executed, address, SASS, its two largest reasons):")
 for r in sorted(body, key=lambda r: -num(r, allc))[: int(sys.argv[2])]:
-    print(f"{int(num(r, allc)):7d} {100 * num(r, allc) / total:5.1f}% {int(num(r, notc)):7d} {int(num(r, execd)):9d}  {r[src].strip()[:90]}")
+    where = r[addr].strip() if addr is not None else ""
+    top2 = sorted(per_reason, key=lambda i: -num(r, i))[:2]
+    why = ", ".join(f"{names[i].split('(')[0].strip()[-28:]} {int(num(r, i))}" for i in top2 if num(r, i))
+    print(f"{int(num(r, allc)):7d} {100 * num(r, allc) / total:5.1f}% {int(num(r, notc)):7d} {int(num(r, execd)):9d} "
+          f"{where:>6}  {r[src].strip()[:70]}  [{why}]")
 # the stall reasons over the whole kernel, from the other columns that name one
-reasons = [(n, sum(num(r, i) for r in body)) for i, n in enumerate(names) if "stall" in n.lower() and i not in (allc, notc)]
+reasons = [(n, sum(num(r, i) for r in body)) for i in per_reason for n in [names[i]]]
 for n, v in sorted(reasons, key=lambda x: -x[1])[:12]:
     if v: print(f"  {n}: {int(v)}")
 PY
