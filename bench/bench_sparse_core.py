@@ -22,7 +22,9 @@ loading half of every block, bf16 rows as raw chunks; sparse_core.XOVER_RESHAPE_
 wsxh / wsxr = the crossover with half-block / FlashMLA's consumers at every split, wsxv = wsxr
 with the values warpgroup's P @ V taking P from registers (sparse_core.VALUES_RS), wsxb = wsx
 with each producer's half of a block pushed into its peer by bulk copies (sparse_core.XOVER_PUSH),
-wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_core.XOVER_FULL_WAIT)
+wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_core.XOVER_FULL_WAIT),
+wsxc / wsxg = wsx with the consumers' remote empty arrive released at CTA / cluster scope
+(sparse_core.XOVER_RELEASE; the other wsx paths keep the module's)
 (ws / wsh /
 wsr: without it, whatever the module's default), nows =
 every thread loads (partial_wgmma); and the 16-row
@@ -289,7 +291,7 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "nows", "mws", "msync")
+            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "nows", "mws", "msync")
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
@@ -315,6 +317,8 @@ def main() -> int:
                 sparse_core.VALUES_RS = path == "wsxv"
                 sparse_core.XOVER_PUSH = "bulk" if path == "wsxb" else "st_async"
                 sparse_core.XOVER_FULL_WAIT = "one" if path == "wsxo" else "all"
+                if path in ("wsxc", "wsxg"):
+                    sparse_core.XOVER_RELEASE = "cta" if path == "wsxc" else "cluster"
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:

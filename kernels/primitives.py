@@ -776,12 +776,18 @@ def dsmem_push_u32x4(address, cta, words, bar):
     st_async_u32x4(mapa(address, cta), words, mapa(bar, cta))
 
 
-def mbar_arrive_remote(addr, cta):
+def mbar_arrive_remote(addr, cta, scope: str = "cluster"):
     """Arrive once on the mbarrier at shared address `addr` in CTA `cta` of the cluster, with
-    release at cluster scope: what this CTA read or wrote before (ordered by a CTA barrier)
-    happens before whatever the receiver does once its wait (cluster=True) sees the phase."""
+    release at `scope`. "cluster": what this CTA read or wrote before (ordered by a CTA
+    barrier) happens before whatever the receiver does once its wait (cluster=True) sees the
+    phase; ptxas puts MEMBAR.ALL.GPU and ERRBAR before the arrive (~1,000 cycles). "cta":
+    CUTLASS's consumer-release form, with no such fence: enough where the arriving thread
+    only hands back shared memory whose reads have completed (their values used, their
+    wgmmas waited) for the receiver to overwrite."""
+    if scope not in ("cluster", "cta"):
+        raise ValueError(f"mbar_arrive_remote: scope must be 'cluster' or 'cta', got {scope!r}")
     cute.arch.inline_ptx(
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{$r0}];", read_only_args=[mapa(addr, cta)]
+        f"mbarrier.arrive.release.{scope}.shared::cluster.b64 _, [{{$r0}}];", read_only_args=[mapa(addr, cta)]
     )
 
 

@@ -110,6 +110,14 @@ XOVER_PUSHES = ("st_async", "bulk")
 # cta_full probe's answer (plan s30_a); off until measured.
 XOVER_FULL_WAIT = "all"
 XOVER_FULL_WAITS = ("all", "one")
+# The scope of the release with which each consumer warp hands a crossover buffer back to the
+# peer's producer (its remote empty arrive, 8 warps a block): "cluster" (ptxas fences it with
+# MEMBAR.ALL.GPU and ERRBAR) or "cta" (CUTLASS's consumer release: the warp's reads of the
+# buffer -- its wgmmas waited, its slot ids used -- are complete before it arrives, and the
+# peer writes the buffer only after). Session 30's ncu source counters (TP 1 fp8, B = 64, H100)
+# put 22-24% of each consumer warpgroup's stall samples on that ERRBAR; plan s30_d measures it.
+XOVER_RELEASE = "cluster"
+XOVER_RELEASES = ("cluster", "cta")
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -159,6 +167,7 @@ KNOBS = {
     "VALUES_RS": bool,
     "XOVER_PUSH": str,
     "XOVER_FULL_WAIT": str,
+    "XOVER_RELEASE": str,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -319,6 +328,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
         if XOVER_FULL_WAIT not in XOVER_FULL_WAITS:
             raise ValueError(f"sparse_core.XOVER_FULL_WAIT must be one of {XOVER_FULL_WAITS}, got {XOVER_FULL_WAIT!r}")
+        self.release_scope = XOVER_RELEASE
+        if XOVER_RELEASE not in XOVER_RELEASES:
+            raise ValueError(f"sparse_core.XOVER_RELEASE must be one of {XOVER_RELEASES}, got {XOVER_RELEASE!r}")
         if XOVER_PUSH not in XOVER_PUSHES:
             raise ValueError(f"sparse_core.XOVER_PUSH must be one of {XOVER_PUSHES}, got {XOVER_PUSH!r}")
         for probe in ("no_push", "cta_full"):

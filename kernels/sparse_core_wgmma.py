@@ -400,7 +400,7 @@ class WgmmaPaths:
           peer's bytes of block b may land before this CTA's expect: the tx-count goes below
           zero, and the phase cannot complete before the local arrivals anyway.
         - empty[s]: 16 arrivals, lane 0 of each consumer warp of both CTAs (the peer's by
-          mapa + mbarrier.arrive.release.cluster), so stage s is rewritten (here and, by the
+          mapa + mbarrier.arrive.release at XOVER_RELEASE's scope), so stage s is rewritten (here and, by the
           pushes, in the peer) only once both CTAs' consumers finished block b - 2 there;
           waited on with acquire at cluster scope, as full[s] is (the peer's data).
         - The consumers skip the remote arrive for a CTA's last two blocks (no producer waits
@@ -569,7 +569,7 @@ class WgmmaPaths:
 
         crossover: full[s] is waited on with acquire at cluster scope (half the block is the
         peer's st.async), and lane 0 of each warp also releases the buffer to the peer's
-        producer (its empty[s], mapa + arrive.release.cluster) but for the CTA's last two
+        producer (its empty[s], mapa + arrive.release at XOVER_RELEASE's scope) but for the CTA's last two
         blocks (produce_blocks has the protocol); the thread passes the cluster barrier the
         kernel arrived on after initializing its mbarriers before its first remote arrive, and
         meets the peer at the closing one around finish_wgmma. trace: the trace probe's words."""
@@ -623,7 +623,7 @@ class WgmmaPaths:
                 P.mbar_arrive(empty0 + 8 * s)
                 if cutlass.const_expr(self.crossover):
                     if b < blocks - 2:  # the peer's producer waits for it (before block b + 2)
-                        P.mbar_arrive_remote(empty0 + 8 * s, peer)
+                        P.mbar_arrive_remote(empty0 + 8 * s, peer, self.release_scope)
 
         if cutlass.const_expr(self.crossover):  # this thread's last remote access is done
             cute.arch.cluster_arrive(aligned=True)

@@ -1757,6 +1757,26 @@ def test_one_warp_of_each_consumer_warpgroup_waits_for_full_when_asked(tmp_path,
         catalog.build(TP1[shape_name], "sparse_core", slots=2048)
 
 
+@pytest.mark.parametrize("release", sparse_core.XOVER_RELEASES)
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_crossover_releases_the_peer_buffer_at_the_asked_scope(tmp_path, monkeypatch, shape_name, release):
+    """sparse_core.XOVER_RELEASE (bench_sparse_core.py --paths wsxc / wsxg): each consumer warp's
+    remote empty arrive (mapa, then mbarrier.arrive on the peer's barrier) is released at that
+    scope and no other -- "cta" is CUTLASS's consumer release, without the GPU-scope fence ptxas
+    puts before a cluster-scope one; 168 registers, no stack; refused values are named."""
+    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", release)
+    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
+    op = variant.op
+    assert op.crossover and op.release_scope == release
+    partial, found = _compile_partial(tmp_path, variant)
+    assert found == {"regs": 168, "frame": 0}, found
+    remote = re.findall(r"mbarrier\.arrive\.release\.(\w+)\.shared::cluster\.b64", partial)
+    assert remote and set(remote) == {release}, remote
+    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", "gpu")
+    with pytest.raises(ValueError, match="XOVER_RELEASE"):
+        catalog.build(TP1[shape_name], "sparse_core", slots=2048)
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

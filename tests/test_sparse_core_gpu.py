@@ -187,11 +187,13 @@ def _crossover(monkeypatch, consumers):
     FlashMLA's shape (1 << 30: wsxr) at every block count; values_rs: sparse_core.VALUES_RS
     (wsxv: the values warpgroup's P @ V with P from registers); push: sparse_core.XOVER_PUSH
     (wsxb: each half pushed into the peer by bulk copies); wait: sparse_core.XOVER_FULL_WAIT
-    (wsxo: one warp of each consumer warpgroup waits for full, the rest meet it)."""
+    (wsxo: one warp of each consumer warpgroup waits for full, the rest meet it); release:
+    sparse_core.XOVER_RELEASE (wsxc / wsxg: the remote empty arrive at CTA / cluster scope)."""
     from graphstep.kernels import sparse_core
 
-    reshape, values_rs, push, wait = consumers
+    reshape, values_rs, push, wait, release = consumers
     monkeypatch.setattr(sparse_core, "XOVER_PUSH", push)
+    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", release)
     monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", wait)
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
@@ -201,12 +203,13 @@ def _crossover(monkeypatch, consumers):
 
 
 CONSUMERS = {
-    "wsx": (None, False, "st_async", "all"),
-    "wsxh": (0, False, "st_async", "all"),
-    "wsxr": (1 << 30, False, "st_async", "all"),
-    "wsxv": (1 << 30, True, "st_async", "all"),
-    "wsxb": (None, False, "bulk", "all"),
-    "wsxo": (None, False, "st_async", "one"),
+    "wsx": (None, False, "st_async", "all", "cluster"),
+    "wsxh": (0, False, "st_async", "all", "cluster"),
+    "wsxr": (1 << 30, False, "st_async", "all", "cluster"),
+    "wsxv": (1 << 30, True, "st_async", "all", "cluster"),
+    "wsxb": (None, False, "bulk", "all", "cluster"),
+    "wsxo": (None, False, "st_async", "one", "cluster"),
+    "wsxc": (None, False, "st_async", "all", "cta"),
 }
 
 
@@ -226,6 +229,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
     assert op.bulk_push == (path == "wsxb" and op.crossover)
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
+    assert op.release_scope == ("cta" if path == "wsxc" else "cluster")
     _check(case, batch)
 
 
@@ -386,7 +390,7 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     if path == "wsx" and not case.startswith("q128"):
         pytest.skip("the crossover pairs 64-row CTAs")
     if path == "wsx":
-        _crossover(monkeypatch, None)
+        _crossover(monkeypatch, CONSUMERS["wsx"])
     if mws:
         monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     state, batch = _state(case), 6
