@@ -291,7 +291,8 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "nows", "mws", "msync")
+            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
+            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg")
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
