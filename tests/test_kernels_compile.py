@@ -687,6 +687,22 @@ def _tensor_copies(entry: str) -> list[tuple[int, int]]:
     return [(m.start(), int(generic[m.group(1)])) for m in copies]
 
 
+@pytest.mark.parametrize("release", index_query.SWAP_RELEASES)
+def test_index_query_tells_its_peer_the_tile_is_read_at_the_asked_scope(tmp_path, monkeypatch, release):
+    """index_query.SWAP_RELEASE: the Hadamard exchange's one remote arrive (thread 0, on the
+    peer's `free` mbarrier) is released at that scope and no other; refused values are named."""
+    monkeypatch.setattr(index_query, "SWAP_RELEASE", release)
+    variant = catalog.build(SHAPES["tp8"], "index_query", tokens=16)
+    assert variant.op.hadamard and variant.op.swap_release == release
+    catalog.compile_op(variant.op, variant.args, "sm_90a", str(tmp_path))
+    (text,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    remote = re.findall(r"mbarrier\.arrive\.release\.(\w+)\.shared::cluster\.b64", text)
+    assert remote == [release], remote
+    monkeypatch.setattr(index_query, "SWAP_RELEASE", "gpu")
+    with pytest.raises(ValueError, match="SWAP_RELEASE"):
+        catalog.build(SHAPES["tp8"], "index_query", tokens=16)
+
+
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     from graphstep.kernels import projection as J
