@@ -81,7 +81,9 @@ EARLY_READS = 32  # the variants up to this many tokens read the epilogue's inpu
 # this CTA's tile is read and may be overwritten: "cluster" (ptxas fences it with MEMBAR.ALL.GPU
 # and ERRBAR, ~1,000 cycles on the epilogue's path) or "cta" (CUTLASS's consumer release: the
 # tile's reads are complete, their values in registers, before the CTA barrier ahead of it).
-SWAP_RELEASE = "cluster"
+# Session 30 (H100, bench_indexer.py --rotation): "cta" took the rotated IndexQuery from
+# 13.0 / 13.2 / 12.8 / 15.6 to 12.7 / 12.8 / 12.4 / 15.1 us at B = 1 / 4 / 16 / 64.
+SWAP_RELEASE = "cta"
 SWAP_RELEASES = ("cluster", "cta")
 # The constants above a run may change (graphstep's --knob), and the types each takes.
 KNOBS = {"SWAP_RELEASE": str}

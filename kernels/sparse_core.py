@@ -114,10 +114,20 @@ XOVER_FULL_WAITS = ("all", "one")
 # peer's producer (its remote empty arrive, 8 warps a block): "cluster" (ptxas fences it with
 # MEMBAR.ALL.GPU and ERRBAR) or "cta" (CUTLASS's consumer release: the warp's reads of the
 # buffer -- its wgmmas waited, its slot ids used -- are complete before it arrives, and the
-# peer writes the buffer only after). Session 30's ncu source counters (TP 1 fp8, B = 64, H100)
-# put 22-24% of each consumer warpgroup's stall samples on that ERRBAR; plan s30_d measures it.
-XOVER_RELEASE = "cluster"
+# peer writes the buffer only after). Session 30 (H100; levers.md S.10): the ERRBAR held 22-24% of
+# each consumer warpgroup's stall samples (ncu source counters, TP 1 fp8, B = 64); "cta" took
+# fp8 B = 64 from 104.9 to 97.8 us, bf16 from 125.0 to 113.7, B <= 16 -1..-3%, the TP 1 fp8 step
+# at B = 64 from 291.6 to 281.5.
+XOVER_RELEASE = "cta"
 XOVER_RELEASES = ("cluster", "cta")
+# The crossover's fp8 producer loads each block's rows one block ahead (XOVER_PREFETCH): block
+# b + 1's loads are issued before block b's rows are dequantized and stored, so two blocks'
+# registers (44 words each) are live and a load's latency overlaps a whole block, not only the
+# empty wait. Session 30's ncu source counters (TP 1 fp8, B = 64, H100, with XOVER_RELEASE
+# "cta"): the producer's first use of its loads (F2FP, long scoreboard) held 10.6% of all stall
+# samples and the scorer's full wait 5.6%; its trace: loads landed, dequantized and stored in
+# 3,728 cycles of a 4,741-cycle block. Plan s30_e measures it.
+XOVER_PREFETCH = False
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -168,6 +178,7 @@ KNOBS = {
     "XOVER_PUSH": str,
     "XOVER_FULL_WAIT": str,
     "XOVER_RELEASE": str,
+    "XOVER_PREFETCH": bool,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -325,6 +336,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
         if self.probing("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
+        self.prefetch = self.crossover and mla_fp8 and bool(XOVER_PREFETCH)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
         if XOVER_FULL_WAIT not in XOVER_FULL_WAITS:
             raise ValueError(f"sparse_core.XOVER_FULL_WAIT must be one of {XOVER_FULL_WAITS}, got {XOVER_FULL_WAIT!r}")

@@ -145,6 +145,17 @@ def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
     )
 
 
+def store_row_sum(address, total):
+    """finish_wgmma: a warpgroup's row sum into shared memory. A helper of its own (and
+    load_row_sum) so that scripts/sanitize_known.txt's entry names these accesses alone."""
+    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, total])
+
+
+def load_row_sum(address) -> Float32:
+    """finish_wgmma: a warpgroup's row sum back from shared memory (see store_row_sum)."""
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address])
+
+
 class WgmmaPaths:
     """partial_wgmma and partial_wgmma_ws (with the crossover) and what they call
     (SparseCore's mixin: the configuration they read is SparseCore's, set in its constructor)."""
@@ -258,11 +269,12 @@ class WgmmaPaths:
         head0 = group * WG_ROWS
         row0 = 16 * w4 + g
         # the row sums over the 4 lanes of a row, then over the two warpgroups
+        sums_at = sums.iterator.toint()
         for rr in cutlass.range_constexpr(2):
             total = row_sum[rr] + cute.arch.shuffle_sync_bfly(row_sum[rr], offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             if t == 0:
-                sums[wg * WG_ROWS + row0 + 8 * rr] = total
+                store_row_sum(sums_at + 4 * (wg * WG_ROWS + row0 + 8 * rr), total)
         if cutlass.const_expr(named):
             P.named_sync(CONSUMER_BAR, WG_THREADS)
         else:
@@ -270,7 +282,7 @@ class WgmmaPaths:
         item = token * self.splits + split
         for rr in cutlass.range_constexpr(2):
             head = head0 + row0 + 8 * rr
-            total = sums[row0 + 8 * rr] + sums[WG_ROWS + row0 + 8 * rr]
+            total = load_row_sum(sums_at + 4 * (row0 + 8 * rr)) + load_row_sum(sums_at + 4 * (WG_ROWS + row0 + 8 * rr))
             dims = wg * (LATENT // 2) + 2 * t
             if cutlass.const_expr(self.splits == 1):  # the whole selection: normalize here
                 if head < self.gathered:
@@ -431,6 +443,12 @@ class WgmmaPaths:
             peer_kv = P.mapa(kv_s, 1 - rank)
             peer_full0 = P.mapa(full0, 1 - rank)
             cute.arch.cluster_wait()  # the peer's mbarriers are initialized
+        ahead = slot  # prefetch: the slot ids of the block after the next (here block 1's)
+        staged_next = []  # prefetch: the rows of the block this iteration stores
+        if cutlass.const_expr(self.prefetch):
+            ahead = [P.load_i32(ids_row + min(1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            first = self.own_slot(slot, rank, Int32(0), blocks)
+            staged_next = self.fetch_rows(cache, first, kv_s, half[0], half[1], half[2], pool_slots, True)
         for b in range(blocks):
             s = b % 2
             buf = kv_s + s * TILE_BYTES
@@ -438,10 +456,21 @@ class WgmmaPaths:
             if cutlass.const_expr(self.probing("no_loads")):
                 fetched = [Int32(-1), Int32(-1)]
             # the next block's slots (past the CTA's last block: the last block's again, unused)
-            upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            upcoming = []
+            if cutlass.const_expr(self.prefetch):  # loaded an iteration ago; this one loads the one after
+                upcoming = ahead
+                ahead = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
+            else:
+                upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
             if cutlass.const_expr(self.crossover):
-                own = P.select_i32(rank == 0, fetched[0], fetched[1])
-                staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
+                staged = []
+                if cutlass.const_expr(self.prefetch):  # this block's rows landed meanwhile; the next block's issued
+                    staged = staged_next
+                    own_next = self.own_slot(upcoming, rank, b + 1, blocks)
+                    staged_next = self.fetch_rows(cache, own_next, buf, half[0], half[1], half[2], pool_slots, True)
+                else:
+                    own = P.select_i32(rank == 0, fetched[0], fetched[1])
+                    staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b, ptid == 0)
                 if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
@@ -490,6 +519,16 @@ class WgmmaPaths:
         if cutlass.const_expr(self.crossover):  # the closing cluster barrier (see above)
             cute.arch.cluster_arrive(aligned=True)
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def own_slot(self, ids, rank, b, blocks: int):
+        """The crossover's prefetch: the slot id of the row this thread loads in block b (its
+        CTA's share, `rank`, of the block's two ids); -1 (a hole: nothing loaded) past the
+        CTA's last block, and under the no_loads probe."""
+        own = P.select_i32(rank == 0, ids[0], ids[1])
+        if cutlass.const_expr(self.probing("no_loads")):
+            own = Int32(-1)
+        return P.select_i32(b < blocks, own, Int32(-1))
 
     @cute.jit
     def stamp(self, trace, word, who):

@@ -875,7 +875,7 @@ def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
     push = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
     assert plain.count("st.shared::cluster.f32") == groups and "st.shared::cluster.v4" not in plain
     assert rotated.count(push) == groups and "st.shared::cluster" not in rotated and push not in plain
-    assert rotated.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == 1
+    assert rotated.count(f"mbarrier.arrive.release.{index_query.SWAP_RELEASE}.shared::cluster.b64") == 1
     assert rotated.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2 * 2  # free, ready (bounded)
     assert "barrier.cluster.arrive.relaxed" in plain and "barrier.cluster.arrive.relaxed" in rotated
     assert plain.count("barrier.cluster.arrive") == 2 and plain.count("barrier.cluster.wait") == 2
@@ -1573,13 +1573,13 @@ def _check_crossover(partial: str, op):
     XOVER_BYTES, which thread 0's arrival on full[s] expects); the peer's tile and full[0]
     mapped once (the producer's 2 mapa), each remote arrive with its own; empty[s] counts 16
     warps; every mbarrier wait acquires at cluster scope; remote arrives
-    (arrive.release.cluster) only where a CTA has more than two blocks; one cluster barrier
+    (arrive.release at XOVER_RELEASE's scope) only where a CTA has more than two blocks; one cluster barrier
     arrived on after the mbarriers' initialization and each role's two waits plus one
     closing arrive. The producer (_producer_ptx) issues every push and, over bf16 rows, loads
     each chunk it pushes by one predicated 16-byte ld.global, all of a block's before its
     first push: no cp.async, no e4m3 widened."""
     pushes = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32 \[%r\d+\]", partial)
-    remote_arrive = "mbarrier.arrive.release.cluster.shared::cluster.b64"
+    remote_arrive = f"mbarrier.arrive.release.{op.release_scope}.shared::cluster.b64"
     if not op.crossover:
         assert not pushes and "mapa" not in partial and "barrier.cluster" not in partial
         assert remote_arrive not in partial and ".acquire.cluster" not in partial
@@ -1791,6 +1791,31 @@ def test_the_crossover_releases_the_peer_buffer_at_the_asked_scope(tmp_path, mon
     monkeypatch.setattr(sparse_core, "XOVER_RELEASE", "gpu")
     with pytest.raises(ValueError, match="XOVER_RELEASE"):
         catalog.build(TP1[shape_name], "sparse_core", slots=2048)
+
+
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_crossover_fp8_producer_loads_a_block_ahead_when_asked(tmp_path, monkeypatch, shape_name):
+    """sparse_core.XOVER_PREFETCH (bench_sparse_core.py --paths wsxp): over the fp8 cache the
+    producer issues block 0's row loads before its loop (their 19 predicated loads: the
+    scales, 16 latent pieces, 2 rope pieces) and each later block's in the loop, one block
+    ahead, so its PTX holds the row loads twice and the slot ids' once more; still 168
+    registers and no stack. Over bf16 (72 words a block in flight) it is off."""
+    rows = r"ld\.global\.v[24]\.(?:b32|f32)"
+    found_rows = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(sparse_core, "XOVER_PREFETCH", prefetch)
+        variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
+        op = variant.op
+        assert op.crossover and op.prefetch == (prefetch and op.mla_fp8)
+        partial, found = _compile_partial(tmp_path / str(prefetch), variant)
+        assert found == {"regs": 168, "frame": 0}, found
+        producer = _producer_ptx(partial, op)
+        found_rows[prefetch] = (len(re.findall(rows, producer)), len(re.findall(r"ld\.global\.s32 ", producer)))
+    (plain, plain_ids), (ahead, ahead_ids) = found_rows[False], found_rows[True]
+    if TP1[shape_name].topology.mla_cache == "fp8":
+        assert plain == 19 and ahead == 2 * 19 and ahead_ids == plain_ids + 2, found_rows
+    else:
+        assert found_rows[True] == found_rows[False]
 
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():

@@ -180,36 +180,32 @@ def test_every_split_variant_matches_the_reference(case, slots_per_cta):
     _check(case, 5, slots_per_cta)
 
 
-def _crossover(monkeypatch, consumers):
+def _crossover(monkeypatch, knobs):
     """sparse_core.CROSSOVER on (the producer path's head-group pairs sharing each block's
-    loads, bench_sparse_core.py --paths wsx), the consumers and the push (reshape, values_rs,
-    push): the module's consumers (None: XOVER_RESHAPE_BLOCKS), half-block scorers (0: wsxh) or
-    FlashMLA's shape (1 << 30: wsxr) at every block count; values_rs: sparse_core.VALUES_RS
-    (wsxv: the values warpgroup's P @ V with P from registers); push: sparse_core.XOVER_PUSH
-    (wsxb: each half pushed into the peer by bulk copies); wait: sparse_core.XOVER_FULL_WAIT
-    (wsxo: one warp of each consumer warpgroup waits for full, the rest meet it); release:
-    sparse_core.XOVER_RELEASE (wsxc / wsxg: the remote empty arrive at CTA / cluster scope)."""
+    loads, bench_sparse_core.py --paths wsx) with the module's other constants but `knobs`
+    (a CONSUMERS entry: the constants its path sets)."""
     from graphstep.kernels import sparse_core
 
-    reshape, values_rs, push, wait, release = consumers
-    monkeypatch.setattr(sparse_core, "XOVER_PUSH", push)
-    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", release)
-    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", wait)
     monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
-    monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
-    if reshape is not None:
-        monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", reshape)
+    for name, value in knobs.items():
+        monkeypatch.setattr(sparse_core, name, value)
 
 
+# The crossover's variants by bench_sparse_core.py path: wsx the module's; wsxh / wsxr the
+# half-block scorers / FlashMLA's consumer shape at every block count; wsxv the values
+# warpgroup's P @ V with P from registers; wsxb each half pushed into the peer by bulk copies;
+# wsxo one warp of each consumer warpgroup waiting for full; wsxg the remote empty arrive at
+# cluster scope (the default's is CTA's); wsxp the fp8 producer's loads a block ahead.
 CONSUMERS = {
-    "wsx": (None, False, "st_async", "all", "cluster"),
-    "wsxh": (0, False, "st_async", "all", "cluster"),
-    "wsxr": (1 << 30, False, "st_async", "all", "cluster"),
-    "wsxv": (1 << 30, True, "st_async", "all", "cluster"),
-    "wsxb": (None, False, "bulk", "all", "cluster"),
-    "wsxo": (None, False, "st_async", "one", "cluster"),
-    "wsxc": (None, False, "st_async", "all", "cta"),
+    "wsx": {},
+    "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
+    "wsxr": {"XOVER_RESHAPE_BLOCKS": 1 << 30},
+    "wsxv": {"XOVER_RESHAPE_BLOCKS": 1 << 30, "VALUES_RS": True},
+    "wsxb": {"XOVER_PUSH": "bulk"},
+    "wsxo": {"XOVER_FULL_WAIT": "one"},
+    "wsxg": {"XOVER_RELEASE": "cluster"},
+    "wsxp": {"XOVER_PREFETCH": True},
 }
 
 
@@ -229,7 +225,8 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
     assert op.bulk_push == (path == "wsxb" and op.crossover)
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
-    assert op.release_scope == ("cta" if path == "wsxc" else "cluster")
+    assert op.release_scope == ("cluster" if path == "wsxg" else "cta")
+    assert op.prefetch == (path == "wsxp" and op.crossover and op.mla_fp8)
     _check(case, batch)
 
 
