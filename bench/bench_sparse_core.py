@@ -24,8 +24,8 @@ with the values warpgroup's P @ V taking P from registers (sparse_core.VALUES_RS
 with each producer's half of a block pushed into its peer by bulk copies (sparse_core.XOVER_PUSH),
 wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_core.XOVER_FULL_WAIT),
 wsxc / wsxg = wsx with the consumers' remote empty arrive released at CTA / cluster scope
-(sparse_core.XOVER_RELEASE; the other wsx paths keep the module's), wsxp = wsx with the fp8
-producer's loads a block ahead (sparse_core.XOVER_PREFETCH; the others keep the module's)
+(sparse_core.XOVER_RELEASE; the other wsx paths keep the module's), wsxp / wsxq = wsx with the fp8
+producer's loads a block ahead / not (sparse_core.XOVER_PREFETCH; the others keep the module's)
 (ws / wsh / wsr: without it, whatever the module's default), nows = every thread loads
 (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
@@ -292,7 +292,7 @@ def main() -> int:
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
             known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
-            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "wsxp")
+            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "wsxp", "wsxq")
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
@@ -320,8 +320,8 @@ def main() -> int:
                 sparse_core.XOVER_FULL_WAIT = "one" if path == "wsxo" else "all"
                 if path in ("wsxc", "wsxg"):
                     sparse_core.XOVER_RELEASE = "cta" if path == "wsxc" else "cluster"
-                if path == "wsxp":
-                    sparse_core.XOVER_PREFETCH = True
+                if path in ("wsxp", "wsxq"):
+                    sparse_core.XOVER_PREFETCH = path == "wsxp"
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:

@@ -126,8 +126,11 @@ XOVER_RELEASES = ("cluster", "cta")
 # empty wait. Session 30's ncu source counters (TP 1 fp8, B = 64, H100, with XOVER_RELEASE
 # "cta"): the producer's first use of its loads (F2FP, long scoreboard) held 10.6% of all stall
 # samples and the scorer's full wait 5.6%; its trace: loads landed, dequantized and stored in
-# 3,728 cycles of a 4,741-cycle block. Plan s30_e measures it.
-XOVER_PREFETCH = False
+# 3,728 cycles of a 4,741-cycle block. Measured (session 30, H100, plan s30_e): fp8 B = 64 98.4 ->
+# 94.3 us, B = 16 47.4 -> 46.6, B <= 4 within 2%; the producer's stored step 2,227 cycles and the
+# scorer's full wait 302 (the scorer's own work now bounds the block). Session 21's same prefetch
+# was no lever while the consumers' cluster-scope releases bounded the block.
+XOVER_PREFETCH = True
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only

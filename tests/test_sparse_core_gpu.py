@@ -196,7 +196,8 @@ def _crossover(monkeypatch, knobs):
 # half-block scorers / FlashMLA's consumer shape at every block count; wsxv the values
 # warpgroup's P @ V with P from registers; wsxb each half pushed into the peer by bulk copies;
 # wsxo one warp of each consumer warpgroup waiting for full; wsxg the remote empty arrive at
-# cluster scope (the default's is CTA's); wsxp the fp8 producer's loads a block ahead.
+# cluster scope (the default's is CTA's); wsxq the fp8 producer's loads not a block ahead (the
+# default's are).
 CONSUMERS = {
     "wsx": {},
     "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
@@ -205,7 +206,7 @@ CONSUMERS = {
     "wsxb": {"XOVER_PUSH": "bulk"},
     "wsxo": {"XOVER_FULL_WAIT": "one"},
     "wsxg": {"XOVER_RELEASE": "cluster"},
-    "wsxp": {"XOVER_PREFETCH": True},
+    "wsxq": {"XOVER_PREFETCH": False},
 }
 
 
@@ -226,7 +227,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     assert op.bulk_push == (path == "wsxb" and op.crossover)
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
     assert op.release_scope == ("cluster" if path == "wsxg" else "cta")
-    assert op.prefetch == (path == "wsxp" and op.crossover and op.mla_fp8)
+    assert op.prefetch == (path != "wsxq" and op.crossover and op.mla_fp8)
     _check(case, batch)
 
 
