@@ -131,6 +131,12 @@ XOVER_RELEASES = ("cluster", "cta")
 # scorer's full wait 302 (the scorer's own work now bounds the block). Session 21's same prefetch
 # was no lever while the consumers' cluster-scope releases bounded the block.
 XOVER_PREFETCH = True
+# FlashMLA's consumer shape (scorer and values warpgroups) rescales its 128 output accumulators a
+# block only where some row max of the warp moved (a warp vote; the factors are then exactly 1, so
+# skipping is exact): SKIP_UNMOVED. Session 30's trace (TP 1 fp8, B = 64, H100, XOVER_PREFETCH):
+# the scorer's own work bounds the block (softmax 1,604 cycles, its 128 FMULs part of it). Off
+# until measured (path wsxs).
+SKIP_UNMOVED = False
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
 # usual (partial_mma_ws: copies nothing, every block computed); "no_math": the consumers only
@@ -182,6 +188,7 @@ KNOBS = {
     "XOVER_FULL_WAIT": str,
     "XOVER_RELEASE": str,
     "XOVER_PREFETCH": bool,
+    "SKIP_UNMOVED": bool,
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
@@ -340,6 +347,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
         self.prefetch = self.crossover and mla_fp8 and bool(XOVER_PREFETCH)
+        self.skip_unmoved = self.reshape and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
         if XOVER_FULL_WAIT not in XOVER_FULL_WAITS:
             raise ValueError(f"sparse_core.XOVER_FULL_WAIT must be one of {XOVER_FULL_WAITS}, got {XOVER_FULL_WAIT!r}")

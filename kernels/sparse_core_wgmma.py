@@ -710,8 +710,7 @@ class WgmmaPaths:
             p1 = P.exp2_approx(sc[2 * i + 1] - use[i % 2])
             row_sum[i % 2] = row_sum[i % 2] + p0 + p1
             words.append(P.pack_bf16x2(p0, p1))
-        for i in cutlass.range_constexpr(128):
-            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        acc_o = self.rescale(acc_o, alpha)
         if wait_free:
             P.named_sync(P_FREE, WG_THREADS)
         for i in cutlass.range_constexpr(block // 4):
@@ -740,8 +739,7 @@ class WgmmaPaths:
         if cutlass.const_expr(self.values_rs):  # the scorer's words for these rows, as score_block stored them
             for i in cutlass.range_constexpr(self.block // 4):
                 words.append(P.ld_shared_i32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t))
-        for i in cutlass.range_constexpr(128):
-            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        acc_o = self.rescale(acc_o, alpha)
         v_half = cur + (LATENT // 2 // 8) * CHUNK
         self.stamp(trace, TRACE_VALUES + 3 * b + 1, tid == WG_THREADS // 2)
         if cutlass.const_expr(self.values_rs):
@@ -752,6 +750,20 @@ class WgmmaPaths:
         if arrive_free:
             P.named_arrive(P_FREE, WG_THREADS)
         return acc_o
+
+    @cute.jit
+    def rescale(self, acc_o, alpha):
+        """FlashMLA's consumer shape: this thread's 128 output accumulators (rows row0, row0 + 8:
+        alpha[0], alpha[1]) x their rows' factors. SKIP_UNMOVED: not where no row max of the
+        warp moved (every factor exactly 2^0 = 1: the product would be the accumulator itself)."""
+        out = acc_o
+        if cutlass.const_expr(self.skip_unmoved):
+            moved = (alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                out = [acc_o[i] * alpha[(i // 2) % 2] for i in range(128)]
+        else:
+            out = [acc_o[i] * alpha[(i // 2) % 2] for i in range(128)]
+        return out
 
     @cute.jit
     def consume_block(self, q_s, cur, p_s, ids_s, s, red, row_max, row_sum, acc_o, tid, pool_slots):

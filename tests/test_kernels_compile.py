@@ -1820,6 +1820,23 @@ def test_the_crossover_fp8_producer_loads_a_block_ahead_when_asked(tmp_path, mon
         assert found_rows[True] == found_rows[False]
 
 
+@pytest.mark.parametrize("shape_name", TP1)
+def test_the_consumers_skip_unmoved_rescales_when_asked(tmp_path, monkeypatch, shape_name):
+    """sparse_core.SKIP_UNMOVED (bench_sparse_core.py --paths wsxs): FlashMLA's consumer shape
+    votes (vote.any) in each warp of both warpgroups whether any row's factor is not 1 before
+    its 128 rescaling multiplications, which it then branches around; the default has no vote;
+    168 registers, no stack either way."""
+    votes = {}
+    for skip in (False, True):
+        monkeypatch.setattr(sparse_core, "SKIP_UNMOVED", skip)
+        variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
+        assert variant.op.reshape and variant.op.skip_unmoved == skip
+        partial, found = _compile_partial(tmp_path / str(skip), variant)
+        assert found == {"regs": 168, "frame": 0}, found
+        votes[skip] = len(re.findall(r"vote\.sync\.any\.pred", partial))
+    assert votes == {False: 0, True: 2}, votes
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

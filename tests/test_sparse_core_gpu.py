@@ -122,6 +122,7 @@ def _check(case, batch, slots_per_cta=None, big=None, cache_shift=0, q_shift=0, 
     err = rel_err(out[live], expect_out[live])
     assert err < tolerance, err
     assert (lse[live] - expect_lse[live]).abs().max() < tolerance * 10
+    return out, lse
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5, 64])
@@ -197,7 +198,7 @@ def _crossover(monkeypatch, knobs):
 # warpgroup's P @ V with P from registers; wsxb each half pushed into the peer by bulk copies;
 # wsxo one warp of each consumer warpgroup waiting for full; wsxg the remote empty arrive at
 # cluster scope (the default's is CTA's); wsxq the fp8 producer's loads not a block ahead (the
-# default's are).
+# default's are); wsxs the consumers' rescales skipped where no row max of the warp moved.
 CONSUMERS = {
     "wsx": {},
     "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
@@ -207,6 +208,7 @@ CONSUMERS = {
     "wsxo": {"XOVER_FULL_WAIT": "one"},
     "wsxg": {"XOVER_RELEASE": "cluster"},
     "wsxq": {"XOVER_PREFETCH": False},
+    "wsxs": {"SKIP_UNMOVED": True},
 }
 
 
@@ -228,6 +230,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
     assert op.release_scope == ("cluster" if path == "wsxg" else "cta")
     assert op.prefetch == (path != "wsxq" and op.crossover and op.mla_fp8)
+    assert op.skip_unmoved == (path == "wsxs" and op.reshape)
     _check(case, batch)
 
 
@@ -239,6 +242,23 @@ def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch,
     across the pair, one split normalizing itself; fp8 and raw bf16 rows."""
     _crossover(monkeypatch, CONSUMERS[path])
     _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
+def test_skipping_unmoved_rescales_changes_no_bit(monkeypatch, case, batch):
+    """sparse_core.SKIP_UNMOVED (path wsxs) leaves out only multiplications by factors of
+    exactly 1: on the same inputs its out and lse equal the default's bit for bit."""
+    from graphstep.kernels import sparse_core
+
+    _crossover(monkeypatch, CONSUMERS["wsx"])
+    results = []
+    for skip in (False, True):
+        monkeypatch.setattr(sparse_core, "SKIP_UNMOVED", skip)
+        torch.manual_seed(11)
+        results.append(_check(case, batch))
+    (out, lse), (skipped_out, skipped_lse) = results
+    assert torch.equal(out, skipped_out) and torch.equal(lse, skipped_lse)
 
 
 @pytest.mark.parametrize("batch", [5, 64])
