@@ -26,8 +26,8 @@ wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_cor
 wsxc / wsxg = wsx with the consumers' remote empty arrive released at CTA / cluster scope
 (sparse_core.XOVER_RELEASE; the other wsx paths keep the module's), wsxp / wsxq = wsx with the fp8
 producer's loads a block ahead / not (sparse_core.XOVER_PREFETCH; the others keep the module's),
-wsxs = wsx with the consumers' rescales skipped where no row max of a warp moved
-(sparse_core.SKIP_UNMOVED)
+wsxs / wsxa = wsx with the consumers' rescales skipped where no row max of a warp moved / all
+done (sparse_core.SKIP_UNMOVED; the others keep the module's)
 (ws / wsh / wsr: without it, whatever the module's default), nows = every thread loads
 (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
@@ -294,7 +294,7 @@ def main() -> int:
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
             known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
-            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "wsxp", "wsxq", "wsxs")
+            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "wsxp", "wsxq", "wsxs", "wsxa")
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
@@ -324,8 +324,8 @@ def main() -> int:
                     sparse_core.XOVER_RELEASE = "cta" if path == "wsxc" else "cluster"
                 if path in ("wsxp", "wsxq"):
                     sparse_core.XOVER_PREFETCH = path == "wsxp"
-                if path == "wsxs":
-                    sparse_core.SKIP_UNMOVED = True
+                if path in ("wsxs", "wsxa"):
+                    sparse_core.SKIP_UNMOVED = path == "wsxs"
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:

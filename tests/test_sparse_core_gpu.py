@@ -198,7 +198,8 @@ def _crossover(monkeypatch, knobs):
 # warpgroup's P @ V with P from registers; wsxb each half pushed into the peer by bulk copies;
 # wsxo one warp of each consumer warpgroup waiting for full; wsxg the remote empty arrive at
 # cluster scope (the default's is CTA's); wsxq the fp8 producer's loads not a block ahead (the
-# default's are); wsxs the consumers' rescales skipped where no row max of the warp moved.
+# default's are); wsxa the consumers' every rescale (the default skips those where no row max of
+# the warp moved).
 CONSUMERS = {
     "wsx": {},
     "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
@@ -208,7 +209,7 @@ CONSUMERS = {
     "wsxo": {"XOVER_FULL_WAIT": "one"},
     "wsxg": {"XOVER_RELEASE": "cluster"},
     "wsxq": {"XOVER_PREFETCH": False},
-    "wsxs": {"SKIP_UNMOVED": True},
+    "wsxa": {"SKIP_UNMOVED": False},
 }
 
 
@@ -230,7 +231,7 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
     assert op.release_scope == ("cluster" if path == "wsxg" else "cta")
     assert op.prefetch == (path != "wsxq" and op.crossover and op.mla_fp8)
-    assert op.skip_unmoved == (path == "wsxs" and op.reshape)
+    assert op.skip_unmoved == (path != "wsxa" and op.reshape)
     _check(case, batch)
 
 
@@ -247,8 +248,9 @@ def test_every_split_variant_of_the_crossover_matches_the_reference(monkeypatch,
 @pytest.mark.parametrize("batch", [1, 5, 64])
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
 def test_skipping_unmoved_rescales_changes_no_bit(monkeypatch, case, batch):
-    """sparse_core.SKIP_UNMOVED (path wsxs) leaves out only multiplications by factors of
-    exactly 1: on the same inputs its out and lse equal the default's bit for bit."""
+    """sparse_core.SKIP_UNMOVED (the default; path wsxa without it) leaves out only
+    multiplications by factors of exactly 1: on the same inputs out and lse equal every
+    rescale's bit for bit."""
     from graphstep.kernels import sparse_core
 
     _crossover(monkeypatch, CONSUMERS["wsx"])
