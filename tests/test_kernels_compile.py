@@ -1684,8 +1684,9 @@ def test_the_trace_probe_stamps_each_role_once_a_step(tmp_path, monkeypatch, sha
     variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False, producer=True)
     assert variant.op.crossover and variant.op.reshape and variant.op.probe == probe
     partial, found = _compile_partial(tmp_path, variant)
-    # (without the pushes ptxas allocates the fp8 producer otherwise: 32 bytes of stack there)
-    assert found["regs"] == 168 and found["frame"] <= (32 if "no_push" in probe else 0), found
+    # (without the pushes ptxas allocates the fp8 producer otherwise: up to 40 bytes of stack there
+    # with its prefetch, XOVER_PREFETCH; the probe's times are then upper bounds)
+    assert found["regs"] == 168 and found["frame"] <= (40 if "no_push" in probe else 0), found
     # (LLVM may peel a loop's first or last block and copy its stamps: at least one read a step)
     assert len(re.findall(r"mov\.u32\s+%r\d+, %clock;", partial)) >= 11
     assert ("st.async" in partial) == ("no_push" not in probe)
