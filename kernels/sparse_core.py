@@ -99,15 +99,18 @@ VALUES_RS = False
 # (each thread's 16-byte chunks by st.async as it stores them locally: 18 a thread a block
 # through its warp's MIO queue) or "bulk" (the half stored locally only, then, after the
 # producer warpgroup's barrier, 72 bulk copies of 512 bytes by the SM's copy engine, completing
-# on the same full barrier). Session 29's trace placed 2,575 cycles a block in the values
-# warpgroup's two shared loads while the pushes run (levers.md S.9; plan s30_a tests it).
+# on the same full barrier). Built for session 29's reading of its trace (the values warpgroup's
+# shared loads held up by the pushes), which session 30 found was the values' wait for P
+# (levers.md S.9-S.10); measured (session 30, H100): "bulk" slower, 136.5 against 105.8 us at
+# TP 1 fp8 B = 64. So "st_async".
 XOVER_PUSH = "st_async"
 XOVER_PUSHES = ("st_async", "bulk")
 # Who waits for the crossover's full barrier (cluster-scope acquire, which ptxas follows with an
 # L1 invalidation, CCTL.IVALL, in each waiting warp): "all" the consumer warps, or "one" -- the
 # first warp of each of FlashMLA's consumer warpgroups waits and its warpgroup meets it at a
-# named barrier (the acquire then reaches the other warps through the barrier). For the
-# cta_full probe's answer (plan s30_a); off until measured.
+# named barrier (the acquire then reaches the other warps through the barrier). Measured
+# (session 30, H100): "one" 106.2 against 105.8 us at TP 1 fp8 B = 64, the cta_full probe no
+# faster either, so "all".
 XOVER_FULL_WAIT = "all"
 XOVER_FULL_WAITS = ("all", "one")
 # The scope of the release with which each consumer warp hands a crossover buffer back to the
