@@ -16,18 +16,13 @@ the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
 warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 (sparse_core.RESHAPE_BLOCKS), wsh / wsr = with the consumers scoring half a block each /
-in FlashMLA's shape at every split, wsx = the crossover with its module consumers
+in FlashMLA's shape at every split, wsx = the crossover with the module's constants
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
-loading half of every block, bf16 rows as raw chunks; sparse_core.XOVER_RESHAPE_BLOCKS),
-wsxh / wsxr = the crossover with half-block / FlashMLA's consumers at every split, wsxv = wsxr
-with the values warpgroup's P @ V taking P from registers (sparse_core.VALUES_RS), wsxb = wsx
-with each producer's half of a block pushed into its peer by bulk copies (sparse_core.XOVER_PUSH),
-wsxo = wsx with one warp of each consumer warpgroup waiting for full (sparse_core.XOVER_FULL_WAIT),
-wsxc / wsxg = wsx with the consumers' remote empty arrive released at CTA / cluster scope
-(sparse_core.XOVER_RELEASE; the other wsx paths keep the module's), wsxp / wsxq = wsx with the fp8
-producer's loads a block ahead / not (sparse_core.XOVER_PREFETCH; the others keep the module's),
-wsxs / wsxa = wsx with the consumers' rescales skipped where no row max of a warp moved / all
-done (sparse_core.SKIP_UNMOVED; the others keep the module's)
+loading half of every block, bf16 rows as raw chunks), and wsx + a letter = wsx with the
+constants CROSSOVER_PATHS lists: h / r half-block / FlashMLA's consumers at every split, v the
+values warpgroup's P @ V with P from registers, b the pushes by bulk copies, o one full waiter a
+consumer warpgroup, c / g the remote empty arrive at CTA / cluster scope, p / q the fp8 producer's
+loads a block ahead or not, s / a the rescales skipped where no row max moved or all done
 (ws / wsh / wsr: without it, whatever the module's default), nows = every thread loads
 (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
@@ -71,6 +66,23 @@ CONFIGS = {
     # 64 heads: one 64-row CTA a token and split, no crossover partner
     "tp2-bf16": ("deepseek-v3.2", Topology(tp=2)),
     "tp2-fp8": ("deepseek-v3.2", Topology(tp=2, mla_cache="fp8")),
+}
+# The crossover's variants (paths wsx*; CROSSOVER on for them): the sparse_core constants each sets,
+# the others as the module has them (tests/test_sparse_core_gpu.py runs each that differs from the
+# default).
+CROSSOVER_PATHS = {
+    "wsx": {},
+    "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
+    "wsxr": {"XOVER_RESHAPE_BLOCKS": 1 << 30},
+    "wsxv": {"XOVER_RESHAPE_BLOCKS": 1 << 30, "VALUES_RS": True},
+    "wsxb": {"XOVER_PUSH": "bulk"},
+    "wsxo": {"XOVER_FULL_WAIT": "one"},
+    "wsxc": {"XOVER_RELEASE": "cta"},
+    "wsxg": {"XOVER_RELEASE": "cluster"},
+    "wsxp": {"XOVER_PREFETCH": True},
+    "wsxq": {"XOVER_PREFETCH": False},
+    "wsxs": {"SKIP_UNMOVED": True},
+    "wsxa": {"SKIP_UNMOVED": False},
 }
 FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
 
@@ -293,8 +305,7 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync")
-            known += ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxc", "wsxg", "wsxp", "wsxq", "wsxs", "wsxa")
+            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync", *CROSSOVER_PATHS)
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
@@ -314,18 +325,8 @@ def main() -> int:
                 sparse_core.CROSSOVER = dict.fromkeys(saved["CROSSOVER"], path.startswith("wsx"))
             if path in ("wsh", "wsr"):
                 sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
-            if path in ("wsxh", "wsxr", "wsxv"):
-                sparse_core.XOVER_RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
-            if path.startswith("wsx"):  # wsxv: the values warpgroup's P from registers; wsxb: bulk-copy pushes
-                sparse_core.VALUES_RS = path == "wsxv"
-                sparse_core.XOVER_PUSH = "bulk" if path == "wsxb" else "st_async"
-                sparse_core.XOVER_FULL_WAIT = "one" if path == "wsxo" else "all"
-                if path in ("wsxc", "wsxg"):
-                    sparse_core.XOVER_RELEASE = "cta" if path == "wsxc" else "cluster"
-                if path in ("wsxp", "wsxq"):
-                    sparse_core.XOVER_PREFETCH = path == "wsxp"
-                if path in ("wsxs", "wsxa"):
-                    sparse_core.SKIP_UNMOVED = path == "wsxs"
+            for constant, value in CROSSOVER_PATHS.get(path, {}).items():
+                setattr(sparse_core, constant, value)
             sparse_core.PROBE = "" if probe == "no_combine" else probe
             sparse_core.COMBINE = probe != "no_combine"
             try:

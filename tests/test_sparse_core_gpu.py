@@ -4,6 +4,8 @@ query formats, every slots-per-CTA variant, the plan's choice at B = 1, 3 and 64
 slot lists with holes, repeats, a short selection and none at all. Outputs poisoned first."""
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from graphstep import reference as ref
 from graphstep.launch import ErrorWord, Kernels, MailboxTimeout
 from graphstep.shapes import RankShape, Topology, preset
 from graphstep.state import LayerState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_sparse_core import CROSSOVER_PATHS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BF16, FP8 = 2e-3, 1e-2  # P is rounded to bf16 for P @ V; e4m3 keys are rounded to bf16
@@ -193,24 +198,12 @@ def _crossover(monkeypatch, knobs):
         monkeypatch.setattr(sparse_core, name, value)
 
 
-# The crossover's variants by bench_sparse_core.py path: wsx the module's; wsxh / wsxr the
-# half-block scorers / FlashMLA's consumer shape at every block count; wsxv the values
-# warpgroup's P @ V with P from registers; wsxb each half pushed into the peer by bulk copies;
-# wsxo one warp of each consumer warpgroup waiting for full; wsxg the remote empty arrive at
-# cluster scope (the default's is CTA's); wsxq the fp8 producer's loads not a block ahead (the
-# default's are); wsxa the consumers' every rescale (the default skips those where no row max of
-# the warp moved).
-CONSUMERS = {
-    "wsx": {},
-    "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
-    "wsxr": {"XOVER_RESHAPE_BLOCKS": 1 << 30},
-    "wsxv": {"XOVER_RESHAPE_BLOCKS": 1 << 30, "VALUES_RS": True},
-    "wsxb": {"XOVER_PUSH": "bulk"},
-    "wsxo": {"XOVER_FULL_WAIT": "one"},
-    "wsxg": {"XOVER_RELEASE": "cluster"},
-    "wsxq": {"XOVER_PREFETCH": False},
-    "wsxa": {"SKIP_UNMOVED": False},
-}
+# The crossover's variants run here, by bench_sparse_core.py path (its CROSSOVER_PATHS: the
+# constants each sets): wsx the module's; wsxh / wsxr the half-block / FlashMLA's consumers at
+# every split, wsxv P from registers, wsxb bulk pushes, wsxo one full waiter, wsxg the
+# cluster-scope release, wsxq no prefetch, wsxa every rescale (wsxc / wsxp / wsxs are the
+# defaults today, so wsx runs them).
+CONSUMERS = {p: CROSSOVER_PATHS[p] for p in ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxg", "wsxq", "wsxa")}
 
 
 @pytest.mark.parametrize("path", CONSUMERS)
