@@ -353,13 +353,14 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.prefetch = self.crossover and mla_fp8 and bool(XOVER_PREFETCH)
         self.skip_unmoved = self.reshape and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
-        if XOVER_FULL_WAIT not in XOVER_FULL_WAITS:
-            raise ValueError(f"sparse_core.XOVER_FULL_WAIT must be one of {XOVER_FULL_WAITS}, got {XOVER_FULL_WAIT!r}")
         self.release_scope = XOVER_RELEASE
-        if XOVER_RELEASE not in XOVER_RELEASES:
-            raise ValueError(f"sparse_core.XOVER_RELEASE must be one of {XOVER_RELEASES}, got {XOVER_RELEASE!r}")
-        if XOVER_PUSH not in XOVER_PUSHES:
-            raise ValueError(f"sparse_core.XOVER_PUSH must be one of {XOVER_PUSHES}, got {XOVER_PUSH!r}")
+        for name, value, allowed in (
+            ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),
+            ("XOVER_RELEASE", XOVER_RELEASE, XOVER_RELEASES),
+            ("XOVER_PUSH", XOVER_PUSH, XOVER_PUSHES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"sparse_core.{name} must be one of {allowed}, got {value!r}")
         for probe in ("no_push", "cta_full"):
             if self.probing(probe) and not self.crossover:
                 raise ValueError(f"sparse_core.PROBE {probe!r} probes the crossover only")
