@@ -9,13 +9,16 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          shared memory once and used for both the scores and P @ V. Online softmax in the log2
          domain. It writes the split's unnormalized output and (max, sum), max in log2 units;
          with one split (slots_per_cta = k) it normalizes and writes out and lse itself.
-combine  grid (4 quarters of the 512 latent dims, gathered heads, tokens), 128 threads: the
-         splits' (max, sum) -> weights 2^(max_s - max), the weighted sum of their partial
-         outputs (warp w takes splits w, w + 4, ..., every load issued before the weights),
-         out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Not launched with
-         one split, nor where partial_mma_ws has 2 .. CLUSTER_SPLITS splits: there a token's
-         split CTAs form one cluster and combine through distributed shared memory
-         (cluster_combine).
+combine  grid (4 quarters of the 512 latent dims, gathered heads / heads a CTA, tokens), 128
+         threads: the splits' (max, sum) -> weights 2^(max_s - max), the weighted sum of their
+         partial outputs (lane l: dims 4l .. 4l + 3 of the quarter; every load issued before
+         the weights), out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Up
+         to COMBINE_WARP_SPLITS splits a warp takes a (quarter, head), four heads a CTA, and
+         reduces the (max, sum) by shuffles, no barrier (combine_warp); above it the CTA's four
+         warps share one (quarter, head), warp w splits w, w + 4, ..., and meet in shared
+         memory (combine_cta). Not launched with one split, nor where partial_mma_ws has 2 ..
+         CLUSTER_SPLITS splits: there a token's split CTAs form one cluster and combine
+         through distributed shared memory (cluster_combine).
 
 The partial kernel's paths (the constructor picks one from the rows per CTA and the cache):
 16 / 32 rows  mma.sync m16n8k16 warps (kernels/sparse_core_mma.py): partial_mma_sync, every
@@ -173,6 +176,15 @@ MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 # cluster's CTAs (DSMEM): no partials in global memory, no combine launch. Not past 2: 4- and
 # 8-CTA clusters do not all fit one wave (whole GPCs only; levers.md S.4).
 CLUSTER_SPLITS = 2
+# The combine gives each (quarter, head) one warp up to this many splits (combine_warp), above
+# it the CTA's four (combine_cta). Measured (session 31, H100, one process, us): one warp a head
+# at 4 / 2 splits (TP 1, B = 16 / 32) fp8 47.4 -> 40.3 / 78.1 -> 62.0, bf16 51.5 -> 45.6 / 86.6 ->
+# 71.4 -- four warps a head there are 8,192 / 16,384 CTAs of 2 KB and three barriers each (at
+# B = 16 11.1 us of 46.5 by the no_combine probe) -- and at TP 8 B = 32 (4 splits) fp8 31.1 ->
+# 32.6, bf16 36.7 -> 35.9; at 8 to 64 splits it lost 0.4-1.0 us (TP 8 B = 1 / 4 / 16, TP 1 B = 1 /
+# 4), whether ptxas sank its loads to their uses (two or three a round) or volatile loads held
+# them in order, and so did four warps a head without the stats' barriers.
+COMBINE_WARP_SPLITS = 4
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
 # completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
 # 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
@@ -196,6 +208,7 @@ KNOBS = {
     "MMA_PRODUCER_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
+    "COMBINE_WARP_SPLITS": int,
 }
 
 
@@ -368,6 +381,11 @@ class SparseCore(MmaPaths, WgmmaPaths):
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:
             self.threads = self.consumers + (PRODUCER_THREADS if self.mma_ws else 0)
+        # the combine: warps per (quarter, head), and heads per CTA
+        if not 0 <= COMBINE_WARP_SPLITS <= 32:  # (combine_warp: split s's (max, sum) in lane s)
+            raise ValueError(f"sparse_core.COMBINE_WARP_SPLITS must be 0 .. 32, got {COMBINE_WARP_SPLITS}")
+        self.combine_warps = 1 if self.splits <= COMBINE_WARP_SPLITS else 4
+        self.combine_heads = 4 // self.combine_warps
         self.q_bytes = ROW * (1 if q_fp8 else 2)
         self.row_bytes = FP8_ROW if mla_fp8 else 2 * ROW
         # one 16-row tile: its A fragments of all 36 k steps stay in registers (144 per thread)
@@ -411,7 +429,10 @@ class SparseCore(MmaPaths, WgmmaPaths):
         )
         if cutlass.const_expr(self.splits > 1 and self.combine and not self.clustered):
             self.sparse_core_combine(partial_o, partial_ml, out, lse, q_rows, q_out).launch(
-                grid=[LATENT // 128, self.gathered, batch], block=[128, 1, 1], stream=stream, use_pdl=self.pdl
+                grid=[LATENT // 128, (self.gathered + self.combine_heads - 1) // self.combine_heads, batch],
+                block=[128, 1, 1],
+                stream=stream,
+                use_pdl=self.pdl,
             )
 
     # -- partial --------------------------------------------------------------------------
@@ -492,11 +513,12 @@ class SparseCore(MmaPaths, WgmmaPaths):
                 P.store_u32x4(src, [Uint32(SENTINEL_WORD)] * 4)
 
     @cute.jit
-    def publish_quarter(self, q_rows, q_out, token, head, quarter, tid):
-        """Quarter `quarter` of query row (token, head): copied to q_out and re-armed."""
+    def publish_quarter(self, q_rows, q_out, token, head, quarter, thread):
+        """Quarter `quarter` of query row (token, head): copied to q_out and re-armed by the
+        threads (lanes) 0 .. 17 (bf16 rows) or 0 .. 8 (e4m3) of `thread`."""
         chunks = self.q_bytes // 16 // 4  # 18 (bf16 rows) or 9 (e4m3)
-        if tid < chunks:
-            offset = quarter * chunks * 16 + 16 * tid
+        if thread < chunks:
+            offset = quarter * chunks * 16 + 16 * thread
             src = q_rows + (token * self.q_heads + head) * self.q_bytes + offset
             words = P.load_u32x4(src)
             P.store_u32x4(q_out + (token * self.gathered + head) * self.q_bytes + offset, words)
@@ -531,11 +553,61 @@ class SparseCore(MmaPaths, WgmmaPaths):
         q_out: cute.Pointer,
     ):
         tid, _, _ = cute.arch.thread_idx()
-        quarter, head, token = cute.arch.block_idx()
+        quarter, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         smem = cutlass.memory.SmemAllocator()
-        weights = smem.allocate_tensor(Float32, cute.make_layout(self.splits), byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout(4 * 128), byte_alignment=16)
+        if cutlass.const_expr(self.combine_warps == 1):
+            self.combine_warp(partial_o, partial_ml, out, lse, q_rows, q_out, quarter, group * 4 + warp, token, lane)
+        else:
+            weights = smem.allocate_tensor(Float32, cute.make_layout(self.splits), byte_alignment=16)
+            red = smem.allocate_tensor(Float32, cute.make_layout(4 * 128), byte_alignment=16)
+            self.combine_cta(
+                partial_o, partial_ml, out, lse, q_rows, q_out, quarter, group, token, tid, lane, warp, weights, red
+            )
+
+    @cute.jit
+    def combine_warp(self, partial_o, partial_ml, out, lse, q_rows, q_out, quarter, head, token, lane):
+        """One warp combines (quarter, head) of a token: no shared memory, no barrier."""
+        live_head = head < self.gathered  # (the last CTA of four heads may have fewer)
+        row = cutlass.min(head, self.gathered - 1)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if cutlass.const_expr(self.publish):  # every partial CTA (the rows' readers) has finished
+            if live_head:
+                self.publish_quarter(q_rows, q_out, token, row, quarter, lane)
+        first = token * self.splits * self.q_heads + row  # split s at first + s x q_heads
+        # every load first: each split's partial output (lane l: dims 4l .. 4l + 3 of the
+        # quarter), then its (max, sum) in lane s
+        dims = quarter * 128 + 4 * lane
+        outputs = []
+        for s in cutlass.range_constexpr(self.splits):
+            outputs.append(P.load_f32x4(partial_o + (first + s * self.q_heads) * LATENT + dims))
+        live = lane < self.splits
+        ml = P.load_f32x2_if(partial_ml + 2 * (first + cutlass.min(lane, self.splits - 1) * self.q_heads), live)
+        split_max = P.select(live, ml[0], Float32(-math.inf))
+        top = P.warp_max(split_max)
+        w = P.exp2_approx(split_max - self.merge_max(top))  # 0 past the splits or for an empty split
+        total = P.warp_sum(w * ml[1])
+        sums = [Float32(0)] * 4
+        for s in cutlass.range_constexpr(self.splits):
+            weight = cute.arch.shuffle_sync(w, offset=s)
+            for d in cutlass.range_constexpr(4):
+                sums[d] = sums[d] + weight * outputs[s][d]
+        if live_head:
+            inverse = self.inverse_of(total)
+            dst = out + (token * self.gathered + row) * LATENT + dims
+            P.store_f32x2(dst, sums[0] * inverse, sums[1] * inverse)
+            P.store_f32x2(dst + 2, sums[2] * inverse, sums[3] * inverse)
+            if quarter == 0 and lane == 0:
+                P.store_f32(lse + token * self.gathered + row, self.lse_of(top, total))
+
+    @cute.jit
+    def combine_cta(
+        self, partial_o, partial_ml, out, lse, q_rows, q_out, quarter, head, token, tid, lane, warp, weights, red
+    ):
+        """The CTA's four warps combine (quarter, head) of a token, warp w splits w, w + 4, ...,
+        meeting in shared memory (the splits' weights, the block reductions, the sums)."""
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 

@@ -1000,6 +1000,35 @@ def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, mo
     assert keys[True] != keys[False]
 
 
+@pytest.mark.parametrize(
+    "shape_name, slots, ways",
+    [("tp1-fp8", 512, 1), ("tp1-fp8", 1024, 1), ("tp8", 512, 1), ("tp1-fp8", 128, 4), ("tp8", 64, 4)],
+)  # 4 / 2 / 4 / 16 / 32 splits
+def test_sparse_core_combine_takes_one_warp_a_head_up_to_combine_warp_splits(tmp_path, shape_name, slots, ways):
+    """The combine kernel: up to COMBINE_WARP_SPLITS splits one warp a (quarter, head), four
+    heads a CTA (the grid covers the gathered heads), each lane's float4 of every split loaded
+    before the (max, sum) it reduces by shuffles, no barrier, no shared memory; more splits:
+    the CTA's four warps share one (quarter, head) and meet at its barriers. No local memory."""
+    shape = {**MMA_SHAPES, "tp1-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache="fp8"))}[shape_name]
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=True)
+    op = variant.op
+    assert (op.combine_warps, op.combine_heads) == (ways, 4 // ways) and not op.clustered
+    assert (op.splits <= sparse_core.COMBINE_WARP_SPLITS) == (ways == 1)
+    catalog.compile_op(op, variant.args, "sm_90a", str(tmp_path))
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    (combine,) = [e for e in _entries(ptx) if "sparse_core_combine" in e.split("(")[0]]
+    outputs = [m.start() for m in re.finditer(r"ld\.global\.v4\.f32", combine)]
+    assert len(outputs) == -(-op.splits // ways)  # this warp's share of the splits, one float4 each
+    assert ".local" not in combine
+    if ways == 1:
+        assert "bar.sync" not in combine and ".shared" not in combine
+        assert outputs[-1] < combine.index("ld.global.v2.f32") < combine.index("shfl.sync.bfly")
+        assert combine.count("shfl.sync.bfly") == 10  # the max and the total over the warp
+        assert combine.count("shfl.sync.idx") == op.splits  # split s's weight from lane s
+    else:
+        assert combine.count("bar.sync") == 5 and "st.shared" in combine
+
+
 @pytest.mark.parametrize("slots", [64, 256, 512, 1024])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(tmp_path, shape_name, slots):
