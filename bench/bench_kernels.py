@@ -21,6 +21,7 @@ import torch
 from graphstep.kernels import mla_query
 
 from graphstep import formats
+from graphstep.cli import apply_knobs
 from graphstep.floor import H200_COPY_BW, stage_costs
 from graphstep.launch import ErrorWord, Kernels
 from graphstep.report import table
@@ -204,11 +205,26 @@ def bench_shape(heads_tp: int, batches: list[int], launches_per_copy: int = 4) -
     return rows
 
 
-def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The benchmarks' shared flags (--json, --watchdog), parsed; the watchdog started."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmarks' shared flags (--json, --watchdog, --knob), parsed; the knobs set on
+    their kernel modules (printed), the watchdog started."""
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--watchdog", type=float, default=0, help="seconds before dumping stacks and exiting")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="KERNEL.NAME=VALUE",
+        help="set a kernel module's tuning constant for this run, as graphstep's --knob "
+        "(e.g. sparse_core.COMBINE_WARP_SPLITS=2; repeatable)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        knobs = apply_knobs(args.knob)
+    except ValueError as error:
+        parser.error(str(error))
+    if knobs:
+        print("knobs: " + ", ".join(f"{name}={value!r}" for name, value in knobs.items()))
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     return args
