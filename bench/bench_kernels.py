@@ -1,6 +1,7 @@
 """Per-kernel times of the query-stage kernels in CUDA graphs, against plain torch.
 
     python bench/bench_kernels.py [--heads 16,128] [--batch 1,4,16,64,128] [--json out.json]
+        [--knob KERNEL.NAME=VALUE ...]  (as graphstep's; the other benchmarks that use parse_args too)
 
 Each measurement captures a graph of `launches` back-to-back launches (PDL-chained for
 the CuTe DSL kernels) over rotating copies of the weights whose total exceeds the L2

@@ -9,7 +9,7 @@ partial  grid (splits, q_heads / heads_per_cta, tokens). A CTA owns `heads_per_c
          shared memory once and used for both the scores and P @ V. Online softmax in the log2
          domain. It writes the split's unnormalized output and (max, sum), max in log2 units;
          with one split (slots_per_cta = k) it normalizes and writes out and lse itself.
-combine  grid (4 quarters of the 512 latent dims, gathered heads / heads a CTA, tokens), 128
+combine  grid (4 quarters of the 512 latent dims, ceil(gathered heads / heads a CTA), tokens), 128
          threads: the splits' (max, sum) -> weights 2^(max_s - max), the weighted sum of their
          partial outputs (lane l: dims 4l .. 4l + 3 of the quarter; every load issued before
          the weights), out = sum / total, lse = (max + log2(total)) x ln 2 (natural log). Up
@@ -514,8 +514,8 @@ class SparseCore(MmaPaths, WgmmaPaths):
 
     @cute.jit
     def publish_quarter(self, q_rows, q_out, token, head, quarter, thread):
-        """Quarter `quarter` of query row (token, head): copied to q_out and re-armed by the
-        threads (lanes) 0 .. 17 (bf16 rows) or 0 .. 8 (e4m3) of `thread`."""
+        """Quarter `quarter` of query row (token, head): copied to q_out and re-armed, a 16-byte
+        chunk by each caller whose `thread` (its tid or lane) is below 18 (bf16 rows) or 9 (e4m3)."""
         chunks = self.q_bytes // 16 // 4  # 18 (bf16 rows) or 9 (e4m3)
         if thread < chunks:
             offset = quarter * chunks * 16 + 16 * thread
@@ -555,10 +555,11 @@ class SparseCore(MmaPaths, WgmmaPaths):
         tid, _, _ = cute.arch.thread_idx()
         quarter, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
-        smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(self.combine_warps == 1):
-            self.combine_warp(partial_o, partial_ml, out, lse, q_rows, q_out, quarter, group * 4 + warp, token, lane)
+            head = group * self.combine_heads + warp
+            self.combine_warp(partial_o, partial_ml, out, lse, q_rows, q_out, quarter, head, token, lane)
         else:
+            smem = cutlass.memory.SmemAllocator()
             weights = smem.allocate_tensor(Float32, cute.make_layout(self.splits), byte_alignment=16)
             red = smem.allocate_tensor(Float32, cute.make_layout(4 * 128), byte_alignment=16)
             self.combine_cta(

@@ -27,10 +27,12 @@ def test_a_bench_knob_sets_the_kernel_constant(monkeypatch, capsys):
         ("no_such_kernel.X=1", "no kernel"),
     ],
 )
-def test_a_bad_bench_knob_is_a_usage_error(monkeypatch, capsys, knob, said):
+def test_a_bad_bench_knob_is_a_usage_error_and_sets_no_knob(monkeypatch, capsys, knob, said):
+    """A good knob before the bad one is not applied either: every knob is checked first."""
     before = sparse_core.COMBINE_WARP_SPLITS
     monkeypatch.setattr(sparse_core, "COMBINE_WARP_SPLITS", before)
+    good = f"sparse_core.COMBINE_WARP_SPLITS={before + 1}"
     with pytest.raises(SystemExit) as exit_:
-        parse_args(argparse.ArgumentParser(), ["--knob", knob])
+        parse_args(argparse.ArgumentParser(), ["--knob", good, "--knob", knob])
     assert exit_.value.code == 2 and said in capsys.readouterr().err
     assert sparse_core.COMBINE_WARP_SPLITS == before

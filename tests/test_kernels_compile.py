@@ -1029,6 +1029,14 @@ def test_sparse_core_combine_takes_one_warp_a_head_up_to_combine_warp_splits(tmp
         assert combine.count("bar.sync") == 5 and "st.shared" in combine
 
 
+@pytest.mark.parametrize("value", [-1, 33])
+def test_sparse_core_refuses_a_combine_warp_splits_past_a_warp(monkeypatch, value):
+    """combine_warp holds split s's (max, sum) in lane s: at most 32 splits a warp."""
+    monkeypatch.setattr(sparse_core, "COMBINE_WARP_SPLITS", value)
+    with pytest.raises(ValueError, match=r"COMBINE_WARP_SPLITS must be 0 \.\. 32"):
+        catalog.build(MMA_SHAPES["tp8"], "sparse_core", slots=512)
+
+
 @pytest.mark.parametrize("slots", [64, 256, 512, 1024])
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
 def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(tmp_path, shape_name, slots):
