@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help="paths to compare: 64-row CTAs ws,wsx,wsh,wsr,wsxh,wsxr,wsxv,wsxb,wsxo,nows; 16/32-row mws,mwsN,msync "
+        help=f"paths to compare: 64-row CTAs ws,wsh,wsr,{','.join(CROSSOVER_PATHS)},nows; 16/32-row mws,mwsN,msync "
         "(default: the module's)",
     )
     parser.add_argument(
