@@ -596,12 +596,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
             for d in cutlass.range_constexpr(4):
                 sums[d] = sums[d] + weight * outputs[s][d]
         if live_head:
-            inverse = self.inverse_of(total)
-            dst = out + (token * self.gathered + row) * LATENT + dims
-            P.store_f32x2(dst, sums[0] * inverse, sums[1] * inverse)
-            P.store_f32x2(dst + 2, sums[2] * inverse, sums[3] * inverse)
-            if quarter == 0 and lane == 0:
-                P.store_f32(lse + token * self.gathered + row, self.lse_of(top, total))
+            self.store_combined(sums, top, total, out, lse, token, row, quarter, lane)
 
     @cute.jit
     def combine_cta(
@@ -658,16 +653,20 @@ class SparseCore(MmaPaths, WgmmaPaths):
             red[warp * 128 + 4 * lane + d] = sums[d]
         cute.arch.sync_threads()
         if warp == 0:
-            inverse = self.inverse_of(total)
-            o = []
             for d in cutlass.range_constexpr(4):
-                v = red[4 * lane + d] + red[128 + 4 * lane + d] + red[256 + 4 * lane + d] + red[384 + 4 * lane + d]
-                o.append(v * inverse)
-            dst = out + (token * self.gathered + head) * LATENT + dims
-            P.store_f32x2(dst, o[0], o[1])
-            P.store_f32x2(dst + 2, o[2], o[3])
-            if quarter == 0 and lane == 0:
-                P.store_f32(lse + token * self.gathered + head, self.lse_of(top, total))
+                sums[d] = red[4 * lane + d] + red[128 + 4 * lane + d] + red[256 + 4 * lane + d] + red[384 + 4 * lane + d]
+            self.store_combined(sums, top, total, out, lse, token, head, quarter, lane)
+
+    @cute.jit
+    def store_combined(self, sums, top, total, out, lse, token, head, quarter, lane):
+        """Quarter `quarter` of out (token, head) from the splits' weighted sums (lane l: dims
+        4l .. 4l + 3) over their total, and (quarter 0, lane 0) its lse."""
+        inverse = self.inverse_of(total)
+        dst = out + (token * self.gathered + head) * LATENT + quarter * 128 + 4 * lane
+        P.store_f32x2(dst, sums[0] * inverse, sums[1] * inverse)
+        P.store_f32x2(dst + 2, sums[2] * inverse, sums[3] * inverse)
+        if quarter == 0 and lane == 0:
+            P.store_f32(lse + token * self.gathered + head, self.lse_of(top, total))
 
     @cute.jit
     def block_reduce(self, value, red, lane, warp, is_max: bool) -> Float32:
