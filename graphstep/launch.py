@@ -300,7 +300,8 @@ class Kernels:
         """The slots per SparseCore CTA a launch of `batch` tokens uses."""
         from .kernels.sparse_core import plan
 
-        return plan(batch, self.shape.q_heads, self.shape.model.index_topk)
+        s = self.shape
+        return plan(batch, s.q_heads, s.model.index_topk, s.topology.mla_cache)
 
     def sparse_core_polls(self, batch: int, slots_per_cta: int | None = None) -> bool:
         """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) may poll
@@ -308,7 +309,8 @@ class Kernels:
         leave some SMs to the rows' publisher (sparse_core.POLL_MAX_CTAS)."""
         from .kernels import sparse_core
 
-        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, slots_per_cta)
+        spc = slots_per_cta or self.sparse_core_plan(batch)
+        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, spc)
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,
@@ -317,7 +319,7 @@ class Kernels:
         from .kernels.sparse_core import partial_rows
 
         s = self.shape
-        n = max(partial_rows(b, s.q_heads, s.model.index_topk) for b in range(1, rows + 1))
+        n = max(partial_rows(b, s.q_heads, s.model.index_topk, self.sparse_core_plan(b)) for b in range(1, rows + 1))
         return (
             torch.empty(n, s.q_heads, s.model.kv_lora_rank, device=device),
             torch.empty(n, s.q_heads, 2, device=device),

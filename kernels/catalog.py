@@ -299,11 +299,12 @@ def variants(
     for split in splits:
         out.append(build(shape, "top_k", pdl, split=split))
     k = shape.model.index_topk
-    for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in batches}):
+    planned = {b: sparse_core.plan(b, shape.q_heads, k, shape.topology.mla_cache) for b in batches}
+    for slots in sorted(set(planned.values())):
         out.append(build(shape, "sparse_core", pdl, slots=slots))
     if not dcp and True in polls:  # fork_poll's, at the batches whose launch may poll (POLL_MAX_CTAS)
-        polling = [b for b in batches if sparse_core.may_poll(b, shape.q_heads, k)]
-        for slots in sorted({sparse_core.plan(b, shape.q_heads, k) for b in polling}):
+        polling = {slots for b, slots in planned.items() if sparse_core.may_poll(b, shape.q_heads, k, slots)}
+        for slots in sorted(polling):
             out.append(build(shape, "sparse_core", pdl, slots=slots, poll=True))
     if dcp:
         out.append(build(shape, "dcp_merge", pdl))

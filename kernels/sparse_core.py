@@ -46,8 +46,8 @@ q_out and re-arms them in the mailbox (0xFF) -- the partial kernel with one spli
 its rows' only reader), else the combine (after every partial CTA; clustered: split 0's CTA
 after the cluster barrier) -- so no torch copy and fill follow the launch.
 
-`plan(batch, q_heads, k)` picks slots_per_cta on the host so that a launch is about one wave
-of CTAs (heads_per_cta follows q_heads).
+`plan(batch, q_heads, k, mla_cache)` picks slots_per_cta on the host so that a launch is about
+one wave of CTAs, or half of one at small batch (heads_per_cta follows q_heads).
 
 Slot -1 scores -inf and loads nothing; a token with no slot gets out 0 and lse -inf, as
 graphstep.reference.sparse_attention. So does any slot outside [0, pool_slots) (one
@@ -76,6 +76,11 @@ from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, Wg
 SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
 SENTINEL_WORD = 0xFFFFFFFF  # an unpublished mailbox chunk (graphstep/formats.py)
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
+# Up to this many tokens a launch, by (rows per CTA, MLA cache), a plan aims at half a wave
+# (WAVE // 2 CTAs, each twice the slots): every split's partial rows are written and read back
+# by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
+# whole wave at every batch.
+PLAN_HALF_WAVE_TOKENS = {(16, "bf16"): 0, (16, "fp8"): 0, (32, "bf16"): 0, (32, "fp8"): 0, (64, "bf16"): 0, (64, "fp8"): 0}
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
 # warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
 # 3 x 168), False = partial_wgmma. Faster over the fp8 cache; over bf16 it ties the plain
@@ -209,6 +214,7 @@ KNOBS = {
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
     "COMBINE_WARP_SPLITS": int,
+    "PLAN_HALF_WAVE_TOKENS": dict,
 }
 
 
@@ -232,14 +238,17 @@ def min_slots(q_heads: int) -> int:
     return 64 if heads_per_cta(q_heads) == WG_ROWS else 32
 
 
-def plan(batch: int, q_heads: int, k: int) -> int:
-    """slots_per_cta for a launch of `batch` tokens: the largest power of two >= min_slots
-    that still gives about one wave (>= WAVE CTAs), at most k. (16 slots per CTA fill the
-    GPU at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
+def plan(batch: int, q_heads: int, k: int, mla_cache: str) -> int:
+    """slots_per_cta for a launch of `batch` tokens over the `mla_cache` cache ("bf16" or
+    "fp8"): the largest power of two >= min_slots that still gives about one wave (>= WAVE
+    CTAs; half of one up to PLAN_HALF_WAVE_TOKENS' batch), at most k. (16 slots per CTA fill
+    the GPU at B = 1 but double the partials the combine reads: 7.9 us against 6.5 us at 32 on
     the H200, bench/RESULTS.md.)"""
-    groups = q_heads // heads_per_cta(q_heads)
+    rows = heads_per_cta(q_heads)
+    groups = q_heads // rows
+    wave = WAVE // 2 if batch <= PLAN_HALF_WAVE_TOKENS[(rows, mla_cache)] else WAVE
     slots = min(min_slots(q_heads), k)
-    while slots * 2 <= k and k % (slots * 2) == 0 and batch * groups * (k // (slots * 2)) >= WAVE:
+    while slots * 2 <= k and k % (slots * 2) == 0 and batch * groups * (k // (slots * 2)) >= wave:
         slots *= 2
     return slots
 
@@ -251,24 +260,21 @@ def plan(batch: int, q_heads: int, k: int) -> int:
 POLL_MAX_CTAS = 128
 
 
-def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> int:
-    """The partial kernel's CTAs for a launch of `batch` tokens (at the plan's slots_per_cta
-    unless given): splits x row groups x tokens."""
-    return batch * (q_heads // heads_per_cta(q_heads)) * (k // (slots_per_cta or plan(batch, q_heads, k)))
+def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
+    """The partial kernel's CTAs for a launch of `batch` tokens: splits x row groups x tokens."""
+    return batch * (q_heads // heads_per_cta(q_heads)) * (k // slots_per_cta)
 
 
-def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> bool:
-    """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) may poll
-    the mailbox: its partial CTAs, each of which may hold an SM while it spins, leave some SMs
-    to the rows' publisher (POLL_MAX_CTAS)."""
+def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int) -> bool:
+    """Whether a launch of `batch` tokens may poll the mailbox: its partial CTAs, each of which
+    may hold an SM while it spins, leave some SMs to the rows' publisher (POLL_MAX_CTAS)."""
     return partial_ctas(batch, q_heads, k, slots_per_cta) <= POLL_MAX_CTAS
 
 
-def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int | None = None) -> int:
-    """Partial-output rows (token x split) a launch of `batch` tokens (at the plan's
-    slots_per_cta unless given) needs (0: one split, the partial kernel writes out and lse
-    itself)."""
-    splits = k // (slots_per_cta or plan(batch, q_heads, k))
+def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
+    """Partial-output rows (token x split) a launch of `batch` tokens needs (0: one split, the
+    partial kernel writes out and lse itself)."""
+    splits = k // slots_per_cta
     return batch * splits if splits > 1 else 0
 
 

@@ -349,7 +349,7 @@ def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(
     if crossover:  # the launches below run the pairs' kernel (the flags select it per cache)
         from graphstep.kernels import catalog
 
-        split = slots_per_cta or sparse_core.plan(2, s.q_heads, m.index_topk)
+        split = slots_per_cta or sparse_core.plan(2, s.q_heads, m.index_topk, s.topology.mla_cache)
         assert catalog.build(s, "sparse_core", slots=split).op.crossover
     kernels = Kernels(s, state.weights)
     rows = torch.randn(2, s.gathered, m.query_row, device="cuda") * 0.3

@@ -909,7 +909,7 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         names = sorted(
             name for s, name in ptx if s == shape_name and name.startswith("sparse_core") and not name.endswith("_poll")
         )
-        choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk) for b in range(1, 65)})
+        choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache) for b in range(1, 65)})
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
         fp8 = shape.topology.mla_cache == "fp8"
         for name in names:
@@ -1890,7 +1890,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
         assert op.producer and op.reshape and op.crossover
         assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
         for batch, reshaped in ((1, True), (4, True), (16, False), (64, False)):
-            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
+            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache)
             assert slots == {1: 64, 4: 128, 16: 512, 64: 2048}[batch]
             op = catalog.build(shape, "sparse_core", slots=slots, producer=True, crossover=False).op
             assert op.reshape == reshaped and not op.crossover
@@ -1906,7 +1906,7 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
         rows16 = sparse_core.heads_per_cta(shape.q_heads) == 16
         fp8 = shape.topology.mla_cache == "fp8"
         for batch in (1, 4, 16, 32, 64):
-            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk)
+            slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache)
             op = catalog.build(shape, "sparse_core", slots=slots).op
             blocks = slots // sparse_core.block_for(slots)
             mws = rows16 and (not fp8 or blocks >= 8)

@@ -245,11 +245,18 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
     from graphstep.kernels import sparse_core
 
     for q_heads in (16, 32, 64, 128):
-        for batch in (1, 2, 3, 4, 16, 64, 200):
-            slots = sparse_core.plan(batch, q_heads, 2048)
-            ctas = batch * q_heads // sparse_core.heads_per_cta(q_heads) * (2048 // slots)
-            least = sparse_core.min_slots(q_heads)
-            assert 2048 % slots == 0 and (ctas >= sparse_core.WAVE or slots == least), (q_heads, batch, slots, ctas)
+        rows = sparse_core.heads_per_cta(q_heads)
+        for cache in ("bf16", "fp8"):
+            half = sparse_core.PLAN_HALF_WAVE_TOKENS[(rows, cache)]
+            for batch in (1, 2, 3, 4, 16, 64, 200):
+                slots = sparse_core.plan(batch, q_heads, 2048, cache)
+                ctas = sparse_core.partial_ctas(batch, q_heads, 2048, slots)
+                assert ctas == batch * q_heads // rows * (2048 // slots)
+                wave = sparse_core.WAVE // 2 if batch <= half else sparse_core.WAVE
+                least = sparse_core.min_slots(q_heads)
+                # the most slots that still make `wave` CTAs (or the least a CTA takes), no more
+                assert 2048 % slots == 0 and (ctas >= wave or slots == least), (q_heads, cache, batch, slots, ctas)
+                assert slots == 2048 or ctas < 2 * wave, (q_heads, cache, batch, slots, ctas)
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=256, seed=1)
     kernels = Kernels(state.shape, state.weights)
     partial_o, partial_ml = kernels.sparse_core_buffers(64, "cpu")
@@ -258,6 +265,26 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
     with pytest.raises(ValueError, match="partials hold"):
         kernels.sparse_core(*[None] * 3, partial_o[:10], partial_ml[:10], None, None, 64)
 
+
+
+def test_sparse_core_plan_takes_half_a_wave_up_to_its_batch_per_cache(monkeypatch):
+    """PLAN_HALF_WAVE_TOKENS halves the CTAs a plan aims at (twice the slots each) up to its
+    batch, for its (rows per CTA, cache) only; the buffers follow the plan."""
+    from graphstep.kernels import sparse_core
+
+    half = dict.fromkeys(sparse_core.PLAN_HALF_WAVE_TOKENS, 0)
+    monkeypatch.setattr(sparse_core, "PLAN_HALF_WAVE_TOKENS", half)
+    whole = {b: sparse_core.plan(b, 16, 2048, "bf16") for b in (1, 2, 4, 5, 16)}
+    assert whole == {1: 32, 2: 32, 4: 64, 5: 64, 16: 256}
+    monkeypatch.setitem(half, (16, "bf16"), 4)
+    assert {b: sparse_core.plan(b, 16, 2048, "bf16") for b in whole} == {1: 32, 2: 64, 4: 128, 5: 64, 16: 256}
+    assert {b: sparse_core.plan(b, 16, 2048, "fp8") for b in whole} == whole  # the other cache's as before
+    assert sparse_core.plan(4, 128, 2048, "bf16") == 128  # and 64-row CTAs' (2 groups: 128 CTAs)
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=4, max_context=256, seed=1)
+    kernels = Kernels(state.shape, state.weights)
+    assert kernels.sparse_core_plan(2) == 64 and kernels.sparse_core_polls(2)
+    partial_o, _ = kernels.sparse_core_buffers(4, "cpu")
+    assert partial_o.shape[0] == max(b * 2048 // kernels.sparse_core_plan(b) for b in range(1, 5)) == 3 * 32
 
 def _top_k_setup(topology, context: int, batch: int):
     """A small state's kernels, and TopK's arguments for `batch` rows of `context` scores
@@ -458,11 +485,12 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
     polls = {b: kernels.sparse_core_polls(b) for b in DEFAULT_CAPTURE_SIZES}
     assert [b for b, ok in polls.items() if not ok] == [24, 40, 48, 56]
     for b in DEFAULT_CAPTURE_SIZES:
-        ctas = sparse_core.partial_ctas(b, s.q_heads, m.index_topk)
-        assert ctas == b * (m.index_topk // kernels.sparse_core_plan(b)) and polls[b] == (ctas <= 128)
-        assert polls[b] == sparse_core.may_poll(b, s.q_heads, m.index_topk)
-        splits = m.index_topk // kernels.sparse_core_plan(b)
-        assert sparse_core.partial_rows(b, s.q_heads, m.index_topk) == (b * splits if splits > 1 else 0)
+        spc = kernels.sparse_core_plan(b)
+        ctas = sparse_core.partial_ctas(b, s.q_heads, m.index_topk, spc)
+        assert ctas == b * (m.index_topk // spc) and polls[b] == (ctas <= 128)
+        assert polls[b] == sparse_core.may_poll(b, s.q_heads, m.index_topk, spc)
+        splits = m.index_topk // spc
+        assert sparse_core.partial_rows(b, s.q_heads, m.index_topk, spc) == (b * splits if splits > 1 else 0)
     assert sparse_core.partial_rows(4, s.q_heads, m.index_topk, 256) == 4 * 8  # at a given split
     assert sparse_core.partial_rows(4, s.q_heads, m.index_topk, m.index_topk) == 0  # one split: none
     partial_o, partial_ml = kernels.sparse_core_buffers(64, "cpu")

@@ -26,7 +26,7 @@ def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
     assert sparse_core.CROSSOVER == {"fp8": True, "bf16": True}  # as measured (session 21 call B)
     assert sparse_core.XOVER_RESHAPE_BLOCKS >= 2048 // sparse_core.WG_ROWS
     for batch in (1, 4, 16, 64):
-        slots = sparse_core.plan(batch, TP1_FP8.q_heads, 2048)
+        slots = sparse_core.plan(batch, TP1_FP8.q_heads, 2048, TP1_FP8.topology.mla_cache)
         op = catalog.build(TP1_FP8, "sparse_core", slots=slots).op
         assert op.crossover and op.reshape
         plain = catalog.build(TP1_FP8, "sparse_core", slots=slots, crossover=False).op
