@@ -80,7 +80,7 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # (WAVE // 2 CTAs, each twice the slots): every split's partial rows are written and read back
 # by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
 # whole wave at every batch.
-PLAN_HALF_WAVE_TOKENS = {(16, "bf16"): 0, (16, "fp8"): 0, (32, "bf16"): 0, (32, "fp8"): 0, (64, "bf16"): 0, (64, "fp8"): 0}
+PLAN_HALF_WAVE_TOKENS = {(rows, cache): 0 for rows in (16, 32, 64) for cache in ("bf16", "fp8")}
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
 # warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
 # 3 x 168), False = partial_wgmma. Faster over the fp8 cache; over bf16 it ties the plain
@@ -660,7 +660,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
         cute.arch.sync_threads()
         if warp == 0:
             for d in cutlass.range_constexpr(4):
-                sums[d] = red[4 * lane + d] + red[128 + 4 * lane + d] + red[256 + 4 * lane + d] + red[384 + 4 * lane + d]
+                sums[d] = red[4 * lane + d]
+                for w in cutlass.range_constexpr(1, 4):
+                    sums[d] = sums[d] + red[128 * w + 4 * lane + d]
             self.store_combined(sums, top, total, out, lse, token, head, quarter, lane)
 
     @cute.jit

@@ -909,7 +909,9 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
         names = sorted(
             name for s, name in ptx if s == shape_name and name.startswith("sparse_core") and not name.endswith("_poll")
         )
-        choices = sorted({sparse_core.plan(b, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache) for b in range(1, 65)})
+        choices = sorted(
+            {sparse_core.plan(b, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache) for b in range(1, 65)}
+        )
         assert names == sorted(f"sparse_core_s{slots}" for slots in choices)
         fp8 = shape.topology.mla_cache == "fp8"
         for name in names:

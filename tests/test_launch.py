@@ -266,7 +266,6 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
         kernels.sparse_core(*[None] * 3, partial_o[:10], partial_ml[:10], None, None, 64)
 
 
-
 def test_sparse_core_plan_takes_half_a_wave_up_to_its_batch_per_cache(monkeypatch):
     """PLAN_HALF_WAVE_TOKENS halves the CTAs a plan aims at (twice the slots each) up to its
     batch, for its (rows per CTA, cache) only; the buffers follow the plan."""
@@ -285,6 +284,7 @@ def test_sparse_core_plan_takes_half_a_wave_up_to_its_batch_per_cache(monkeypatc
     assert kernels.sparse_core_plan(2) == 64 and kernels.sparse_core_polls(2)
     partial_o, _ = kernels.sparse_core_buffers(4, "cpu")
     assert partial_o.shape[0] == max(b * 2048 // kernels.sparse_core_plan(b) for b in range(1, 5)) == 3 * 32
+
 
 def _top_k_setup(topology, context: int, batch: int):
     """A small state's kernels, and TopK's arguments for `batch` rows of `context` scores

@@ -218,7 +218,11 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
 
     _crossover(monkeypatch, CONSUMERS[path])
     shape = _state(case).shape
-    op = catalog.build(shape, "sparse_core", slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache)).op
+    op = catalog.build(
+        shape,
+        "sparse_core",
+        slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache),
+    ).op
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
     assert op.bulk_push == (path == "wsxb" and op.crossover)
     assert op.one_full_waiter == (path == "wsxo" and op.crossover)
