@@ -661,8 +661,8 @@ class SparseCore(MmaPaths, WgmmaPaths):
         if warp == 0:
             for d in cutlass.range_constexpr(4):
                 sums[d] = red[4 * lane + d]
-                for w in cutlass.range_constexpr(1, 4):
-                    sums[d] = sums[d] + red[128 * w + 4 * lane + d]
+                for peer in cutlass.range_constexpr(1, 4):
+                    sums[d] = sums[d] + red[128 * peer + 4 * lane + d]
             self.store_combined(sums, top, total, out, lse, token, head, quarter, lane)
 
     @cute.jit
