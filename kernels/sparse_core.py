@@ -79,8 +79,19 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # Up to this many tokens a launch, by (rows per CTA, MLA cache), a plan aims at half a wave
 # (WAVE // 2 CTAs, each twice the slots): every split's partial rows are written and read back
 # by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
-# whole wave at every batch.
-PLAN_HALF_WAVE_TOKENS = {(rows, cache): 0 for rows in (16, 32, 64) for cache in ("bf16", "fp8")}
+# whole wave at every batch. Session 32's sweep (H100, bench_sparse_core.py --sweep, us; the
+# whole wave's slots against half of it): TP 8 bf16 B = 2 / 4 / 8 / 16 9.21 -> 7.21, 11.4 -> 9.47,
+# 14.2 -> 13.3, 21.9 -> 20.7 (B = 32 the whole wave); TP 8 fp8 B = 2 / 4 9.27 -> 8.68, 11.8 ->
+# 11.4 (B >= 8 the whole wave); TP 1 fp8 B = 4 23.8 -> 22.8; TP 1 bf16 the whole wave everywhere
+# (levers.md S.8). 32-row CTAs (DCP 2's gathered rows) unmeasured: the whole wave.
+PLAN_HALF_WAVE_TOKENS = {
+    (16, "bf16"): 16,
+    (16, "fp8"): 4,
+    (32, "bf16"): 0,
+    (32, "fp8"): 0,
+    (64, "bf16"): 0,
+    (64, "fp8"): 4,
+}
 # The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
 # warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
 # 3 x 168), False = partial_wgmma. Faster over the fp8 cache; over bf16 it ties the plain
