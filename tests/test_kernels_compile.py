@@ -487,8 +487,8 @@ def test_ptx_command_writes_one_file_per_variant(tmp_path, capsys):
         "key_and_norm_rows.sm_90a.ptx",
         "mla_query_rows.sm_90a.ptx",
         "query_norm_rows.sm_90a.ptx",
-        "sparse_core_s64.sm_90a.ptx",
-        "sparse_core_s64_poll.sm_90a.ptx",
+        "sparse_core_s128.sm_90a.ptx",  # B = 4: half a wave (PLAN_HALF_WAVE_TOKENS)
+        "sparse_core_s128_poll.sm_90a.ptx",
         "top_k.sm_90a.ptx",
         *splits,
     ]
