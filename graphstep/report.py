@@ -1,4 +1,4 @@
-"""Plain-text and markdown tables, and a progress line for long runs."""
+"""Plain-text and markdown tables, JSON-safe records, and a progress line for long runs."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ def _fmt(value) -> str:
             return "-"
         return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
+
+
+def json_keys(value):
+    """`value` with every dict key JSON cannot take (a tuple, as PLAN_HALF_WAVE_TOKENS's) as its
+    repr, at any depth: the --knob records written beside a run's times."""
+    if isinstance(value, dict):
+        return {
+            key if key is None or isinstance(key, (str, int, float, bool)) else repr(key): json_keys(item)
+            for key, item in value.items()
+        }
+    return value
 
 
 def mb(n: int) -> float:

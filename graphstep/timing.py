@@ -17,7 +17,7 @@ import torch
 
 from . import floor
 from .policy import overlap_for
-from .report import Progress, table
+from .report import Progress, json_keys, table
 from .shapes import RankShape
 from .step import DecodeStep
 
@@ -113,7 +113,7 @@ def run_gpu(args, shape: RankShape) -> int:
         )
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
-        meta["knobs"] = getattr(args, "knobs", {})
+        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
         print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(
@@ -326,7 +326,7 @@ def bench(args, shape: RankShape) -> int:
         shape=shape.model.name,
         topology=shape.topology.name,
         context=args.context,
-        knobs=getattr(args, "knobs", {}),
+        knobs=json_keys(getattr(args, "knobs", {})),
     )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))

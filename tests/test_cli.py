@@ -371,3 +371,25 @@ def test_knobs_lists_every_knob_with_this_runs_value(capsys, monkeypatch):
     row = next(line.split() for line in lines if "CLUSTER_SPLITS" in line)
     assert row[:3] == ["sparse_core", "CLUSTER_SPLITS", "4"] and row[-1] == "--knob"
     assert sparse_core.CLUSTER_SPLITS == 4
+
+
+def test_every_knob_given_as_its_repr_is_recorded_as_json(monkeypatch):
+    """A run's --knob records go into its JSON (graphstep bench's bench.json, --json): every
+    knob, given as the repr of its value, parses and is written, a tuple key (as
+    PLAN_HALF_WAVE_TOKENS') as its repr, which reads back as the tuple."""
+    import ast
+
+    from graphstep.kernels import catalog, sparse_core
+
+    from graphstep.cli import apply_knobs
+    from graphstep.report import json_keys
+
+    texts = []
+    for kernel, module in catalog.KERNELS.items():
+        for constant in getattr(module, "KNOBS", {}):
+            monkeypatch.setattr(module, constant, getattr(module, constant))  # restored after the test
+            texts.append(f"{kernel}.{constant}={getattr(module, constant)!r}")
+    records = json.loads(json.dumps(json_keys(apply_knobs(texts))))
+    assert len(records) == len(texts)
+    half = records["sparse_core.PLAN_HALF_WAVE_TOKENS"]
+    assert {ast.literal_eval(key): value for key, value in half.items()} == sparse_core.PLAN_HALF_WAVE_TOKENS
