@@ -29,7 +29,7 @@ def _fmt(value) -> str:
 
 def json_keys(value):
     """`value` with every dict key JSON cannot take (a tuple, as PLAN_HALF_WAVE_TOKENS's) as its
-    repr, at any depth: the --knob records written beside a run's times."""
+    repr, in nested dicts too: the --knob records written beside a run's times."""
     if isinstance(value, dict):
         return {
             key if key is None or isinstance(key, (str, int, float, bool)) else repr(key): json_keys(item)
