@@ -178,6 +178,7 @@ def serve(args, shape: RankShape) -> int:
     summary = serve_summary(device_us, wall_us, tokens)
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=torch.cuda.get_device_name())
+        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
         print(json.dumps(dict(meta, context=args.context, **summary), indent=1))
         return 0
     print(
@@ -499,6 +500,7 @@ def run_group(args, shape: RankShape) -> int:
         rows.append([size, statistics.median(whole), percentile(whole, 99), " / ".join(f"{t:.1f}" for t in rank_p50)])
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
+        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
         print(json.dumps(dict(meta, dcp=args.dcp, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(table(["batch", "group p50 us", "group p99 us", "per rank p50 us"], rows))
