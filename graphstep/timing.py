@@ -78,6 +78,11 @@ def load_batch(step: DecodeStep, batch: int, context: int, seed: int = 0) -> Non
     step.load(inputs, peers)
 
 
+def _knobs(args) -> dict:
+    """The run's --knob values for its JSON record (tuple keys as their repr)."""
+    return json_keys(getattr(args, "knobs", {}))
+
+
 def run_gpu(args, shape: RankShape) -> int:
     """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies (args.json: as JSON,
     the narrative on stderr)."""
@@ -113,7 +118,7 @@ def run_gpu(args, shape: RankShape) -> int:
         )
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
-        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
+        meta["knobs"] = _knobs(args)
         print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(
@@ -178,7 +183,7 @@ def serve(args, shape: RankShape) -> int:
     summary = serve_summary(device_us, wall_us, tokens)
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=torch.cuda.get_device_name())
-        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
+        meta["knobs"] = _knobs(args)
         print(json.dumps(dict(meta, context=args.context, **summary), indent=1))
         return 0
     print(
@@ -327,7 +332,7 @@ def bench(args, shape: RankShape) -> int:
         shape=shape.model.name,
         topology=shape.topology.name,
         context=args.context,
-        knobs=json_keys(getattr(args, "knobs", {})),
+        knobs=_knobs(args),
     )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))
@@ -500,7 +505,7 @@ def run_group(args, shape: RankShape) -> int:
         rows.append([size, statistics.median(whole), percentile(whole, 99), " / ".join(f"{t:.1f}" for t in rank_p50)])
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
-        meta["knobs"] = json_keys(getattr(args, "knobs", {}))
+        meta["knobs"] = _knobs(args)
         print(json.dumps(dict(meta, dcp=args.dcp, context=args.context, replays=args.replays, sizes=records), indent=1))
     else:
         print(table(["batch", "group p50 us", "group p99 us", "per rank p50 us"], rows))

@@ -79,14 +79,11 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # Up to this many tokens a launch, by (rows per CTA, MLA cache), a plan aims at half a wave
 # (WAVE // 2 CTAs, each twice the slots): every split's partial rows are written and read back
 # by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
-# whole wave at every batch. Session 32's sweep (H100, bench_sparse_core.py --sweep, us; the
-# whole wave's slots against half of it): TP 8 bf16 B = 2 / 4 / 8 / 16 9.21 -> 7.21, 11.4 -> 9.47,
-# 14.2 -> 13.3, 21.9 -> 20.7 (B = 32 the whole wave); TP 8 fp8 B = 2 / 4 9.27 -> 8.68, 11.8 ->
-# 11.4 (B >= 8 the whole wave); TP 1 fp8 B = 4 23.8 -> 22.8; TP 1 bf16 the whole wave everywhere
-# (levers.md S.8). The rows key every shape: (64, "fp8") also gives TP 1 fp8 B = 2 / 3 128 slots
-# (at B = 2 the sweep timed 64 and 256 slots, 21.0 / 20.7 us, not 128) and TP 2 / DCP's 64-row
-# CTAs half a wave too, (16, cache) every 16-row shape; all unmeasured but TP 8 and TP 1. 32-row
-# CTAs (TP 4, TP 8 DCP 2) unmeasured: the whole wave.
+# whole wave at every batch. Measured on TP 8 and TP 1 only (session 32, H100; levers.md S.8):
+# TP 8 bf16 B = 2 / 4 / 8 / 16 9.21 -> 7.21, 11.4 -> 9.47, 14.2 -> 13.3, 21.9 -> 20.7 us, the TP 8
+# step B = 2 / 8 / 16 -1.4..-3.4 us; TP 8 fp8 B = 2 / 4 -0.4..-0.6; TP 1 fp8 B = 4 -1.0 (its
+# B = 2 / 3 128 slots untimed); TP 1 bf16 nowhere. Other shapes of the same rows follow these
+# entries unmeasured; 32-row CTAs (TP 4, TP 8 DCP 2) keep the whole wave.
 PLAN_HALF_WAVE_TOKENS = {
     (16, "bf16"): 16,
     (16, "fp8"): 4,

@@ -245,7 +245,7 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
     from graphstep.kernels import sparse_core
 
     for q_heads in (16, 32, 64, 128):
-        rows = sparse_core.heads_per_cta(q_heads)
+        rows, least = sparse_core.heads_per_cta(q_heads), sparse_core.min_slots(q_heads)
         for cache in ("bf16", "fp8"):
             half = sparse_core.PLAN_HALF_WAVE_TOKENS[(rows, cache)]
             for batch in (1, 2, 3, 4, 16, 64, 200):
@@ -253,7 +253,6 @@ def test_sparse_core_plan_fills_the_gpu_and_its_buffers_hold_every_batch():
                 ctas = sparse_core.partial_ctas(batch, q_heads, 2048, slots)
                 assert ctas == batch * q_heads // rows * (2048 // slots)
                 wave = sparse_core.WAVE // 2 if batch <= half else sparse_core.WAVE
-                least = sparse_core.min_slots(q_heads)
                 # the most slots that still make `wave` CTAs (or the least a CTA takes), no more
                 assert 2048 % slots == 0 and (ctas >= wave or slots == least), (q_heads, cache, batch, slots, ctas)
                 assert slots == 2048 or ctas < 2 * wave, (q_heads, cache, batch, slots, ctas)
