@@ -1039,20 +1039,27 @@ def test_sparse_core_refuses_a_combine_warp_splits_past_a_warp(monkeypatch, valu
         catalog.build(MMA_SHAPES["tp8"], "sparse_core", slots=512)
 
 
-@pytest.mark.parametrize("slots", [64, 256, 512, 1024])
+@pytest.mark.parametrize(
+    "slots, cluster_splits", [(64, None), (256, None), (512, None), (1024, None), (256, 8), (512, 8)]
+)
 @pytest.mark.parametrize("shape_name", ["tp8", "tp8-fp8", "kimi-dcp2-fp8"])
-def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(tmp_path, shape_name, slots):
-    """partial_mma_ws with 2 .. CLUSTER_SPLITS splits (1024 slots a CTA at k 2048) has no combine
-    kernel and stores no partials: each CTA stages its rows in shared memory, every thread of
-    the CTA meets the cluster twice (barrier.cluster arrive / wait: the producer warps after
-    their loops, the consumers around cluster_combine), and between the two barriers each
-    consumer thread loads every split's (max, sum) and its dims of every split's rows over
-    DSMEM (mapa + ld.shared::cluster: splits x (1 + dims / 4)); registers as the unclustered
-    variant (168, no spills). At more splits the combine kernel stays, no cluster."""
+def test_sparse_core_mma_producer_path_combines_in_a_cluster_at_up_to_cluster_splits(
+    tmp_path, monkeypatch, shape_name, slots, cluster_splits
+):
+    """partial_mma_ws with 2 .. CLUSTER_SPLITS splits (the module's 2: 1024 slots a CTA at k
+    2048; at 8 also 8 and 4 splits) has no combine kernel and stores no partials: each CTA
+    stages its rows in shared memory, every thread of the CTA meets the cluster twice
+    (barrier.cluster arrive / wait: the producer warps after their loops, the consumers
+    around cluster_combine), and between the two barriers each consumer thread loads every
+    split's (max, sum) and its dims of every split's rows over DSMEM (mapa +
+    ld.shared::cluster: splits x (1 + dims / 4)); registers as the unclustered variant (168,
+    no spills). At more splits the combine kernel stays, no cluster."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
+    if cluster_splits is not None:
+        monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", cluster_splits)
     shape = MMA_SHAPES[shape_name]
     variant = catalog.build(shape, "sparse_core", slots=slots, publish=True, producer=True)
     op = variant.op

@@ -304,6 +304,20 @@ def test_every_split_variant_of_the_mma_producer_path_matches_the_reference(monk
     _check(case, 5, slots_per_cta)
 
 
+@pytest.mark.parametrize("slots_per_cta", [256, 512, 1024])
+@pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8"])
+def test_the_combine_in_a_cluster_of_2_4_or_8_splits_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """partial_mma_ws with CLUSTER_SPLITS 8: a token's 8 / 4 / 2 split CTAs launch as one
+    cluster and combine their rows over DSMEM (cluster_combine: each CTA 64 / 128 / 256 of the
+    512 dims), no combine kernel; B = 5: holes, slots repeated and token 3 with no slot
+    (out 0, lse -inf from a cluster none of whose CTAs has a live slot)."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", 8)
+    _check(case, 5, slots_per_cta)
+
+
 @pytest.mark.parametrize("bulk", [0, 5, 8, 12, 16], ids=lambda n: f"bulk{n}")
 @pytest.mark.parametrize("batch", [1, 3, 64])
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-tp8-fp8cache"])
