@@ -9,8 +9,10 @@ against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's fig
 
 Each time is the median over graph replays of back-to-back launches, each launch with its
 own slot lists over a cache several times the L2, so every selected row comes from HBM
-(as in a step). Bytes = the selected rows + the query rows + out and lse. `--sweep` also
-times every slots-per-CTA variant within 4x of the plan's choice and prints the best.
+(as in a step), and its own split partials, so they are written back to HBM as in a step
+(`--reused-partials`: one set for every launch, left dirty in the L2, as before session 33).
+Bytes = the selected rows + the query rows + out and lse. `--sweep` also times every
+slots-per-CTA variant within 4x of the plan's choice and prints the best.
 The launches are SparseCore's read-only variant (no q_out): the step's launch also copies
 the query rows it read to q_out and re-arms them (`publish`), not timed here.
 --paths: the 64-row CTAs' (TP 1) paths side by side in one process: ws = the producer
@@ -108,7 +110,9 @@ def launch_io(shape: RankShape, batch: int) -> tuple:
     return mailbox, out, torch.empty(batch, shape.gathered, device="cuda")
 
 
-def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = False) -> list[dict]:
+def bench_config(
+    name: str, batches: list[int], sweep: bool, profile: bool = False, reused_partials: bool = False
+) -> list[dict]:
     shape, state, kernels, cache, total = setup(name)
     m, k = shape.model, shape.model.index_topk
     row_bytes = cache.view(-1, cache.shape[-1]).shape[-1] * cache.element_size()
@@ -138,11 +142,21 @@ def bench_config(name: str, batches: list[int], sweep: bool, profile: bool = Fal
             continue
         for slots_per_cta in choices:
             n = batch * k // slots_per_cta
-            partial_o = torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda")
-            partial_ml = torch.empty(n, shape.q_heads, 2, device="cuda")
+            # each launch its own split partials, as it has its own slot lists: in a step the L2 is
+            # streamed over by the weights between two SparseCore launches, so its partials are
+            # written back to HBM; one buffer for every launch stays dirty in the L2 and never
+            # pays that (--reused-partials, the figures before session 33)
+            partials = [
+                (
+                    torch.empty(n, shape.q_heads, m.kv_lora_rank, device="cuda"),
+                    torch.empty(n, shape.q_heads, 2, device="cuda"),
+                )
+                for _ in range(1 if reused_partials else launches)
+            ]
 
-            def body(spc=slots_per_cta, po=partial_o, pml=partial_ml):
-                for slots in slot_sets:
+            def body(spc=slots_per_cta, partials=partials):
+                for i, slots in enumerate(slot_sets):
+                    po, pml = partials[i % len(partials)]
                     kernels.sparse_core(mailbox, slots, cache, po, pml, out, lse, batch, spc)
 
             print(f"  {name} B={batch} slots/CTA={slots_per_cta} ...", file=sys.stderr, flush=True)
@@ -272,6 +286,12 @@ def main() -> int:
     )
     parser.add_argument("--probe-batch", default="64")
     parser.add_argument("--probe-paths", default="ws", help="the paths the producer probes run on: ws,wsx")
+    parser.add_argument(
+        "--reused-partials",
+        action="store_true",
+        help="every launch of a graph writes the same split partials (they stay in the L2: the figures "
+        "before session 33); default: each launch its own, written back to HBM as in a step",
+    )
     args = parse_args(parser)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
         print("bench_sparse_core needs an sm_90 GPU (H100/H200)", file=sys.stderr)
@@ -331,7 +351,7 @@ def main() -> int:
             sparse_core.COMBINE = probe != "no_combine"
             try:
                 probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
-                found = bench_config(name, probe_batches, args.sweep, args.profile)
+                found = bench_config(name, probe_batches, args.sweep, args.profile, args.reused_partials)
             finally:
                 for constant, value in saved.items():
                     setattr(sparse_core, constant, value)
