@@ -311,10 +311,12 @@ def test_the_combine_in_a_cluster_of_2_4_or_8_splits_matches_the_reference(monke
     cluster and combine their rows over DSMEM (cluster_combine: each CTA 64 / 128 / 256 of the
     512 dims), no combine kernel; B = 5: holes, slots repeated and token 3 with no slot
     (out 0, lse -inf from a cluster none of whose CTAs has a live slot)."""
-    from graphstep.kernels import sparse_core
+    from graphstep.kernels import catalog, sparse_core
 
     monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
     monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", 8)
+    state = _state(case)
+    assert catalog.build(state.shape, "sparse_core", slots=slots_per_cta, publish=False).op.clustered
     _check(case, 5, slots_per_cta)
 
 
@@ -405,17 +407,23 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("path", ["default", "mws", "wsx"])
+@pytest.mark.parametrize("path", ["default", "mws", "mws_cluster8", "wsx"])
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8", "q128-tp1-bf16"])
 def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, path):
     """The step's launch (q_out given): the same out and lse bit for bit as a launch without
     it, q_out = the gathered rows as they were, those rows re-armed in the mailbox, and
     nothing else of the mailbox touched (pad rows, rows past the batch). mws: 16-row CTAs
-    on partial_mma_ws; wsx: 64-row CTAs with the crossover."""
+    on partial_mma_ws; mws_cluster8: with CLUSTER_SPLITS 8 (at 512 slots a cluster of 4 CTAs
+    whose split 0 publishes after the first cluster barrier); wsx: 64-row CTAs with the
+    crossover."""
     from graphstep.kernels import sparse_core
 
-    mws = path == "mws"
+    mws = path.startswith("mws")
+    if path == "mws_cluster8":
+        if slots_per_cta != 512:
+            pytest.skip("the cluster of 4 splits is the case; the others are mws's")
+        monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", 8)
     if mws and case.startswith("q128"):
         pytest.skip("64-row CTAs have no partial_mma_ws")
     if path == "wsx" and not case.startswith("q128"):
