@@ -11,7 +11,8 @@ Each time is the median over graph replays of back-to-back launches, each launch
 own slot lists over a cache several times the L2, so every selected row comes from HBM
 (as in a step), and its own split partials, so they are written back to HBM as in a step
 (`--reused-partials`: one set for every launch, left dirty in the L2, as before session 33).
-Bytes = the selected rows + the query rows + out and lse. `--sweep` also times every
+Bytes = the selected rows + the query rows + out and lse (issue 9's floor: the split
+partials' write and read-back are the kernel's own overhead, not counted). `--sweep` also times every
 slots-per-CTA variant within 4x of the plan's choice and prints the best.
 The launches are SparseCore's read-only variant (no q_out): the step's launch also copies
 the query rows it read to q_out and re-arms them (`publish`), not timed here.
