@@ -81,9 +81,9 @@ WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
 # by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
 # whole wave at every batch. Measured on TP 8 and TP 1 only (session 32, H100; levers.md S.8):
 # TP 8 bf16 B = 2 / 4 / 8 / 16 9.21 -> 7.21, 11.4 -> 9.47, 14.2 -> 13.3, 21.9 -> 20.7 us, the TP 8
-# step B = 2 / 8 / 16 -1.4..-3.4 us; TP 8 fp8 B = 2 / 4 -0.4..-0.6; TP 1 fp8 B = 4 -1.0 (its
-# B = 2 / 3 128 slots untimed); TP 1 bf16 nowhere. Other shapes of the same rows follow these
-# entries unmeasured; 32-row CTAs (TP 4, TP 8 DCP 2) keep the whole wave.
+# step B = 2 / 8 / 16 -1.4..-3.4 us; TP 8 fp8 B = 2 / 4 -0.4..-0.6; TP 1 fp8 B = 4 -1.0, and its
+# step B = 2 / 4 -7.3 / -3.6 (session 33); TP 1 bf16 nowhere. Other shapes of the same rows
+# follow these entries unmeasured; 32-row CTAs (TP 4, TP 8 DCP 2) keep the whole wave.
 PLAN_HALF_WAVE_TOKENS = {
     (16, "bf16"): 16,
     (16, "fp8"): 4,
