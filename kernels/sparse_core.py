@@ -226,6 +226,7 @@ KNOBS = {
     "MMA_BULK_SIXTEENTHS": dict,
     "COMBINE_WARP_SPLITS": int,
     "PLAN_HALF_WAVE_TOKENS": dict,
+    "POLL_MAX_CTAS": int,
 }
 
 
@@ -268,7 +269,10 @@ def plan(batch: int, q_heads: int, k: int, mla_cache: str) -> int:
 # Each can hold a whole SM (its ring fills the shared memory), so at most this many leave 4 of
 # an H100 / H200's 132 SMs to MlaQuery's kernels, whatever the timing: the rows' publisher always
 # progresses. Larger launches (B = 24, 40, 48, 56 by `plan`) join the side stream instead.
-POLL_MAX_CTAS = 128
+# A knob that can only lower the bound (may_poll caps it at POLL_SAFE_CTAS): with fewer, a
+# launch whose spinning CTAs would leave MlaQuery's absorb few SMs joins the side stream first.
+POLL_SAFE_CTAS = 128
+POLL_MAX_CTAS = POLL_SAFE_CTAS
 
 
 def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
@@ -279,7 +283,7 @@ def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
 def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int) -> bool:
     """Whether a launch of `batch` tokens may poll the mailbox: its partial CTAs, each of which
     may hold an SM while it spins, leave some SMs to the rows' publisher (POLL_MAX_CTAS)."""
-    return partial_ctas(batch, q_heads, k, slots_per_cta) <= POLL_MAX_CTAS
+    return partial_ctas(batch, q_heads, k, slots_per_cta) <= min(POLL_MAX_CTAS, POLL_SAFE_CTAS)
 
 
 def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:

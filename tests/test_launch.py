@@ -511,6 +511,26 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
     assert cpu_launches == ["SparseCore"] * 2
 
 
+@pytest.mark.parametrize("knob, polling", [(64, [1, 2, 4, 8, 16]), (10_000, None)])
+def test_the_poll_knob_only_lowers_the_spinning_ctas_bound(monkeypatch, knob, polling):
+    """sparse_core.POLL_MAX_CTAS as a knob: 64 leaves fork_poll's poll to the sizes whose plan
+    has at most 64 partial CTAs (TP 8 bf16: B <= 16, half a wave); a value past POLL_SAFE_CTAS
+    polls no more sizes than the default (the publisher keeps its SMs)."""
+    from graphstep.kernels import sparse_core
+
+    from graphstep.step import DEFAULT_CAPTURE_SIZES
+
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=64, max_context=256, seed=1)
+    kernels = Kernels(state.shape, state.weights)
+    default = [b for b in DEFAULT_CAPTURE_SIZES if kernels.sparse_core_polls(b)]
+    monkeypatch.setattr(sparse_core, "POLL_MAX_CTAS", knob)
+    polls = [b for b in DEFAULT_CAPTURE_SIZES if kernels.sparse_core_polls(b)]
+    assert polls == (polling if polling is not None else default)
+    for b in DEFAULT_CAPTURE_SIZES:
+        ctas = sparse_core.partial_ctas(b, 16, 2048, kernels.sparse_core_plan(b))
+        assert (b in polls) == (ctas <= min(knob, 128))
+
+
 def test_mla_query_streamed_project_policy(monkeypatch):
     """stream_tokens: off while STREAM_FROM_HEADS is None; from that many heads, the smallest
     token count holding the batch; the register kernel above 64 tokens or below the heads."""
