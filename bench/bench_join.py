@@ -101,6 +101,20 @@ def prioritize(graph, first: str) -> list[str]:
     return raised
 
 
+def raise_nodes(graph, prefixes: tuple[str, ...]) -> list[str]:
+    """Give the kernel nodes whose names start with one of `prefixes` the device's highest
+    scheduling priority (the rest keep the default, the lowest); returns the names raised."""
+    _, _least, greatest = cu.cuCtxGetStreamPriorityRange()
+    value = cu.CUkernelNodeAttrValue()
+    value.priority = greatest
+    raised = []
+    for node, name in _kernel_nodes(graph):
+        if name.startswith(prefixes):
+            _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
+            raised.append(name[:24])
+    return raised
+
+
 def delay_side(graph) -> list[str]:
     """Make the side stream start after IndexQuery: a full edge from IndexQuery's node to the
     side stream's first kernel (its QueryNorm), so MlaQuery's Q_B stream no longer shares HBM
@@ -134,6 +148,15 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--first", choices=("main", "side"), default="main", help="the stream prioritized")
+    parser.add_argument("--mla-cache", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument(
+        "--raise-nodes",
+        action="append",
+        default=[],
+        metavar="PREFIX,PREFIX",
+        help="only fork_poll as captured against fork_poll with the kernel nodes named so at the highest "
+        "priority (repeatable: one variant each), e.g. key_and_query_norm,index_query",
+    )
     parser.add_argument(
         "--late-side",
         action="store_true",
@@ -142,6 +165,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.late_side:
         return main_late_side(args)
+    if args.raise_nodes:
+        return main_raised(args)
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
     variants = {"as captured": None, "side edge full": "side", "both join edges full": "both"}
     steps = {}
@@ -189,6 +214,38 @@ def main_late_side(args) -> int:
         rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
     print(table(["B", *[f"fork_poll, {label}" for label in steps]], rows))
     print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), three interleaved runs")
+    return 0
+
+
+def main_raised(args) -> int:
+    """fork_poll as captured against fork_poll with some kernel nodes at the highest priority
+    (one variant per --raise-nodes), each graph instantiated once, replays interleaved three
+    times. At TP 1 MlaQuery's streamed project (384 CTAs, two an SM) is placed first and holds
+    every SM, so the main stream's KeyAndNorm starts ~10 us into the step (session 34's trace):
+    raising the indexer's nodes places their CTAs before MlaQuery's pending ones."""
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp, mla_cache=args.mla_cache))
+    steps = {}
+    for label in ("as captured", *args.raise_nodes):
+        step = DecodeStep(shape, capture_sizes=args.batch, policy="fork_poll", max_context=args.context)
+        step.capture(modes=("fork_poll",), keep_graph=True)
+        if label != "as captured":
+            prefixes = tuple(p for p in label.split(",") if p)
+            for size in args.batch:
+                raised = raise_nodes(step.graph(size, "fork_poll"), prefixes)
+                if not raised:
+                    raise SystemExit(f"--raise-nodes {label}: no kernel node of the B = {size} graph starts so")
+                print(f"raised, B = {size}: {raised}", file=sys.stderr)
+        steps[label] = step
+    graphs = {label: (step, "fork_poll") for label, step in steps.items()}
+    rows = []
+    for size in args.batch:
+        times = interleaved(graphs, size, args.context, 3, args.replays)
+        rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
+    print(table(["B", *[f"fork_poll, {label}" for label in steps]], rows))
+    print(
+        f"TP {args.tp} {args.mla_cache} cache, context {args.context}, us per replay (median of {args.replays}), "
+        "three interleaved runs"
+    )
     return 0
 
 
