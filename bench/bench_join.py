@@ -11,9 +11,12 @@ fork_poll (the sparse core polls its query rows and the side stream joins after 
 before it), fork_poll with one stream's kernel nodes at the device's highest scheduling
 priority (--first main: IndexQuery's CTAs placed before MlaQuery's pending ones; --first side:
 MlaQuery's first, the longer branch at TP 1), and the serial mode (no side stream) beside them.
+`--variant` instead times fork_poll as captured against fork_poll edited: some kernel nodes at
+the highest priority, the side stream started after a main-stream kernel, or both.
 Run on an sm_90 GPU:
 
     python3 bench/bench_join.py --context 32768 --batch 1,4,16,64
+    python3 bench/bench_join.py --tp 1 --mla-cache fp8 --batch 1,4 --variant side-after=index_query
 """
 
 from __future__ import annotations
@@ -115,18 +118,37 @@ def raise_nodes(graph, prefixes: tuple[str, ...]) -> list[str]:
     return raised
 
 
-def delay_side(graph) -> list[str]:
-    """Make the side stream start after IndexQuery: a full edge from IndexQuery's node to the
-    side stream's first kernel (its QueryNorm), so MlaQuery's Q_B stream no longer shares HBM
-    with IndexQuery's weight stream (levers.md L.4 C3). Returns the edges added."""
+def delay_side(graph, after: str = "index_query") -> list[str]:
+    """Make the side stream start after the kernel node named `after` (a prefix): a full edge
+    from it to the side stream's first kernel (its QueryNorm). after = "index_query": MlaQuery's
+    Q_B stream no longer shares HBM with IndexQuery's weight stream (levers.md L.4 C3).
+    Returns the edges added."""
     nodes = list(_kernel_nodes(graph))
-    src = [node for node, name in nodes if name.startswith("index_query")]
+    src = [node for node, name in nodes if name.startswith(after)]
     dst = [node for node, name in nodes if name.startswith(SIDE_NORM)]
     if len(src) != 1 or len(dst) != 1:
-        raise SystemExit(f"delay_side: expected one IndexQuery and one side QueryNorm node, got {len(src)}, {len(dst)}")
+        raise SystemExit(f"delay_side: expected one {after} and one side QueryNorm node, got {len(src)}, {len(dst)}")
     handle = cu.CUgraph(graph.raw_cuda_graph())
     _ok(_with_edge_data("cuGraphAddDependencies")(handle, src, dst, [_edge(0)], 1))
     return [f"{kernel_name(src[0])[:40]} -> {kernel_name(dst[0])[:40]}"]
+
+
+def edit(graph, variant: str) -> list[str]:
+    """Apply a --variant to a fork_poll graph: ";"-joined items "raise=PREFIX,PREFIX" (those
+    kernel nodes at the highest priority) and "side-after=PREFIX" (delay_side)."""
+    done = []
+    for item in filter(None, variant.split(";")):
+        key, _, value = item.partition("=")
+        if key == "raise":
+            raised = raise_nodes(graph, tuple(p for p in value.split(",") if p))
+            if not raised:
+                raise SystemExit(f"--variant {variant}: no kernel node starts with {value}")
+            done += [f"raised {name}" for name in raised]
+        elif key == "side-after":
+            done += delay_side(graph, value)
+        else:
+            raise SystemExit(f"--variant item {item!r}: expected raise=PREFIX,... or side-after=PREFIX")
+    return done
 
 
 def interleaved(graphs: dict, size: int, context: int, runs: int, replays: int) -> dict[str, list[float]]:
@@ -150,24 +172,21 @@ def main() -> int:
     parser.add_argument("--first", choices=("main", "side"), default="main", help="the stream prioritized")
     parser.add_argument("--mla-cache", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument(
-        "--raise-nodes",
+        "--variant",
         action="append",
         default=[],
-        metavar="PREFIX,PREFIX",
-        help="only fork_poll as captured against fork_poll with the kernel nodes named so at the highest "
-        "priority (repeatable: one variant each), e.g. key_and_query_norm,index_query",
+        metavar="SPEC",
+        help="only fork_poll as captured against fork_poll edited so (repeatable: one variant each): ';'-joined "
+        "'raise=PREFIX,PREFIX' (those kernel nodes at the highest priority) and 'side-after=PREFIX' (the side "
+        "stream's first kernel after that node), e.g. 'side-after=key_and_query_norm;raise=index_query'",
     )
-    parser.add_argument(
-        "--late-side",
-        action="store_true",
-        help="only fork_poll as captured against fork_poll with the side stream started after IndexQuery",
-    )
+    parser.add_argument("--late-side", action="store_true", help="the same as --variant side-after=index_query")
     args = parser.parse_args()
     if args.late_side:
-        return main_late_side(args)
-    if args.raise_nodes:
-        return main_raised(args)
-    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
+        args.variant.append("side-after=index_query")
+    if args.variant:
+        return main_variants(args)
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp, mla_cache=args.mla_cache))
     variants = {"as captured": None, "side edge full": "side", "both join edges full": "both"}
     steps = {}
     for label, which in variants.items():
@@ -194,47 +213,19 @@ def main() -> int:
     return 0
 
 
-def main_late_side(args) -> int:
-    """fork_poll as captured against fork_poll with a full edge IndexQuery -> the side
-    stream's first kernel (delay_side), each graph instantiated once, replays interleaved
-    three times."""
-    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp))
-    steps = {}
-    for label in ("as captured", "side after IndexQuery"):
-        step = DecodeStep(shape, capture_sizes=args.batch, policy="fork_poll", max_context=args.context)
-        step.capture(modes=("fork_poll",), keep_graph=True)
-        if label != "as captured":
-            for size in args.batch:
-                print(f"{label}, B = {size}: {delay_side(step.graph(size, 'fork_poll'))}", file=sys.stderr)
-        steps[label] = step
-    graphs = {label: (step, "fork_poll") for label, step in steps.items()}
-    rows = []
-    for size in args.batch:
-        times = interleaved(graphs, size, args.context, 3, args.replays)
-        rows.append([size, *[" / ".join(f"{t:.1f}" for t in found) for found in times.values()]])
-    print(table(["B", *[f"fork_poll, {label}" for label in steps]], rows))
-    print(f"TP {args.tp}, context {args.context}, us per replay (median of {args.replays}), three interleaved runs")
-    return 0
-
-
-def main_raised(args) -> int:
-    """fork_poll as captured against fork_poll with some kernel nodes at the highest priority
-    (one variant per --raise-nodes), each graph instantiated once, replays interleaved three
-    times. At TP 1 MlaQuery's streamed project (384 CTAs, two an SM) is placed first and holds
-    every SM, so the main stream's KeyAndNorm starts ~10 us into the step (session 34's trace):
-    raising the indexer's nodes places their CTAs before MlaQuery's pending ones."""
+def main_variants(args) -> int:
+    """fork_poll as captured against fork_poll edited by each --variant, each graph
+    instantiated once, replays interleaved three times. Session 34's trace (TP 1 fp8, B = 1):
+    MlaQuery's streamed project (384 CTAs, two an SM) is placed first and holds every SM, so
+    the main stream's KeyAndNorm starts ~10 us into the step and IndexQuery at ~21."""
     shape = RankShape(preset("deepseek-v3.2"), Topology(tp=args.tp, mla_cache=args.mla_cache))
     steps = {}
-    for label in ("as captured", *args.raise_nodes):
+    for label in ("as captured", *args.variant):
         step = DecodeStep(shape, capture_sizes=args.batch, policy="fork_poll", max_context=args.context)
         step.capture(modes=("fork_poll",), keep_graph=True)
         if label != "as captured":
-            prefixes = tuple(p for p in label.split(",") if p)
             for size in args.batch:
-                raised = raise_nodes(step.graph(size, "fork_poll"), prefixes)
-                if not raised:
-                    raise SystemExit(f"--raise-nodes {label}: no kernel node of the B = {size} graph starts so")
-                print(f"raised, B = {size}: {raised}", file=sys.stderr)
+                print(f"{label}, B = {size}: {edit(step.graph(size, 'fork_poll'), label)}", file=sys.stderr)
         steps[label] = step
     graphs = {label: (step, "fork_poll") for label, step in steps.items()}
     rows = []
