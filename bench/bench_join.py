@@ -89,33 +89,27 @@ def _kernel_nodes(graph):
             yield node, kernel_name(node).removeprefix("kernel_cutlass_")
 
 
-def prioritize(graph, first: str) -> list[str]:
-    """Give one stream's kernel nodes (first: "main" or "side") the device's highest
-    scheduling priority (the other's keep the default, the lowest); returns the names raised."""
-    _, _least, greatest = cu.cuCtxGetStreamPriorityRange()
+def raise_nodes(graph, chosen) -> list[str]:
+    """Give the kernel nodes whose names `chosen(name)` picks the device's highest scheduling
+    priority (the rest keep the default, the lowest); returns the names raised."""
+    _, _, greatest = cu.cuCtxGetStreamPriorityRange()
     value = cu.CUkernelNodeAttrValue()
     value.priority = greatest
     raised = []
     for node, name in _kernel_nodes(graph):
-        if (any(s in name for s in SIDE) or name.startswith(SIDE_NORM)) != (first == "side"):
-            continue
-        _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
-        raised.append(name[:24])
-    return raised
-
-
-def raise_nodes(graph, prefixes: tuple[str, ...]) -> list[str]:
-    """Give the kernel nodes whose names start with one of `prefixes` the device's highest
-    scheduling priority (the rest keep the default, the lowest); returns the names raised."""
-    _, _least, greatest = cu.cuCtxGetStreamPriorityRange()
-    value = cu.CUkernelNodeAttrValue()
-    value.priority = greatest
-    raised = []
-    for node, name in _kernel_nodes(graph):
-        if name.startswith(prefixes):
+        if chosen(name):
             _ok(cu.cuGraphKernelNodeSetAttribute(node, cu.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY, value))
             raised.append(name[:24])
     return raised
+
+
+def prioritize(graph, first: str) -> list[str]:
+    """Raise one stream's kernel nodes (first: "main" or "side") over the other's."""
+
+    def on_side(name: str) -> bool:
+        return any(s in name for s in SIDE) or name.startswith(SIDE_NORM)
+
+    return raise_nodes(graph, lambda name: on_side(name) == (first == "side"))
 
 
 def delay_side(graph, after: str = "index_query") -> list[str]:
@@ -140,7 +134,8 @@ def edit(graph, variant: str) -> list[str]:
     for item in filter(None, variant.split(";")):
         key, _, value = item.partition("=")
         if key == "raise":
-            raised = raise_nodes(graph, tuple(p for p in value.split(",") if p))
+            prefixes = tuple(p for p in value.split(",") if p)
+            raised = raise_nodes(graph, lambda name: name.startswith(prefixes))
             if not raised:
                 raise SystemExit(f"--variant {variant}: no kernel node starts with {value}")
             done += [f"raised {name}" for name in raised]

@@ -271,6 +271,7 @@ def plan(batch: int, q_heads: int, k: int, mla_cache: str) -> int:
 # progresses. Larger launches (B = 24, 40, 48, 56 by `plan`) join the side stream instead.
 # A knob that can only lower the bound (may_poll caps it at POLL_SAFE_CTAS): with fewer, a
 # launch whose spinning CTAs would leave MlaQuery's absorb few SMs joins the side stream first.
+# 64 lost at TP 1 fp8 B = 8 / 16 (+2.5 / +3.6 us: the poll's gain, no starvation; session 34).
 POLL_SAFE_CTAS = 128
 POLL_MAX_CTAS = POLL_SAFE_CTAS
 

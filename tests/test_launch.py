@@ -528,7 +528,7 @@ def test_the_poll_knob_only_lowers_the_spinning_ctas_bound(monkeypatch, knob, po
     assert polls == (polling if polling is not None else default)
     for b in DEFAULT_CAPTURE_SIZES:
         ctas = sparse_core.partial_ctas(b, 16, 2048, kernels.sparse_core_plan(b))
-        assert (b in polls) == (ctas <= min(knob, 128))
+        assert (b in polls) == (ctas <= min(knob, sparse_core.POLL_SAFE_CTAS))
 
 
 def test_mla_query_streamed_project_policy(monkeypatch):
