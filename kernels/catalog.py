@@ -206,6 +206,7 @@ def _sparse_core(
     producer: bool | None = None,
     poll: bool = False,
     crossover: bool | None = None,
+    transposed: bool | None = None,
 ):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
@@ -214,7 +215,8 @@ def _sparse_core(
     poll: its CTAs wait for their query rows in the mailbox (the step's fork_poll on one rank).
     crossover: 64-row CTAs in head-group pairs sharing each block's loads (a cluster of 2;
     None: sparse_core.CROSSOVER for the cache; the name says only a choice other than None,
-    as the op runs it: _nox where it does not apply)."""
+    as the op runs it: _nox where it does not apply). transposed: 16-row CTAs on
+    partial_transposed_ws (None: sparse_core.TRANSPOSED_FROM_BLOCKS; named _t / _not as it runs)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,
@@ -229,9 +231,11 @@ def _sparse_core(
         producer,
         poll,
         crossover,
+        transposed,
     )
     path = "" if producer is None else ("_ws" if producer else "_nows")
     path += "" if crossover is None else ("_x" if op.crossover else "_nox")  # as it runs (where it applies)
+    path += "" if transposed is None else ("_t" if op.transposed else "_not")
     return f"sparse_core_s{slots}{'' if publish else '_read'}{path}{'_poll' if poll else ''}", op
 
 
@@ -254,7 +258,7 @@ def build(shape, kernel: str, pdl: bool = True, **choice) -> Variant:
     """The variant of `kernel` (a key of KERNELS) a step of `shape` (a graphstep RankShape)
     launches for the launch-time `choice`: query_norm, key_and_norm: tiled; mla_query: tiled, poll, remote, tokens;
     index_query: tokens; dsa_index: stages (its ring); top_k: split (a top_k.Split, or None: one CTA per row);
-    sparse_core: slots (per CTA), publish, poll, producer, crossover; the others none."""
+    sparse_core: slots (per CTA), publish, poll, producer, crossover, transposed; the others none."""
     if kernel not in _BUILDERS:
         raise ValueError(f"no kernel {kernel!r}: expected one of {sorted(_BUILDERS)}")
     name, op = _BUILDERS[kernel](shape, pdl, **choice)

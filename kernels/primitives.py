@@ -822,6 +822,13 @@ def st_shared_u32(ptr, word):
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[ptr, word])
 
 
+def st_shared_bf16(ptr, value):
+    """One fp32 value rounded to bf16 (nearest even) into the 2 bytes at shared ptr."""
+    cute.arch.inline_ptx(
+        "{\n\t.reg .b16 h;\n\tcvt.rn.bf16.f32 h, {$r1};\n\tst.shared.b16 [{$r0}], h;\n\t}", read_only_args=[ptr, value]
+    )
+
+
 def ldmatrix_x4(ptr) -> tuple:
     """Four 8 x 8 b16 matrices: lanes 8i..8i+7 give the row addresses of matrix i; lane
     (g = lane / 4, t = lane % 4) receives row g, columns 2t, 2t + 1 of each."""

@@ -70,6 +70,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from . import primitives as P
 from .sparse_core_layout import FP8_ROW, LATENT, PRODUCER_THREADS, ROW, STRIDE
 from .sparse_core_mma import COLS, MmaPaths, ring_stages, ws_stages
+from .sparse_core_transposed import T_ROWS, TransposedPaths
 from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, WgmmaPaths
 
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
@@ -185,6 +186,10 @@ COMBINE = True
 # which the two tie or the plain kernel wins (levers.md S.2; bench_sparse_core.py --paths
 # msync,mws compares them).
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
+# 16-row CTAs take partial_transposed_ws (kernels/sparse_core_transposed.py: wgmma at N = 16,
+# each row dequantized once by two producer warpgroups) from this many 64-slot blocks a CTA,
+# per MLA cache; None: never (the mma.sync paths above). Not yet measured on a GPU, so off.
+TRANSPOSED_FROM_BLOCKS = {"bf16": None, "fp8": None}
 # partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
 # split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
 # unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
@@ -222,6 +227,7 @@ KNOBS = {
     "XOVER_PREFETCH": bool,
     "SKIP_UNMOVED": bool,
     "MMA_PRODUCER_BLOCKS": dict,
+    "TRANSPOSED_FROM_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
     "COMBINE_WARP_SPLITS": int,
@@ -294,7 +300,7 @@ def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
     return batch * splits if splits > 1 else 0
 
 
-class SparseCore(MmaPaths, WgmmaPaths):
+class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
     """The op: its configuration (the constructor), its two launches (`__call__`), the
     partial kernel's entry, which runs one of the paths of the mixins, and the combine kernel,
     with what every path shares (the mailbox poll, the rows' publish, the softmax's end)."""
@@ -313,6 +319,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
         producer: bool | None = None,
         poll: bool = False,
         crossover: bool | None = None,
+        transposed: bool | None = None,
     ):
         """publish: also copy the query rows read to q_out and re-arm them in q_rows (the
         step's mailbox) once every reader is done: the step's last touch of the mailbox,
@@ -327,7 +334,9 @@ class SparseCore(MmaPaths, WgmmaPaths):
         crossover: partial_wgmma_ws's two head-group CTAs of a (split, token) as a cluster of 2,
         each producer loading half of every block (None: the module's CROSSOVER for the
         cache); only where it applies (64-row CTAs in pairs with a producer, 64-slot blocks),
-        else today's kernel."""
+        else today's kernel.
+        transposed: 16-row CTAs on partial_transposed_ws (None: from TRANSPOSED_FROM_BLOCKS[cache]
+        blocks a CTA); only at 64-slot blocks and with a producer (producer not False)."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -341,7 +350,12 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        if self.wgmma:
+        least = TRANSPOSED_FROM_BLOCKS["fp8" if mla_fp8 else "bf16"]
+        wanted = least is not None and slots_per_cta // self.block >= least if transposed is None else transposed
+        self.transposed = bool(wanted) and self.heads == T_ROWS and self.block == WG_ROWS and producer is not False
+        if self.transposed:
+            self.producer = True
+        elif self.wgmma:
             self.producer = PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer
         else:  # partial_mma_ws: 16 rows only
             if producer and self.heads != 16:
@@ -349,7 +363,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
             least = MMA_PRODUCER_BLOCKS["fp8" if mla_fp8 else "bf16"]
             default = self.heads == 16 and slots_per_cta // self.block >= least
             self.producer = default if producer is None else producer
-        self.mma_ws = self.producer and not self.wgmma
+        self.mma_ws = self.producer and not (self.wgmma or self.transposed)
         self.clustered = self.mma_ws and 1 < self.splits <= CLUSTER_SPLITS  # the combine in the cluster
         # partial_mma_ws: rows 0 .. bulk_rows - 1 of each block by bulk copies, the rest by cp.async
         self.bulk_rows = 0
@@ -359,7 +373,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
                 raise ValueError(f"sparse_core.MMA_BULK_SIXTEENTHS must be 0 .. 16, got {sixteenths}")
             self.bulk_rows = self.block * sixteenths // 16
         self.consumers = self.heads // 16 * self.cols * 32  # the mma.sync paths' computing threads
-        if self.wgmma:
+        if self.wgmma or self.transposed:
             self.stages = 2
         elif self.mma_ws:
             self.stages = ws_stages(self.block, mla_fp8)
@@ -379,14 +393,15 @@ class SparseCore(MmaPaths, WgmmaPaths):
         self.combine = COMBINE
         if not self.probes <= set(PROBES):
             raise ValueError(f"sparse_core.PROBE must join some of {PROBES} by '+', got {self.probe!r}")
-        if self.probing("no_dequant") and not (self.wgmma and mla_fp8):
-            raise ValueError("sparse_core.PROBE 'no_dequant' probes partial_wgmma_ws over the fp8 cache only")
+        if self.probing("no_dequant") and not ((self.wgmma or self.transposed) and mla_fp8):
+            raise ValueError("sparse_core.PROBE 'no_dequant' probes the dequantizing producers over the fp8 cache only")
         traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
         if self.probing("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
-        self.prefetch = self.crossover and mla_fp8 and bool(XOVER_PREFETCH)
-        self.skip_unmoved = self.reshape and bool(SKIP_UNMOVED)
+        # (the transposed path's two producer warpgroups load one share each, as crossover CTAs)
+        self.prefetch = (self.crossover or self.transposed) and mla_fp8 and bool(XOVER_PREFETCH)
+        self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
         self.release_scope = XOVER_RELEASE
         for name, value, allowed in (
@@ -399,7 +414,7 @@ class SparseCore(MmaPaths, WgmmaPaths):
         for probe in ("no_push", "cta_full"):
             if self.probing(probe) and not self.crossover:
                 raise ValueError(f"sparse_core.PROBE {probe!r} probes the crossover only")
-        if self.wgmma:
+        if self.wgmma or self.transposed:
             self.threads = WS_THREADS if self.producer else WG_THREADS
         else:
             self.threads = self.consumers + (PRODUCER_THREADS if self.mma_ws else 0)
@@ -480,6 +495,8 @@ class SparseCore(MmaPaths, WgmmaPaths):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.wgmma):
             self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
+        elif cutlass.const_expr(self.transposed):
+            self.partial_transposed_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.mma_ws):
             self.partial_mma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         else:

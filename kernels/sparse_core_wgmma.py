@@ -393,11 +393,17 @@ class WgmmaPaths:
 
     @cute.jit
     def produce_blocks(
-        self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots, trace=None
+        self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots, trace=None, share=None
     ):
         """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
         partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
         the row and chunk maps are the same; the next block's slot ids load a block ahead.
+
+        share (the transposed path, kernels/sparse_core_transposed.py: two producer warpgroups
+        in one CTA): this warpgroup loads share v = `share` of every block alone, as a
+        crossover CTA does (the same one-share branch, its prefetch included), with no peer:
+        no pushes, no cluster scope, and full[s] counts both warpgroups' 256 arrivals; the
+        slot ids (both shares') are recorded by warpgroup 0.
 
         crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads only
         share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) into registers -- fp8
@@ -433,13 +439,15 @@ class WgmmaPaths:
             maps.append((r, cg0, q4, (cg0 == 0) & (q4 == 0)))  # the writer: chunk 0's thread
         ids_row = slots + token * self.k + split * self.slots_per_cta
         slot = [P.load_i32(ids_row + maps[v][0]) for v in range(2)]
-        rank = Int32(0)  # crossover: this CTA's rank in the pair, the share of each block it loads
+        rank = Int32(0)  # one share: the share of each block this thread loads (crossover: its CTA's rank)
         half = maps[0]
         peer_kv, peer_full0 = kv_s, full0  # crossover: the peer's tile and full[0] (shared::cluster)
-        if cutlass.const_expr(self.crossover):
-            rank = cute.arch.block_idx_in_cluster()
+        one_share = self.crossover or share is not None
+        if cutlass.const_expr(one_share):
+            rank = share if share is not None else cute.arch.block_idx_in_cluster()
             r, cg0, q4 = producer_map(ptid, rank, block)
             half = (r, cg0, q4, (cg0 == 0) & (q4 == 0))
+        if cutlass.const_expr(self.crossover):
             peer_kv = P.mapa(kv_s, 1 - rank)
             peer_full0 = P.mapa(full0, 1 - rank)
             cute.arch.cluster_wait()  # the peer's mbarriers are initialized
@@ -462,7 +470,7 @@ class WgmmaPaths:
                 ahead = [P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block + maps[v][0]) for v in range(2)]
             else:
                 upcoming = [P.load_i32(ids_row + cutlass.min(b + 1, blocks - 1) * block + maps[v][0]) for v in range(2)]
-            if cutlass.const_expr(self.crossover):
+            if cutlass.const_expr(one_share):
                 staged = []
                 if cutlass.const_expr(self.prefetch):  # this block's rows landed meanwhile; the next block's issued
                     staged = staged_next
@@ -472,20 +480,26 @@ class WgmmaPaths:
                     own = P.select_i32(rank == 0, fetched[0], fetched[1])
                     staged = self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots, True)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b, ptid == 0)
-                if b >= 2:  # block b - 2's consumers (both CTAs') are done with the buffers
-                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=True)
+                if b >= 2:  # block b - 2's consumers (crossover: both CTAs') are done with the buffers
+                    P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=self.crossover)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
-                push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
-                if cutlass.const_expr(self.probing("no_push") or self.bulk_push):
-                    push = None  # (no_push: the peer's half never comes; bulk: copied below)
+                push = None  # (no_push: the peer's half never comes; bulk: copied below)
+                if cutlass.const_expr(self.crossover and not (self.probing("no_push") or self.bulk_push)):
+                    push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
                 self.store_rows(staged, buf, half[0], half[1], half[2], push)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
-                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                if cutlass.const_expr(self.crossover):
+                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                elif rank == 0:  # (two producer warpgroups: one records both shares' ids)
+                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma (and the bulk copies)
                 if cutlass.const_expr(self.bulk_push and not self.probing("no_push")):
                     self.push_half(buf, full0 + 8 * s, rank, ptid)
-                if ptid == 0 and not self.probing("no_push"):  # the peer's bytes, expected with this arrival
-                    P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+                if cutlass.const_expr(self.crossover and not self.probing("no_push")):
+                    if ptid == 0:  # the peer's bytes, expected with this arrival
+                        P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
+                    else:
+                        P.mbar_arrive(full0 + 8 * s)
                 else:
                     P.mbar_arrive(full0 + 8 * s)
             elif cutlass.const_expr(self.mla_fp8):
@@ -512,7 +526,7 @@ class WgmmaPaths:
                     P.fence_proxy_async()
                     P.mbar_arrive(full0 + 8 * (1 - s))
             slot = upcoming
-        if cutlass.const_expr(not (self.mla_fp8 or self.crossover)):  # the cp.async branch's last block
+        if cutlass.const_expr(not (self.mla_fp8 or one_share)):  # the cp.async branch's last block
             P.cp_async_wait(0)
             P.fence_proxy_async()
             P.mbar_arrive(full0 + 8 * ((blocks - 1) % 2))
@@ -935,28 +949,39 @@ class WgmmaPaths:
             self.store_piece(pieces[j], scales, at, cg0, j, there)
 
     @cute.jit
-    def load_query_tile(self, rows, head0, q_s, tid):
-        """The CTA's 64 query rows -> shared bf16 in the canonical K-major layout (chunk c of
-        row h at c x CHUNK + 16 h): bf16 rows by cp.async (the caller commits and waits),
-        e4m3 rows by loads all issued first and widened exactly; rows at or past
-        `gathered` are zeros."""
+    def load_query_tile(self, rows, head0, q_s, tid, tile_rows: int = WG_ROWS, threads: int = WG_THREADS):
+        """The CTA's `tile_rows` query rows -> shared bf16 in the canonical K-major layout (chunk
+        c of row h at c x 16 tile_rows + 16 h) by its `threads` threads: bf16 rows by cp.async
+        (the caller commits and waits), e4m3 rows by loads all issued first and widened
+        exactly; rows at or past `gathered` are zeros."""
+        chunk = tile_rows * 16
         if cutlass.const_expr(self.q_fp8):
-            items = WG_ROWS * (ROW // 16)  # 16 e4m3 (two chunks) each
+            items = tile_rows * (ROW // 16)  # 16 e4m3 (two chunks) each
             loads = []
-            for i in cutlass.range_constexpr(items // WG_THREADS):
-                index = tid + i * WG_THREADS
-                h, c2 = index % WG_ROWS, index // WG_ROWS
-                loads.append((P.load_u32x4_if(rows + h * self.q_bytes + 16 * c2, head0 + h < self.gathered), h, c2))
-            for words, h, c2 in loads:
+            for i in cutlass.range_constexpr((items + threads - 1) // threads):
+                index = tid + i * threads
+                h, c2 = index % tile_rows, index // tile_rows
+                src = rows + h * self.q_bytes + 16 * c2
+                live = head0 + h < self.gathered
+                partial = (i + 1) * threads > items  # the last round has fewer items than threads
+                if cutlass.const_expr(partial):
+                    live = live & (index < items)
+                loads.append((P.load_u32x4_if(src, live), h, c2, index, partial))
+            for words, h, c2, index, partial in loads:
                 outw = []
                 for j in cutlass.range_constexpr(4):
                     f = P.unpack_e4m3x4(words[j])
                     outw.append(P.pack_bf16x2(f[0], f[1]))
                     outw.append(P.pack_bf16x2(f[2], f[3]))
-                P.st_shared_u32x4(q_s + 2 * c2 * CHUNK + 16 * h, outw[:4])
-                P.st_shared_u32x4(q_s + (2 * c2 + 1) * CHUNK + 16 * h, outw[4:])
+                if cutlass.const_expr(partial):
+                    if index < items:
+                        P.st_shared_u32x4(q_s + 2 * c2 * chunk + 16 * h, outw[:4])
+                        P.st_shared_u32x4(q_s + (2 * c2 + 1) * chunk + 16 * h, outw[4:])
+                else:
+                    P.st_shared_u32x4(q_s + 2 * c2 * chunk + 16 * h, outw[:4])
+                    P.st_shared_u32x4(q_s + (2 * c2 + 1) * chunk + 16 * h, outw[4:])
         else:
-            for i in cutlass.range_constexpr(WG_ROWS * TILE_CHUNKS // WG_THREADS):
-                index = tid + i * WG_THREADS
-                h, c = index % WG_ROWS, index // WG_ROWS
-                P.cp_async_16(q_s + c * CHUNK + 16 * h, rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered)
+            for i in cutlass.range_constexpr(tile_rows * TILE_CHUNKS // threads):
+                index = tid + i * threads
+                h, c = index % tile_rows, index // tile_rows
+                P.cp_async_16(q_s + c * chunk + 16 * h, rows + h * self.q_bytes + 16 * c, head0 + h < self.gathered)

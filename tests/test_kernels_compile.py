@@ -1884,6 +1884,65 @@ def test_the_consumers_skip_unmoved_rescales_when_asked(tmp_path, monkeypatch, s
     assert votes == {False: 0, True: 2}, votes
 
 
+TP8_CACHES = {
+    "tp8-bf16": RankShape(preset("deepseek-v3.2"), Topology(tp=8)),
+    "tp8-fp8": RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
+    "kimi-dcp2-fp8": SHAPES["kimi-dcp2-fp8"],  # e4m3 query rows: 16 x 36 items over 128 threads
+}
+# partial_transposed_ws's stack: ptxas's spill of a few producer loop scalars within the 168
+# registers a thread of the 384 (fp8: two blocks' rows in flight a thread; sm_90a)
+TRANSPOSED_FRAME = 32
+
+
+@pytest.mark.parametrize("shape_name", TP8_CACHES)
+@pytest.mark.parametrize("slots", [64, 1024, 2048])
+def test_the_transposed_path_runs_both_products_at_n16(tmp_path, shape_name, slots):
+    """16-row CTAs on partial_transposed_ws (sparse_core_transposed.py): 384 threads, per
+    block 36 S^T k steps (m64n16k16, A and B K-major: trans 0, 0) and 8 tiles x 4 O^T k steps
+    with A transposed (trans 1, 0), P^T stored as bf16 halves; no mma.sync; full[s] counts
+    both producer warpgroups (256), empty[s] the 4 consumer warps; the fp8 producer widens
+    e4m3 and loads a block ahead; masked descriptors; registers within the CTA, a small stack
+    (TRANSPOSED_FRAME). Below 64-slot blocks, or with TRANSPOSED_FROM_BLOCKS off, the mma.sync
+    paths run as before."""
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+
+    shape = TP8_CACHES[shape_name]
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, transposed=True)
+    op = variant.op
+    assert op.transposed and op.producer and not op.mma_ws and not op.clustered and op.threads == 384
+    assert op.prefetch == (shape.topology.mla_cache == "fp8")
+    assert variant.name.endswith("_t")
+    assert not catalog.build(shape, "sparse_core", slots=32, transposed=True).op.transposed  # 32-slot blocks
+    assert not catalog.build(shape, "sparse_core", slots=slots).op.transposed  # the knob's default: off
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
+        op, *variant.args, make_fake_stream()
+    )
+    (ptx,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    entries = _entries(ptx)
+    assert len(entries) == (1 if slots == 2048 else 2)
+    partial = next(e for e in entries if "sparse_core_partial" in e.split("(")[0])
+    n16 = r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]*\}, a, b, (\w+), 1, 1, (\d), (\d);"
+    found = re.findall(n16, partial)
+    scores = [f for f in found if f[1:] == ("0", "0")]
+    values = [f for f in found if f[1:] == ("1", "0")]
+    assert len(scores) == 36 and len(values) == 8 * 4 and len(found) == 68, len(found)
+    assert scores[0][0] == "first" and {f[0] for f in scores[1:] + values} == {"more"}
+    assert partial.count("st.shared.b16") == 8 and partial.count("cvt.rn.bf16.f32") == 8
+    assert "mma.sync" not in partial and ".local" not in partial
+    assert "griddepcontrol.wait;" in partial and "fence.proxy.async.shared::cta;" in partial
+    assert re.search(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 256;", partial)
+    assert re.search(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 4;", partial)
+    assert "barrier.cluster" not in partial and "st.async" not in partial and "mapa" not in partial
+    assert ("cvt.rn.f16x2.e4m3x2" in partial) == (shape.topology.mla_cache == "fp8" or shape.topology.q_format == "fp8")
+    _check_descriptors(partial)
+    (cubin,) = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    kernels = _cubin_kernels(cubin.read_bytes())
+    (regs,) = [v for k, v in kernels.items() if "sparse_core_partial" in k]
+    assert regs["regs"] * op.threads <= 65536 and regs["frame"] <= TRANSPOSED_FRAME, kernels
+
+
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's

@@ -407,7 +407,47 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
     _check(case, 5, slots_per_cta)
 
 
-@pytest.mark.parametrize("path", ["default", "mws", "mws_cluster8", "wsx"])
+def _transposed(monkeypatch, least: int = 1):
+    """16-row CTAs on partial_transposed_ws (bench_sparse_core.py --paths t) from `least`
+    64-slot blocks a CTA, either cache."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "TRANSPOSED_FROM_BLOCKS", {"bf16": least, "fp8": least})
+
+
+TRANSPOSED_CASES = ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8", "q8-kimi-tp8-bf16"]
+
+
+@pytest.mark.parametrize("slots_per_cta", [64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+def test_every_split_variant_of_the_transposed_path_matches_the_reference(monkeypatch, case, slots_per_cta):
+    """1 .. 32 blocks a CTA (both buffers' reuse, one split normalizing itself), B = 5 with
+    holes, repeated slots, a short selection and a token with none: bf16 and fp8 rows (the fp8
+    producer's loads a block ahead), bf16 and e4m3 query rows, 8 gathered rows in the tile."""
+    from graphstep.kernels import catalog
+
+    _transposed(monkeypatch)
+    assert catalog.build(_state(case).shape, "sparse_core", slots=slots_per_cta).op.transposed
+    _check(case, 5, slots_per_cta)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 64])
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+def test_the_transposed_path_at_the_plans_split_matches_the_reference(monkeypatch, case, batch):
+    """The plan's split (64 slots and up: B >= 2), B = 64 with 128 CTAs."""
+    _transposed(monkeypatch)
+    _check(case, batch)
+
+
+@pytest.mark.parametrize("batch", [5, 64])
+def test_the_transposed_path_over_far_scaled_rows_matches_the_reference(monkeypatch, batch):
+    """fp8 rows whose scales are 2^40 times the others' and whose scores are far below theirs:
+    dequantized to bf16 (fp32's range) by the producers, nothing leaves range."""
+    _transposed(monkeypatch)
+    _check("q16-tp8-fp8cache", batch, outliers=40)
+
+
+@pytest.mark.parametrize("path", ["default", "mws", "mws_cluster8", "wsx", "transposed"])
 @pytest.mark.parametrize("slots_per_cta", [None, 512, 2048])  # the plan (32 splits at B = 6), 4, one split
 @pytest.mark.parametrize("case", ["q16-tp8-bf16", "q16-kimi-dcp2-fp8", "q128-tp1-fp8", "q128-tp1-bf16"])
 def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_per_cta, path):
@@ -416,7 +456,8 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     nothing else of the mailbox touched (pad rows, rows past the batch). mws: 16-row CTAs
     on partial_mma_ws; mws_cluster8: with CLUSTER_SPLITS 8 (at 512 slots a cluster of 4 CTAs
     whose split 0 publishes after the first cluster barrier); wsx: 64-row CTAs with the
-    crossover."""
+    crossover; transposed: 16-row CTAs on partial_transposed_ws (at B = 6 the plan's 64 or 128 slots a
+    CTA)."""
     from graphstep.kernels import sparse_core
 
     mws = path.startswith("mws")
@@ -428,6 +469,10 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
         pytest.skip("64-row CTAs have no partial_mma_ws")
     if path == "wsx" and not case.startswith("q128"):
         pytest.skip("the crossover pairs 64-row CTAs")
+    if path == "transposed" and case.startswith("q128"):
+        pytest.skip("the transposed path is for 16-row CTAs")
+    if path == "transposed":
+        _transposed(monkeypatch)
     if path == "wsx":
         _crossover(monkeypatch, CONSUMERS["wsx"])
     if mws:
