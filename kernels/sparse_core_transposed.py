@@ -3,8 +3,8 @@
 partial_transposed_ws  16 query rows a CTA, 384 threads. Warpgroups 1 and 2 load (and
                        dequantize) each 64-slot block into a bf16 tile in the 64-row paths'
                        no-swizzle layout (sparse_core_wgmma.produce_blocks, one share of the
-                       block's rows a warpgroup, fp8 rows a block ahead), behind full / empty
-                       mbarriers. Warpgroup 0 computes, per block:
+                       block's rows a warpgroup: fp8 rows loaded a block ahead and dequantized,
+                       bf16 rows by cp.async), behind full / empty mbarriers. Warpgroup 0 computes, per block:
 - S^T[64 slots, 16 heads] = K Q^T: wgmma m64n16k16, A the block's rows (K-major, as stored),
   B the 16 query rows (K-major: chunk c of row h at c x T_CHUNK + 16 h), 36 k steps;
 - each head's max over the block's slots: the 8 lanes of a column by shuffles, the 4 warps

@@ -400,10 +400,11 @@ class WgmmaPaths:
         the row and chunk maps are the same; the next block's slot ids load a block ahead.
 
         share (the transposed path, kernels/sparse_core_transposed.py: two producer warpgroups
-        in one CTA): this warpgroup loads share v = `share` of every block alone, as a
-        crossover CTA does (the same one-share branch, its prefetch included), with no peer:
-        no pushes, no cluster scope, and full[s] counts both warpgroups' 256 arrivals; the
-        slot ids (both shares') are recorded by warpgroup 0.
+        in one CTA): this warpgroup loads share v = `share` of every block alone -- fp8 rows as
+        a crossover CTA does (the same one-share branch, its prefetch included) with no peer:
+        no pushes, no cluster scope; bf16 rows by cp.async, signalled a block later -- and
+        full[s] counts both warpgroups' 256 arrivals; the slot ids (both shares') are recorded
+        by warpgroup 0.
 
         crossover (this CTA rank c of a cluster of 2, its peer 1 - c): the thread loads only
         share v = c (rows 32 c .. 32 c + 31 of each block: XOVER_ROWS) into registers -- fp8
@@ -442,8 +443,10 @@ class WgmmaPaths:
         rank = Int32(0)  # one share: the share of each block this thread loads (crossover: its CTA's rank)
         half = maps[0]
         peer_kv, peer_full0 = kv_s, full0  # crossover: the peer's tile and full[0] (shared::cluster)
-        one_share = self.crossover or share is not None
-        if cutlass.const_expr(one_share):
+        # the one-share branch: the crossover's, and the transposed path's over fp8 rows (over bf16
+        # rows it takes the cp.async branch, its own share only)
+        one_share = self.crossover or (share is not None and self.mla_fp8)
+        if cutlass.const_expr(self.crossover or share is not None):
             rank = share if share is not None else cute.arch.block_idx_in_cluster()
             r, cg0, q4 = producer_map(ptid, rank, block)
             half = (r, cg0, q4, (cg0 == 0) & (q4 == 0))
@@ -517,10 +520,17 @@ class WgmmaPaths:
             else:
                 if b >= 2:
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2)
-                for v in cutlass.range_constexpr(2):
-                    self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
-                P.cp_async_commit()
-                self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                if cutlass.const_expr(share is None):
+                    for v in cutlass.range_constexpr(2):
+                        self.fetch_rows(cache, fetched[v], buf, maps[v][0], maps[v][1], maps[v][2], pool_slots)
+                    P.cp_async_commit()
+                    self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
+                else:
+                    own = P.select_i32(rank == 0, fetched[0], fetched[1])
+                    self.fetch_rows(cache, own, buf, half[0], half[1], half[2], pool_slots)
+                    P.cp_async_commit()
+                    if rank == 0:
+                        self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 if b >= 1:  # block b - 1's copies (this thread's) have landed: its buffer is full
                     P.cp_async_wait(1)
                     P.fence_proxy_async()
