@@ -33,7 +33,7 @@ between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN =
 of each block's rows bulk-copied (either cache; mws16: bulk copies only, mws0: cp.async only),
 msync = every thread copies (partial_mma_sync), t = the transposed path (partial_transposed_ws:
 wgmma at N = 16, two producer warpgroups) wherever a CTA has 64-slot blocks; default: the
-module's choice (sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS, TRANSPOSED_FROM_BLOCKS).
+module's choice (sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS, TRANSPOSED_BLOCKS).
 --probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
@@ -340,7 +340,7 @@ def main() -> int:
                     saved["MMA_PRODUCER_BLOCKS"], 1 if path != "msync" else 1 << 30
                 )
             elif path == "t":
-                sparse_core.TRANSPOSED_FROM_BLOCKS = dict.fromkeys(saved["TRANSPOSED_FROM_BLOCKS"], 1)
+                sparse_core.TRANSPOSED_BLOCKS = dict.fromkeys(saved["TRANSPOSED_BLOCKS"], 1 << 30)
             elif path:
                 sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
                 if path in ("ws", "wsx"):  # (the probes' paths) 16-row CTAs' producer too

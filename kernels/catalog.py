@@ -216,7 +216,7 @@ def _sparse_core(
     crossover: 64-row CTAs in head-group pairs sharing each block's loads (a cluster of 2;
     None: sparse_core.CROSSOVER for the cache; the name says only a choice other than None,
     as the op runs it: _nox where it does not apply). transposed: 16-row CTAs on
-    partial_transposed_ws (None: sparse_core.TRANSPOSED_FROM_BLOCKS; named _t / _not as it runs)."""
+    partial_transposed_ws (None: sparse_core.TRANSPOSED_BLOCKS; named _t / _not as it runs)."""
     m, topo = shape.model, shape.topology
     op = sparse_core.SparseCore(
         shape.q_heads,

@@ -187,9 +187,12 @@ COMBINE = True
 # msync,mws compares them).
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 # 16-row CTAs take partial_transposed_ws (kernels/sparse_core_transposed.py: wgmma at N = 16,
-# each row dequantized once by two producer warpgroups) from this many 64-slot blocks a CTA,
-# per MLA cache; None: never (the mma.sync paths above). Not yet measured on a GPU, so off.
-TRANSPOSED_FROM_BLOCKS = {"bf16": None, "fp8": None}
+# each row dequantized once by two producer warpgroups) at 1 .. TRANSPOSED_BLOCKS[cache] 64-slot
+# blocks a CTA; 0: never (the mma.sync paths above). Measured (session 35, H100, TP 8, us, against
+# the mma.sync paths): fp8 B = 2 / 4 / 8 / 16 / 32 (1 .. 8 blocks) 8.99 -> 8.35, 11.8 -> 10.9, 15.3 ->
+# 14.2, 22.8 -> 20.1, 31.3 -> 30.4, but B = 64 (16 blocks) 44.3 -> 51.3 (its producers alone 47.0:
+# the one-share loads, not the consumer); bf16 B = 16 / 64 22.6 -> 47.2, 60.9 -> 99.4 (levers.md S.12).
+TRANSPOSED_BLOCKS = {"bf16": 0, "fp8": 8}
 # partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
 # split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
 # unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
@@ -227,7 +230,7 @@ KNOBS = {
     "XOVER_PREFETCH": bool,
     "SKIP_UNMOVED": bool,
     "MMA_PRODUCER_BLOCKS": dict,
-    "TRANSPOSED_FROM_BLOCKS": dict,
+    "TRANSPOSED_BLOCKS": dict,
     "CLUSTER_SPLITS": int,
     "MMA_BULK_SIXTEENTHS": dict,
     "COMBINE_WARP_SPLITS": int,
@@ -335,7 +338,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         each producer loading half of every block (None: the module's CROSSOVER for the
         cache); only where it applies (64-row CTAs in pairs with a producer, 64-slot blocks),
         else today's kernel.
-        transposed: 16-row CTAs on partial_transposed_ws (None: from TRANSPOSED_FROM_BLOCKS[cache]
+        transposed: 16-row CTAs on partial_transposed_ws (None: up to TRANSPOSED_BLOCKS[cache]
         blocks a CTA); only at 64-slot blocks and with a producer (producer not False)."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
@@ -350,8 +353,8 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.splits = k // slots_per_cta
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
-        least = TRANSPOSED_FROM_BLOCKS["fp8" if mla_fp8 else "bf16"]
-        wanted = least is not None and slots_per_cta // self.block >= least if transposed is None else transposed
+        most = TRANSPOSED_BLOCKS["fp8" if mla_fp8 else "bf16"]
+        wanted = 1 <= slots_per_cta // self.block <= most if transposed is None else transposed
         self.transposed = bool(wanted) and self.heads == T_ROWS and self.block == WG_ROWS and producer is not False
         if self.transposed:
             self.producer = True

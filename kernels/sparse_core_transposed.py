@@ -16,7 +16,7 @@ partial_transposed_ws  16 query rows a CTA, 384 threads. Warpgroups 1 and 2 load
 The 16-row mma.sync paths (sparse_core_mma.py) widen each fp8 row in every consumer warp
 per MMA; here each row is dequantized once, by the producers. Why and what was settled on
 the CPU first (the N = 16 atoms, transposed A, the shared-memory budget): docs/levers.md S.12.
-Selected by sparse_core.TRANSPOSED_FROM_BLOCKS.
+Selected by sparse_core.TRANSPOSED_BLOCKS (fp8 rows at 1 .. 8 blocks a CTA).
 """
 
 from __future__ import annotations

@@ -1894,6 +1894,31 @@ TP8_CACHES = {
 TRANSPOSED_FRAME = 32
 
 
+@pytest.mark.parametrize("most", [0, 1, 8])
+@pytest.mark.parametrize("shape_name", TP8_CACHES)
+def test_the_transposed_path_runs_where_transposed_blocks_says(monkeypatch, shape_name, most):
+    """By default (TRANSPOSED_BLOCKS) 16-row CTAs over the fp8 cache take the transposed path
+    at 1 .. 8 64-slot blocks a CTA (TP 8 B = 2 .. 32 by the plan) and partial_mma_ws past it
+    (B = 64); over bf16 never; 64-row CTAs and 32-slot blocks never."""
+    shape = TP8_CACHES[shape_name]
+    fp8 = shape.topology.mla_cache == "fp8"
+    assert sparse_core.TRANSPOSED_BLOCKS == {"bf16": 0, "fp8": 8}
+    default = [catalog.build(shape, "sparse_core", slots=s).op.transposed for s in (32, 64, 512, 1024, 2048)]
+    assert default == [False, fp8, fp8, False, False]
+    planned = {b: sparse_core.plan(b, shape.q_heads, 2048, shape.topology.mla_cache) for b in (1, 2, 32, 64)}
+    assert [catalog.build(shape, "sparse_core", slots=s).op.transposed for s in planned.values()] == [
+        False,
+        fp8,
+        fp8,
+        False,
+    ]
+    monkeypatch.setattr(sparse_core, "TRANSPOSED_BLOCKS", {"bf16": most, "fp8": most})
+    runs = [catalog.build(shape, "sparse_core", slots=s).op.transposed for s in (32, 64, 128, 512, 1024)]
+    assert runs == [False, most >= 1, most >= 2, most >= 8, False]
+    assert not catalog.build(TP1["tp1-fp8"], "sparse_core", slots=64).op.transposed
+    assert not catalog.build(shape, "sparse_core", slots=64, transposed=False).op.transposed
+
+
 @pytest.mark.parametrize("shape_name", TP8_CACHES)
 @pytest.mark.parametrize("slots", [64, 1024, 2048])
 def test_the_transposed_path_runs_both_products_at_n16(tmp_path, shape_name, slots):
@@ -1902,8 +1927,7 @@ def test_the_transposed_path_runs_both_products_at_n16(tmp_path, shape_name, slo
     with A transposed (trans 1, 0), P^T stored as bf16 halves; no mma.sync; full[s] counts
     both producer warpgroups (256), empty[s] the 4 consumer warps; the fp8 producer widens
     e4m3 and loads a block ahead; masked descriptors; registers within the CTA, a small stack
-    (TRANSPOSED_FRAME). Below 64-slot blocks, or with TRANSPOSED_FROM_BLOCKS off, the mma.sync
-    paths run as before."""
+    (TRANSPOSED_FRAME). Below 64-slot blocks the mma.sync paths run as before."""
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
@@ -1915,7 +1939,6 @@ def test_the_transposed_path_runs_both_products_at_n16(tmp_path, shape_name, slo
     assert op.prefetch == (shape.topology.mla_cache == "fp8")
     assert variant.name.endswith("_t")
     assert not catalog.build(shape, "sparse_core", slots=32, transposed=True).op.transposed  # 32-slot blocks
-    assert not catalog.build(shape, "sparse_core", slots=slots).op.transposed  # the knob's default: off
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
         op, *variant.args, make_fake_stream()
     )

@@ -407,12 +407,12 @@ def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, ca
     _check(case, 5, slots_per_cta)
 
 
-def _transposed(monkeypatch, least: int = 1):
-    """16-row CTAs on partial_transposed_ws (bench_sparse_core.py --paths t) from `least`
+def _transposed(monkeypatch):
+    """16-row CTAs on partial_transposed_ws (bench_sparse_core.py --paths t) at every count of
     64-slot blocks a CTA, either cache."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "TRANSPOSED_FROM_BLOCKS", {"bf16": least, "fp8": least})
+    monkeypatch.setattr(sparse_core, "TRANSPOSED_BLOCKS", {"bf16": 1 << 30, "fp8": 1 << 30})
 
 
 TRANSPOSED_CASES = ["q16-tp8-bf16", "q16-tp8-fp8cache", "q16-kimi-dcp2-fp8", "q8-kimi-tp8-bf16"]
