@@ -339,6 +339,7 @@ def main() -> int:
                 sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(
                     saved["MMA_PRODUCER_BLOCKS"], 1 if path != "msync" else 1 << 30
                 )
+                sparse_core.TRANSPOSED_BLOCKS = dict.fromkeys(saved["TRANSPOSED_BLOCKS"], 0)
             elif path == "t":
                 sparse_core.TRANSPOSED_BLOCKS = dict.fromkeys(saved["TRANSPOSED_BLOCKS"], 1 << 30)
             elif path:

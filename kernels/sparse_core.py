@@ -24,6 +24,10 @@ The partial kernel's paths (the constructor picks one from the rows per CTA and 
 16 / 32 rows  mma.sync m16n8k16 warps (kernels/sparse_core_mma.py): partial_mma_sync, every
               warp copying, or partial_mma_ws, a producer warpgroup copying behind mbarriers
               (16 rows, from MMA_PRODUCER_BLOCKS[cache] blocks a CTA).
+16 rows       or partial_transposed_ws (kernels/sparse_core_transposed.py): wgmma at N = 16,
+              scores and P @ V transposed, two producer warpgroups dequantizing each 64-slot
+              block once (1 .. TRANSPOSED_BLOCKS[cache] blocks a CTA: the fp8 cache, as at TP 8
+              B = 2 .. 32).
 64 rows       two warpgroups of wgmma (kernels/sparse_core_wgmma.py): partial_wgmma, or
               partial_wgmma_ws, a producer warpgroup loading (and dequantizing) behind
               mbarriers (PRODUCER), its head-group pairs sharing each block as a cluster of 2
@@ -339,7 +343,8 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         cache); only where it applies (64-row CTAs in pairs with a producer, 64-slot blocks),
         else today's kernel.
         transposed: 16-row CTAs on partial_transposed_ws (None: up to TRANSPOSED_BLOCKS[cache]
-        blocks a CTA); only at 64-slot blocks and with a producer (producer not False)."""
+        blocks a CTA where producer is None too); only at 64-slot blocks and with a producer
+        (producer not False)."""
         if slots_per_cta % 16 or k % slots_per_cta:
             raise ValueError(f"SparseCore needs slots_per_cta % 16 == 0 dividing k, got {slots_per_cta}, k={k}")
         self.q_heads, self.gathered, self.k, self.q_fp8, self.mla_fp8 = q_heads, gathered, k, q_fp8, mla_fp8
@@ -354,7 +359,8 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
         most = TRANSPOSED_BLOCKS["fp8" if mla_fp8 else "bf16"]
-        wanted = 1 <= slots_per_cta // self.block <= most if transposed is None else transposed
+        by_default = producer is None and 1 <= slots_per_cta // self.block <= most  # (producer=True: partial_mma_ws)
+        wanted = by_default if transposed is None else transposed
         self.transposed = bool(wanted) and self.heads == T_ROWS and self.block == WG_ROWS and producer is not False
         if self.transposed:
             self.producer = True

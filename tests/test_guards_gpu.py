@@ -339,6 +339,7 @@ def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(
 
     if mma_sync:
         monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", dict.fromkeys(sparse_core.MMA_PRODUCER_BLOCKS, 1 << 30))
+        monkeypatch.setattr(sparse_core, "TRANSPOSED_BLOCKS", dict.fromkeys(sparse_core.TRANSPOSED_BLOCKS, 0))
     if crossover:
         if topology.tp != 1:
             pytest.skip("the crossover pairs 64-row CTAs (TP 1)")

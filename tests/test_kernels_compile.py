@@ -902,8 +902,9 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
     k steps of scores per 8-slot tile and P @ V over the block's 16-slot steps x 8 n-tiles,
     in bf16. partial_mma_sync (every thread copies into a ring of ring_stages blocks), fp8
     rows dequantized in shared memory; the variants MMA_PRODUCER_BLOCKS puts on partial_mma_ws
-    have their own PTX test below (TP 8's bf16 cache takes partial_mma_ws at every split:
-    partial_mma_sync's planned variants here are the fp8 cache's below 8 blocks)."""
+    and TRANSPOSED_BLOCKS on partial_transposed_ws have their own PTX tests (TP 8's bf16 cache
+    takes partial_mma_ws at every split: partial_mma_sync's planned variants here are the fp8
+    cache's 32-slot ones)."""
     checked = []
     for shape_name, shape in SHAPES.items():
         names = sorted(
@@ -919,8 +920,11 @@ def test_sparse_core_has_a_variant_per_planned_split_and_uses_the_tensor_cores(p
             op = catalog.build(shape, "sparse_core", slots=op_slots).op
             heads = sparse_core.heads_per_cta(shape.q_heads)
             least = sparse_core.MMA_PRODUCER_BLOCKS["fp8" if fp8 else "bf16"]
-            assert op.mma_ws == (heads == 16 and op_slots // sparse_core.block_for(op_slots) >= least)
-            if op.mma_ws:
+            most = sparse_core.TRANSPOSED_BLOCKS["fp8" if fp8 else "bf16"]
+            block = sparse_core.block_for(op_slots)
+            assert op.transposed == (heads == 16 and block == 64 and op_slots // block <= most)
+            assert op.mma_ws == (heads == 16 and not op.transposed and op_slots // block >= least)
+            if op.mma_ws or op.transposed:  # (their own PTX tests)
                 continue
             heads = sparse_core.heads_per_cta(shape.q_heads)
             block, cols = sparse_core.block_for(op_slots), sparse_core.COLS
@@ -2003,8 +2007,10 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
             slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache)
             op = catalog.build(shape, "sparse_core", slots=slots).op
             blocks = slots // sparse_core.block_for(slots)
-            mws = rows16 and (not fp8 or blocks >= 8)
-            assert not op.wgmma and not op.reshape and op.producer == op.mma_ws == mws, (name, batch)
+            transposed = rows16 and fp8 and slots >= 64 and blocks <= 8  # (TRANSPOSED_BLOCKS)
+            mws = rows16 and not transposed and (not fp8 or blocks >= 8)
+            assert not op.wgmma and not op.reshape and op.mma_ws == mws and op.transposed == transposed, (name, batch)
+            assert op.producer == (mws or transposed)
         if rows16:
             assert catalog.build(shape, "sparse_core", slots=64, producer=True).op.mma_ws
         else:

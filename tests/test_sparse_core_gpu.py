@@ -64,6 +64,15 @@ def _slots(total: int, batch: int, k: int) -> torch.Tensor:
     return slots
 
 
+def _mma_paths(monkeypatch, least: int):
+    """16-row CTAs on the mma.sync paths: partial_mma_ws from `least` blocks a CTA (1 << 30:
+    partial_mma_sync everywhere), the transposed path off."""
+    from graphstep.kernels import sparse_core
+
+    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": least, "fp8": least})
+    monkeypatch.setattr(sparse_core, "TRANSPOSED_BLOCKS", {"bf16": 0, "fp8": 0})
+
+
 def _shifted(caches, shift: int):
     """A copy of the caches whose fp8 MLA rows are 2^shift times theirs (each 128-dim group's
     scale and the bf16 rope, exactly)."""
@@ -284,7 +293,7 @@ def _bulk_rows(monkeypatch, bulk):
     (None: sparse_core.MMA_BULK_SIXTEENTHS)."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     if bulk is not None:
         monkeypatch.setattr(sparse_core, "MMA_BULK_SIXTEENTHS", {"bf16": bulk, "fp8": bulk})
 
@@ -313,7 +322,7 @@ def test_the_combine_in_a_cluster_of_2_4_or_8_splits_matches_the_reference(monke
     (out 0, lse -inf from a cluster none of whose CTAs has a live slot)."""
     from graphstep.kernels import catalog, sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     monkeypatch.setattr(sparse_core, "CLUSTER_SPLITS", 8)
     state = _state(case)
     assert catalog.build(state.shape, "sparse_core", slots=slots_per_cta, publish=False).op.clustered
@@ -337,9 +346,8 @@ def test_the_mma_producer_path_over_fp8_matches_the_reference(monkeypatch, case,
     """partial_mma_ws's f16 consumers over the fp8 cache at the plan's split of every batch
     (B = 1 and 3: one block of 32 slots; 5: holes, a token with no slot, slots repeated; 64:
     16 blocks a CTA), bf16 query rows (their f16 powers of two) and e4m3 ones."""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     _check(case, batch)
 
 
@@ -350,9 +358,8 @@ def test_the_mma_producer_path_takes_query_elements_past_f16s_range(monkeypatch,
     past f16's 65504 (6e4; 65504, which bf16 rounds to 65536; +-7e4): each row enters its
     f16 operands x 2^(15 - its largest exponent), so the scores stay finite and exact
     (unguarded f16 operands turned them into inf)."""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     _check("q16-tp8-fp8cache", 5, slots_per_cta, big=big)
 
 
@@ -365,9 +372,8 @@ def test_the_mma_producer_path_takes_queries_and_scales_past_f16s_range(monkeypa
     the query elements (~2^22) past 65504 and P x scale (~2^-30) below f16's subnormals --
     each a zero or an inf with unguarded f16 operands; the guards' powers of two keep them
     exact."""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     _check("q16-tp8-fp8cache", batch, cache_shift=shift, q_shift=-shift)
 
 
@@ -379,9 +385,8 @@ def test_the_mma_producer_path_takes_slots_of_far_larger_scales_and_no_weight(mo
     row's largest P x scale, so those rows do not push the others' P x scale under f16's
     subnormals (a power of two from the largest scale alone did: about 0.98 relative error
     in a CPU model of the CTA)."""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     _check(case, batch, outliers=40)
 
 
@@ -390,9 +395,8 @@ def test_the_mma_producer_path_takes_e4m3_queries_with_scales_below_f16s_range(m
     P x scale (~2^-30) below f16's subnormals, the scores ~0 (nearly uniform attention).
     (Scales past 65504 need query rows x 2^-17 to keep the scores finite, below e4m3's
     range: the bf16 rows' test above has them.)"""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+    _mma_paths(monkeypatch, 1)
     _check("q16-kimi-dcp2-fp8", 5, cache_shift=-24)
 
 
@@ -401,9 +405,8 @@ def test_the_mma_producer_path_takes_e4m3_queries_with_scales_below_f16s_range(m
 def test_the_mma_path_without_the_producer_matches_the_reference(monkeypatch, case, slots_per_cta):
     """partial_mma_sync forced (bench_sparse_core.py --paths msync) whatever
     MMA_PRODUCER_BLOCKS says."""
-    from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1 << 30, "fp8": 1 << 30})
+    _mma_paths(monkeypatch, 1 << 30)
     _check(case, 5, slots_per_cta)
 
 
@@ -476,7 +479,7 @@ def test_publish_copies_the_rows_read_and_rearms_them(monkeypatch, case, slots_p
     if path == "wsx":
         _crossover(monkeypatch, CONSUMERS["wsx"])
     if mws:
-        monkeypatch.setattr(sparse_core, "MMA_PRODUCER_BLOCKS", {"bf16": 1, "fp8": 1})
+        _mma_paths(monkeypatch, 1)
     state, batch = _state(case), 6
     s, m = state.shape, state.shape.model
     kernels = Kernels(s, state.weights)
