@@ -28,8 +28,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from . import primitives as P
-from .sparse_core_layout import CONSUMER_BAR, K_STEPS, LATENT, LOG2E
-from .sparse_core_wgmma import CHUNK, DESC_K, DESC_V, TILE_BYTES, TILE_CHUNKS, WG_ROWS
+from .sparse_core_layout import CONSUMER_BAR, LATENT, LOG2E
+from .sparse_core_wgmma import CHUNK, DESC_V, TILE_BYTES, TILE_CHUNKS, WG_ROWS, wgmma_scores
 
 T_ROWS = 16  # query rows a CTA: wgmma's N
 T_CHUNK = T_ROWS * 16  # bytes between k chunks of the query tile and of P^T
@@ -39,28 +39,6 @@ T_TILES = LATENT // 64  # m64 tiles of latent dims in O^T
 T_THREADS = 128  # the computing warpgroup
 T_PRODUCERS = 2  # producer warpgroups, one share of each block's rows each
 T_VALUE_STEPS = WG_ROWS // 16  # k steps of 16 slots a block in P @ V
-
-
-def wgmma_scores_t(k_addr, q_addr) -> list:
-    """S^T[64 slots, 16 heads] = K (the block's rows in shared memory, K-major) x Q^T (the
-    16 query rows, K-major B), bf16, FP32 accumulation over 36 k steps; issued, committed
-    and waited for. Thread (warp w, g, t): s[4 j + 2 r + e] = slot 16 w + g + 8 r, head
-    8 j + 2 t + e."""
-    d = ", ".join(f"{{$w{i}}}" for i in range(8))
-    lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred first, more;"]
-    lines += P.smem_desc_lines("a0", "{$r0}", DESC_K) + P.smem_desc_lines("b0", "{$r1}", DESC_N16)
-    lines += ["setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
-    for s in range(K_STEPS):
-        lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
-        lines.append(f"add.s64 b, b0, {2 * T_CHUNK * s >> 4};")
-        lines.append(
-            f"wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {{{d}}}, a, b, "
-            f"{'first' if s == 0 else 'more'}, 1, 1, 0, 0;"
-        )
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
-    return list(
-        cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * 8, read_only_args=[k_addr, q_addr])
-    )
 
 
 def wgmma_values_t(acc, v_addr, p_addr) -> list:
@@ -189,7 +167,7 @@ class TransposedPaths:
         block's first."""
         scale = Float32(self.softmax_scale * LOG2E)
         neg_inf = Float32(-math.inf)
-        sc = wgmma_scores_t(cur, q_s)
+        sc = wgmma_scores(cur, q_s, T_ROWS, DESC_N16, T_CHUNK)  # S^T: A the block's rows, B the query rows
         for r in cutlass.range_constexpr(2):
             live = P.in_range(ids_s[s * WG_ROWS + 16 * w + g + 8 * r], pool_slots)
             for j in cutlass.range_constexpr(2):
@@ -221,25 +199,11 @@ class TransposedPaths:
                     p = P.exp2_approx(sc[4 * j + 2 * r + e] - use[2 * j + e])
                     head_sum[2 * j + e] = head_sum[2 * j + e] + p
                     P.st_shared_bf16(p_s + (2 * w + r) * T_CHUNK + 128 * j + 16 * (2 * t + e) + 2 * g, p)
-        acc = self.rescale_t(acc, alpha)
+        acc = self.rescale(acc, alpha, lambda x: 2 * ((x // 4) % 2) + x % 2)  # acc[x]: head 8 j + 2 t + e
         P.fence_proxy_async()  # P^T -> the wgmma
         P.named_sync(CONSUMER_BAR, T_THREADS)  # the block's P^T is in shared memory
         acc = wgmma_values_t(acc, cur, p_s)
         return head_max, head_sum, acc
-
-    @cute.jit
-    def rescale_t(self, acc, alpha):
-        """The 64 accumulators x their heads' factors (acc[x]: head index 2 ((x // 4) % 2) +
-        x % 2); SKIP_UNMOVED: not where no head max of the warp moved (every factor exactly 1)."""
-        out = acc
-        if cutlass.const_expr(self.skip_unmoved):
-            moved = (alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))
-            moved = moved | (alpha[2] != Float32(1.0)) | (alpha[3] != Float32(1.0))
-            if cute.arch.vote_any_sync(moved):
-                out = [acc[x] * alpha[2 * ((x // 4) % 2) + x % 2] for x in range(len(acc))]
-        else:
-            out = [acc[x] * alpha[2 * ((x // 4) % 2) + x % 2] for x in range(len(acc))]
-        return out
 
     @cute.jit
     def finish_transposed(self, acc, head_max, head_sum, red, out, lse, partial_o, partial_ml, head0, w, g, t):

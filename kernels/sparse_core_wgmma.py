@@ -91,18 +91,19 @@ DESC_K = (128 >> 4) << 32 | (CHUNK >> 4) << 16  # Q, K and P: 8-row groups 128 B
 DESC_V = (CHUNK >> 4) << 32 | (128 >> 4) << 16  # V (MN-major): 8-dim groups CHUNK apart, 8-slot groups 128 B
 
 
-def wgmma_scores(q_addr, k_addr, n: int) -> list:
+def wgmma_scores(q_addr, k_addr, n: int, b_layout: int = DESC_K, b_chunk: int = CHUNK) -> list:
     """S[64 rows, n slots] = Q (shared, K-major) x K^T (shared rows, K-major B), bf16, FP32
     accumulation over the 36 k steps of 16 dims; issued, committed and waited for in one
     asm block. Thread (warp w of the warpgroup, g, t) gets s[4 j + 2 r + e] = row 16 w + g
-    + 8 r, slot 8 j + 2 t + e."""
+    + 8 r, slot 8 j + 2 t + e. B's descriptor bits b_layout, its k chunks b_chunk bytes
+    apart (the transposed path: A the block's rows, B its 16 query rows)."""
     d = ", ".join(f"{{$w{i}}}" for i in range(n // 2))
     lines = ["{", ".reg .b64 a0, b0, a, b;", ".reg .pred first, more;"]
-    lines += P.smem_desc_lines("a0", "{$r0}", DESC_K) + P.smem_desc_lines("b0", "{$r1}", DESC_K)
+    lines += P.smem_desc_lines("a0", "{$r0}", DESC_K) + P.smem_desc_lines("b0", "{$r1}", b_layout)
     lines += ["setp.ne.b32 first, 0, 0;", "setp.eq.b32 more, 0, 0;", "wgmma.fence.sync.aligned;"]
     for s in range(K_STEPS):
         lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
-        lines.append(f"add.s64 b, b0, {2 * CHUNK * s >> 4};")
+        lines.append(f"add.s64 b, b0, {2 * b_chunk * s >> 4};")
         lines.append(
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, a, b, "
             f"{'first' if s == 0 else 'more'}, 1, 1, 0, 0;"
@@ -776,17 +777,20 @@ class WgmmaPaths:
         return acc_o
 
     @cute.jit
-    def rescale(self, acc_o, alpha):
-        """FlashMLA's consumer shape: this thread's 128 output accumulators (rows row0, row0 + 8:
-        alpha[0], alpha[1]) x their rows' factors. SKIP_UNMOVED: not where no row max of the
-        warp moved (every factor exactly 2^0 = 1: the product would be the accumulator itself)."""
+    def rescale(self, acc_o, alpha, factor_of=lambda i: (i // 2) % 2):
+        """This thread's output accumulators x their rows' factors: accumulator i by
+        alpha[factor_of(i)] (FlashMLA's consumer shape: 128 of rows row0, row0 + 8, alpha[0],
+        alpha[1]; the transposed path: 64 of 4 heads). SKIP_UNMOVED: not where no factor of
+        the warp moved (every factor exactly 2^0 = 1: the product would be the accumulator itself)."""
         out = acc_o
         if cutlass.const_expr(self.skip_unmoved):
-            moved = (alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))
+            moved = alpha[0] != Float32(1.0)
+            for a in alpha[1:]:
+                moved = moved | (a != Float32(1.0))
             if cute.arch.vote_any_sync(moved):
-                out = [acc_o[i] * alpha[(i // 2) % 2] for i in range(128)]
+                out = [acc_o[i] * alpha[factor_of(i)] for i in range(len(acc_o))]
         else:
-            out = [acc_o[i] * alpha[(i // 2) % 2] for i in range(128)]
+            out = [acc_o[i] * alpha[factor_of(i)] for i in range(len(acc_o))]
         return out
 
     @cute.jit
