@@ -873,7 +873,8 @@ class WgmmaPaths:
         producer stores each chunk into two tiles) by predicated 16-byte loads into registers
         as they are; fp8 rows by predicated loads into registers. Registers are returned for
         store_rows. Chunk j: 4 (cg0 + step j) + q4 of the row's 72 (8 dims each); a hole or a
-        slot outside the pool reads nothing (zeros)."""
+        slot outside the pool reads nothing (zeros). The one-share fp8 producers under
+        sparse_core.FP8_ROW_LOADS "16B" (wide_fp8) load the latent two chunks a load instead."""
         step = 8 // (self.block // 8)
         live = P.in_range(slot, pool_slots)
         row = Int64(P.select_i32(live, slot, 0)) * self.row_bytes
@@ -887,6 +888,16 @@ class WgmmaPaths:
                     P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
                 elif c4 < TILE_CHUNKS // 4:
                     P.cp_async_16(at + 4 * CHUNK * c4, src + 64 * c4, live)
+        elif cutlass.const_expr(self.wide_fp8):
+            # FP8_ROW_LOADS "16B": pair j of the latent (chunks 8 j + 2 q4 and + 1: 16 e4m3 at
+            # 64 j + 16 q4), then the rope's chunks 64 + q4 and 68 + q4 (cg0 is 0 at 64-slot blocks)
+            src = cache + row
+            latent, rest = (".L2::256B", ".L2::128B") if self.fp8_row_loads == "16B_L2_256B" else ("", "")
+            staged.append(P.load_f32x4_if(src + LATENT, live, rest))  # the row's 4 fp32 scales
+            for j in cutlass.range_constexpr(LATENT // 64):
+                staged.append(P.load_u32x4_if(src + 64 * j + 16 * q4, live, latent))
+            for j in cutlass.range_constexpr(2):
+                staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * j + q4), live, rest))
         else:
             src = cache + row
             if cutlass.const_expr(self.mla_fp8):
@@ -959,8 +970,36 @@ class WgmmaPaths:
         if cutlass.const_expr(remote is not None):
             there = (remote[0] + r * 16 + q4 * CHUNK, remote[1])
         pieces, scales = (staged[1:], staged[0]) if self.mla_fp8 else (staged, None)
-        for j in cutlass.range_constexpr(len(pieces)):
-            self.store_piece(pieces[j], scales, at, cg0, j, there)
+        if cutlass.const_expr(self.wide_fp8):
+            # fetch_rows' pairs: chunks 8 j + 2 q4 and + 1, at + (8 j + q4) x CHUNK (at holds
+            # q4 x CHUNK); the rope's chunks 64 + q4 and 68 + q4
+            pair_at = at + q4 * CHUNK
+            pair_there = None
+            if cutlass.const_expr(remote is not None):
+                pair_there = (there[0] + q4 * CHUNK, there[1])
+            for j in cutlass.range_constexpr(LATENT // 64):
+                self.store_pair(pieces[j], scales[j // 2], pair_at, 8 * j * CHUNK, pair_there)
+            for j in cutlass.range_constexpr(2):
+                self.put_chunk(pieces[LATENT // 64 + j], at, (64 + 4 * j) * CHUNK, there)
+        else:
+            for j in cutlass.range_constexpr(len(pieces)):
+                self.store_piece(pieces[j], scales, at, cg0, j, there)
+
+    @cute.jit
+    def store_pair(self, words, sc, at, offset, remote=None):
+        """16 e4m3 (FP8_ROW_LOADS "16B": two chunks' latent in one load) x their 128-dim scale
+        sc, rounded to bf16, as two chunks: at + offset and at + offset + CHUNK (remote: also
+        pushed, as put_chunk)."""
+        outw = []
+        if cutlass.const_expr(self.probing("no_dequant")):  # raw words: the stores without the math
+            outw = [words[0], words[1], words[0], words[1], words[2], words[3], words[2], words[3]]
+        else:
+            for i in cutlass.range_constexpr(4):
+                f = P.unpack_e4m3x4(words[i])
+                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+        self.put_chunk(outw[:4], at, offset, remote)
+        self.put_chunk(outw[4:], at, offset + CHUNK, remote)
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid, tile_rows: int = WG_ROWS, threads: int = WG_THREADS):

@@ -278,6 +278,42 @@ def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, b
         _check("q128-tp1-fp8cache", batch, cache_shift=shift, q_shift=-shift)
 
 
+@pytest.mark.parametrize("form", ["16B", "16B_L2_256B"])
+@pytest.mark.parametrize(
+    "case, slots_per_cta",
+    [
+        ("q128-tp1-fp8", None),
+        ("q128-tp1-fp8cache", 2048),
+        ("q64-kimi-tp1-fp8cache", None),
+        ("q16-tp8-fp8cache", None),
+        ("q16-tp8-fp8cache", 2048),
+        ("q16-kimi-dcp2-fp8", 64),
+    ],
+)
+@pytest.mark.parametrize("batch", [5, 64])
+def test_the_one_share_producers_wide_fp8_loads_change_no_bit(monkeypatch, case, slots_per_cta, batch, form):
+    """sparse_core.FP8_ROW_LOADS "16B" / "16B_L2_256B" (the crossover's producer at TP 1, the
+    transposed path's two at TP 8: two chunks a load) dequantize the same e4m3 and scales into
+    the same bf16 tiles as "8B": out and lse equal its bit for bit on the same inputs (and the
+    reference, within _check's tolerance). 64 heads (no crossover partner) keep 8-byte loads."""
+    from graphstep.kernels import catalog, sparse_core
+
+    _crossover(monkeypatch, CONSUMERS["wsx"])
+    _transposed(monkeypatch)
+    results = []
+    for loads in ("8B", form):
+        monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", loads)
+        shape = _state(case).shape
+        topk, cache = shape.model.index_topk, shape.topology.mla_cache
+        slots = slots_per_cta or sparse_core.plan(batch, shape.q_heads, topk, cache)
+        op = catalog.build(shape, "sparse_core", slots=slots).op
+        assert op.wide_fp8 == (loads != "8B" and (op.crossover or op.transposed))
+        torch.manual_seed(13)
+        results.append(_check(case, batch, slots_per_cta))
+    (out, lse), (wide_out, wide_lse) = results
+    assert torch.equal(out, wide_out) and torch.equal(lse, wide_lse)
+
+
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
 def test_poll_and_the_crossover(monkeypatch, case):
     """The poll (fork_poll) on the crossover: each CTA of a pair polls its own rows."""
