@@ -158,14 +158,16 @@ XOVER_RELEASES = ("cluster", "cta")
 # scorer's full wait 302 (the scorer's own work now bounds the block). Session 21's same prefetch
 # was no lever while the consumers' cluster-scope releases bounded the block.
 XOVER_PREFETCH = True
-# How the one-share fp8 producers (the crossover's, the transposed path's two warpgroups) load a
-# row's latent: "8B", an 8-byte load a bf16 chunk (16 latent + 2 rope + 1 scale loads a thread a
-# block); "16B", FlashMLA's map (levers.md A.1 F4), a 16-byte load of two chunks (8 + 2 + 1: half
-# the load instructions and requests for the same bytes); "16B_L2_256B", the same with the
-# `.L2::256B` prefetch size on the latent's loads and `.L2::128B` on the rope's and scales', as
-# FlashMLA's (each L2 miss fetching 256 bytes of the row). Built in session 36 for the transposed
-# path's producers at TP 8 fp8 B = 64 (alone 47.0 us against the bare gather's 38.7, session 35)
-# and the crossover's at TP 1; not yet measured, so "8B" (every variant's PTX as before).
+# How the wgmma paths' threads that dequantize fp8 rows (the transposed path's two producer
+# warpgroups, the crossover's producer, partial_wgmma_ws's and partial_wgmma's, at 64-slot blocks)
+# load a row's latent: "8B", an 8-byte load a bf16 chunk (16 latent + 2 rope + 1 scale loads a
+# row share a block); "16B", FlashMLA's map (levers.md A.1 F4), a 16-byte load of two chunks
+# (8 + 2 + 1: half the load instructions and requests for the same bytes); "16B_L2_256B", the same
+# with the `.L2::256B` prefetch size on the latent's loads and `.L2::128B` on the rope's and
+# scales', as FlashMLA's (each L2 miss fetching 256 bytes of the row). Built in session 36 for the
+# transposed path's producers at TP 8 fp8 B = 64 (alone 47.0 us against the bare gather's 38.7,
+# session 35) and the crossover's at TP 1; not yet measured, so "8B" (every variant's PTX as
+# before; levers.md S.12).
 FP8_ROW_LOADS = "8B"
 FP8_ROW_LOAD_FORMS = ("8B", "16B", "16B_L2_256B")
 # FlashMLA's consumer shape (scorer and values warpgroups) rescales its 128 output accumulators a
@@ -421,8 +423,10 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
         # (the transposed path's two producer warpgroups load one share each, as crossover CTAs)
         self.prefetch = (self.crossover or self.transposed) and mla_fp8 and bool(XOVER_PREFETCH)
-        # the one-share fp8 producers' loads (the others keep 8-byte pieces: their maps differ)
-        self.fp8_row_loads = FP8_ROW_LOADS if (self.crossover or self.transposed) and mla_fp8 else "8B"
+        # the fp8 rows' loads of the wgmma paths' producers at 64-slot blocks (fetch_rows; the
+        # mma.sync paths copy raw rows, and smaller blocks map a row's chunks over more threads)
+        wide_map = (self.wgmma or self.transposed) and self.block == WG_ROWS
+        self.fp8_row_loads = FP8_ROW_LOADS if wide_map and mla_fp8 else "8B"
         self.wide_fp8 = self.fp8_row_loads != "8B"
         self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"

@@ -873,8 +873,8 @@ class WgmmaPaths:
         producer stores each chunk into two tiles) by predicated 16-byte loads into registers
         as they are; fp8 rows by predicated loads into registers. Registers are returned for
         store_rows. Chunk j: 4 (cg0 + step j) + q4 of the row's 72 (8 dims each); a hole or a
-        slot outside the pool reads nothing (zeros). The one-share fp8 producers under
-        sparse_core.FP8_ROW_LOADS "16B" (wide_fp8) load the latent two chunks a load instead."""
+        slot outside the pool reads nothing (zeros). fp8 rows under sparse_core.FP8_ROW_LOADS
+        "16B" (wide_fp8, 64-slot blocks): the latent two chunks a load instead."""
         step = 8 // (self.block // 8)
         live = P.in_range(slot, pool_slots)
         row = Int64(P.select_i32(live, slot, 0)) * self.row_bytes

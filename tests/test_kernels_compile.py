@@ -1888,46 +1888,61 @@ def test_the_consumers_skip_unmoved_rescales_when_asked(tmp_path, monkeypatch, s
     assert votes == {False: 0, True: 2}, votes
 
 
+TP1_FP8_CACHE = RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache="fp8"))  # bf16 query rows: cp.async
+# the wgmma paths whose threads load and dequantize fp8 rows (FP8_ROW_LOADS): (shape, build choices)
+FP8_ROW_PATHS = {
+    "crossover": (TP1_FP8_CACHE, {"slots": 2048, "publish": False}),
+    "producer": (TP1_FP8_CACHE, {"slots": 2048, "publish": False, "producer": True, "crossover": False}),
+    "plain": (TP1_FP8_CACHE, {"slots": 512, "producer": False}),
+    "transposed": (
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
+        {"slots": 512, "transposed": True},
+    ),
+}
+
+
 @pytest.mark.parametrize("form", sparse_core.FP8_ROW_LOAD_FORMS)
-@pytest.mark.parametrize("where", ["tp1-fp8-crossover", "tp8-fp8-transposed"])
-def test_the_one_share_fp8_producers_load_rows_as_fp8_row_loads_says(tmp_path, monkeypatch, where, form):
-    """sparse_core.FP8_ROW_LOADS: the one-share fp8 producers (the crossover's at TP 1, the
-    transposed path's two warpgroups at TP 8) load a row's latent by 16 8-byte loads ("8B", the
-    default) or by 8 16-byte loads of two chunks ("16B": FlashMLA's map; "16B_L2_256B" with the
-    L2 prefetch sizes), beside the scales' and the rope's 3: the row loads in the producer's
-    PTX twice (its prefetch: block 0 before the loop, then a block ahead), every bf16 chunk still
-    stored once (72 a row: 18 a thread) and widened from e4m3 as before (64 a row); registers
-    within the CTA, the stack as the path's default (168 registers and none for the crossover,
-    TRANSPOSED_FRAME for the transposed path). The other fp8 producers (two shares a thread)
-    keep their 8-byte pieces whatever the knob says."""
+@pytest.mark.parametrize("path", FP8_ROW_PATHS)
+def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypatch, path, form):
+    """sparse_core.FP8_ROW_LOADS: the wgmma paths' threads that dequantize fp8 rows (the
+    crossover's producer, partial_wgmma_ws's, partial_wgmma's, the transposed path's two
+    producer warpgroups) load a row share's latent by 16 8-byte loads ("8B", the default) or by
+    8 16-byte loads of two chunks ("16B": FlashMLA's map; "16B_L2_256B" with the L2 prefetch
+    sizes), beside its scales' and rope's 3 loads: for every scales load (a row share in the
+    code: shares a thread, and the prefetch's copy before the loop) 16 + 2 or 10 row loads, 16
+    or 0 of 8 bytes; every bf16 chunk still widened from e4m3 (64 conversions a row share);
+    registers within the CTA (168 and no stack for the producer paths, TRANSPOSED_FRAME for
+    the transposed path). The bf16 cache and the mma.sync paths keep their loads."""
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", form)
-    if where == "tp1-fp8-crossover":
-        variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False)
-        assert variant.op.crossover
-        two_share = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, crossover=False, producer=True).op
-        assert two_share.fp8_row_loads == "8B" and not two_share.wide_fp8
-    else:
-        variant = catalog.build(TP8_CACHES["tp8-fp8"], "sparse_core", slots=512, transposed=True)
-        assert variant.op.transposed
-        bf16 = catalog.build(TP8_CACHES["tp8-bf16"], "sparse_core", slots=512, transposed=True).op
-        assert bf16.fp8_row_loads == "8B" and not bf16.wide_fp8
+    shape, choices = FP8_ROW_PATHS[path]
+    variant = catalog.build(shape, "sparse_core", **choices)
     op = variant.op
-    assert op.prefetch and op.fp8_row_loads == form and op.wide_fp8 == (form != "8B")
+    assert (op.crossover, op.producer, op.transposed) == {
+        "crossover": (True, True, False),
+        "producer": (False, True, False),
+        "plain": (False, False, False),
+        "transposed": (False, True, True),
+    }[path]
+    assert op.fp8_row_loads == form and op.wide_fp8 == (form != "8B")
+    bf16 = RankShape(preset("deepseek-v3.2"), Topology(tp=1 if path != "transposed" else 8))
+    assert catalog.build(bf16, "sparse_core", **choices).op.fp8_row_loads == "8B"
+    mma = catalog.build(shape, "sparse_core", slots=512, transposed=False).op if path == "transposed" else None
+    assert mma is None or (not mma.transposed and mma.fp8_row_loads == "8B")
     partial, found = _compile_partial(tmp_path, variant)
-    producer = _producer_ptx(partial, op) if op.crossover else partial[partial.index("setp") :]
-    wide = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.b32", producer))
-    narrow = len(re.findall(r"ld\.global\.v2\.b32", producer))
-    scales = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.f32", producer))
-    hinted = {size: len(re.findall(rf"ld\.global\.L2::{size}B\.v4", producer)) for size in (128, 256)}
-    if form == "8B":
-        assert (wide, narrow, scales) == (2 * 2, 2 * 16, 2), (wide, narrow, scales)
-    else:
-        assert (wide, narrow, scales) == (2 * 10, 0, 2), (wide, narrow, scales)
-    assert hinted == ({128: 2 * 3, 256: 2 * 8} if form == "16B_L2_256B" else {128: 0, 256: 0}), hinted
-    assert producer.count("cvt.rn.f16x2.e4m3x2") >= 2 * 32  # (the transposed path's query rows: bf16)
-    if op.crossover:
+    code = _producer_ptx(partial, op) if op.producer and not op.transposed else partial
+    wide = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.b32", code))
+    narrow = len(re.findall(r"ld\.global\.v2\.b32", code))
+    scales = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.f32", code))
+    hinted = {size: len(re.findall(rf"ld\.global\.L2::{size}B\.v4", code)) for size in (128, 256)}
+    copies = 2  # row shares in the code: two a producer thread, or the first block's and the loop's
+    assert scales == copies, scales
+    assert (wide, narrow) == ((2 * copies, 16 * copies) if form == "8B" else (10 * copies, 0)), (wide, narrow)
+    assert hinted == ({128: 3 * copies, 256: 8 * copies} if form == "16B_L2_256B" else {128: 0, 256: 0}), hinted
+    assert code.count("cvt.rn.f16x2.e4m3x2") == 64 * (
+        copies if path == "plain" else copies // 2 if op.prefetch else copies
+    )
+    if op.producer and not op.transposed:
         assert found == {"regs": 168, "frame": 0}, found
-        assert producer.count("st.async") == 18 and producer.count("st.shared.v4.b32") == 18
     else:
         assert found["regs"] * op.threads <= 65536 and found["frame"] <= TRANSPOSED_FRAME, found
 

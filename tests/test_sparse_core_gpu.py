@@ -280,34 +280,38 @@ def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, b
 
 @pytest.mark.parametrize("form", ["16B", "16B_L2_256B"])
 @pytest.mark.parametrize(
-    "case, slots_per_cta",
+    "case, slots_per_cta, producer",
     [
-        ("q128-tp1-fp8", None),
-        ("q128-tp1-fp8cache", 2048),
-        ("q64-kimi-tp1-fp8cache", None),
-        ("q16-tp8-fp8cache", None),
-        ("q16-tp8-fp8cache", 2048),
-        ("q16-kimi-dcp2-fp8", 64),
+        ("q128-tp1-fp8", None, None),  # the crossover
+        ("q128-tp1-fp8cache", 2048, None),
+        ("q128-tp1-fp8cache", 512, False),  # partial_wgmma
+        ("q64-kimi-tp1-fp8cache", None, None),  # partial_wgmma_ws, two shares a producer thread
+        ("q16-tp8-fp8cache", None, None),  # the transposed path
+        ("q16-tp8-fp8cache", 2048, None),
+        ("q16-kimi-dcp2-fp8", 64, None),
     ],
 )
 @pytest.mark.parametrize("batch", [5, 64])
-def test_the_one_share_producers_wide_fp8_loads_change_no_bit(monkeypatch, case, slots_per_cta, batch, form):
-    """sparse_core.FP8_ROW_LOADS "16B" / "16B_L2_256B" (the crossover's producer at TP 1, the
-    transposed path's two at TP 8: two chunks a load) dequantize the same e4m3 and scales into
-    the same bf16 tiles as "8B": out and lse equal its bit for bit on the same inputs (and the
-    reference, within _check's tolerance). 64 heads (no crossover partner) keep 8-byte loads."""
+def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, producer, batch, form):
+    """sparse_core.FP8_ROW_LOADS "16B" / "16B_L2_256B" (the wgmma paths' fp8 rows two chunks
+    a load) dequantize the same e4m3 and scales into the same bf16 tiles as "8B": out and lse
+    equal its bit for bit on the same inputs (and the reference, within _check's tolerance)."""
     from graphstep.kernels import catalog, sparse_core
 
     _crossover(monkeypatch, CONSUMERS["wsx"])
     _transposed(monkeypatch)
+    if producer is not None:
+        monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, producer))
     results = []
     for loads in ("8B", form):
         monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", loads)
         shape = _state(case).shape
         topk, cache = shape.model.index_topk, shape.topology.mla_cache
-        slots = slots_per_cta or sparse_core.plan(batch, shape.q_heads, topk, cache)
-        op = catalog.build(shape, "sparse_core", slots=slots).op
-        assert op.wide_fp8 == (loads != "8B" and (op.crossover or op.transposed))
+        op = catalog.build(
+            shape, "sparse_core", slots=slots_per_cta or sparse_core.plan(batch, shape.q_heads, topk, cache)
+        ).op
+        assert op.wide_fp8 == (loads != "8B" and (op.wgmma or op.transposed) and op.block == 64)
+        assert producer is None or op.producer == producer
         torch.manual_seed(13)
         results.append(_check(case, batch, slots_per_cta))
     (out, lse), (wide_out, wide_lse) = results
