@@ -1700,17 +1700,19 @@ def test_the_crossover_keeps_its_probes(tmp_path, monkeypatch, shape_name, probe
     _check_crossover(partial, variant.op)
 
 
-def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, monkeypatch):
+@pytest.mark.parametrize("form", sparse_core.FP8_ROW_LOAD_FORMS)
+def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, monkeypatch, form):
     """bench_sparse_core.py --probes no_dequant (the crossover over the fp8 cache): the producer
-    stores its 16 latent pieces a block raw, so exactly their 4 e4m3 conversions each go (the
-    query rows' stay), at the same 168 registers; no stack by default, at most 24 bytes under the
-    probe (ptxas keeps some of the prefetching producer's raw words in local memory: the probe's
-    time is an upper bound); elsewhere the probe is refused."""
+    stores its 16 latent chunks a block raw (FP8_ROW_LOADS "16B": 8 pairs), so exactly their 64
+    e4m3 conversions go (the query rows' stay), at the same 168 registers; no stack by default,
+    at most 24 bytes under the probe (ptxas keeps some of the prefetching producer's raw words in
+    local memory: the probe's time is an upper bound); elsewhere the probe is refused."""
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", form)
     counts = {}
     for probe in ("", "no_dequant"):
         monkeypatch.setattr(sparse_core, "PROBE", probe)
         variant = catalog.build(TP1["tp1-fp8"], "sparse_core", slots=2048, publish=False, producer=True)
-        assert variant.op.crossover and variant.op.probe == probe
+        assert variant.op.crossover and variant.op.probe == probe and variant.op.fp8_row_loads == form
         partial, found = _compile_partial(tmp_path / (probe or "default"), variant)
         assert found["regs"] == 168 and found["frame"] <= (24 if probe else 0), (probe, found)
         counts[probe] = partial.count("cvt.rn.f16x2.e4m3x2")
