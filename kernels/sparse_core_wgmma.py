@@ -935,16 +935,7 @@ class WgmmaPaths:
         if cutlass.const_expr(self.mla_fp8 and step * (j + 1) <= LATENT // 32):
             # chunk 4 c4 + q4 < 64: its scale is scales[c4 // 4], and c4 // 4 = step j // 4
             # for every cg0 < step (step divides 4)
-            sc = scales[step * j // 4]
-            outw = []
-            if cutlass.const_expr(self.probing("no_dequant")):  # raw words: the stores without the math
-                outw = [words[0], words[1], words[0], words[1]]
-            else:
-                for i in cutlass.range_constexpr(2):
-                    f = P.unpack_e4m3x4(words[i])
-                    outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
-                    outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
-            self.put_chunk(outw, at, 4 * CHUNK * c4, remote)
+            self.put_chunk(self.dequantize(words, scales[step * j // 4]), at, 4 * CHUNK * c4, remote)
         elif cutlass.const_expr(not self.mla_fp8 and step * (j + 1) <= TILE_CHUNKS // 4):
             self.put_chunk(words, at, 4 * CHUNK * c4, remote)  # (every thread's chunk is in the row)
         elif cutlass.const_expr(step * j < TILE_CHUNKS // 4):
@@ -990,16 +981,22 @@ class WgmmaPaths:
         """16 e4m3 (FP8_ROW_LOADS "16B": two chunks' latent in one load) x their 128-dim scale
         sc, rounded to bf16, as two chunks: at + offset and at + offset + CHUNK (remote: also
         pushed, as put_chunk)."""
+        first, second = self.dequantize(words[:2], sc), self.dequantize(words[2:], sc)
+        self.put_chunk(first, at, offset, remote)
+        self.put_chunk(second, at, offset + CHUNK, remote)
+
+    @cute.jit
+    def dequantize(self, words, sc) -> list:
+        """A chunk's 8 e4m3 (two words) x its 128-dim scale sc, rounded to bf16: the chunk's 4
+        words (the no_dequant probe: the raw words twice over, the same stores without the math)."""
+        if cutlass.const_expr(self.probing("no_dequant")):
+            return [words[0], words[1], words[0], words[1]]
         outw = []
-        if cutlass.const_expr(self.probing("no_dequant")):  # raw words: the stores without the math
-            outw = [words[0], words[1], words[0], words[1], words[2], words[3], words[2], words[3]]
-        else:
-            for i in cutlass.range_constexpr(4):
-                f = P.unpack_e4m3x4(words[i])
-                outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
-                outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
-        self.put_chunk(outw[:4], at, offset, remote)
-        self.put_chunk(outw[4:], at, offset + CHUNK, remote)
+        for i in cutlass.range_constexpr(2):
+            f = P.unpack_e4m3x4(words[i])
+            outw.append(P.pack_bf16x2(f[0] * sc, f[1] * sc))
+            outw.append(P.pack_bf16x2(f[2] * sc, f[3] * sc))
+        return outw
 
     @cute.jit
     def load_query_tile(self, rows, head0, q_s, tid, tile_rows: int = WG_ROWS, threads: int = WG_THREADS):
