@@ -158,17 +158,19 @@ XOVER_RELEASES = ("cluster", "cta")
 # scorer's full wait 302 (the scorer's own work now bounds the block). Session 21's same prefetch
 # was no lever while the consumers' cluster-scope releases bounded the block.
 XOVER_PREFETCH = True
-# How the wgmma paths' threads that dequantize fp8 rows (the transposed path's two producer
-# warpgroups, the crossover's producer, partial_wgmma_ws's and partial_wgmma's, at 64-slot blocks)
-# load a row's latent: "8B", an 8-byte load a bf16 chunk (16 latent + 2 rope + 1 scale loads a
-# row share a block); "16B", FlashMLA's map (levers.md A.1 F4), a 16-byte load of two chunks
-# (8 + 2 + 1: half the load instructions and requests for the same bytes); "16B_L2_256B", the same
-# with the `.L2::256B` prefetch size on the latent's loads and `.L2::128B` on the rope's and
-# scales', as FlashMLA's (each L2 miss fetching 256 bytes of the row). Built in session 36 for the
-# transposed path's producers at TP 8 fp8 B = 64 (alone 47.0 us against the bare gather's 38.7,
-# session 35) and the crossover's at TP 1; not yet measured, so "8B" (every variant's PTX as
-# before; levers.md S.12).
-FP8_ROW_LOADS = "8B"
+# How the wgmma paths' threads that dequantize fp8 rows load a row's latent, at 64-slot blocks, by
+# path: "transposed" (the transposed path's two producer warpgroups, TP 8) and "wgmma" (the
+# crossover's producer, partial_wgmma_ws's and partial_wgmma's: 64-row CTAs). "8B": an 8-byte load
+# a bf16 chunk (16 latent + 2 rope + 1 scale loads a row share a block); "16B": FlashMLA's map
+# (levers.md A.1 F4), a 16-byte load of two chunks (8 + 2 + 1: half the load instructions and
+# requests for the same bytes); "16B_L2_256B": the same with the `.L2::256B` prefetch size on the
+# latent's loads and `.L2::128B` on the rope's and scales', as FlashMLA's. out and lse are the same
+# bits under every form. Measured (session 37, H200, SparseCore alone, us): the transposed path at
+# TP 8 fp8 B = 16 / 32 / 64 19.1 / 28.9 / 48.6 -> 17.6 / 26.8 / 44.3 with "16B" (its producers alone
+# 38.3 -> 33.5 at B = 64; "16B_L2_256B" the same within 0.1); the wgmma paths lose a little, TP 1
+# fp8 (the crossover) B = 64 90.4 -> 92.9, TP 2 fp8 (partial_wgmma_ws) 72.1 -> 73.2, B = 16 within
+# 0.3 (levers.md S.12).
+FP8_ROW_LOADS = {"transposed": "16B", "wgmma": "8B"}
 FP8_ROW_LOAD_FORMS = ("8B", "16B", "16B_L2_256B")
 # FlashMLA's consumer shape (scorer and values warpgroups) rescales its 128 output accumulators a
 # block only where some row max of the warp moved (a warp vote; the factors are then exactly 1, so
@@ -244,7 +246,7 @@ KNOBS = {
     "XOVER_FULL_WAIT": str,
     "XOVER_RELEASE": str,
     "XOVER_PREFETCH": bool,
-    "FP8_ROW_LOADS": str,
+    "FP8_ROW_LOADS": dict,
     "SKIP_UNMOVED": bool,
     "MMA_PRODUCER_BLOCKS": dict,
     "TRANSPOSED_BLOCKS": dict,
@@ -426,7 +428,8 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         # the fp8 rows' loads of the wgmma paths' producers at 64-slot blocks (fetch_rows; the
         # mma.sync paths copy raw rows, and smaller blocks map a row's chunks over more threads)
         wide_map = (self.wgmma or self.transposed) and self.block == WG_ROWS
-        self.fp8_row_loads = FP8_ROW_LOADS if wide_map and mla_fp8 else "8B"
+        form = FP8_ROW_LOADS["transposed" if self.transposed else "wgmma"]
+        self.fp8_row_loads = form if wide_map and mla_fp8 else "8B"
         self.wide_fp8 = self.fp8_row_loads != "8B"
         self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
@@ -435,8 +438,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
             ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),
             ("XOVER_RELEASE", XOVER_RELEASE, XOVER_RELEASES),
             ("XOVER_PUSH", XOVER_PUSH, XOVER_PUSHES),
-            ("FP8_ROW_LOADS", FP8_ROW_LOADS, FP8_ROW_LOAD_FORMS),
-        ):
+        ) + tuple((f"FP8_ROW_LOADS[{path!r}]", form, FP8_ROW_LOAD_FORMS) for path, form in FP8_ROW_LOADS.items()):
             if value not in allowed:
                 raise ValueError(f"sparse_core.{name} must be one of {allowed}, got {value!r}")
         for probe in ("no_push", "cta_full"):

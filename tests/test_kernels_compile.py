@@ -1707,7 +1707,7 @@ def test_the_no_dequant_probe_drops_only_the_producers_conversions(tmp_path, mon
     e4m3 conversions go (the query rows' stay), at the same 168 registers; no stack by default,
     at most 24 bytes under the probe (ptxas keeps some of the prefetching producer's raw words in
     local memory: the probe's time is an upper bound); elsewhere the probe is refused."""
-    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", form)
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, form))
     counts = {}
     for probe in ("", "no_dequant"):
         monkeypatch.setattr(sparse_core, "PROBE", probe)
@@ -1915,7 +1915,7 @@ def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypat
     or 0 of 8 bytes; every bf16 chunk still widened from e4m3 (64 conversions a row share);
     registers within the CTA (168 and no stack for the producer paths, TRANSPOSED_FRAME for
     the transposed path). The bf16 cache and the mma.sync paths keep their loads."""
-    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", form)
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, form))
     shape, choices = FP8_ROW_PATHS[path]
     variant = catalog.build(shape, "sparse_core", **choices)
     op = variant.op
@@ -1947,6 +1947,25 @@ def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypat
         assert found == {"regs": 168, "frame": 0}, found
     else:
         assert found["regs"] * op.threads <= 65536 and found["frame"] <= TRANSPOSED_FRAME, found
+
+
+def test_fp8_row_loads_default_to_16_bytes_on_the_transposed_path_only(monkeypatch):
+    """sparse_core.FP8_ROW_LOADS by path (session 37, H200): the transposed path's producers take
+    "16B" (TP 8 fp8 B = 64 48.6 -> 44.3 us), the 64-row wgmma paths "8B" (TP 1's crossover lost
+    2.8% with 16); a path's form follows its own key only, and a form not in
+    FP8_ROW_LOAD_FORMS is refused by name."""
+    assert sparse_core.FP8_ROW_LOADS == {"transposed": "16B", "wgmma": "8B"}
+    for path, form in (("transposed", "16B"), ("crossover", "8B"), ("producer", "8B"), ("plain", "8B")):
+        shape, choices = FP8_ROW_PATHS[path]
+        assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "8B", "wgmma": "16B_L2_256B"})
+    for path, form in (("transposed", "8B"), ("crossover", "16B_L2_256B"), ("plain", "16B_L2_256B")):
+        shape, choices = FP8_ROW_PATHS[path]
+        assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "32B", "wgmma": "8B"})
+    shape, choices = FP8_ROW_PATHS["crossover"]
+    with pytest.raises(ValueError, match=r"FP8_ROW_LOADS\['transposed'\] must be one of"):
+        catalog.build(shape, "sparse_core", **choices)
 
 
 TP8_CACHES = {

@@ -304,7 +304,7 @@ def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, prod
         monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, producer))
     results = []
     for loads in ("8B", form):
-        monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", loads)
+        monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, loads))
         shape = _state(case).shape
         topk, cache = shape.model.index_topk, shape.topology.mla_cache
         op = catalog.build(
