@@ -172,6 +172,7 @@ XOVER_PREFETCH = True
 # 0.3 (levers.md S.12).
 FP8_ROW_LOADS = {"transposed": "16B", "wgmma": "8B"}
 FP8_ROW_LOAD_FORMS = ("8B", "16B", "16B_L2_256B")
+FP8_ROW_LOAD_PATHS = ("transposed", "wgmma")  # FP8_ROW_LOADS' keys
 # FlashMLA's consumer shape (scorer and values warpgroups) rescales its 128 output accumulators a
 # block only where some row max of the warp moved (a warp vote; the factors are then exactly 1, so
 # skipping is exact): SKIP_UNMOVED. Session 30's trace (TP 1 fp8, B = 64, H100, XOVER_PREFETCH):
@@ -425,22 +426,24 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
         # (the transposed path's two producer warpgroups load one share each, as crossover CTAs)
         self.prefetch = (self.crossover or self.transposed) and mla_fp8 and bool(XOVER_PREFETCH)
+        self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
+        self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
+        self.release_scope = XOVER_RELEASE
+        row_loads = [(f"FP8_ROW_LOADS[{p!r}]", FP8_ROW_LOADS.get(p), FP8_ROW_LOAD_FORMS) for p in FP8_ROW_LOAD_PATHS]
+        for name, value, allowed in (
+            ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),
+            ("XOVER_RELEASE", XOVER_RELEASE, XOVER_RELEASES),
+            ("XOVER_PUSH", XOVER_PUSH, XOVER_PUSHES),
+            *row_loads,
+        ):
+            if value not in allowed:
+                raise ValueError(f"sparse_core.{name} must be one of {allowed}, got {value!r}")
         # the fp8 rows' loads of the wgmma paths' producers at 64-slot blocks (fetch_rows; the
         # mma.sync paths copy raw rows, and smaller blocks map a row's chunks over more threads)
         wide_map = (self.wgmma or self.transposed) and self.block == WG_ROWS
         form = FP8_ROW_LOADS["transposed" if self.transposed else "wgmma"]
         self.fp8_row_loads = form if wide_map and mla_fp8 else "8B"
         self.wide_fp8 = self.fp8_row_loads != "8B"
-        self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
-        self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
-        self.release_scope = XOVER_RELEASE
-        for name, value, allowed in (
-            ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),
-            ("XOVER_RELEASE", XOVER_RELEASE, XOVER_RELEASES),
-            ("XOVER_PUSH", XOVER_PUSH, XOVER_PUSHES),
-        ) + tuple((f"FP8_ROW_LOADS[{path!r}]", form, FP8_ROW_LOAD_FORMS) for path, form in FP8_ROW_LOADS.items()):
-            if value not in allowed:
-                raise ValueError(f"sparse_core.{name} must be one of {allowed}, got {value!r}")
         for probe in ("no_push", "cta_full"):
             if self.probing(probe) and not self.crossover:
                 raise ValueError(f"sparse_core.PROBE {probe!r} probes the crossover only")
