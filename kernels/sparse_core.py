@@ -117,7 +117,9 @@ XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape
 # it there as wgmma's A (SS). Registers re-dealt 200 / 176 / 128 with it (spill-free). Measured
 # (session 29, TP 1, H100): -3.4% at fp8 B = 64, +0.6% over bf16, the TP 1 step unchanged --
 # what held the values warpgroup was its shared loads before the MMAs, not the SS operand
-# (levers.md S.9) -- so off.
+# (levers.md S.9) -- so off. Re-measured on today's crossover (session 39, H100, two runs): fp8
+# B = 4 / 16 / 64 -2.5 / -1.2 / -1.8% then +1.3 / -1.0 / -0.6%, bf16 within 1.3%, the TP 1 fp8
+# step at B = 4 / 64 within 1.4 us both ways: still off.
 VALUES_RS = False
 # How the crossover's producer puts its half of each block into the peer CTA's tile: "st_async"
 # (each thread's 16-byte chunks by st.async as it stores them locally: 18 a thread a block
