@@ -431,9 +431,6 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
         self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
         self.release_scope = XOVER_RELEASE
-        unknown = sorted(set(FP8_ROW_LOADS) - set(FP8_ROW_LOAD_PATHS), key=str)
-        if unknown:
-            raise ValueError(f"sparse_core.FP8_ROW_LOADS' keys must be some of {FP8_ROW_LOAD_PATHS}, got {unknown}")
         row_loads = [(f"FP8_ROW_LOADS[{p!r}]", FP8_ROW_LOADS.get(p), FP8_ROW_LOAD_FORMS) for p in FP8_ROW_LOAD_PATHS]
         for name, value, allowed in (
             ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),

@@ -309,6 +309,10 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
         ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now 128)"),
         ("sparse_core.PRODUCER=True", "sparse_core.PRODUCER takes a dict"),
         ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
+        (
+            "sparse_core.FP8_ROW_LOADS={'transposed': '16B', 'wgmma': '8B', 'wgmm': '16B'}",
+            "takes the keys ['transposed', 'wgmma']",
+        ),
         ("sparse_core.PRODUCER={'fp8': 'no', 'bf16': True}", "sparse_core.PRODUCER['fp8'] takes a bool (now True)"),
         ("sparse_core.MMA_BULK_SIXTEENTHS={'fp8': 9, 'bf16': 10.5}", "MMA_BULK_SIXTEENTHS['bf16'] takes an int"),
         ("sparse_core.MMA_PRODUCER_BLOCKS={'fp8': None, 'bf16': 1}", "MMA_PRODUCER_BLOCKS['fp8'] takes an int"),
