@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from . import guards
 from . import primitives as P
-from .top_k import ALL, CHUNK, LOADS, PAGE, THREADS, RadixSelect, element, order_key
+from .top_k import ALL, PAGE, THREADS, WARPS, RadixSelect, order_key
 
 NEG_INF_BITS = 0xFF800000
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
@@ -47,7 +47,10 @@ class DcpMerge(RadixSelect):
     def __init__(self, k: int, dcp: int, rank: int, pdl: bool = True):
         if dcp < 2:
             raise ValueError(f"DcpMerge needs dcp >= 2, got {dcp}")
+        if k % 4:
+            raise ValueError(f"DcpMerge needs k a multiple of 4 (16-byte loads), got {k}")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
+        self.vectors = -(-dcp * k // (4 * THREADS))  # 16-byte vectors a thread holds
 
     @cute.jit
     def __call__(
@@ -95,63 +98,75 @@ class DcpMerge(RadixSelect):
         error: cute.Pointer,
         pool_pages: Int32,
     ):
+        # the ranks' offsets are set up once, never written by the step: read before the wait
+        offsets = [P.load_i64(peer_offsets + r) // 4 for r in range(self.dcp)]
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
-        peers = (peer_scores, peer_positions, peer_offsets, token_stride)
-        source = (token, own_scores, own_positions, peers)
+        # Every candidate loaded once: thread t holds vector v's elements 4 (v THREADS + t) ..
+        # + 3 of [rank 0's k | rank 1's k | ...] (a vector never straddles two ranks: 4 | k),
+        # and, for its own rank's, their positions and the block-table pages they map to.
+        table = block_tables + token * pages_per_seq
+        peers = (peer_scores, peer_positions, offsets, token_stride)
+        held = []  # per vector: (index in own list or -1, words, valids, positions, pages)
+        for v in cutlass.range_constexpr(self.vectors):
+            c = (v * THREADS + tid) * 4
+            live = c < self.dcp * self.k
+            rank, i = c // self.k, c % self.k
+            own = live and rank == self.rank
+            mine = P.load_u32x4_if(own_scores + token * self.k + i, own)
+            theirs = P.load_u32x4_if(self.peer_row(peers, 0, token, rank) + i, live and rank != self.rank)
+            words = [mine[j] | theirs[j] for j in range(4)]
+            valids = [live and words[j] != Uint32(NEG_INF_BITS) for j in range(4)]
+            positions = P.load_i32x4_if(own_positions + token * self.k + i, own)
+            pages = []
+            for j in cutlass.range_constexpr(4):
+                local = positions[j] // self.dcp  # read only where in range (store_slot checks)
+                ok = own and P.in_range(positions[j], pages_per_seq * PAGE * self.dcp)
+                pages.append(P.load_i32_if(table + P.select_i32(ok, local, 0) // PAGE, ok))
+            held.append((P.select_i32(own, i, -1), words, valids, positions, pages))
+
+        source = (token, own_scores, own_positions, peers, held)
         count = self.dcp * self.k
         threshold, need = self.find_threshold(source, count, self.k, hist, scratch, chosen, tid, lane, warp)
 
-        # This rank's selected candidates, compacted in their (ascending position) order.
-        lower_lanes = (Int32(1) << lane) - Int32(1)
-        kept = Int32(0)  # selected candidates of the chunks before this one
-        for start in range(0, self.k, CHUNK):
-            words, valids = self.segment(source, start, warp, lane, own_only=True)
-            takes, positions = [], []
-            warp_count = Int32(0)
-            for e in cutlass.range_constexpr(4 * LOADS):
-                key = order_key(words[e])
-                index = cutlass.min(element(start, warp, lane, e), self.k - 1)
-                position = P.load_i32(own_positions + token * self.k + index)
+        # This rank's selected candidates, compacted in their (ascending position) order:
+        # one block scan of the threads' counts per vector (vector order is list order).
+        kept = Int32(0)  # selected candidates of the vectors before this one
+        for v in cutlass.range_constexpr(self.vectors):
+            index, words, valids, positions, pages = held[v]
+            takes = []
+            mine = Int32(0)
+            for j in cutlass.range_constexpr(4):
+                key = order_key(words[j])
                 # need == ALL: every candidate at the threshold is taken, no tie count
-                take = valids[e] and (key > threshold or (key == threshold and need == ALL))
-                if valids[e] and key == threshold and need != ALL:
-                    take = self.tied_before(source, position, words[e], count) < need
-                takes.append(cute.arch.vote_ballot_sync(take))
-                positions.append(position)
-                warp_count = warp_count + cute.arch.popc(takes[e])
-            before, total = self.warp_scan(warp_count, scratch, lane, warp)
+                take = index >= 0 and valids[j] and (key > threshold or (key == threshold and need == ALL))
+                if index >= 0 and valids[j] and key == threshold and need != ALL:
+                    take = self.tied_before(source, positions[j], words[j], count) < need
+                takes.append(take)
+                mine = mine + P.select_i32(take, 1, 0)
+            before = P.block_exclusive_sum(mine, scratch, lane, warp, WARPS)
+            if tid == THREADS - 1:
+                chosen[3] = before + mine
+            cute.arch.sync_threads()
             place = kept + before
-            for u in cutlass.range_constexpr(LOADS):
-                mine_before = place
-                for j in cutlass.range_constexpr(4):
-                    mine_before = mine_before + cute.arch.popc(takes[4 * u + j] & lower_lanes)
-                for j in cutlass.range_constexpr(4):
-                    e = 4 * u + j
-                    if ((takes[e] >> lane) & 1) == 1:
-                        self.store_slot(
-                            out + token * self.k + mine_before,
-                            positions[e],
-                            block_tables + token * pages_per_seq,
-                            pages_per_seq,
-                            error,
-                            token,
-                            pool_pages,
-                        )
-                    mine_before = mine_before + ((takes[e] >> lane) & 1)
-                for j in cutlass.range_constexpr(4):
-                    place = place + cute.arch.popc(takes[4 * u + j])
-            kept = kept + total
+            for j in cutlass.range_constexpr(4):
+                if takes[j]:
+                    self.store_slot(
+                        out + token * self.k + place, positions[j], pages[j], pages_per_seq, error, token, pool_pages
+                    )
+                place = place + P.select_i32(takes[j], 1, 0)
+            kept = kept + chosen[3]
+            cute.arch.sync_threads()  # chosen[3] read by all before the next vector's write
         for i in range(kept + tid, self.k, THREADS):
             P.store_i32(out + token * self.k + i, Int32(-1))
 
     @cute.jit
-    def store_slot(self, at, position, table, pages_per_seq, error, token, pool_pages):
-        """The slot of this rank's global `position` through its block-table row `table`
-        at `at`; -1 (a hole) and a record where the local index or its page is out of range."""
+    def store_slot(self, at, position, page, pages_per_seq, error, token, pool_pages):
+        """The slot of this rank's global `position` (its block-table `page`, loaded where the
+        local index is in range) at `at`; -1 (a hole) and a record where the local index or its
+        page is out of range."""
         local_ok = P.in_range(position, pages_per_seq * PAGE * self.dcp)  # local index position // dcp
         local = position // self.dcp
-        page = P.load_i32(table + P.select_i32(local_ok, local, 0) // PAGE)
         page_ok = P.in_range(page, pool_pages)
         P.store_i32(at, P.select_i32(local_ok and page_ok, page * PAGE + local % PAGE, -1))
         if not local_ok:
@@ -159,33 +174,15 @@ class DcpMerge(RadixSelect):
         elif not page_ok:
             P.record_range(error, guards.DCP_MERGE_PAGE, token, page)
 
-    @cute.jit
-    def segment(self, source, start, warp, lane, own_only: bool = False) -> tuple:
-        """A lane's candidates of the chunk at `start` over [rank 0's k | rank 1's k | ...]
-        (or the own list alone), as score words, and which are real (not -inf padding)."""
-        token, own_scores, _, peers = source
-        count = self.k if own_only else self.dcp * self.k
-        words, valids = [], []
-        for u in cutlass.range_constexpr(LOADS):
-            c = cutlass.min(element(start, warp, lane, 4 * u), count - 4)
-            vector = []
-            if cutlass.const_expr(own_only):
-                vector = list(P.load_u32x4(own_scores + token * self.k + c))
-            else:
-                rank, i = c // self.k, c % self.k
-                mine = P.load_u32x4_if(own_scores + token * self.k + i, rank == self.rank)
-                theirs = P.load_u32x4_if(self.peer_row(peers, 0, token, rank) + i, rank != self.rank)
-                vector = [mine[j] | theirs[j] for j in range(4)]
-            for j in cutlass.range_constexpr(4):
-                word = vector[j]
-                words.append(word)
-                valids.append(element(start, warp, lane, 4 * u + j) < count and word != Uint32(NEG_INF_BITS))
-        return words, valids
+    def segment(self, source, start, warp, lane) -> tuple:
+        """The elements this thread holds (every one: the whole list is one chunk)."""
+        held = source[4]
+        return [w for h in held for w in h[1]], [ok for h in held for ok in h[2]]
 
     @cute.jit
     def tied_before(self, source, position, word, count):
         """How many candidates of any rank have this score and a lower global position."""
-        token, own_scores, own_positions, peers = source
+        token, own_scores, own_positions, peers, _ = source
         tied = Int32(0)
         for c in range(count):
             rank, i = c // self.k, c % self.k
@@ -202,8 +199,10 @@ class DcpMerge(RadixSelect):
     @cute.jit
     def peer_row(self, peers, which: int, token, rank):
         """Where rank `rank`'s scores (which 0) or positions (1) of `token` start."""
-        base = peers[which]
-        return base + P.load_i64(peers[2] + rank) // 4 + token * peers[3]
+        offset = Int64(0)  # elements
+        for r in cutlass.range_constexpr(self.dcp):
+            offset = offset + P.select_i64(rank == r, peers[2][r], 0)
+        return peers[which] + offset + token * peers[3]
 
 
 def compile_args():

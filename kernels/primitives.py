@@ -91,6 +91,16 @@ def load_u32x2_if(ptr, live) -> tuple:
     return _load_if(ptr, live, 2, Uint32, "0")
 
 
+def load_i32x4_if(ptr, live) -> tuple:
+    """16-byte global load of int32 words issued only where `live` (0 words otherwise)."""
+    return _load_if(ptr, live, 4, Int32, "0")
+
+
+def load_i32_if(ptr, live) -> Int32:
+    """4-byte global load issued only where `live` (0 otherwise)."""
+    return _load_if(ptr, live, 1, Int32, "0")
+
+
 def load_f32x4_if(ptr, live, hint: str = "") -> tuple:
     return _load_if(ptr, live, 4, Float32, "0f00000000", hint)
 
@@ -341,6 +351,10 @@ def select(cond, a, b) -> Float32:
 
 def select_i32(cond, a, b) -> Int32:
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
+def select_i64(cond, a, b) -> Int64:
+    return Int64(cutlass.select_(cond, Int64(a), Int64(b)))
 
 
 def add_rn(a, b) -> Float32:

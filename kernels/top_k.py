@@ -74,8 +74,9 @@ def element(start, warp, lane, e):
 
 class RadixSelect:
     """The threshold search TopK and DcpMerge share. A subclass defines
-    `segment(source, start, warp, lane) -> (words, valids)`: a lane's 4 x LOADS elements of
-    the chunk at `start` (see `element`) as fp32 bits, and which of them take part."""
+    `segment(source, start, warp, lane) -> (words, valids)`: a lane's elements of the chunk
+    at `start` (TopK: 4 x LOADS, see `element`; DcpMerge: the few it holds, one chunk) as
+    fp32 bits, and which of them take part."""
 
     @staticmethod
     def begin() -> tuple:
@@ -107,7 +108,7 @@ class RadixSelect:
                 cute.arch.sync_threads()
                 for start in range(0, count, CHUNK):
                     words, valids = self.segment(source, start, warp, lane)
-                    for e in cutlass.range_constexpr(4 * LOADS):
+                    for e in cutlass.range_constexpr(len(words)):
                         key = order_key(words[e])
                         digit = Int32((key >> Uint32(shift)) & Uint32((1 << bits) - 1))
                         if r == 0:

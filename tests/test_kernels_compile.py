@@ -891,8 +891,9 @@ def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
 def test_top_k_selects_by_radix_histograms_not_a_sort(ptx):
     for shape, name in [*((shape, "top_k") for shape in SHAPES), ("kimi-dcp2-fp8", "dcp_merge")]:
         text = ptx[(shape, name)]
-        assert "atom.shared.add" in text and "bar.sync" in text
-        assert "shfl.sync.up.b32" in text and "vote.sync.ballot.b32" in text  # block scans, ballot ranks
+        assert "atom.shared.add" in text and "bar.sync" in text and "shfl.sync.up.b32" in text  # block scans
+        # TopK ranks each chunk's elements by ballots; DcpMerge holds 4 a thread and scans their count
+        assert ("vote.sync.ballot.b32" in text) == (name == "top_k")
     # DCP: candidates carry their scores for the merge; a single rank writes slots only
     assert ptx[("kimi-dcp2-fp8", "top_k")].count("st.global.b32") > ptx[("tp8", "top_k")].count("st.global.b32")
 
@@ -2192,9 +2193,16 @@ def test_candidate_sync_releases_after_the_wait_and_spins_bounded_with_acquire(g
     assert ".local" not in text
 
 
-def test_dcp_merge_reads_each_ranks_candidates_at_its_offset(ptx):
+def test_dcp_merge_reads_each_candidate_once_at_its_ranks_offset(ptx):
+    """The ranks' offsets (set up once, never written by a step) are read before the PDL
+    wait; after it every candidate is read once, by 16-byte loads, before the first
+    histogram (not again in each radix round): this rank's scores and positions and the
+    peers' scores, one vector each a thread at dcp 2."""
     text = ptx[("kimi-dcp2-fp8", "dcp_merge")]
-    assert "ld.global.s64" in text and text.index("griddepcontrol.wait") < text.index("ld.global.s64")
+    wait = text.index("griddepcontrol.wait")
+    assert text.count("ld.global.s64") == 2 and text.rindex("ld.global.s64") < wait
+    vectors = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", text)]
+    assert len(vectors) == 3 and wait < vectors[0] and vectors[-1] < text.index("atom.shared.add")
 
 
 def _timer_reads(ptx: str) -> list[str]:
