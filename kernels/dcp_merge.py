@@ -9,11 +9,21 @@ k] tensor (offsets r x k x 4, stride dcp x k), or in a DCP group the peers' own 
 the k best of the dcp x k candidates (equal scores: lower global position first), found with
 TopK's radix threshold search (kernels/top_k.py, one CTA of 1024 threads per token). This
 rank keeps the selected candidates that are its own, and its own list is already in
-ascending position, so the output is a compaction of that list (warp ballots, one block
-scan): local slots in ascending position, -1 padded, as graphstep.reference.local_slots
-gives them. Guards (kernels/guards.py): a kept candidate whose local index is outside the
-block table's width, or whose page is outside [0, pool_pages), becomes slot -1 (a hole),
-recorded.
+ascending position, so the output is a compaction of that list (one block scan of the
+threads' counts): local slots in ascending position, -1 padded, as
+graphstep.reference.local_slots gives them. Guards (kernels/guards.py): a kept candidate
+whose local index is outside the block table's width, or whose page is outside [0,
+pool_pages), becomes slot -1 (a hole), recorded.
+
+Each thread loads its 16-byte vector(s) of the dcp x k candidates once, right after the PDL
+wait (dcp / 2 vectors at k = 2048: 4 candidates a thread at dcp 2), with, for its own rank's,
+their positions and the block-table pages they map to; the radix rounds and the compaction
+then work on registers. The ranks' offsets are read before the wait (set up once, never
+written by a step). Until session 40 the kernel ran TopK's chunk loop: 16 slots a thread, 12
+of them clamped at dcp 2, every round reloading from L2 -- 31K cycles at 14.7 cycles an
+instruction on its one SM, bound by its instruction count (ncu, H100); 12.9-15.8 us alone,
+5.4-6.3 now (dcp 4: 12.8-15.7 -> 6.1-7.2), and the Kimi K3.1 DCP 2 step 7-14 us faster
+(`bench/bench_dcp_merge.py`, bench/RESULTS.md session 40).
 
 A candidate whose score equals the threshold is taken outright when the search took
 its bin whole (need = ALL: every candidate at the threshold is selected). Only when more
