@@ -215,14 +215,16 @@ class DecodeStep:
 
         def produce():
             stages.guard(size)
-            transport.publish_query_rows(size)
             if not fork:
+                transport.publish_query_rows(size)
                 stages.index_key(size)
                 stages.mla_query(size, store_qc=True, poll=dcp)
                 transport.share_query_rows(size)
             else:
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream(self.device))
+                with on_side():  # the peers' rows land beside this rank's chain, as their remote stores do
+                    transport.publish_query_rows(size)
                 stages.key_and_query_norm(size)
             stages.index_query(size)
             stages.index_scores(size)
