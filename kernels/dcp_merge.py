@@ -61,6 +61,7 @@ class DcpMerge(RadixSelect):
             raise ValueError(f"DcpMerge needs k a multiple of 4 (16-byte loads), got {k}")
         self.k, self.dcp, self.rank, self.pdl = k, dcp, rank, pdl
         self.vectors = -(-dcp * k // (4 * THREADS))  # 16-byte vectors a thread holds
+        self.chunk = dcp * k  # one `segment` a round: every candidate is held
 
     @cute.jit
     def __call__(

@@ -78,6 +78,8 @@ class RadixSelect:
     at `start` (TopK: 4 x LOADS, see `element`; DcpMerge: the few it holds, one chunk) as
     fp32 bits, and which of them take part."""
 
+    chunk = CHUNK  # elements a round reads per `segment` call
+
     @staticmethod
     def begin() -> tuple:
         """A kernel's opening: (tid, token, lane, warp) and the shared buffers (histogram,
@@ -106,7 +108,7 @@ class RadixSelect:
                 for i in range(tid, HIST, THREADS):
                     hist[i] = 0
                 cute.arch.sync_threads()
-                for start in range(0, count, CHUNK):
+                for start in range(0, count, self.chunk):
                     words, valids = self.segment(source, start, warp, lane)
                     for e in cutlass.range_constexpr(len(words)):
                         key = order_key(words[e])
