@@ -435,7 +435,7 @@ def test_top_k_equals_the_reference_exactly(kind):
         assert torch.equal(out[-1], ref.to_slots(first, tables, 64)[-1])
 
 
-@pytest.mark.parametrize("dcp", [2, 4])
+@pytest.mark.parametrize("dcp", [2, 4, 8])  # DcpMerge holds 1 / 2 / 4 vectors of candidates a thread
 @pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
 def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
     full = torch.randn(8, 32768, device="cuda")
