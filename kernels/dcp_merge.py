@@ -110,7 +110,7 @@ class DcpMerge(RadixSelect):
         pool_pages: Int32,
     ):
         # the ranks' offsets are set up once, never written by the step: read before the wait
-        offsets = [P.load_i64(peer_offsets + r) // 4 for r in range(self.dcp)]
+        offsets = [P.load_i64_nc(peer_offsets + r) // 4 for r in range(self.dcp)]
         tid, token, lane, warp, hist, scratch, chosen = self.begin()
 
         # Every candidate loaded once: thread t holds vector v's elements 4 (v THREADS + t) ..

@@ -177,6 +177,11 @@ def load_i64(ptr) -> Int64:
     return cute.arch.inline_ptx("ld.global.s64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[ptr])
 
 
+def load_i64_nc(ptr) -> Int64:
+    """8-byte read-only (non-coherent) global load: set up once, never written by the step."""
+    return cute.arch.inline_ptx("ld.global.nc.s64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[ptr])
+
+
 def load_acquire_i32(ptr) -> Int32:
     """A load that orders every later read of this thread after it, system-wide: the
     reader's side of a ready flag another rank (maybe another GPU) stores with store_release."""
