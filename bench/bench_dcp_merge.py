@@ -1,7 +1,7 @@
 """DcpMerge alone: us per launch in a CUDA graph, against the reference's set.
 
     python bench/bench_dcp_merge.py [--preset kimi-k3.1] [--dcp 2,4] [--batch 1,4,16,64]
-        [--context 32768] [--launches 10] [--knob dcp_merge.NAME=VALUE ...] [--json out.json]
+        [--context 32768] [--launches 10] [--json out.json]
 
 Inputs as the step's: this rank's candidates are TopK's output over random scores of its
 local length (ascending positions, -inf padded), the other ranks' are `LayerState.peer_inputs`

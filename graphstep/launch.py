@@ -696,7 +696,9 @@ class Kernels:
         peer_scores: fp32, their scores, laid out alike.
         peer_offsets, token_stride: int64 [dcp] or None: rank r's lists start peer_offsets[r] bytes from
             peer_positions / peer_scores, token_stride elements apart per token (None: the
-            [>= B, dcp, topk] layout, offsets r x topk x 4 and stride dcp x topk).
+            [>= B, dcp, topk] layout, offsets r x topk x 4 and stride dcp x topk). Multiples of
+            16 bytes and of 4 elements. The offsets are read before the PDL wait: set up once,
+            never written by the kernel launched before this one.
         block_tables: int32 [>= B, pages_per_seq], maps this rank's local indices to slots.
         out: int32 [>= B, topk], written: this rank's slots, compacted to the front, -1 padded.
         batch: B >= 1.
@@ -705,6 +707,11 @@ class Kernels:
         k, dcp = self.shape.model.index_topk, self.shape.topology.dcp
         if peer_offsets is None:
             peer_offsets, token_stride = self.stacked_offsets(peer_positions.device), dcp * k
+        for tensor in (own_positions, own_scores, peer_positions, peer_scores):
+            if tensor.data_ptr() % 16:  # read by 16-byte vectors
+                raise ValueError(f"DcpMerge's candidate lists must be 16-byte aligned, got {tensor.data_ptr():#x}")
+        if token_stride % 4:
+            raise ValueError(f"DcpMerge reads 16-byte vectors: token_stride {token_stride} must be a multiple of 4")
         self.compiled("dcp_merge")(
             self._ptr(own_positions, 4),
             self._ptr(own_scores, 4),
@@ -730,7 +737,8 @@ class Kernels:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("DcpMerge's stacked offsets are made eagerly: launch it once before a capture")
             k, dcp = self.shape.model.index_topk, self.shape.topology.dcp
-            self._stacked[device] = torch.arange(dcp, dtype=torch.int64, device=device) * (k * 4)
+            # a host copy, not a kernel: DcpMerge reads the offsets before its PDL wait
+            self._stacked[device] = torch.tensor([r * k * 4 for r in range(dcp)], dtype=torch.int64, device=device)
         return self._stacked[device]
 
     def candidate_sync(

@@ -16,13 +16,13 @@ whose local index is outside the block table's width, or whose page is outside [
 pool_pages), becomes slot -1 (a hole), recorded.
 
 Each thread loads its 16-byte vector(s) of the dcp x k candidates once, right after the PDL
-wait (dcp / 2 vectors at k = 2048: 4 candidates a thread at dcp 2), with, for its own rank's,
+wait (ceil(dcp / 2) vectors at k = 2048: 4 candidates a thread at dcp 2), with, for its own rank's,
 their positions and the block-table pages they map to; the radix rounds and the compaction
 then work on registers. The ranks' offsets are read before the wait (set up once, never
 written by a step). Until session 40 the kernel ran TopK's chunk loop: 16 slots a thread, 12
 of them clamped at dcp 2, every round reloading from L2 -- 31K cycles at 14.7 cycles an
 instruction on its one SM, bound by its instruction count (ncu, H100); 12.9-15.8 us alone,
-5.4-6.3 now (dcp 4: 12.8-15.7 -> 6.1-7.2), and the Kimi K3.1 DCP 2 step 7-14 us faster
+5.4-6.3 now (dcp 4: 12.8-15.7 -> 6.1-7.2), and the Kimi K3.1 DCP 2 step 9-15 us faster in fork
 (`bench/bench_dcp_merge.py`, bench/RESULTS.md session 40).
 
 A candidate whose score equals the threshold is taken outright when the search took
@@ -192,7 +192,8 @@ class DcpMerge(RadixSelect):
 
     @cute.jit
     def tied_before(self, source, position, word, count):
-        """How many candidates of any rank have this score and a lower global position."""
+        """How many candidates of any rank have this score (-0.0 as +0.0) and a lower global
+        position."""
         token, own_scores, own_positions, peers, _ = source
         tied = Int32(0)
         for c in range(count):
@@ -204,7 +205,8 @@ class DcpMerge(RadixSelect):
             else:
                 other = P.load_u32(self.peer_row(peers, 0, token, rank) + i)
                 at = P.load_i32(self.peer_row(peers, 1, token, rank) + i)
-            tied = tied + P.select_i32(other == word and at < position, 1, 0)
+            # equal keys, not equal words: -0.0 and +0.0 tie (order_key), as the search counted them
+            tied = tied + P.select_i32(order_key(other) == order_key(word) and at < position, 1, 0)
         return tied
 
     @cute.jit

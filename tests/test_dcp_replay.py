@@ -142,21 +142,6 @@ def test_the_constructed_candidates_take_the_path_the_gpu_test_times(tied):
         assert int((own == threshold).sum()) == 1 and int((own > threshold).sum()) == K - 1
 
 
-@pytest.mark.parametrize("dcp, vectors", [(2, 1), (3, 2), (4, 2), (8, 4), (16, 8)])
-def test_dcp_merge_holds_every_candidate_in_one_chunk(dcp, vectors):
-    """Each of DcpMerge's 1024 threads holds ceil(dcp x k / 4096) 16-byte vectors, and the
-    radix rounds read them as one chunk: past TopK's 16K-element chunk (dcp 16) a second
-    chunk would count the same registers twice."""
-    from graphstep.kernels import dcp_merge
-
-    op = dcp_merge.DcpMerge(K, dcp, dcp - 1)
-    assert (op.vectors, op.chunk) == (vectors, dcp * K)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        dcp_merge.DcpMerge(2046, dcp, 0)
-    with pytest.raises(ValueError, match="dcp >= 2"):
-        dcp_merge.DcpMerge(K, 1, 0)
-
-
 def test_dcp_merge_counts_ties_only_when_need_is_not_all(tmp_path):
     from graphstep.kernels import dcp_merge
 

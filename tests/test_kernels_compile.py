@@ -1464,6 +1464,41 @@ def test_cluster_top_k_fits_its_registers_without_spills(tmp_path, split):
         assert found["regs"] <= 64, (split.name, dcp, found)
 
 
+# DcpMerge's stack frame (ptxas spills) by dcp: every candidate, position and page is held
+# for the whole kernel, and from dcp 16 (8 vectors a thread) that passes 64 registers --
+# correct, slower, not measured (levers.md Part V: hold positions and pages only for the own
+# rank's vectors).
+DCP_MERGE_FRAME = {2: 0, 3: 0, 8: 0, 16: 96}
+
+
+@pytest.mark.parametrize("dcp, vectors", [(2, 1), (3, 2), (8, 4), (16, 8)])
+def test_dcp_merge_holds_every_candidate_in_registers(tmp_path, dcp, vectors):
+    """DcpMerge's 1024 threads hold ceil(dcp x k / 4096) 16-byte vectors of candidates each
+    (with dcp 3 some lanes hold none) within 64 registers, without a stack up to dcp 8; its
+    radix rounds read them as one chunk (find_threshold steps by the op's chunk: at TopK's 16K
+    a dcp 16 merge would count the same registers twice)."""
+    import inspect
+
+    import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
+    from cutlass.cute.runtime import make_fake_stream
+    from graphstep.kernels import dcp_merge
+
+    op = dcp_merge.DcpMerge(2048, dcp, dcp - 1)
+    assert op.vectors == vectors and op.chunk >= dcp * 2048
+    assert "range(0, count, self.chunk)" in inspect.getsource(top_k.RadixSelect.find_threshold)
+    cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), DumpDir(str(tmp_path))](
+        op, *dcp_merge.compile_args(), make_fake_stream()
+    )
+    (cubin,) = [p for p in Path(tmp_path).iterdir() if p.suffix == ".cubin"]
+    found = _cubin_attributes(cubin.read_bytes())
+    assert found["frame"] <= DCP_MERGE_FRAME[dcp] and found["regs"] <= 64, (dcp, found)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        dcp_merge.DcpMerge(2046, dcp, 0)
+    with pytest.raises(ValueError, match="dcp >= 2"):
+        dcp_merge.DcpMerge(2048, 1, 0)
+
+
 # Splits only the TopK sweep runs (no PICKS entry), where ptxas spills a few bytes since the
 # mbarrier waits are bounded (primitives.mbar_wait: one more register at each wait).
 SWEEP_ONLY_SPILLS = {"c16x1024x8": 16, "c4x1024x32": 8}

@@ -582,3 +582,28 @@ def test_mla_query_launches_the_streamed_project_it_plans(cpu_launches, monkeypa
     )
     (op,) = Launch.ops
     assert op.tokens == kernels.mla_query_tokens(batch) == tokens
+
+
+def test_dcp_merge_refuses_candidates_it_cannot_read_by_16_byte_vectors(cpu_launches):
+    """DcpMerge reads the candidate lists by 16-byte vectors: a list 4 bytes off, or a token
+    stride that is not a multiple of 4 elements, is a ValueError before any launch (a
+    misaligned vector load would fault and end the CUDA context)."""
+    state = LayerState(RankShape(preset("kimi-k3.1"), TOPOLOGIES[1]), max_batch=2, max_context=256, seed=1)
+    kernels, k = Kernels(state.shape, state.weights), state.shape.model.index_topk
+    positions, scores = torch.zeros(2 * k + 1, dtype=torch.int32), torch.zeros(2 * k + 1)
+    aligned = {"positions": positions[: 2 * k].view(2, k), "scores": scores[: 2 * k].view(2, k)}
+    peers = (torch.zeros(2, 2, k, dtype=torch.int32), torch.zeros(2, 2, k))
+    rest = (state.caches.block_tables, torch.zeros(2, k, dtype=torch.int32), 2)
+
+    def merge(positions, scores, stride=2 * k):
+        kernels.dcp_merge(positions, scores, *peers, *rest, peer_offsets=torch.tensor([0, k * 4]), token_stride=stride)
+
+    merge(aligned["positions"], aligned["scores"])
+    assert cpu_launches == ["DcpMerge"]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        merge(positions[1:].view(2, k), aligned["scores"])  # contiguous, 4 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        merge(aligned["positions"], scores[1:].view(2, k))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        merge(aligned["positions"], aligned["scores"], stride=2 * k + 2)
+    assert cpu_launches == ["DcpMerge"]

@@ -99,9 +99,9 @@ RACE = f"""#!/usr/bin/env bash
 echo "$*" >> "$0.log"
 if [[ "$2" == racecheck ]]; then
   for i in $(seq PRINTED); do
-    echo "========= Error: Race reported between Read access at {KERNEL}+0xcc0 in /x/kernels/top_k.py:479"
-    echo "=========     and Write access at {KERNEL}+0x1d80 in /x/kernels/top_k.py:472 [3512 hazards]"
-    echo "=========     and Write access at {KERNEL}+0x1e60 in /x/kernels/top_k.py:472 [3688 hazards]"
+    echo "========= Error: Race reported between Read access at {KERNEL}+0xcc0 in /x/kernels/top_k.py:482"
+    echo "=========     and Write access at {KERNEL}+0x1d80 in /x/kernels/top_k.py:475 [3512 hazards]"
+    echo "=========     and Write access at {KERNEL}+0x1e60 in /x/kernels/top_k.py:475 [3688 hazards]"
   done
   EXTRA
   DONE
@@ -141,8 +141,8 @@ def test_an_unlisted_hazard_pair_fails_the_run(tmp_path):
     a pair without line info) makes the run fail as any error would."""
     for extra, unlisted in (
         (
-            f'echo "=========     and Write access at {KERNEL}+0x2000 in /x/kernels/top_k.py:480 [4 hazards]"',
-            "top_k_cluster top_k.py:479 top_k.py:480",
+            f'echo "=========     and Write access at {KERNEL}+0x2000 in /x/kernels/top_k.py:483 [4 hazards]"',
+            "top_k_cluster top_k.py:482 top_k.py:483",
         ),
         (
             f'echo "========= Error: Race reported between Write access at {KERNEL}+0x10 '
@@ -155,7 +155,7 @@ def test_an_unlisted_hazard_pair_fails_the_run(tmp_path):
         # under the run, every pair, the known one marked, however few reports the others have
         pairs = result.stdout.split("tp8 racecheck: every hazard pair (kernel, first site, second site):\n")[1]
         assert sorted(pairs.splitlines()[:2]) == sorted(
-            [f"  {unlisted}", "  top_k_cluster top_k.py:479 top_k.py:472 (known)"]
+            [f"  {unlisted}", "  top_k_cluster top_k.py:482 top_k.py:475 (known)"]
         ), pairs
 
 
