@@ -463,6 +463,42 @@ def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
         assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, rank)), rank
 
 
+def test_dcp_merge_ties_negative_and_positive_zero_at_the_threshold():
+    """True ties at a threshold of zero, held by both signs: DcpMerge counts a tied candidate's
+    lower-position ties by key (-0.0 as +0.0), as its radix search and the reference do, so
+    exactly k are kept (by raw words it could keep more than k and write past the row)."""
+    k, dcp, batch = 2048, 2, 2
+    state = LayerState(
+        RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=dcp, rank=0)),
+        max_batch=batch,
+        max_context=2 * 16384,
+        seed=11,
+        device="cuda",
+    )
+    tables = state.caches.block_tables
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lists = []
+    for rank in range(dcp):  # 500 scores in [1, 2) and 1548 zeros of random sign, in random order
+        positive = torch.rand(batch, 500, device="cuda", generator=gen) + 1
+        signs = torch.rand(batch, k - 500, device="cuda", generator=gen) < 0.5
+        zeros = torch.where(signs, torch.tensor(-0.0, device="cuda"), torch.tensor(0.0, device="cuda"))
+        scores = torch.cat([positive, zeros], dim=1)[:, torch.randperm(k, device="cuda", generator=gen)]
+        positions = (torch.arange(k, device="cuda") * 4 * dcp + rank).int().expand(batch, k).contiguous()
+        lists.append(ref.Candidates(positions, scores.contiguous()))
+    assert bool((torch.signbit(lists[0].scores) & (lists[0].scores == 0)).any()), "the lists hold -0.0"
+    # the k best: 1000 positives, then 1048 of 3096 zeros by position -- true ties at the threshold
+    merged = ref.dcp_merge(lists, k)
+    peer_positions = torch.stack([c.positions for c in lists], dim=1).contiguous()
+    peer_scores = torch.stack([c.scores for c in lists], dim=1).contiguous()
+    slots = torch.full((batch, k), -9, dtype=torch.int32, device="cuda")
+    Kernels(state.shape, state.weights).dcp_merge(
+        lists[0].positions, lists[0].scores, peer_positions, peer_scores, tables, slots, batch
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(slots, ref.local_slots(merged, tables, 64, dcp, 0))
+    assert ((slots >= 0).sum(1) == (merged % dcp == 0).sum(1)).all()
+
+
 # -- every TopK variant the host can choose (top_k.split_for), and the one-CTA kernel --------
 
 VARIANTS = [*top_k_kernels.SPLITS, None]
