@@ -22,7 +22,7 @@ from bench_kernels import graph_time_us, parse_args, report
 from graphstep.launch import Kernels
 from graphstep.reference import Candidates, merge_ranks
 from graphstep.shapes import RankShape, Topology, preset
-from graphstep.state import LayerState
+from graphstep.state import LayerState, local_lens
 
 
 def bench_one(model: str, dcp: int, batch: int, context: int, launches: int) -> dict:
@@ -32,7 +32,7 @@ def bench_one(model: str, dcp: int, batch: int, context: int, launches: int) -> 
     inputs = state.inputs(batch, context_lens=context, seed=0)
     tables, lens, k = inputs.block_tables, inputs.context_lens, shape.model.index_topk
     scores = torch.randn(batch, tables.shape[1] * shape.model.page_size, device="cuda")
-    local = (lens - shape.topology.rank + dcp - 1) // dcp
+    local = local_lens(lens, dcp, shape.topology.rank)
     scores[torch.arange(scores.shape[1], device="cuda")[None] >= local[:, None]] = float("-inf")
     positions = torch.full((batch, k), -1, dtype=torch.int32, device="cuda")
     own_scores = torch.full((batch, k), float("-inf"), device="cuda")

@@ -219,6 +219,7 @@ class DcpMerge(RadixSelect):
 
 
 def compile_args():
-    i32, f32 = P.gmem_ptr(Int32, align=4), P.gmem_ptr(Float32, align=4)
+    i32 = P.gmem_ptr(Int32, align=4)
+    lists = (P.gmem_ptr(Int32), P.gmem_ptr(Float32))  # the candidate lists, read by 16-byte vectors
     i64 = P.gmem_ptr(Int64, align=8)
-    return (i32, f32, i32, f32, i32, i32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1), i64, Int32(1))
+    return (*lists, *lists, i32, i32, Int32(1), Int32(1), P.gmem_ptr(Int32, align=8), Int32(1), i64, Int32(1))

@@ -22,15 +22,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def launch_on_cpu(monkeypatch, stand_in) -> None:
     """graphstep.launch's launchers without a GPU: pointers to CPU tensors (launch.ptr
-    without its CUDA check), a fake stream "stream", and `stand_in(op, placeholder_args)`
-    in place of every compiled kernel."""
+    without its CUDA check, its alignment and dtype checks kept), a fake stream "stream",
+    and `stand_in(op, placeholder_args)` in place of every compiled kernel."""
     from graphstep.kernels import catalog
     from graphstep.kernels.primitives import gmem_ptr
 
     from graphstep import launch
 
     def cpu_ptr(tensor, align=16):
-        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), tensor.data_ptr(), align)
+        return gmem_ptr(launch._cutlass_dtype(tensor.dtype), launch.aligned_address(tensor, align), align)
 
     monkeypatch.setattr(launch, "ptr", cpu_ptr)
     monkeypatch.setattr(launch, "current_stream", lambda: "stream")
