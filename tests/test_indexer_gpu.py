@@ -435,10 +435,14 @@ def test_top_k_equals_the_reference_exactly(kind):
         assert torch.equal(out[-1], ref.to_slots(first, tables, 64)[-1])
 
 
-@pytest.mark.parametrize("dcp", [2, 4, 8])  # DcpMerge holds 1 / 2 / 4 vectors of candidates a thread
+# DcpMerge holds 1 / 2 / 2 / 4 vectors of candidates a thread (at dcp 3 half the threads' second is empty)
+@pytest.mark.parametrize("dcp", [2, 3, 4, 8])
 @pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
 def test_dcp_candidates_and_merge_equal_the_single_rank_top_k(dcp, ties):
-    full = torch.randn(8, 32768, device="cuda")
+    # every rank's slice full[:, rank::dcp] as wide as its block table (dcp 3: 171 pages, 3 x 10944 positions)
+    pages = ((32768 + dcp - 1) // dcp + 63) // 64
+    width = dcp * pages * 64
+    full = torch.randn(8, width, device="cuda")
     full = _masked(torch.randint(-3, 4, full.shape, device="cuda").float() if ties else full.round(decimals=2))
     candidates, ranks = [], []
     for rank in range(dcp):
@@ -514,11 +518,13 @@ def _variant_width(split) -> int:
 
 
 def _variant_lengths(split) -> list[int]:
-    """Lengths at k's edges, at the variant's CTA-slice edges (a partial last 16-byte
-    vector included), and up to the variant's whole width."""
+    """Lengths at k's edges (0: no key yet, as a DCP rank past a short sequence sees), at the
+    variant's CTA-slice edges (a partial last 16-byte vector included), and up to the
+    variant's whole width."""
     width = _variant_width(split)
     per_cta = split.per_cta if split is not None else 16384
     lengths = {
+        0,
         1,
         63,
         64,
@@ -536,7 +542,7 @@ def _variant_lengths(split) -> list[int]:
         width - 3,
         width,
     }
-    return sorted(n for n in lengths if 0 < n <= width)
+    return sorted(n for n in lengths if n <= width)
 
 
 def _tables(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -590,6 +596,69 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         first = torch.arange(2048, dtype=torch.int32, device="cuda").expand(len(lengths), -1)
         long = lens >= 2048
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
+
+
+@pytest.mark.parametrize("kind", ["continuous", "many-ties"])
+@pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
+def test_top_k_block_table_that_ends_inside_a_cta_slice(split, kind):
+    """A block table three pages short of the variant's width, so the last CTA's slice (the
+    one-CTA kernel's last chunk) is cut part-way: its loads past the table are skipped, and
+    the lengths up to the table's end give the reference's set."""
+    width = _variant_width(split) - 3 * 64
+    per_cta = split.per_cta if split is not None else 16384
+    lengths = sorted({width, width - 3, 2049, min(per_cta + 5, width), 0})
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scores = _variant_scores(kind, len(lengths), width)
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    tables = _tables(len(lengths), width, seed=29)
+    out, _ = _run_variant(split, scores, tables, lens)
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
+@pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
+def test_top_k_orders_non_finite_scores_by_their_bits(split):
+    """What docs/inputs.md says the CuTe top-k does with non-finite scores (the torch one
+    never selects them): +NaN and +inf above every finite score, -inf below, and a row of at
+    most k positions kept whole."""
+    width = _variant_width(split)
+    scores = torch.arange(width, device="cuda").float().expand(2, width).contiguous()
+    scores[:, 5], scores[:, 7], scores[:, 9] = float("nan"), float("inf"), float("-inf")
+    lens = torch.tensor([4096, 100], dtype=torch.int32, device="cuda")
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    tables = _tables(2, width, seed=37)
+    out, _ = _run_variant(split, scores, tables, lens)
+    top = torch.cat([torch.tensor([5, 7]), torch.arange(2050, 4096)])  # NaN, inf, then the 2046 highest
+    whole = torch.cat([torch.arange(100), torch.full((2048 - 100,), -1)])  # -inf at 9 included
+    expect = torch.stack([top, whole]).to(device="cuda", dtype=torch.int32)
+    assert torch.equal(out, ref.to_slots(expect, tables, 64))
+
+
+WIDEST = max(top_k_kernels.SPLITS, key=lambda split: split.capacity)
+
+
+@pytest.mark.parametrize("dcp, rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "many-ties"])
+def test_top_k_widest_split_past_131072(ties, dcp, rank):
+    """The split for rows of 131073 .. 262144 scores (DeepSeek-V3.2's 163840 context, Kimi's
+    262144), which the variant tests above cap at 131072: lengths past 131072, whole, and
+    (DCP) this rank's candidates."""
+    width = WIDEST.capacity
+    assert width > MAX_WIDTH and top_k_kernels.split_for(width, 4) is WIDEST
+    local = [131073, 163840, 163845, width - 3, width]
+    lens = torch.tensor([dcp * n + rank for n in local], dtype=torch.int32, device="cuda")
+    scores = _variant_scores("many-ties" if ties else "continuous", len(local), width)
+    if not ties:
+        scores = scores.round(decimals=2)
+    scores = scores.masked_fill(
+        torch.arange(width, device="cuda")[None] >= torch.tensor(local, device="cuda")[:, None], float("-inf")
+    )
+    tables = _tables(len(local), width, seed=31)
+    out, out_scores = _run_variant(WIDEST, scores, tables, lens, dcp, rank)
+    if dcp == 1:
+        assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+    else:
+        expect = ref.local_candidates(scores, 2048, dcp, rank)
+        assert torch.equal(out, expect.positions) and torch.equal(out_scores, expect.scores)
 
 
 def _round0_exit_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
