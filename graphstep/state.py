@@ -281,7 +281,9 @@ class LayerState:
         topo, page = self.shape.topology, self.shape.model.page_size
         pos = context_lens.long() - 1
         local = torch.div(pos, topo.dcp, rounding_mode="floor")
-        pages = block_tables.long().gather(1, torch.div(local, page, rounding_mode="floor")[:, None])[:, 0]
+        # a position another rank holds may lie past this rank's narrower table: clamped, not used
+        column = torch.div(local, page, rounding_mode="floor").clamp(0, block_tables.shape[1] - 1)
+        pages = block_tables.long().gather(1, column[:, None])[:, 0]
         slots = pages * page + local % page
         return torch.where(pos % topo.dcp == topo.rank, slots, -1).to(torch.int32)
 

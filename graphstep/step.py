@@ -466,11 +466,17 @@ class DecodeStep:
         tables = inputs.block_tables
         want = st.new_token_slots(safe, tables).long()
         slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
+        # two tokens writing one slot (their new tokens on one shared page): the later row
+        slots = inputs.slot_mapping.long()
+        rows = torch.arange(inputs.batch, device=slots.device)
+        order = torch.where(slots == -1, -2 - rows, slots).sort(stable=True)
+        dup_bad = torch.zeros_like(slot_bad)
+        dup_bad[order.indices[1:]] = order.values[1:] == order.values[:-1]
         # the used part of each block table: pages of [0, local length)
         used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
         columns = torch.arange(tables.shape[1], device=tables.device)[None]
         page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
-        checks = [len_bad, page_bad.any(1), slot_bad, ~torch.isfinite(inputs.qkv).all(1)]
+        checks = [len_bad, page_bad.any(1), slot_bad, dup_bad, ~torch.isfinite(inputs.qkv).all(1)]
         transport_checks = self.transport.value_checks(peers, safe)
         stacked = torch.stack(checks + [bad for bad, _ in transport_checks]).to(self.error.word.device)
         # the one sync: the flags and the error word the steps before this one left
@@ -506,10 +512,18 @@ class DecodeStep:
                     f"{int(want[row])} (or -1 to write nothing)"
                 )
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
-        for (_, fail), bad in zip(transport_checks, flags[4:]):
+        if any(flags[3]):
+            row = flags[3].index(True)
+            slot = int(inputs.slot_mapping[row])
+            first = int((inputs.slot_mapping == slot).nonzero()[0, 0])
+            raise ValueError(
+                f"inputs.slot_mapping[{row}] = {slot}: also row {first}'s slot: two tokens would write one cache "
+                f"row (their block tables share the page of the new token)"
+            )
+        for (_, fail), bad in zip(transport_checks, flags[5:]):
             if any(bad):
                 fail(bad.index(True))
-        self.nonfinite_rows = [row for row, bad in enumerate(flags[3]) if bad]
+        self.nonfinite_rows = [row for row, bad in enumerate(flags[4]) if bad]
         if self.nonfinite_rows:
             warnings.warn(NonFiniteInputs(self.nonfinite_rows), stacklevel=4)
 

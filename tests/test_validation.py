@@ -66,6 +66,32 @@ def test_slots_must_be_the_new_tokens_own_slot():
     step.step(_with(good, slot_mapping=slots), eager=True)
 
 
+def test_two_tokens_may_not_write_one_slot():
+    """Two rows whose block tables share the new token's page at the same position would
+    write one cache row (each the new token's own slot by itself): the later row is refused."""
+    step = _step()
+    good = step.state.inputs(3, context_lens=[70, 5, 70], seed=1)
+    tables = good.block_tables.clone()
+    tables[2] = tables[0]
+    slots = good.slot_mapping.clone()
+    slots[2] = slots[0]
+    with pytest.raises(ValueError, match=rf"inputs.slot_mapping\[2\] = {int(slots[0])}: also row 0's slot"):
+        step.step(_with(good, block_tables=tables, slot_mapping=slots), eager=True)
+    slots[2] = -1  # the same tables, one writer: allowed (a shared page read by both)
+    step.step(_with(good, block_tables=tables, slot_mapping=slots), eager=True)
+
+
+def test_a_dcp_rank_whose_table_ends_before_the_new_tokens_page():
+    """Rank 1 of DCP 2 at max_context 129 has a one-page table (64 local positions); the new
+    token at position 128 lives on rank 0 at local index 64, past that table: its slot is -1
+    here, and neither inputs() nor the value checks look past the table."""
+    step = DecodeStep(RankShape(SMALL, DCP), capture_sizes=(2,), backend="torch", device="cpu", max_context=129, seed=0)
+    assert step.state.pages_per_seq == 1
+    inputs = step.state.inputs(2, context_lens=129, seed=3)
+    assert inputs.slot_mapping.tolist() == [-1, -1]
+    step.step(inputs, step.state.peer_inputs(inputs, seed=3), eager=True)
+
+
 def test_a_dcp_slot_must_be_minus_one_for_a_position_another_rank_holds():
     step = _step(DCP, sizes=(2,))
     good = step.state.inputs(2, context_lens=[9, 10], seed=2)  # positions 8 (rank 0), 9 (rank 1)
