@@ -140,6 +140,7 @@ def _number(kind, accepts, expected: str):
 
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+seed = _number(int, lambda v: 0 <= v < 2**63, "a seed in [0, 2^63)")  # torch.Generator's range
 
 
 class Formatter(argparse.HelpFormatter):
@@ -675,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"timed replays per size, GPU run only (default: {RUN_GPU_DEFAULTS['replays']})",
     )
-    run.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    run.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     run.add_argument("--cpu", action="store_true", help="run the CPU reference even on a GPU machine")
     run.add_argument(
         "--cpu-batch",
@@ -712,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", default=None, help="a mode or a 'rows:mode,...' table (default: the tables)")
     serve.add_argument("--steps", type=positive_int, default=1000, help="steps to replay")
     serve.add_argument("--trace", default=None, help="a file of batch sizes (default: a synthetic drifting trace)")
-    serve.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and trace")
+    serve.add_argument("--seed", type=seed, default=0, help="seed of the weights, inputs and trace")
     serve.add_argument("--json", action="store_true", help="print the latencies as JSON")
     serve.set_defaults(func=cmd_serve)
 
@@ -720,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=batches, default=[1, 4, 16, 64], help="captured sizes")
     bench.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
     bench.add_argument("--replays", type=positive_int, default=100, help="timed replays per size and variant")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    bench.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.add_argument(
         "--group-only", action="store_true", help="with --dcp > 1: only the table of the DCP group of real ranks"
@@ -731,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--batch", type=batches, default=[1, 2, 4, 8, 16, 32, 64], help="captured sizes")
     tune.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
     tune.add_argument("--replays", type=positive_int, default=50, help="timed replays per size and mode")
-    tune.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    tune.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     tune.set_defaults(func=cmd_tune)
 
     trace = command("trace", "replay one size under torch.profiler: a Chrome trace and per-kernel times and gaps")
@@ -741,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--mode", default=None, choices=MODES, help="the overlap mode (default: the policy's)")
     trace.add_argument("--context", type=positive_int, default=8192, help="tokens per sequence")
     trace.add_argument("--replays", type=positive_int, default=20, help="replays recorded")
-    trace.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    trace.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     trace.add_argument("--out", default="graphstep-trace.json", help="the Chrome/Perfetto trace written")
     trace.add_argument("--json", action="store_true", help="print the table as JSON")
     trace.set_defaults(func=cmd_trace)

@@ -25,6 +25,7 @@ top-k candidates every step, and `combine_ranks` (graphstep.reference) turns the
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Collection
@@ -297,6 +298,9 @@ class DcpGroup:
         if backend not in GROUP_POLICY:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(GROUP_POLICY)}")
         check_budget(budget_ns)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 < wait_s < math.inf:
+            # the host rendezvous's bound (torch backend): without one a missing rank hangs the group
+            raise ValueError(f"wait_s must be a finite number of seconds > 0, got {wait_s!r}")
         if devices is None:
             devices = "cpu" if backend == "torch" else "cuda"
         devices = list(devices) if isinstance(devices, list | tuple) else [devices] * dcp

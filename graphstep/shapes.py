@@ -93,6 +93,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         ints = {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
         _positive("ModelShape", **ints)
+        for name in ("rms_eps", "index_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            # finite and > 0: a norm's eps under a square root, RoPE's base under a logarithm
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"ModelShape.{name} must be a finite number > 0, got {value!r}")
         if self.q_lora_rank != 1536:
             # QueryNorm's thread mappings (192 x 8 and 32 lanes x 48) are written for 1536.
             raise ValueError(f"ModelShape.q_lora_rank must be 1536 (the kernels' mapping), got {self.q_lora_rank}")

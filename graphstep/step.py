@@ -108,6 +108,10 @@ class DecodeStep:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(BACKENDS)}")
+        if isinstance(capture_sizes, int | str):
+            raise TypeError(f"capture_sizes must be a list of batch sizes, e.g. [1, 4], got {capture_sizes!r}")
+        if policy is not None and not isinstance(policy, str):
+            raise TypeError(f"policy must be a mode or a 'rows:mode,...' table (str) or None, got {policy!r}")
         sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
         if not sizes:
             raise ValueError("capture_sizes must name at least one batch size")
@@ -437,7 +441,10 @@ class DecodeStep:
         m = self.shape.model
         if not isinstance(inputs, StepInputs):
             raise TypeError(f"step() takes StepInputs, got {type(inputs).__name__}")
-        batch = inputs.qkv.shape[0] if inputs.qkv.dim() == 2 else 0
+        qkv = inputs.qkv
+        if isinstance(qkv, torch.Tensor) and qkv.dim() != 2:
+            raise ValueError(f"inputs.qkv must have shape [B, {m.packed_width}], got {list(qkv.shape)}")
+        batch = qkv.shape[0] if isinstance(qkv, torch.Tensor) else 0
         expect = {
             "qkv": (inputs.qkv, torch.bfloat16, (batch, m.packed_width)),
             "context_lens": (inputs.context_lens, torch.int32, (batch,)),

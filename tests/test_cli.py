@@ -67,6 +67,9 @@ def test_gpu_commands_say_they_need_a_gpu(capsys):
         (["run", "--cpu-batch", "x"], "--cpu-batch: expected a positive integer"),
         (["bench", "--dcp", "2,x"], "--dcp: expected comma-separated DCP sizes"),
         (["bench", "--dcp", "0"], "--dcp: DCP sizes must be positive"),
+        (["run", "--cpu", "--seed", "-1"], "--seed: expected a seed in [0, 2^63), got '-1'"),
+        (["serve", "--seed", str(2**63)], "--seed: expected a seed in [0, 2^63)"),  # past torch's int64
+        (["bench", "--seed", "1.5"], "--seed: expected a seed in [0, 2^63)"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):

@@ -150,6 +150,9 @@ def test_a_group_rank_takes_no_peer_inputs():
         (dict(dcp=2, backend="triton"), "backend 'triton'"),
         (dict(dcp=2, capture_sizes=[]), "at least one batch size"),
         (dict(dcp=2, capture_sizes=[2, 0]), "capture size must be a positive int, got 0"),
+        (dict(dcp=2, wait_s=None), "wait_s must be a finite number of seconds > 0, got None"),  # no bound: a hang
+        (dict(dcp=2, wait_s=float("nan")), "wait_s must be a finite number"),
+        (dict(dcp=2, wait_s=0), "wait_s must be a finite number"),
     ],
 )
 def test_construction_errors(kwargs, message):

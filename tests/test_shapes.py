@@ -86,6 +86,10 @@ def test_invalid_shapes():
         RopeScaling(mscale=0.707)
     with pytest.raises(ValueError, match="ModelShape.max_seq_len"):
         ModelShape(name="x", max_seq_len=0)
+    for name, value in (("rms_eps", -1.0), ("index_norm_eps", 0.0), ("rope_theta", float("nan")), ("rope_theta", 0)):
+        with pytest.raises(ValueError, match=rf"ModelShape.{name} must be a finite number > 0, got {value!r}"):
+            ModelShape(name="x", **{name: value})
+    ModelShape(name="x", rope_theta=50000)  # an int base is a number
 
 
 @pytest.mark.parametrize("batch", [0, -3, 1.5, True])

@@ -49,6 +49,30 @@ def test_construction_errors(kwargs, message):
         DecodeStep(RankShape(SMALL, topology), **args)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(capture_sizes=4), r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got 4"),
+        (dict(policy=3), "policy must be a mode or a 'rows:mode,...' table"),
+    ],
+)
+def test_construction_type_errors(kwargs, message):
+    args = dict(capture_sizes=(1, 4), backend="torch", device="cpu", max_context=100)
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=message):
+        DecodeStep(RankShape(SMALL, Topology(tp=4)), **args)
+
+
+def test_qkv_of_the_wrong_rank_or_type_is_named():
+    step = _step()
+    inputs = step.state.inputs(2)
+    one_row = dataclasses.replace(inputs, qkv=inputs.qkv[0])
+    with pytest.raises(ValueError, match=r"inputs.qkv must have shape \[B, \d+\], got \[\d+\]"):
+        step.step(one_row, eager=True)
+    with pytest.raises(TypeError, match="inputs.qkv must be a torch.Tensor, got list"):
+        step.step(dataclasses.replace(inputs, qkv=inputs.qkv.tolist()), eager=True)
+
+
 def test_modes_follow_the_policy_table():
     step = _step(policy="1:serial,8:fork_poll")
     assert step.modes == {1: "serial", 4: "fork", 8: "fork_poll"}
