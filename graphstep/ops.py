@@ -158,6 +158,11 @@ def check_args(op: str, **args) -> None:
             raise ValueError(f"graphstep.{op}: {name} must be {dtype} {expect}, got {tensor.dtype} {list(shape)}")
         if not tensor.is_contiguous():
             raise ValueError(f"graphstep.{op}: {name} must be contiguous")
+        # a view at an offset (the allocator's own blocks are aligned); fake tensors have one too
+        if tensor.storage_offset() * tensor.element_size() % 16:
+            raise ValueError(
+                f"graphstep.{op}: {name} must be 16-byte aligned, got a view {tensor.storage_offset()} elements in"
+            )
         if device is None:
             device = tensor.device
         elif tensor.device != device:
@@ -638,7 +643,13 @@ def _(q, head_w, index_cache, block_tables, context_lens, error, shape, pages_pe
     return head_w.new_empty(q.shape[0], block_tables.shape[1] * rank_shape(shape).model.page_size)
 
 
-def _top_k_check(scores, block_tables, context_lens, shape, error):
+def _check_pool_pages(op: str, pool_pages) -> None:
+    if pool_pages is not None and (isinstance(pool_pages, bool) or not 1 <= pool_pages <= INT32_MAX):
+        raise ValueError(f"graphstep.{op}: pool_pages must be None or in [1, {INT32_MAX}], got {pool_pages!r}")
+
+
+def _top_k_check(scores, block_tables, context_lens, shape, error, pool_pages):
+    _check_pool_pages("top_k", pool_pages)
     m = rank_shape(shape).model
     b = _batch("top_k", scores)
     check_args(
@@ -681,7 +692,7 @@ def top_k(
         out_scores: under DCP (B, k), torch.float32, the candidates' scores (-inf padded);
             without DCP (B, 0).
     """
-    _top_k_check(scores, block_tables, context_lens, shape, error)
+    _top_k_check(scores, block_tables, context_lens, shape, error, pool_pages)
     out, out_scores = _top_k_outputs(scores, shape)
     # without DCP the kernel never writes out_scores: any fp32 CUDA pointer does
     unused = out_scores if out_scores.numel() else scores
@@ -700,11 +711,12 @@ def top_k(
 
 @top_k.register_fake
 def _(scores, block_tables, context_lens, error, shape, pdl=True, pool_pages=None):
-    _top_k_check(scores, block_tables, context_lens, shape, error)
+    _top_k_check(scores, block_tables, context_lens, shape, error, pool_pages)
     return _top_k_outputs(scores, shape)
 
 
-def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error):
+def _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error, pool_pages):
+    _check_pool_pages("dcp_merge", pool_pages)
     s = rank_shape(shape)
     k, dcp, b = s.model.index_topk, s.topology.dcp, _batch("dcp_merge", own_positions)
     if dcp == 1:
@@ -747,7 +759,7 @@ def dcp_merge(
         slots: (B, k), torch.int32. This rank's cache slots among the global top-k,
             compacted to the front, -1 padded.
     """
-    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error)
+    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error, pool_pages)
     slots = torch.empty_like(own_positions)
     _launcher("dcp_merge", shape, pdl, own_positions.device).dcp_merge(
         own_positions,
@@ -765,7 +777,7 @@ def dcp_merge(
 
 @dcp_merge.register_fake
 def _(own_positions, own_scores, peer_positions, peer_scores, block_tables, error, shape, pdl=True, pool_pages=None):
-    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error)
+    _dcp_merge_check(own_positions, own_scores, peer_positions, peer_scores, block_tables, shape, error, pool_pages)
     return torch.empty_like(own_positions)
 
 

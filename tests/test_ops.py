@@ -209,6 +209,11 @@ def _meta(*dims, dtype=torch.bfloat16):
         ("query_norm", {"a0": _meta(2304, B).t()}, "qkv must be contiguous"),
         (
             "query_norm",
+            {"a0": _meta(B * 2304 + 4)[4:].view(B, 2304)},
+            "qkv must be 16-byte aligned, got a view 4 elements in",
+        ),
+        (
+            "query_norm",
             {"a1": torch.empty(1536, dtype=torch.bfloat16)},
             "gamma_q is on cpu, the other arguments on meta",
         ),
@@ -259,6 +264,13 @@ def test_bad_tuning_arguments_are_refused():
     positional, _ = _args(SHAPES["tp8"])["dsa_index"]
     with pytest.raises(ValueError, match="pages_per_cta must be >= 1"):
         torch.ops.graphstep.dsa_index(*positional, pages_per_cta=0)
+    positional, _ = _args(SHAPES["tp8"])["top_k"]
+    for bad in (0, -5, 2**31):  # a negative bound wrapped in the kernels' unsigned compare: nothing refused
+        with pytest.raises(ValueError, match=rf"top_k: pool_pages must be None or in \[1, 2147483647\], got {bad}"):
+            torch.ops.graphstep.top_k(*positional, pool_pages=bad)
+    positional, _ = _args(SHAPES["kimi-dcp2-fp8"])["dcp_merge"]
+    with pytest.raises(ValueError, match="dcp_merge: pool_pages must be None or in"):
+        torch.ops.graphstep.dcp_merge(*positional, pool_pages=-1)
 
 
 def test_the_real_implementations_refuse_cpu_tensors():
