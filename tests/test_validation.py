@@ -66,6 +66,23 @@ def test_slots_must_be_the_new_tokens_own_slot():
     step.step(_with(good, slot_mapping=slots), eager=True)
 
 
+def test_an_empty_batch_and_a_dcp_step_without_peers_are_refused():
+    step = _step()
+    empty = step.state.inputs(1)
+    empty = _with(
+        empty,
+        qkv=empty.qkv[:0],
+        context_lens=empty.context_lens[:0],
+        slot_mapping=empty.slot_mapping[:0],
+        block_tables=empty.block_tables[:0],
+    )
+    with pytest.raises(ValueError, match=r"batch must be at least 1 \(captured sizes: \[1, 4\]\)"):
+        step.step(empty, eager=True)
+    dcp = _step(DCP, sizes=(2,))
+    with pytest.raises(ValueError, match="a DCP step needs peers=PeerInputs"):
+        dcp.step(dcp.state.inputs(2), eager=True)
+
+
 def test_two_tokens_may_not_write_one_slot():
     """Two rows whose block tables share the new token's page at the same position would
     write one cache row (each the new token's own slot by itself): the later row is refused."""
