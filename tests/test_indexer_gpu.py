@@ -598,6 +598,17 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
 
 
+def _assert_reference_top_k(out, out_scores, scores, tables, dcp: int, rank: int) -> None:
+    """TopK's outputs against the reference: the slots of the top k (dcp 1), or this rank's
+    candidates and their scores (DCP)."""
+    if dcp == 1:
+        assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+    else:
+        expect = ref.local_candidates(scores, 2048, dcp, rank)
+        assert torch.equal(out, expect.positions)
+        assert torch.equal(out_scores, expect.scores)
+
+
 @pytest.mark.parametrize("kind", ["continuous", "many-ties"])
 @pytest.mark.parametrize("split", VARIANTS, ids=_variant_id)
 def test_top_k_block_table_that_ends_inside_a_cta_slice(split, kind):
@@ -653,12 +664,7 @@ def test_top_k_widest_split_past_131072(ties, dcp, rank):
         torch.arange(width, device="cuda")[None] >= torch.tensor(local, device="cuda")[:, None], float("-inf")
     )
     tables = _tables(len(local), width, seed=31)
-    out, out_scores = _run_variant(WIDEST, scores, tables, lens, dcp, rank)
-    if dcp == 1:
-        assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
-    else:
-        expect = ref.local_candidates(scores, 2048, dcp, rank)
-        assert torch.equal(out, expect.positions) and torch.equal(out_scores, expect.scores)
+    _assert_reference_top_k(*_run_variant(WIDEST, scores, tables, lens, dcp, rank), scores, tables, dcp, rank)
 
 
 def _round0_exit_rows(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
@@ -867,10 +873,4 @@ def test_top_k_compaction_of_uneven_rows(split, dcp, rank):
     scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= local[:, None], float("-inf"))
     lens = (local * dcp + rank).to(torch.int32)
     tables = _tables(len(local), width, seed=23)
-    out, out_scores = _run_variant(split, scores, tables, lens, dcp, rank)
-    if dcp == 1:
-        assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
-    else:
-        expect = ref.local_candidates(scores, 2048, dcp, rank)
-        assert torch.equal(out, expect.positions)
-        assert torch.equal(out_scores, expect.scores)
+    _assert_reference_top_k(*_run_variant(split, scores, tables, lens, dcp, rank), scores, tables, dcp, rank)
