@@ -772,6 +772,11 @@ def check_args(args) -> None:
                 f"--{name.replace('_', '-')} {value}: more than {shape.model.name}'s {shape.model.max_seq_len} "
                 "tokens (ModelShape.max_seq_len, the positions the model is built for)"
             )
+    if args.command == "run" and args.dcp > 1 and args.rank != 0:
+        raise ValueError(
+            f"--rank {args.rank}: run --dcp {args.dcp} runs the whole group (every rank); "
+            "--rank picks the rank the other commands simulate"
+        )
     if getattr(args, "group_only", False) and max(args.dcp) == 1:
         raise ValueError("--group-only: needs --dcp sizes above 1 (the group of real ranks)")
     if args.command in ("ptx", "bench"):

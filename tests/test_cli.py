@@ -146,6 +146,12 @@ def test_cpu_run_honours_its_flags(capsys):
     assert len(lines) == 3 + 1 and all(int(line.split()[1]) <= 100 for line in lines[:3])  # 3 tokens + the summary
 
 
+def test_run_of_a_dcp_group_takes_no_rank(capsys):
+    assert "--rank 1: run --dcp 2 runs the whole group" in _error(
+        ["run", "--cpu", "--dcp", "2", "--tp", "8", "--rank", "1"], capsys
+    )
+
+
 def test_policy_and_trace_are_checked_before_the_gpu(tmp_path, capsys):
     assert "'1:bogus'" in _error(["serve", "--policy", "1:bogus"], capsys)
     assert "'1:bogus'" in _error(["run", "--policy", "1:bogus"], capsys)
