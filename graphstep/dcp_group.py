@@ -37,7 +37,7 @@ import torch
 from . import formats
 from . import reference as ref
 from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout, check_budget
-from .shapes import RankShape, check_batch
+from .shapes import RankShape, check_capture_sizes
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
 from .transport import Exchange, PeerCandidates, Transport, ValueCheck
@@ -309,9 +309,7 @@ class DcpGroup:
         self.devices = [self._device(d) for d in devices]
         self.dcp, self.backend = dcp, backend
         unsharded = RankShape(shape.model, replace(topo, tp=topo.tp // dcp, dcp=1, rank=0, split=False))
-        sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
-        if not sizes:
-            raise ValueError("capture_sizes must name at least one batch size")
+        sizes = check_capture_sizes(capture_sizes)
         self.unsharded = LayerState(unsharded, sizes[-1], max_context, seed, self.devices[0])
         self.rendezvous = Rendezvous(dcp, wait_s)
         self.transports: list[Transport | None] = [None] * dcp

@@ -313,6 +313,16 @@ def check_batch(batch: int, what: str = "batch") -> int:
     return batch
 
 
+def check_capture_sizes(capture_sizes) -> list[int]:
+    """The batch sizes of a list to capture, sorted and distinct; raise naming what is wrong."""
+    if isinstance(capture_sizes, int | str):
+        raise TypeError(f"capture_sizes must be a list of batch sizes, e.g. [1, 4], got {capture_sizes!r}")
+    sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
+    if not sizes:
+        raise ValueError("capture_sizes must name at least one batch size")
+    return sizes
+
+
 def tiled_from(heads: int) -> int:
     """The batch from which the q_a RMSNorm uses the tiled (row per warp) variant.
 

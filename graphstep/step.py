@@ -46,7 +46,7 @@ import torch
 from . import formats
 from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, check_budget, guard_bounds
 from .policy import MODES, overlap_for, side_stream
-from .shapes import RankShape, check_batch
+from .shapes import RankShape, check_batch, check_capture_sizes
 from .stages import Buffers, CuteStages, Stages, TorchStages
 from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, check_tensors, local_lens
 from .transport import SimulatedPeers, SingleRank, Transport
@@ -108,13 +108,9 @@ class DecodeStep:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(BACKENDS)}")
-        if isinstance(capture_sizes, int | str):
-            raise TypeError(f"capture_sizes must be a list of batch sizes, e.g. [1, 4], got {capture_sizes!r}")
+        sizes = check_capture_sizes(capture_sizes)
         if policy is not None and not isinstance(policy, str):
             raise TypeError(f"policy must be a mode or a 'rows:mode,...' table (str) or None, got {policy!r}")
-        sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
-        if not sizes:
-            raise ValueError("capture_sizes must name at least one batch size")
         check_budget(budget_ns)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():

@@ -160,6 +160,11 @@ def test_construction_errors(kwargs, message):
         DcpGroup(RankShape(SMALL, Topology(tp=4)), max_context=100, **kwargs)
 
 
+def test_capture_sizes_must_be_a_list():
+    with pytest.raises(TypeError, match=r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got 4"):
+        DcpGroup(RankShape(SMALL, Topology(tp=4)), 2, capture_sizes=4, max_context=100)
+
+
 def test_a_step_on_a_given_state_checks_it_is_the_steps():
     group = _group(2)
     state = group.steps[1].state
