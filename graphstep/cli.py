@@ -363,7 +363,13 @@ def cmd_info(args) -> int:
     return 0
 
 
-RUN_GPU_DEFAULTS = {"batch": [1, 4, 16, 64], "context": 32768, "policy": None, "replays": 200}
+RUN_GPU_DEFAULTS = {
+    "batch": [1, 4, 16, 64],
+    "context": 32768,
+    "policy": None,
+    "replays": 200,
+    "bandwidth": floor.H200_COPY_BW / 1e12,
+}
 RUN_CPU_DEFAULTS = {"cpu_batch": 4, "cpu_context": 4096}
 
 
@@ -676,6 +682,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"timed replays per size, GPU run only (default: {RUN_GPU_DEFAULTS['replays']})",
     )
+    run.add_argument(
+        "--bandwidth",
+        type=positive_float,
+        default=None,
+        help=f"TB/s the floor is computed at, GPU run only (default: {RUN_GPU_DEFAULTS['bandwidth']}, the H200's)",
+    )
     run.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     run.add_argument("--cpu", action="store_true", help="run the CPU reference even on a GPU machine")
     run.add_argument(
@@ -721,6 +733,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=batches, default=[1, 4, 16, 64], help="captured sizes")
     bench.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
     bench.add_argument("--replays", type=positive_int, default=100, help="timed replays per size and variant")
+    bench.add_argument(
+        "--bandwidth",
+        type=positive_float,
+        default=floor.H200_COPY_BW / 1e12,
+        help="TB/s the floors are computed at (default: the H200's copy rate; an H100's is lower)",
+    )
     bench.add_argument("--seed", type=seed, default=0, help="seed of the weights and inputs")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md and bench.png")
     bench.add_argument(

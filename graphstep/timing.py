@@ -103,7 +103,7 @@ def run_gpu(args, shape: RankShape) -> int:
         load_batch(step, size, args.context, args.seed)
         times = replay_us(step, size, replays=args.replays)
         cold = replay_us(step, size, replays=args.replays, cold_l2=True)
-        bound = floor.step_floor(shape, size, args.context)
+        bound = floor.step_floor(shape, size, args.context, args.bandwidth * 1e12)
         p50 = statistics.median(times)
         records.append(
             dict(
@@ -119,11 +119,20 @@ def run_gpu(args, shape: RankShape) -> int:
     if args.json:
         meta = dict(model=shape.model.name, topology=shape.topology.name, device=device, torch=torch.__version__)
         meta["knobs"] = _knobs(args)
-        print(json.dumps(dict(meta, context=args.context, replays=args.replays, sizes=records), indent=1))
+        record = dict(meta, context=args.context, replays=args.replays, floor_bandwidth_tbs=args.bandwidth)
+        print(json.dumps(dict(record, sizes=records), indent=1))
     else:
         print(
             table(
-                ["batch", "mode", "p50 us", "p99 us", "p50 cold L2", "floor us (4.3 TB/s)", "p50/floor"],
+                [
+                    "batch",
+                    "mode",
+                    "p50 us",
+                    "p99 us",
+                    "p50 cold L2 us",
+                    f"floor us ({args.bandwidth:g} TB/s)",
+                    "p50/floor",
+                ],
                 [list(r.values()) for r in records],
             )
         )
@@ -281,7 +290,7 @@ def bench(args, shape: RankShape) -> int:
             "cute_fork_nopdl": statistics.median(replay_us(steps["cute_nopdl"], size, "fork", args.replays)),
             "torch_fork": statistics.median(replay_us(steps["torch"], size, "fork", args.replays)),
         }
-        bound = floor.step_floor(shape, size, args.context)
+        bound = floor.step_floor(shape, size, args.context, args.bandwidth * 1e12)
         default = overlap_for(size, None, shape.topology.dcp > 1, shape.topology.wide, shape.topology.split)
         step_us = t[f"cute_{default}"]  # the mode a step uses by default at this size
         cold = replay_us(steps["cute"], size, default, args.replays, cold_l2=True)
@@ -318,7 +327,7 @@ def bench(args, shape: RankShape) -> int:
         "cute serial",
         "fork no-PDL",
         "torch",
-        "floor (4.3 TB/s)",
+        f"floor ({args.bandwidth:g} TB/s)",
         "default",
         "default/floor",
         "default, cold L2",
@@ -340,6 +349,7 @@ def bench(args, shape: RankShape) -> int:
         shape=shape.model.name,
         topology=shape.topology.name,
         context=args.context,
+        floor_bandwidth_tbs=args.bandwidth,
         knobs=_knobs(args),
     )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)

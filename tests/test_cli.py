@@ -134,7 +134,13 @@ def test_the_memory_check_counts_every_state_a_command_keeps():
 
 
 def test_cpu_run_rejects_the_gpu_runs_flags(capsys):
-    for flag, value in (("--batch", "4"), ("--context", "100"), ("--policy", "fork"), ("--replays", "3")):
+    for flag, value in (
+        ("--batch", "4"),
+        ("--context", "100"),
+        ("--policy", "fork"),
+        ("--replays", "3"),
+        ("--bandwidth", "3.35"),
+    ):
         err = _error(["run", "--cpu", flag, value], capsys)
         assert f"{flag}: for the GPU run only" in err and "--cpu-batch" in err
 
