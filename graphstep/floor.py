@@ -6,8 +6,8 @@ as bf16, though the harness writes it in fp32 for the DCP combine; not the harne
 copies: the query rows' copy to the returned rows and the mailbox's re-arm). The indexer
 scores count for both scoring and top-k, since they are separate kernels. The step floor
 is the stages' sum less the scores (an intermediate a fused indexer would not store);
-the other intermediates (q_c, the indexer's queries, the slots, the query rows) count
-once written and once read, and QueryNorm's q_a and gamma also under MlaQuery, which
+the other intermediates (q_c, the indexer's queries, the slots, under DCP the top-k
+candidates, the query rows) count once written and once read, and QueryNorm's q_a and gamma also under MlaQuery, which
 reads them again on the side stream: together under 1 us at TP 8, B = 64. The floor is
 bytes / bandwidth (4.3 TB/s, the H200's copy rate, unless given): the bar the issues'
 step targets are set against.
@@ -96,7 +96,10 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
             intermediate_bytes=scores,
             cache_bytes=b * local * m.index_token_bytes,
         ),
-        StageCost("top_k", "main", 0, scores + b * m.index_topk * 4, 0, intermediate_bytes=scores),
+        # the slots; under DCP the candidates' global positions and their fp32 scores
+        StageCost(
+            "top_k", "main", 0, scores + b * m.index_topk * (8 if topo.dcp > 1 else 4), 0, intermediate_bytes=scores
+        ),
         StageCost(
             "mla_query",
             "side",
@@ -111,6 +114,8 @@ def stage_costs(shape: RankShape, batch: int, context: int) -> list[StageCost]:
     ]
     if topo.dcp > 1:
         costs.append(StageCost("query_wait", "side", 0, b * shape.gathered * q_row_bytes, 0))
+        # every rank's candidates (positions and scores) read, this rank's slots written
+        costs.append(StageCost("dcp_merge", "main", 0, b * topo.dcp * m.index_topk * 8 + b * m.index_topk * 4, 0))
     costs.append(
         StageCost(
             "sparse_core",

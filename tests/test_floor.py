@@ -25,6 +25,10 @@ def test_mla_query_and_sparse_core_by_hand_under_dcp():
     assert by["sparse_core"].flops == 2 * 4 * 16 * 500 * (576 + 512)  # QK^T over 576 dims, P @ V over 512
     assert by["query_wait"].bytes == 4 * 16 * 1152
     assert by["index_score"].cache_bytes == 4 * 500 * 132
+    # under DCP TopK writes k candidates (position and fp32 score) a token; DcpMerge reads every rank's, writes slots
+    assert by["top_k"].io_bytes == 4 * 500 * 4 + 4 * 2048 * 8
+    assert by["dcp_merge"].bytes == 4 * 2 * 2048 * 8 + 4 * 2048 * 4 and by["dcp_merge"].stream == "main"
+    assert "dcp_merge" not in {c.name for c in stage_costs(RankShape(preset("kimi-k3.1"), Topology(tp=8)), 4, 1000)}
 
 
 def test_step_floor_leaves_intermediates_out():
