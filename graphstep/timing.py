@@ -464,7 +464,9 @@ def group_replay_us(group, size: int, replays: int = 100, warmup: int = 10) -> t
 def group_wait_us(group, size: int, replays: int = 10) -> dict[str, float]:
     """Mean GPU time per rank and step of the group's two waits (QueryWait, CandidateSync)
     over gated group replays recorded by kernel_trace.record (replays + 1 of them): how much
-    of a rank's step is spent waiting for its peers (on one GPU, also for the SMs they hold)."""
+    of a rank's step is spent waiting for its peers (on one GPU, also for the SMs they hold).
+    Each rank runs each wait once a step, so the mean is over the wait's kernels recorded (the
+    first replay's can be missing: kernel_trace.record)."""
     from types import SimpleNamespace
 
     from .kernel_trace import gpu_events, record, stage_of
@@ -477,12 +479,12 @@ def group_wait_us(group, size: int, replays: int = 10) -> dict[str, float]:
         trace = record(SimpleNamespace(replay=one_step), replays, Path(folder) / "group.json", warmup=0)
     group.check()
     events = gpu_events(trace)
-    waits = {"QueryWait": 0.0, "CandidateSync": 0.0}
+    waits = {"QueryWait": [], "CandidateSync": []}
     for event in events:
         stage = stage_of(event.name)
         if stage in waits:
-            waits[stage] += event.duration
-    return {stage: total / ((replays + 1) * group.dcp) for stage, total in waits.items()}
+            waits[stage].append(event.duration)
+    return {stage: statistics.mean(times) if times else 0.0 for stage, times in waits.items()}
 
 
 def _group(shape: RankShape, dcp: int, sizes, context: int, seed: int):
@@ -561,6 +563,6 @@ def bench_group(args, shape: RankShape) -> str:
     return (
         f"DCP group of {group.dcp} ranks on one GPU, context {args.context} (us, median of {args.replays}; "
         "each rank from the common start to its end; the waits' shares: their kernels' mean GPU time per rank "
-        "(torch.profiler, 10 steps; under PDL from their early launch, so their own predecessor's tail is in it) "
+        "(torch.profiler, 11 steps; under PDL from their early launch, so their own predecessor's tail is in it) "
         "over the mean rank time):\n\n" + table(headers, rows, markdown=True)
     )
