@@ -336,7 +336,8 @@ def bench(args, shape: RankShape) -> int:
         "serial/fork",
         "no-PDL/fork",
     ]
-    text = table(headers, rows, markdown=True) + "\n\n" + alone_line(smallest, alone_us, default_us, sizes)
+    text = f"times in us (median of {args.replays} graph replays)\n\n" + table(headers, rows, markdown=True)
+    text += "\n\n" + alone_line(smallest, alone_us, default_us, sizes)
     if shape.topology.dcp > 1:  # the rows above: rank 0 with simulated peers; now the real group
         del steps, alone
         text += "\n\n" + bench_group(args, shape)
@@ -354,7 +355,7 @@ def bench(args, shape: RankShape) -> int:
     )
     alone_record = dict(batch=smallest, captured_alone_us=alone_us, captured_all_us=default_us)
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=records, alone=alone_record), indent=1))
-    (out / "bench.md").write_text(f"{meta}\n\ntimes in us (median of {args.replays} graph replays)\n\n{text}\n")
+    (out / "bench.md").write_text(f"{meta}\n\n{text}\n")
     _plot(records, out / "bench.png", meta)
     print(
         f"wrote {out / 'bench.json'}, {out / 'bench.md'}"
