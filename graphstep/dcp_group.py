@@ -25,7 +25,6 @@ top-k candidates every step, and `combine_ranks` (graphstep.reference) turns the
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Collection
@@ -37,7 +36,7 @@ import torch
 from . import formats
 from . import reference as ref
 from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout, check_budget
-from .shapes import RankShape, check_capture_sizes
+from .shapes import RankShape, check_capture_sizes, check_positive_number
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
 from .transport import Exchange, PeerCandidates, Transport, ValueCheck
@@ -298,9 +297,8 @@ class DcpGroup:
         if backend not in GROUP_POLICY:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(GROUP_POLICY)}")
         check_budget(budget_ns)
-        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 < wait_s < math.inf:
-            # the host rendezvous's bound (torch backend): without one a missing rank hangs the group
-            raise ValueError(f"wait_s must be a finite number of seconds > 0, got {wait_s!r}")
+        # the host rendezvous's bound (torch backend): without one a missing rank hangs the group
+        check_positive_number(wait_s, "wait_s", " of seconds")
         if devices is None:
             devices = "cpu" if backend == "torch" else "cuda"
         devices = list(devices) if isinstance(devices, list | tuple) else [devices] * dcp

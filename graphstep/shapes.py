@@ -24,6 +24,13 @@ def _positive(owner: str, **values: int) -> None:
             raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
+def check_positive_number(value, what: str, unit: str = "") -> float:
+    """Return `value` if it is a finite int or float > 0, else raise ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{what} must be a finite number{unit} > 0, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """YaRN RoPE scaling (DeepSeek-V3.2-Exp inference/model.py ModelArgs "yarn" fields; the
@@ -94,10 +101,8 @@ class ModelShape:
         ints = {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
         _positive("ModelShape", **ints)
         for name in ("rms_eps", "index_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            # finite and > 0: a norm's eps under a square root, RoPE's base under a logarithm
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                raise ValueError(f"ModelShape.{name} must be a finite number > 0, got {value!r}")
+            # a norm's eps under a square root, RoPE's base under a logarithm
+            check_positive_number(getattr(self, name), f"ModelShape.{name}")
         if self.q_lora_rank != 1536:
             # QueryNorm's thread mappings (192 x 8 and 32 lanes x 48) are written for 1536.
             raise ValueError(f"ModelShape.q_lora_rank must be 1536 (the kernels' mapping), got {self.q_lora_rank}")

@@ -470,11 +470,8 @@ class DecodeStep:
         want = st.new_token_slots(safe, tables).long()
         slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
         # two tokens writing one slot (their new tokens on one shared page): the later row
-        slots = inputs.slot_mapping.long()
-        rows = torch.arange(inputs.batch, device=slots.device)
-        order = torch.where(slots == -1, -2 - rows, slots).sort(stable=True)
-        dup_bad = torch.zeros_like(slot_bad)
-        dup_bad[order.indices[1:]] = order.values[1:] == order.values[:-1]
+        slots = inputs.slot_mapping
+        dup_bad = ((slots[:, None] == slots[None, :]) & (slots[None, :] != -1)).tril(-1).any(1)
         # the used part of each block table: pages of [0, local length)
         used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
         columns = torch.arange(tables.shape[1], device=tables.device)[None]
