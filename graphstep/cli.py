@@ -726,6 +726,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--steps", type=positive_int, default=1000, help="steps to replay")
     serve.add_argument("--trace", default=None, help="a file of batch sizes (default: a synthetic drifting trace)")
     serve.add_argument("--seed", type=seed, default=0, help="seed of the weights, inputs and trace")
+    serve.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="load without the value checks and their sync (the kernels' guards still record; raised at the end)",
+    )
     serve.add_argument("--json", action="store_true", help="print the latencies as JSON")
     serve.set_defaults(func=cmd_serve)
 
