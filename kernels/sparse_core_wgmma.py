@@ -157,6 +157,19 @@ def load_row_sum(address) -> Float32:
     return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address])
 
 
+def store_factor(address, factor):
+    """score_block: a row's rescale factor into shared memory for the values warpgroup. A
+    helper of its own (and load_factor) so that scripts/sanitize_known.txt's entry names these
+    accesses alone (the P_READY / P_FREE handoff, racecheck under a cluster launch with
+    setmaxnreg, as the row sums')."""
+    cute.arch.inline_ptx("st.shared.f32 [{$r0}], {$r1};", read_only_args=[address, factor])
+
+
+def load_factor(address) -> Float32:
+    """values_block_half: a row's rescale factor from shared memory (see store_factor)."""
+    return cute.arch.inline_ptx("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address])
+
+
 class WgmmaPaths:
     """partial_wgmma and partial_wgmma_ws (with the crossover) and what they call
     (SparseCore's mixin: the configuration they read is SparseCore's, set in its constructor)."""
@@ -742,7 +755,7 @@ class WgmmaPaths:
             P.st_shared_u32(p_s + i // 2 * CHUNK + (row0 + 8 * (i % 2)) * 16 + 4 * t, words[i])
         if t == 0:
             for rr in cutlass.range_constexpr(2):
-                factors[row0 + 8 * rr] = alpha[rr]
+                store_factor(factors.iterator.toint() + 4 * (row0 + 8 * rr), alpha[rr])
         P.fence_proxy_async()  # P -> warpgroup 1's wgmma
         P.named_arrive(P_READY, WG_THREADS)
         self.stamp(trace, TRACE_SCORER + 4 * b + 2, tid == 0)
@@ -759,7 +772,7 @@ class WgmmaPaths:
         row0, t = 16 * w4 + lane // 4, lane % 4
         P.named_sync(P_READY, WG_THREADS)
         self.stamp(trace, TRACE_VALUES + 3 * b, tid == WG_THREADS // 2)
-        alpha = [factors[row0], factors[row0 + 8]]
+        alpha = [load_factor(factors.iterator.toint() + 4 * (row0 + 8 * rr)) for rr in range(2)]
         words = []
         if cutlass.const_expr(self.values_rs):  # the scorer's words for these rows, as score_block stored them
             for i in cutlass.range_constexpr(self.block // 4):
