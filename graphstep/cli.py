@@ -848,13 +848,14 @@ def main(argv: list[str] | None = None) -> int:
     """The `graphstep` command: parse, check every flag before any GPU work, run the subcommand;
     returns the exit code."""
     args = build_parser().parse_args(argv)
+    seconds = None
     try:
         try:
             seconds = watchdog_seconds()
             check_args(args)
             args.knobs = apply_knobs(args.knob)  # every knob checked before any is set
             if seconds:  # a hung GPU run dumps every thread's stack and exits instead of waiting forever
-                faulthandler.dump_traceback_later(seconds, exit=True)
+                faulthandler.dump_traceback_later(seconds, exit=True, file=_fault_file())
             return args.func(args)
         except (ValueError, OSError) as error:
             if isinstance(error, BrokenPipeError):
@@ -866,6 +867,19 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    finally:
+        if seconds:  # main() called in a process that goes on (a test, a notebook): not killed later
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _fault_file():
+    """Where the watchdog writes the stacks: a file descriptor faulthandler can use (sys.stderr
+    replaced by an object without one, as pytest's capture or a notebook does, has none)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 if __name__ == "__main__":

@@ -176,6 +176,23 @@ def test_a_bad_watchdog_is_an_error_not_a_traceback(monkeypatch, capsys):
         assert "GRAPHSTEP_WATCHDOG" in _error(["info", "--batch", "1"], capsys)
 
 
+def test_the_watchdog_works_under_a_captured_stderr_and_is_disarmed_on_return(monkeypatch, capsys):
+    """main() in a process that goes on (pytest's capture, a notebook: sys.stderr without a
+    file descriptor): the watchdog writes to the real stderr and is cancelled when main returns
+    (before: "graphstep info: fileno", and an armed timer that would later kill the process)."""
+    import faulthandler
+
+    calls = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda s, exit, file: calls.append((s, file.fileno())))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: calls.append("cancel"))
+    monkeypatch.setenv("GRAPHSTEP_WATCHDOG", "100")
+    assert main(["info", "--batch", "1"]) == 0, capsys.readouterr().err
+    assert calls == [(100.0, sys.__stderr__.fileno()), "cancel"]
+    monkeypatch.delenv("GRAPHSTEP_WATCHDOG")
+    calls.clear()
+    assert main(["info", "--batch", "1"]) == 0 and calls == []  # unset: neither armed nor cancelled
+
+
 def test_help_shows_defaults(capsys):
     for verb, shown in (
         ("info", "(default: 4.3)"),
