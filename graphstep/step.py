@@ -458,37 +458,41 @@ class DecodeStep:
         return batch
 
     def _check_values(self, inputs: StepInputs, peers: PeerInputs | None) -> None:
-        """The values' ranges, with one device-to-host sync: per row, a flag for each check,
-        computed on the inputs' device and read back together; the messages (only on a
-        failure) read what they name."""
+        """The values' ranges, with one device-to-host copy: on the inputs' device only what
+        must stay there (qkv's rows finite, the transport's checks of the peers' candidate
+        lists), read back with the small integer inputs and the error word in one tensor; the
+        integer checks then run on the host copy (a step's host time: ~55 eager device ops
+        and their launches were ~0.6 ms a step on an H100, bench/RESULTS.md session 42)."""
         st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
-        lens = inputs.context_lens.long()
+        batch, columns = inputs.block_tables.shape
+        transport_checks = self.transport.value_checks(peers, inputs.context_lens)
+        on_device = torch.stack([~torch.isfinite(inputs.qkv).all(1)] + [bad for bad, _ in transport_checks])
+        packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), on_device.flatten().int()]
+        host = torch.cat([t.to(self.error.word.device) for t in packed] + [self.error.word]).cpu()  # the one read
+        sizes = [batch, batch, batch * columns, on_device.numel(), self.error.word.numel()]
+        lens, slots, tables, device_flags, word = host.split(sizes)
+        tables = tables.view(batch, columns)
+        lens = lens.long()
         len_bad = (lens < 1) | (lens > st.max_context)
         safe = lens.clamp(1, st.max_context)
         # the new token's slot: -1, or the slot its block table holds at its local index
-        tables = inputs.block_tables
         want = st.new_token_slots(safe, tables).long()
-        slot_bad = (inputs.slot_mapping != -1) & (inputs.slot_mapping.long() != want)
+        slot_bad = (slots != -1) & (slots.long() != want)
         # two tokens writing one slot (their new tokens on one shared page): the later row
-        slots = inputs.slot_mapping
         dup_bad = ((slots[:, None] == slots[None, :]) & (slots[None, :] != -1)).tril(-1).any(1)
         # the used part of each block table: pages of [0, local length)
         used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
-        columns = torch.arange(tables.shape[1], device=tables.device)[None]
-        page_bad = ((tables < 0) | (tables >= st.trash_page)) & (columns < used[:, None])
-        checks = [len_bad, page_bad.any(1), slot_bad, dup_bad, ~torch.isfinite(inputs.qkv).all(1)]
-        transport_checks = self.transport.value_checks(peers, safe)
-        stacked = torch.stack(checks + [bad for bad, _ in transport_checks]).to(self.error.word.device)
-        # the one sync: the flags and the error word the steps before this one left
-        read = torch.cat([stacked.flatten().int(), self.error.word]).tolist()
-        word = read[len(read) - self.error.word.numel() :]
-        flags = [[bool(v) for v in read[i : i + inputs.batch]] for i in range(0, len(read) - len(word), inputs.batch)]
+        page_bad = ((tables < 0) | (tables >= st.trash_page)) & (torch.arange(columns)[None] < used[:, None])
+        host_flags = torch.stack([len_bad, page_bad.any(1), slot_bad, dup_bad]).int()
+        read = torch.cat([host_flags.flatten(), device_flags, word]).tolist()
+        checked = host_flags.numel() + on_device.numel()  # flags of checks x rows, then the word
+        flags = [[bool(v) for v in read[i : i + batch]] for i in range(0, checked, batch)]
         # an earlier unchecked step's range error first (the word is reset: the next call runs)
-        self._raise_recorded(word)
+        self._raise_recorded(read[checked:])
         if any(flags[0]):
             row = flags[0].index(True)
             raise ValueError(
-                f"inputs.context_lens[{row}] = {int(inputs.context_lens[row])}: "
+                f"inputs.context_lens[{row}] = {int(lens[row])}: "
                 f"must be in [1, {st.max_context}] (the step's max_context)"
             )
         if any(flags[1]):
@@ -501,7 +505,7 @@ class DecodeStep:
             )
         if any(flags[2]):
             row = flags[2].index(True)
-            slot, p = int(inputs.slot_mapping[row]), int(safe[row]) - 1
+            slot, p = int(slots[row]), int(safe[row]) - 1
             if p % topo.dcp != topo.rank:
                 where = f"position {p} lives on DCP rank {p % topo.dcp}, not rank {topo.rank}: its slot here must be -1"
             else:
@@ -514,8 +518,8 @@ class DecodeStep:
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
         if any(flags[3]):
             row = flags[3].index(True)
-            slot = int(inputs.slot_mapping[row])
-            first = int((inputs.slot_mapping == slot).nonzero()[0, 0])
+            slot = int(slots[row])
+            first = int((slots == slot).nonzero()[0, 0])
             raise ValueError(
                 f"inputs.slot_mapping[{row}] = {slot}: also row {first}'s slot: two tokens would write one cache "
                 f"row (their block tables share the page of the new token)"
