@@ -465,7 +465,7 @@ class DecodeStep:
         and their launches were ~0.6 ms a step on an H100, bench/RESULTS.md session 42)."""
         st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
         batch, columns = inputs.block_tables.shape
-        transport_checks = self.transport.value_checks(peers, inputs.context_lens)
+        transport_checks = self.transport.value_checks(peers, inputs.context_lens.clamp(1, st.max_context))
         on_device = torch.stack([~torch.isfinite(inputs.qkv).all(1)] + [bad for bad, _ in transport_checks])
         packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), on_device.flatten().int()]
         host = torch.cat([t.to(self.error.word.device) for t in packed] + [self.error.word]).cpu()  # the one read

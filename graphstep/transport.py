@@ -91,8 +91,8 @@ class Transport(ABC):
         """Checks of `peers`' values for step(check_values=True): per check, bool flags
         [batch] computed on the device (True: the row is bad) and a function that raises the
         error of a flagged row. The step reads every flag with its own in one device-to-host
-        copy. context_lens: int32 [batch], the inputs' lengths as given (a row whose length is
-        out of range is refused before any of these checks' errors is raised)."""
+        copy. context_lens: int32 [batch], the inputs' lengths clamped to [1, max_context] (a
+        row whose length is out of range is refused before any of these checks' errors)."""
 
     @abstractmethod
     def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:

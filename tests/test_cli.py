@@ -188,6 +188,11 @@ def test_the_watchdog_works_under_a_captured_stderr_and_is_disarmed_on_return(mo
     monkeypatch.setenv("GRAPHSTEP_WATCHDOG", "100")
     assert main(["info", "--batch", "1"]) == 0, capsys.readouterr().err
     assert calls == [(100.0, sys.__stderr__.fileno()), "cancel"]
+    calls.clear()
+    monkeypatch.setattr("graphstep.cli.sm90_device", lambda: False)
+    with pytest.raises(SystemExit, match="needs an sm_90 GPU"):  # a subcommand's exit disarms it too
+        main(["serve"])
+    assert calls == [(100.0, sys.__stderr__.fileno()), "cancel"]
     monkeypatch.delenv("GRAPHSTEP_WATCHDOG")
     calls.clear()
     assert main(["info", "--batch", "1"]) == 0 and calls == []  # unset: neither armed nor cancelled

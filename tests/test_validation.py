@@ -204,6 +204,24 @@ def test_peers_are_validated_like_inputs():
     step.step(inputs, peers(positions=own), eager=True)
 
 
+def test_a_bad_length_is_named_before_the_peers_positions():
+    """Under DCP the length checks come first: a row of length 0 beside a bad peer position is
+    refused for its length (the peers' checks see the lengths clamped, never 0 or past max_context)."""
+    step = _step(DCP, sizes=(2,))
+    inputs = step.state.inputs(2, context_lens=[50, 60], seed=8)
+    peers = step.state.peer_inputs(inputs, seed=9)
+    positions = peers.positions.clone()
+    positions[1, 0, 0] = 7  # rank 0 offers an odd position
+    bad = dataclasses.replace(peers, positions=positions)
+    for length in (0, step.state.max_context + 1):
+        lens = inputs.context_lens.clone()
+        lens[0] = length
+        with pytest.raises(ValueError, match=rf"inputs.context_lens\[0\] = {length}: must be in"):
+            step.step(_with(inputs, context_lens=lens), bad, eager=True)
+    with pytest.raises(ValueError, match=r"peers.positions\[1, 0, 0\] = 7"):
+        step.step(inputs, bad, eager=True)
+
+
 def test_peers_on_a_step_without_dcp_are_an_error():
     step = _step()
     inputs = step.state.inputs(2, seed=10)
