@@ -468,7 +468,7 @@ class DecodeStep:
         transport_checks = self.transport.value_checks(peers, inputs.context_lens.clamp(1, st.max_context))
         on_device = torch.stack([~torch.isfinite(inputs.qkv).all(1)] + [bad for bad, _ in transport_checks])
         packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), on_device.flatten().int()]
-        host = torch.cat([t.to(self.error.word.device) for t in packed] + [self.error.word]).cpu()  # the one read
+        host = torch.cat(packed + [self.error.word]).cpu()  # the one read (all on self.device: check_tensors)
         sizes = [batch, batch, batch * columns, on_device.numel(), self.error.word.numel()]
         lens, slots, tables, device_flags, word = host.split(sizes)
         tables = tables.view(batch, columns)
