@@ -81,14 +81,14 @@ from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, Wg
 SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
 SENTINEL_WORD = 0xFFFFFFFF  # an unpublished mailbox chunk (graphstep/formats.py)
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
+# Every default below was chosen by a measurement; each comment says what the constant is and
+# why it has its value, and names the docs/levers.md part (Part S) with the alternatives' figures
+# (bench/RESULTS.md has the runs). graphstep's --knob changes the ones KNOBS lists.
+#
 # Up to this many tokens a launch, by (rows per CTA, MLA cache), a plan aims at half a wave
-# (WAVE // 2 CTAs, each twice the slots): every split's partial rows are written and read back
-# by the combine, and at small batch that costs more than the SMs half a wave leaves idle. 0: a
-# whole wave at every batch. Measured on TP 8 and TP 1 only (session 32, H100; levers.md S.8):
-# TP 8 bf16 B = 2 / 4 / 8 / 16 9.21 -> 7.21, 11.4 -> 9.47, 14.2 -> 13.3, 21.9 -> 20.7 us, the TP 8
-# step B = 2 / 8 / 16 -1.4..-3.4 us; TP 8 fp8 B = 2 / 4 -0.4..-0.6; TP 1 fp8 B = 4 -1.0, and its
-# step B = 2 / 4 -7.3 / -3.6 (session 33); TP 1 bf16 nowhere. Other shapes of the same rows
-# follow these entries unmeasured; 32-row CTAs (TP 4, TP 8 DCP 2) keep the whole wave.
+# (WAVE // 2 CTAs, each twice the slots): at small batch the split partials' write and read-back
+# cost more than the SMs half a wave leaves idle. 0: a whole wave at every batch. Measured at
+# TP 8 and TP 1 (S.8); other shapes of the same rows follow these entries unmeasured.
 PLAN_HALF_WAVE_TOKENS = {
     (16, "bf16"): 16,
     (16, "fp8"): 4,
@@ -97,90 +97,53 @@ PLAN_HALF_WAVE_TOKENS = {
     (64, "bf16"): 0,
     (64, "fp8"): 4,
 }
-# The default path of 64-row CTAs by cache format: True = partial_wgmma_ws (a producer
-# warpgroup loads and dequantizes, 2 x CONSUMER_REGS + PRODUCER_REGS by setmaxnreg out of
-# 3 x 168), False = partial_wgmma. Faster over the fp8 cache; over bf16 it ties the plain
-# kernel, and is on because the crossover needs it (levers.md S.5).
+# The 64-row CTAs' path by cache: True = partial_wgmma_ws (a producer warpgroup loads and
+# dequantizes), False = partial_wgmma. Faster over fp8; over bf16 a tie, on because the crossover
+# needs it (S.5).
 PRODUCER = {"fp8": True, "bf16": True}
-# partial_wgmma_ws's consumers in FlashMLA's shape (consume_blocks' roles 0 and 1) for at most
-# this many blocks a CTA, else the half-block scorers (role None): FlashMLA's keeps every row
-# max in warpgroup 0 (no max crosses warpgroups) but overlaps the producer less, so it wins
-# only at 1-2 blocks (levers.md S.6); its setmaxnreg: sparse_core_wgmma.SCORER_REGS ...
+# partial_wgmma_ws's consumers in FlashMLA's shape (consume_blocks' roles 0 and 1) up to this many
+# blocks a CTA, else the half-block scorers (role None): FlashMLA's keeps every row max in one
+# warpgroup but overlaps the producer less, so it wins only at 1-2 blocks (S.6).
 RESHAPE_BLOCKS = 2
-# The crossover per cache format (kernels/sparse_core_wgmma.py; produce_blocks has the protocol),
-# with FlashMLA's consumer shape at every block count (XOVER_RESHAPE_BLOCKS). Measured in
-# levers.md S.7.
+# The crossover per cache (a token's two head groups' CTAs as a cluster of 2, each producer loading
+# half of every block; produce_blocks in kernels/sparse_core_wgmma.py has the protocol), with
+# FlashMLA's consumer shape at every block count (S.7).
 CROSSOVER = {"fp8": True, "bf16": True}
 XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
-# FlashMLA's consumer shape: True has the values warpgroup load P from shared memory into
-# registers and take it as the A operand of its P @ V (wgmma RS, as the scorer's), False reads
-# it there as wgmma's A (SS). Registers re-dealt 200 / 176 / 128 with it (spill-free). Measured
-# (session 29, TP 1, H100): -3.4% at fp8 B = 64, +0.6% over bf16, the TP 1 step unchanged --
-# what held the values warpgroup was its shared loads before the MMAs, not the SS operand
-# (levers.md S.9) -- so off. Re-measured on today's crossover (session 39, H100, two runs): fp8
-# B = 4 / 16 / 64 -2.5 / -1.2 / -1.8% then +1.3 / -1.0 / -0.6%, bf16 within 1.3%, the TP 1 fp8
-# step at B = 4 / 64 within 1.4 us both ways: still off.
+# True: the values warpgroup loads P into registers and takes it as its P @ V's A operand (wgmma
+# RS), False: it reads P from shared memory (SS). Alone a few percent either way, the step
+# unchanged (S.9; re-measured in session 39, bench/RESULTS.md).
 VALUES_RS = False
-# How the crossover's producer puts its half of each block into the peer CTA's tile: "st_async"
-# (each thread's 16-byte chunks by st.async as it stores them locally: 18 a thread a block
-# through its warp's MIO queue) or "bulk" (the half stored locally only, then, after the
-# producer warpgroup's barrier, 72 bulk copies of 512 bytes by the SM's copy engine, completing
-# on the same full barrier). Built for session 29's reading of its trace (the values warpgroup's
-# shared loads held up by the pushes), which session 30 found was the values' wait for P
-# (levers.md S.9-S.10); measured (session 30, H100): "bulk" slower, 136.5 against 105.8 us at
-# TP 1 fp8 B = 64. So "st_async".
+# How the crossover's producer puts its half of a block into the peer's tile: "st_async" (each
+# 16-byte chunk as it is stored locally) or "bulk" (512-byte bulk copies after the producer's
+# barrier). "bulk" was slower (S.9-S.10).
 XOVER_PUSH = "st_async"
 XOVER_PUSHES = ("st_async", "bulk")
-# Who waits for the crossover's full barrier (cluster-scope acquire, which ptxas follows with an
-# L1 invalidation, CCTL.IVALL, in each waiting warp): "all" the consumer warps, or "one" -- the
-# first warp of each of FlashMLA's consumer warpgroups waits and its warpgroup meets it at a
-# named barrier (the acquire then reaches the other warps through the barrier). Measured
-# (session 30, H100): "one" 106.2 against 105.8 us at TP 1 fp8 B = 64, the cta_full probe no
-# faster either, so "all".
+# Who waits for the crossover's full barrier (a cluster-scope acquire, which ptxas follows with an
+# L1 invalidation): "all" the consumer warps, or "one" a warpgroup, passing it on by a named
+# barrier. "one" was no faster (bench/RESULTS.md session 30).
 XOVER_FULL_WAIT = "all"
 XOVER_FULL_WAITS = ("all", "one")
-# The scope of the release with which each consumer warp hands a crossover buffer back to the
-# peer's producer (its remote empty arrive, 8 warps a block): "cluster" (ptxas fences it with
-# MEMBAR.ALL.GPU and ERRBAR) or "cta" (CUTLASS's consumer release: the warp's reads of the
-# buffer -- its wgmmas waited, its slot ids used -- are complete before it arrives, and the
-# peer writes the buffer only after). Session 30 (H100; levers.md S.10): the ERRBAR held 22-24% of
-# each consumer warpgroup's stall samples (ncu source counters, TP 1 fp8, B = 64); "cta" took
-# fp8 B = 64 from 104.9 to 97.8 us, bf16 from 125.0 to 113.7, B <= 16 -1..-3%, the TP 1 fp8 step
-# at B = 64 from 291.6 to 281.5.
+# The scope of each consumer warp's remote release of a crossover buffer to the peer's producer:
+# "cta" (CUTLASS's consumer release: the warp's reads are complete before it arrives) or
+# "cluster" (ptxas adds MEMBAR.ALL.GPU and ERRBAR, which held ~a quarter of the consumers'
+# stalls): "cta" is 7-9% faster at TP 1 B = 64 (S.10).
 XOVER_RELEASE = "cta"
 XOVER_RELEASES = ("cluster", "cta")
-# The crossover's fp8 producer loads each block's rows one block ahead (XOVER_PREFETCH): block
-# b + 1's loads are issued before block b's rows are dequantized and stored, so two blocks'
-# registers (44 words each) are live and a load's latency overlaps a whole block, not only the
-# empty wait. Session 30's ncu source counters (TP 1 fp8, B = 64, H100, with XOVER_RELEASE
-# "cta"): the producer's first use of its loads (F2FP, long scoreboard) held 10.6% of all stall
-# samples and the scorer's full wait 5.6%; its trace: loads landed, dequantized and stored in
-# 3,728 cycles of a 4,741-cycle block. Measured (session 30, H100, plan s30_e): fp8 B = 64 98.4 ->
-# 94.3 us, B = 16 47.4 -> 46.6, B <= 4 within 2%; the producer's stored step 2,227 cycles and the
-# scorer's full wait 302 (the scorer's own work now bounds the block). Session 21's same prefetch
-# was no lever while the consumers' cluster-scope releases bounded the block.
+# The crossover's fp8 producer issues block b + 1's loads before it dequantizes block b, so a
+# load's latency overlaps a whole block (two blocks' registers live): -4% at TP 1 fp8 B = 64 (S.10).
 XOVER_PREFETCH = True
-# How the wgmma paths' threads that dequantize fp8 rows load a row's latent, at 64-slot blocks, by
-# path: "transposed" (the transposed path's two producer warpgroups, TP 8) and "wgmma" (the
-# crossover's producer, partial_wgmma_ws's and partial_wgmma's: 64-row CTAs). "8B": an 8-byte load
-# a bf16 chunk (16 latent + 2 rope + 1 scale loads a row share a block); "16B": FlashMLA's map
-# (levers.md A.1 F4), a 16-byte load of two chunks (8 + 2 + 1: half the load instructions and
-# requests for the same bytes); "16B_L2_256B": the same with the `.L2::256B` prefetch size on the
-# latent's loads and `.L2::128B` on the rope's and scales', as FlashMLA's. out and lse are the same
-# bits under every form. Measured (session 37, H200, SparseCore alone, us): the transposed path at
-# TP 8 fp8 B = 16 / 32 / 64 19.1 / 28.9 / 48.6 -> 17.6 / 26.8 / 44.3 with "16B" (its producers alone
-# 38.3 -> 33.5 at B = 64; "16B_L2_256B" the same within 0.1); the wgmma paths lose a little, TP 1
-# fp8 (the crossover) B = 64 90.4 -> 92.9, TP 2 fp8 (partial_wgmma_ws) 72.1 -> 73.2, B = 16 within
-# 0.3 (levers.md S.12).
+# How the wgmma paths' fp8 dequantizing threads load a row's latent, by path ("transposed": TP 8's
+# two producer warpgroups; "wgmma": the 64-row CTAs' producers): "8B" one 8-byte load a bf16
+# chunk, "16B" FlashMLA's map (a 16-byte load of two chunks: half the requests), "16B_L2_256B" the
+# same with FlashMLA's L2 prefetch sizes. The same bits under every form; "16B" wins on the
+# transposed path (TP 8 fp8 B = 64 -9%) and loses a little on the crossover (S.12).
 FP8_ROW_LOADS = {"transposed": "16B", "wgmma": "8B"}
 FP8_ROW_LOAD_FORMS = ("8B", "16B", "16B_L2_256B")
 FP8_ROW_LOAD_PATHS = ("transposed", "wgmma")  # FP8_ROW_LOADS' keys
-# FlashMLA's consumer shape (scorer and values warpgroups) rescales its 128 output accumulators a
-# block only where some row max of the warp moved (a warp vote; the factors are then exactly 1, so
-# skipping is exact): SKIP_UNMOVED. Session 30's trace (TP 1 fp8, B = 64, H100, XOVER_PREFETCH):
-# the scorer's own work bounds the block (softmax 1,604 cycles, its 128 FMULs part of it).
-# Measured (session 30, H100): fp8 B = 64 95.5 -> 93.2-93.4 us, B <= 16 within 1%, bf16 unchanged;
-# out and lse bit-identical to every rescale's (tests/test_sparse_core_gpu.py).
+# FlashMLA's consumer shape rescales its 128 output accumulators a block only where some row max
+# of the warp moved (a warp vote; the factors are then exactly 1, so skipping is exact): -2% at
+# TP 1 fp8 B = 64, the same bits (S.10).
 SKIP_UNMOVED = True
 # Device probes of the producer paths (bench/bench_sparse_core.py --probes; wrong results):
 # "no_loads": the producer loads nothing (every slot a hole) but dequantizes and stores as
@@ -204,38 +167,32 @@ PROBE = ""
 COMBINE = True
 # 16-row CTAs take partial_mma_ws from this many blocks a CTA, per MLA cache, else
 # partial_mma_sync: with the bf16 cache always; with fp8 from 8 blocks (TP 8, B >= 32), below
-# which the two tie or the plain kernel wins (levers.md S.2; bench_sparse_core.py --paths
-# msync,mws compares them).
+# which the two tie or the plain kernel wins (S.2; bench_sparse_core.py --paths msync,mws
+# compares them).
 MMA_PRODUCER_BLOCKS = {"bf16": 1, "fp8": 8}
 # 16-row CTAs take partial_transposed_ws (kernels/sparse_core_transposed.py: wgmma at N = 16,
 # each row dequantized once by two producer warpgroups) at 1 .. TRANSPOSED_BLOCKS[cache] 64-slot
-# blocks a CTA; 0: never (the mma.sync paths above). Measured (session 35, H100, TP 8, us, against
-# the mma.sync paths): fp8 B = 2 / 4 / 8 / 16 / 32 (1 .. 8 blocks) 8.99 -> 8.35, 11.8 -> 10.9, 15.3 ->
-# 14.2, 22.8 -> 20.1, 31.3 -> 30.4, but B = 64 (16 blocks) 44.3 -> 51.3 (its producers alone 47.0:
-# the one-share loads, not the consumer); bf16 B = 16 / 64 22.6 -> 47.2, 60.9 -> 99.4 (levers.md S.12).
+# blocks a CTA; 0: never (the mma.sync paths above). Over fp8 it is 3-12% faster up to 8 blocks
+# (TP 8 B <= 32) and slower at 16; over bf16 slower where measured (B = 16, 64; S.12).
 TRANSPOSED_BLOCKS = {"bf16": 0, "fp8": 8}
 # partial_mma_ws with 2 .. CLUSTER_SPLITS splits a token (TP 8: B = 64) launches each token's
 # split CTAs as one cluster and combines there (cluster_combine): each CTA leaves its
 # unnormalized rows and (max, sum) in its own shared memory, and after a cluster barrier CTA
 # s combines latent dims [512 s / splits, 512 (s + 1) / splits) of every row from all the
 # cluster's CTAs (DSMEM): no partials in global memory, no combine launch. Not past 2: 4- and
-# 8-CTA clusters do not all fit one wave (whole GPCs only; levers.md S.4).
+# 8-CTA clusters do not all fit one wave (whole GPCs only; S.4).
 CLUSTER_SPLITS = 2
-# The combine gives each (quarter, head) one warp up to this many splits (combine_warp), above
-# it the CTA's four (combine_cta). Measured (session 31, H100, one process, us): one warp a head
-# at 4 / 2 splits (TP 1, B = 16 / 32) fp8 47.4 -> 40.3 / 78.1 -> 62.0, bf16 51.5 -> 45.6 / 86.6 ->
-# 71.4 -- four warps a head there are 8,192 / 16,384 CTAs of 2 KB and three barriers each (at
-# B = 16 11.1 us of 46.5 by the no_combine probe) -- and at TP 8 B = 32 (4 splits) fp8 31.1 ->
-# 32.6, bf16 36.7 -> 35.9; at 8 to 64 splits it lost 0.4-1.0 us (TP 8 B = 1 / 4 / 16, TP 1 B = 1 /
-# 4), whether ptxas sank its loads to their uses (two or three a round) or volatile loads held
-# them in order, and so did four warps a head without the stats' barriers.
+# The combine gives each (quarter, head) one warp up to this many splits (combine_warp: no shared
+# memory, no barrier), above it the CTA's four (combine_cta): one warp a head is 11-21% faster at
+# TP 1 B = 16 / 32 (4 / 2 splits), mixed at TP 8 B = 32, and 0.4-1.0 us slower at 8 to 64 splits
+# (S.11).
 COMBINE_WARP_SPLITS = 4
 # partial_mma_ws's producer warpgroup copies each block's rows two ways at once, both
 # completing on the stage's full mbarrier: its first MMA_BULK_SIXTEENTHS[cache] / 16 by warp
 # 0's cp.async.bulk (one per row: the SM's bulk-copy unit), the rest by warps 1-3's 16-byte
 # cp.async.cg (the load/store path: separate hardware). The shares make the two finish
-# together at the rates each showed alone (levers.md S.3; bench_sparse_core.py --paths
-# mws<N> sets N sixteenths).
+# together at the rates each showed alone (S.3; bench_sparse_core.py --paths mws<N> sets N
+# sixteenths).
 MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # The constants above a run may change, and the types each takes (graphstep's --knob; the
 # probes PROBE and COMBINE give wrong results and stay for the benchmarks' own flags).
