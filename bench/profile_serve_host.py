@@ -1,6 +1,7 @@
-"""Where a serving step's host time goes: `graphstep serve` with cProfile on DecodeStep.load
-only (the value checks with their one device-to-host read, and the input copies), not on
-the compile, the capture or the replays.
+"""Where a serving step's host time goes: `graphstep serve` with cProfile on the loop's
+DecodeStep.load calls only (the value checks with their one device-to-host read, and the
+input copies), not on the compile, the capture, the replays, nor the warm-up's step() calls
+(one a batch size, always checked).
 
 Session 43 (H100): serve's checked host wall was 866 us a step against 177 unchecked, ~690 us
 of checks, after session 42 had cut their device ops from ~55 to ~8 (predicted 300-450): the
@@ -25,21 +26,34 @@ from graphstep.cli import main as graphstep_main
 from graphstep.step import DecodeStep
 
 
-def profiled(cls: type, name: str, profile: cProfile.Profile):
-    """Wrap method `name` of `cls` so that `profile` runs only inside it; returns a function
-    that puts the original back."""
-    original = getattr(cls, name)
+def profiled(cls: type, name: str, profile: cProfile.Profile, not_inside: str | None = None):
+    """Wrap method `name` of `cls` so that `profile` runs only inside it, except in calls made
+    from inside method `not_inside` of `cls` (wrapped too); returns a function that puts the
+    originals back."""
+    originals = {m: getattr(cls, m) for m in (name, not_inside) if m}
+    depth = [0]  # calls of not_inside in progress
 
-    @functools.wraps(original)
+    @functools.wraps(originals[name])
     def wrapper(*args, **kwargs):
+        if depth[0]:
+            return originals[name](*args, **kwargs)
         profile.enable()
         try:
-            return original(*args, **kwargs)
+            return originals[name](*args, **kwargs)
         finally:
             profile.disable()
 
+    def outer(*args, **kwargs):
+        depth[0] += 1
+        try:
+            return originals[not_inside](*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
     setattr(cls, name, wrapper)
-    return lambda: setattr(cls, name, original)
+    if not_inside:
+        setattr(cls, not_inside, functools.wraps(originals[not_inside])(outer))
+    return lambda: [setattr(cls, m, f) for m, f in originals.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     args, serve_args = parser.parse_known_args(argv)
     serve_args = serve_args or ["--steps", "200", "--batch", "1,4,16"]
     profile = cProfile.Profile()
-    restore = profiled(DecodeStep, "load", profile)
+    restore = profiled(DecodeStep, "load", profile, not_inside="step")  # serve warms each size by step()
     try:
         rc = graphstep_main(["serve", *serve_args])
     finally:
         restore()
+    if rc:
+        return rc  # serve refused its flags or failed: nothing was profiled
     stats = pstats.Stats(profile, stream=sys.stdout)
     for key in ("tottime", "cumulative"):
         print(f"\nDecodeStep.load and its callees by {key}:")

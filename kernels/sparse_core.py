@@ -81,9 +81,9 @@ from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, Wg
 SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
 SENTINEL_WORD = 0xFFFFFFFF  # an unpublished mailbox chunk (graphstep/formats.py)
 WAVE = 128  # CTAs a plan aims for (132 SMs, one CTA each)
-# Every default below was chosen by a measurement; each comment says what the constant is and
-# why it has its value, and names the docs/levers.md part (Part S) with the alternatives' figures
-# (bench/RESULTS.md has the runs). graphstep's --knob changes the ones KNOBS lists.
+# The tuning constants and device probes of the kernel. Each comment says what the constant is
+# and why it has its value; the docs/levers.md Part S section it names (or bench/RESULTS.md) has
+# the alternatives' figures. graphstep's --knob changes the ones KNOBS lists.
 #
 # Up to this many tokens a launch, by (rows per CTA, MLA cache), a plan aims at half a wave
 # (WAVE // 2 CTAs, each twice the slots): at small batch the split partials' write and read-back
@@ -121,13 +121,13 @@ XOVER_PUSH = "st_async"
 XOVER_PUSHES = ("st_async", "bulk")
 # Who waits for the crossover's full barrier (a cluster-scope acquire, which ptxas follows with an
 # L1 invalidation): "all" the consumer warps, or "one" a warpgroup, passing it on by a named
-# barrier. "one" was no faster (bench/RESULTS.md session 30).
+# barrier. "one" was no faster (S.9; bench/RESULTS.md session 30).
 XOVER_FULL_WAIT = "all"
 XOVER_FULL_WAITS = ("all", "one")
 # The scope of each consumer warp's remote release of a crossover buffer to the peer's producer:
 # "cta" (CUTLASS's consumer release: the warp's reads are complete before it arrives) or
 # "cluster" (ptxas adds MEMBAR.ALL.GPU and ERRBAR, which held ~a quarter of the consumers'
-# stalls): "cta" is 7-9% faster at TP 1 B = 64 (S.10).
+# stalls): "cta" takes 7-9% less time at TP 1 B = 64 (S.10).
 XOVER_RELEASE = "cta"
 XOVER_RELEASES = ("cluster", "cta")
 # The crossover's fp8 producer issues block b + 1's loads before it dequantizes block b, so a
