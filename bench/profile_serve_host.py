@@ -50,10 +50,14 @@ def profiled(cls: type, name: str, profile: cProfile.Profile, not_inside: str | 
         finally:
             depth[0] -= 1
 
+    def restore():
+        for method, original in originals.items():
+            setattr(cls, method, original)
+
     setattr(cls, name, wrapper)
     if not_inside:
         setattr(cls, not_inside, functools.wraps(originals[not_inside])(outer))
-    return lambda: [setattr(cls, m, f) for m, f in originals.items()]
+    return restore
 
 
 def main(argv: list[str] | None = None) -> int:

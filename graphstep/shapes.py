@@ -24,11 +24,10 @@ def _positive(owner: str, **values: int) -> None:
             raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
-def check_positive_number(value, what: str, unit: str = "") -> float:
-    """Return `value` if it is a finite int or float > 0, else raise ValueError naming `what`."""
+def check_positive_number(value, what: str, unit: str = "") -> None:
+    """Raise ValueError naming `what` unless `value` is a finite int or float > 0."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"{what} must be a finite number{unit} > 0, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -461,11 +461,14 @@ class DecodeStep:
         """The values' ranges, with one device-to-host copy: on the inputs' device only what
         must stay there (qkv's rows finite, the transport's checks of the peers' candidate
         lists), read back with the small integer inputs and the error word in one tensor; the
-        integer checks then run on the host copy (a step's host time: ~55 eager device ops
-        and their launches were ~0.6 ms a step on an H100, bench/RESULTS.md session 42)."""
+        integer checks then run on the host copy. (Not faster than the ~55 device ops it
+        replaced: ~0.7 ms a step either way on an H100, bench/RESULTS.md sessions 42-43; where
+        that time goes is bench/profile_serve_host.py's to say.)"""
         st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
         batch, columns = inputs.block_tables.shape
-        transport_checks = self.transport.value_checks(peers, inputs.context_lens.clamp(1, st.max_context))
+        transport_checks = []  # only a transport that takes peers has checks (transport.check required them)
+        if peers is not None:
+            transport_checks = self.transport.value_checks(peers, inputs.context_lens.clamp(1, st.max_context))
         on_device = torch.stack([~torch.isfinite(inputs.qkv).all(1)] + [bad for bad, _ in transport_checks])
         packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), on_device.flatten().int()]
         host = torch.cat(packed + [self.error.word]).cpu()  # the one read (all on self.device: check_tensors)

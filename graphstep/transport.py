@@ -92,7 +92,8 @@ class Transport(ABC):
         [batch] computed on the device (True: the row is bad) and a function that raises the
         error of a flagged row. The step reads every flag with its own in one device-to-host
         copy. context_lens: int32 [batch], the inputs' lengths clamped to [1, max_context] (a
-        row whose length is out of range is refused before any of these checks' errors)."""
+        row whose length is out of range is refused before any of these checks' errors).
+        Called only with peers (a step without them has no transport checks)."""
 
     @abstractmethod
     def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
