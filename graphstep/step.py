@@ -41,6 +41,7 @@ import gc
 import warnings
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 
 from . import formats
@@ -48,7 +49,7 @@ from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, check_budget, 
 from .policy import MODES, overlap_for, side_stream
 from .shapes import RankShape, check_batch, check_capture_sizes
 from .stages import Buffers, CuteStages, Stages, TorchStages
-from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, check_tensors, local_lens
+from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, check_tensors
 from .transport import SimulatedPeers, SingleRank, Transport
 
 BACKENDS: dict[str, type[Stages]] = {"cute": CuteStages, "torch": TorchStages}
@@ -375,13 +376,14 @@ class DecodeStep:
         size = self.padded(batch)
         b = self.buffers
         b.qkv[:batch] = inputs.qkv
-        b.qkv[batch:size] = 0
         b.context_lens[:batch] = inputs.context_lens
-        b.context_lens[batch:size] = 1
         b.slot_mapping[:batch] = inputs.slot_mapping
-        b.slot_mapping[batch:size] = -1
         b.block_tables[:batch] = inputs.block_tables
-        b.block_tables[batch:size] = self.state.trash_page
+        if size > batch:  # the padded rows (four device ops a step saved when the batch is a captured size)
+            b.qkv[batch:size] = 0
+            b.context_lens[batch:size] = 1
+            b.slot_mapping[batch:size] = -1
+            b.block_tables[batch:size] = self.state.trash_page
         self.transport.load(peers, batch, size)
         return size
 
@@ -460,55 +462,58 @@ class DecodeStep:
     def _check_values(self, inputs: StepInputs, peers: PeerInputs | None) -> None:
         """The values' ranges, with one device-to-host copy: on the inputs' device only what
         must stay there (qkv's rows finite, the transport's checks of the peers' candidate
-        lists), read back with the small integer inputs and the error word in one tensor; the
-        integer checks then run on the host copy. (Not faster than the ~55 device ops it
-        replaced: ~0.7 ms a step either way on an H100, bench/RESULTS.md sessions 42-43; where
-        that time goes is bench/profile_serve_host.py's to say.)"""
+        lists), read back with the small integer inputs and the error word in one int32
+        tensor; the integer checks then run in numpy on the host copy (a torch op on the host
+        costs several us, so ~25 of them were ~0.2 ms a step; bench/RESULTS.md session 44)."""
         st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
         batch, columns = inputs.block_tables.shape
         transport_checks = []  # only a transport that takes peers has checks (transport.check required them)
         if peers is not None:
             transport_checks = self.transport.value_checks(peers, inputs.context_lens.clamp(1, st.max_context))
-        on_device = torch.stack([~torch.isfinite(inputs.qkv).all(1)] + [bad for bad, _ in transport_checks])
-        packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), on_device.flatten().int()]
-        host = torch.cat(packed + [self.error.word]).cpu()  # the one read (all on self.device: check_tensors)
-        sizes = [batch, batch, batch * columns, on_device.numel(), self.error.word.numel()]
-        lens, slots, tables, device_flags, word = host.split(sizes)
-        tables = tables.view(batch, columns)
-        lens = lens.long()
+        # x * 0 is 0 for finite x and NaN for NaN or inf: a row's sum is NaN iff the row is not all finite
+        # (two device ops); its fp32 bits travel as int32 with the integer inputs
+        nonfinite_bits = (inputs.qkv * 0).sum(1, dtype=torch.float32).view(torch.int32)
+        peer_flags = [torch.stack([bad for bad, _ in transport_checks]).flatten().int()] if transport_checks else []
+        packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), nonfinite_bits]
+        host = torch.cat(packed + peer_flags + [self.error.word]).cpu().numpy()  # the one read (all on one device)
+        parts, start = [], 0  # (np.split costs more than the checks it feeds)
+        for size in (batch, batch, batch * columns, batch, batch * len(transport_checks), self.error.word.numel()):
+            parts.append(host[start : start + size])
+            start += size
+        lens, slots, tables, nonfinite_bits, peer_bad, word = parts
+        tables = tables.reshape(batch, columns)
+        lens, slots = lens.astype(np.int64), slots.astype(np.int64)
         len_bad = (lens < 1) | (lens > st.max_context)
-        safe = lens.clamp(1, st.max_context)
-        # the new token's slot: -1, or the slot its block table holds at its local index
-        want = st.new_token_slots(safe, tables).long()
-        slot_bad = (slots != -1) & (slots.long() != want)
+        safe = lens.clip(1, st.max_context)
+        # the new token's slot: -1, or the slot its block table holds at its local index (LayerState.new_token_slots)
+        pos = safe - 1
+        local = pos // topo.dcp
+        own_page = tables[np.arange(batch), np.minimum(local // page, columns - 1)].astype(np.int64)
+        want = np.where(pos % topo.dcp == topo.rank, own_page * page + local % page, -1)
+        slot_bad = (slots != -1) & (slots != want)
         # two tokens writing one slot (their new tokens on one shared page): the later row
-        dup_bad = ((slots[:, None] == slots[None, :]) & (slots[None, :] != -1)).tril(-1).any(1)
-        # the used part of each block table: pages of [0, local length)
-        used = torch.div(local_lens(safe, topo.dcp, topo.rank) + page - 1, page, rounding_mode="floor")
-        page_bad = ((tables < 0) | (tables >= st.trash_page)) & (torch.arange(columns)[None] < used[:, None])
-        host_flags = torch.stack([len_bad, page_bad.any(1), slot_bad, dup_bad]).int()
-        read = torch.cat([host_flags.flatten(), device_flags, word]).tolist()
-        checked = host_flags.numel() + on_device.numel()  # flags of checks x rows, then the word
-        flags = [[bool(v) for v in read[i : i + batch]] for i in range(0, checked, batch)]
+        dup_bad = np.tril((slots[:, None] == slots[None, :]) & (slots[None, :] != -1), -1).any(1)
+        # the used part of each block table: pages of [0, local length) (state.local_lens; safe >= 1 keeps it >= 0)
+        used = ((safe - topo.rank + topo.dcp - 1) // topo.dcp + page - 1) // page
+        page_bad = ((tables < 0) | (tables >= st.trash_page)) & (np.arange(columns)[None] < used[:, None])
         # an earlier unchecked step's range error first (the word is reset: the next call runs)
-        self._raise_recorded(read[checked:])
-        if any(flags[0]):
-            row = flags[0].index(True)
+        self._raise_recorded(word.tolist())
+        if len_bad.any():
+            row = int(np.argmax(len_bad))
             raise ValueError(
                 f"inputs.context_lens[{row}] = {int(lens[row])}: "
                 f"must be in [1, {st.max_context}] (the step's max_context)"
             )
-        if any(flags[1]):
-            row = flags[1].index(True)
-            col = int(page_bad[row].nonzero()[0, 0])
+        if page_bad.any():
+            row, col = (int(i[0]) for i in np.nonzero(page_bad))
             raise ValueError(
                 f"inputs.block_tables[{row}, {col}] = {int(tables[row, col])}: a page of the used part "
                 f"(the first {int(used[row])} of row {row}, context {int(lens[row])}) must be in "
                 f"[0, {st.trash_page}) (page {st.trash_page} is the spare page of padded rows)"
             )
-        if any(flags[2]):
-            row = flags[2].index(True)
-            slot, p = int(slots[row]), int(safe[row]) - 1
+        if slot_bad.any():
+            row = int(np.argmax(slot_bad))
+            slot, p = int(slots[row]), int(pos[row])
             if p % topo.dcp != topo.rank:
                 where = f"position {p} lives on DCP rank {p % topo.dcp}, not rank {topo.rank}: its slot here must be -1"
             else:
@@ -519,18 +524,18 @@ class DecodeStep:
                     f"{int(want[row])} (or -1 to write nothing)"
                 )
             raise ValueError(f"inputs.slot_mapping[{row}] = {slot}: {where}")
-        if any(flags[3]):
-            row = flags[3].index(True)
+        if dup_bad.any():
+            row = int(np.argmax(dup_bad))
             slot = int(slots[row])
-            first = int((slots == slot).nonzero()[0, 0])
+            first = int(np.argmax(slots == slot))
             raise ValueError(
                 f"inputs.slot_mapping[{row}] = {slot}: also row {first}'s slot: two tokens would write one cache "
                 f"row (their block tables share the page of the new token)"
             )
-        for (_, fail), bad in zip(transport_checks, flags[5:]):
-            if any(bad):
-                fail(bad.index(True))
-        self.nonfinite_rows = [row for row, bad in enumerate(flags[4]) if bad]
+        for (_, fail), bad in zip(transport_checks, peer_bad.reshape(-1, batch)):
+            if bad.any():
+                fail(int(np.argmax(bad)))
+        self.nonfinite_rows = np.flatnonzero(np.isnan(nonfinite_bits.view(np.float32))).tolist()
         if self.nonfinite_rows:
             warnings.warn(NonFiniteInputs(self.nonfinite_rows), stacklevel=4)
 

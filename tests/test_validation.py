@@ -161,7 +161,7 @@ def test_value_checks_read_the_device_once_and_not_at_all_without_check_values(m
             torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1]
         )
     step.load(inputs, peers, check_values=True)
-    assert reads == ["cpu", "tolist"]  # the one copy to the host, then the flags computed there as Python values
+    assert reads == ["cpu", "numpy"]  # the one copy to the host, then the checks in numpy on it
     reads.clear()
     step.load(inputs, peers, check_values=False)
     assert reads == []
@@ -276,6 +276,21 @@ def test_one_tokens_nan_never_changes_another_tokens_outputs(topology, mode):
         assert torch.equal(again.out[row], expect_again.out[row]) and torch.equal(
             again.slots[row], expect_again.slots[row]
         )
+
+
+def test_each_kind_of_non_finite_value_is_reported_and_large_finite_values_are_not():
+    step = _step(sizes=(8,))
+    inputs = step.state.inputs(6, seed=14)
+    qkv = inputs.qkv.clone()
+    big = torch.finfo(torch.bfloat16).max
+    qkv[0] = big  # finite, though a plain row sum would overflow to inf
+    qkv[1, 5] = float("inf")
+    qkv[2, -2] = float("-inf")
+    qkv[3, 100] = float("nan")
+    qkv[4, :] = -big
+    with pytest.warns(NonFiniteInputs, match=r"rows \[1, 2, 3\]"):
+        step.load(_with(inputs, qkv=qkv))
+    assert step.nonfinite_rows == [1, 2, 3]
 
 
 def test_non_finite_inputs_can_be_made_an_error():
