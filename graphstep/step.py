@@ -485,7 +485,8 @@ class DecodeStep:
         lens, slots = lens.astype(np.int64), slots.astype(np.int64)
         len_bad = (lens < 1) | (lens > st.max_context)
         safe = lens.clip(1, st.max_context)
-        # the new token's slot: -1, or the slot its block table holds at its local index (LayerState.new_token_slots)
+        # the new token's slot: -1, or the slot its block table holds at its local index (LayerState.new_token_slots'
+        # formula in numpy: every checked test step, its slots made by new_token_slots, holds the two equal)
         pos = safe - 1
         local = pos // topo.dcp
         own_page = tables[np.arange(batch), np.minimum(local // page, columns - 1)].astype(np.int64)
