@@ -379,7 +379,7 @@ class DecodeStep:
         b.context_lens[:batch] = inputs.context_lens
         b.slot_mapping[:batch] = inputs.slot_mapping
         b.block_tables[:batch] = inputs.block_tables
-        if size > batch:  # the padded rows (four device ops a step saved when the batch is a captured size)
+        if size > batch:  # the padded rows (four host dispatches saved when the batch is a captured size)
             b.qkv[batch:size] = 0
             b.context_lens[batch:size] = 1
             b.slot_mapping[batch:size] = -1
@@ -477,10 +477,10 @@ class DecodeStep:
         packed = [inputs.context_lens, inputs.slot_mapping, inputs.block_tables.flatten(), nonfinite_bits]
         host = torch.cat(packed + peer_flags + [self.error.word]).cpu().numpy()  # the one read (all on one device)
         parts, start = [], 0  # (np.split costs more than the checks it feeds)
-        for size in (batch, batch, batch * columns, batch, batch * len(transport_checks), self.error.word.numel()):
-            parts.append(host[start : start + size])
-            start += size
-        lens, slots, tables, nonfinite_bits, peer_bad, word = parts
+        for n in (batch, batch, batch * columns, batch, batch * len(transport_checks), self.error.word.numel()):
+            parts.append(host[start : start + n])
+            start += n
+        lens, slots, tables, nonfinite_sums, peer_bad, word = parts
         tables = tables.reshape(batch, columns)
         lens, slots = lens.astype(np.int64), slots.astype(np.int64)
         len_bad = (lens < 1) | (lens > st.max_context)
@@ -536,7 +536,7 @@ class DecodeStep:
         for (_, fail), bad in zip(transport_checks, peer_bad.reshape(-1, batch)):
             if bad.any():
                 fail(int(np.argmax(bad)))
-        self.nonfinite_rows = np.flatnonzero(np.isnan(nonfinite_bits.view(np.float32))).tolist()
+        self.nonfinite_rows = np.flatnonzero(np.isnan(nonfinite_sums.view(np.float32))).tolist()
         if self.nonfinite_rows:
             warnings.warn(NonFiniteInputs(self.nonfinite_rows), stacklevel=4)
 

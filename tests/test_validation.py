@@ -288,9 +288,34 @@ def test_each_kind_of_non_finite_value_is_reported_and_large_finite_values_are_n
     qkv[2, -2] = float("-inf")
     qkv[3, 100] = float("nan")
     qkv[4, :] = -big
-    with pytest.warns(NonFiniteInputs, match=r"rows \[1, 2, 3\]"):
+    qkv[5, 0] = float("nan")  # the first column
+    with pytest.warns(NonFiniteInputs, match=r"rows \[1, 2, 3, 5\]"):
         step.load(_with(inputs, qkv=qkv))
-    assert step.nonfinite_rows == [1, 2, 3]
+    assert step.nonfinite_rows == [1, 2, 3, 5]
+
+
+@pytest.mark.parametrize("topology", [Topology(tp=4), DCP, Topology(tp=4, dcp=2, rank=0)])
+def test_the_host_checks_want_the_slot_new_token_slots_gives(topology):
+    """The host checks compute the new token's slot and the used pages in numpy (the formulas of
+    LayerState.new_token_slots and state.local_lens): every length's slot from new_token_slots
+    passes, and one off it is refused naming new_token_slots' slot."""
+    step = _step(topology, sizes=(16,))
+    page = step.shape.model.page_size
+    gen = torch.Generator().manual_seed(15)
+    for trial in range(8):
+        lens = torch.randint(1, step.state.max_context + 1, (16,), generator=gen, dtype=torch.int32)
+        lens[:3] = torch.tensor([1, page, page + 1])  # the first token, a page's last and the next page's first
+        good = step.state.inputs(16, context_lens=lens.tolist(), seed=trial)
+        peers = step.state.peer_inputs(good, seed=trial) if topology.dcp > 1 else None
+        step.load(good, peers)  # every row passes
+        want = step.state.new_token_slots(good.context_lens, good.block_tables)
+        row = int((want >= 0).int().argmax())
+        slots = good.slot_mapping.clone()
+        slots[row] = want[row] + 1 if (want[row] + 1) % page else want[row] - 1
+        with pytest.raises(
+            ValueError, match=rf"slot_mapping\[{row}\] = \d+: not the new token's slot: .* slot {int(want[row])} "
+        ):
+            step.load(_with(good, slot_mapping=slots), peers)
 
 
 def test_non_finite_inputs_can_be_made_an_error():
