@@ -29,6 +29,19 @@ def test_padding_picks_the_next_captured_size():
         step.padded(0)
 
 
+def test_load_pads_the_rows_past_the_batch_after_a_full_batch_filled_them():
+    step = _step()
+    full, short = step.state.inputs(4, seed=1), step.state.inputs(3, seed=2)
+    b = step.buffers
+    assert step.load(full) == 4
+    assert torch.equal(b.qkv[:4], full.qkv) and torch.equal(b.block_tables[:4], full.block_tables)
+    assert step.load(short) == 4  # row 3 held the full batch's token: padded again
+    assert torch.equal(b.qkv[:3], short.qkv) and (b.qkv[3] == 0).all()
+    assert b.context_lens[3] == 1 and b.slot_mapping[3] == -1
+    assert (b.block_tables[3] == step.state.trash_page).all()
+    assert torch.equal(b.slot_mapping[:3], short.slot_mapping)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
