@@ -234,11 +234,12 @@ class SimulatedPeers(Transport):
     def load(self, peers: PeerInputs | None, batch: int, size: int) -> None:
         encoded = formats.encode_q_rows(peers.rows, self.shape.topology.q_format)
         self.rows[:batch] = encoded.view(batch, self.shape.gathered, -1)
-        self.rows[batch:size] = 0  # pad rows count as published
         self.positions[:batch] = peers.positions
-        self.positions[batch:size] = -1
         self.scores[:batch] = peers.scores
-        self.scores[batch:size] = float("-inf")
+        if size > batch:  # the padded rows (as DecodeStep.load: host dispatches saved at a captured size)
+            self.rows[batch:size] = 0  # pad rows count as published
+            self.positions[batch:size] = -1
+            self.scores[batch:size] = float("-inf")
 
     def publish_query_rows(self, size: int) -> None:
         """Two copies from the staged rows (remote stores by the peers' MlaQuery on real DCP;
