@@ -463,8 +463,8 @@ class DecodeStep:
         """The values' ranges, with one device-to-host copy: on the inputs' device only what
         must stay there (qkv's rows finite, the transport's checks of the peers' candidate
         lists), read back with the small integer inputs and the error word in one int32
-        tensor; the integer checks then run in numpy on the host copy (a torch op on the host
-        costs several us, so ~25 of them were ~0.2 ms a step; bench/RESULTS.md session 44)."""
+        tensor; the integer checks then run in numpy on the host copy (as ~40 torch calls of
+        5-55 us each they took ~0.5 ms a step on the H200: bench/RESULTS.md session 44)."""
         st, topo, page = self.state, self.shape.topology, self.shape.model.page_size
         batch, columns = inputs.block_tables.shape
         transport_checks = []  # only a transport that takes peers has checks (transport.check required them)
