@@ -3,9 +3,9 @@ DecodeStep.load calls only (the value checks with their one device-to-host read,
 input copies), not on the compile, the capture, the replays, nor the warm-up's step() calls
 (one a batch size, always checked).
 
-Session 43 (H100): serve's checked host wall was 866 us a step against 177 unchecked, ~690 us
-of checks, after session 42 had cut their device ops from ~55 to ~8 (predicted 300-450): the
-count of device ops is not what costs. This names what does.
+Written when serve's checked step took ~0.7 ms more host time than its unchecked one and the
+checks' device-op count turned out not to be why (sessions 42-43); session 44's run named ~40
+host-side torch calls of 5-55 us each (bench/RESULTS.md).
 
     python3 bench/profile_serve_host.py [--top 25] [serve's flags, default --steps 200 --batch 1,4,16]
 
