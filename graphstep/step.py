@@ -372,8 +372,7 @@ class DecodeStep:
         (SimulatedPeers: the candidate positions); NaN/inf rows of qkv are reported
         (NonFiniteInputs warning, self.nonfinite_rows), not refused. peers: what the
         transport takes for the other ranks (SimulatedPeers: PeerInputs; otherwise None)."""
-        batch = self._validate(inputs, peers, check_values)
-        size = self.padded(batch)
+        batch, size = self._validate(inputs, peers, check_values)
         b = self.buffers
         b.qkv[:batch] = inputs.qkv
         b.context_lens[:batch] = inputs.context_lens
@@ -435,7 +434,8 @@ class DecodeStep:
             formats.arm(self.caches.mailbox)
             raise
 
-    def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> int:
+    def _validate(self, inputs: StepInputs, peers: PeerInputs | None, check_values: bool = True) -> tuple[int, int]:
+        """The checks of load(); returns (batch, the captured size it runs at)."""
         m = self.shape.model
         if not isinstance(inputs, StepInputs):
             raise TypeError(f"step() takes StepInputs, got {type(inputs).__name__}")
@@ -452,12 +452,12 @@ class DecodeStep:
         check_tensors("inputs", expect, self.device)
         if batch == 0:
             raise ValueError(f"batch must be at least 1 (captured sizes: {self.sizes})")
-        self.padded(batch)
+        size = self.padded(batch)  # raises for a batch above every captured size, before the value checks
         self.transport.check(peers, batch)
         self.nonfinite_rows = []
         if check_values:
             self._check_values(inputs, peers)
-        return batch
+        return batch, size
 
     def _check_values(self, inputs: StepInputs, peers: PeerInputs | None) -> None:
         """The values' ranges, with one device-to-host copy: on the inputs' device only what
