@@ -55,7 +55,10 @@ Their MMA order is the one ring's, and the outputs were bit-identical to it on t
 (session 12, bench/ab_index_query.py at B = 1 / 4 / 16 / 32 / 64): 10.57 / 10.47 / 10.10 /
 11.06 / 13.39 us against the one ring's 10.76 / 10.46 / 10.31 / 11.21 / 14.34, a tenth of the
 gain predicted, so bytes in flight are not what holds the kernel at 55-58% of 4.3 TB/s (ncu at
-B = 1: 12.4% achieved occupancy, DRAM 40-43%; docs/levers.md Part G).
+B = 1: 12.4% achieved occupancy, DRAM 40-43%; docs/levers.md Part G). The whole slab in flight
+before the wait (12 weight slots, 213 KB, one CTA an SM) was 0.4-0.6 us faster alone but 1.1-3.6
+us slower in the step at B <= 16 (session 45, H100): nothing else fits beside it, so the two-CTA
+limit stays (docs/levers.md Part W).
 """
 
 from __future__ import annotations
