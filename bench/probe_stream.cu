@@ -10,6 +10,9 @@
 //         into a ring of S slots, refilled as each lands (IndexQuery's ring without its math);
 //         "pre" issues the first S copies before griddepcontrol.wait (IndexQuery's order),
 //         "post" after it (cuBLAS's and DeepGEMM's).
+//   ring  128 CTAs of 32 or 256 threads, in clusters of 1 or 2, 6 slots, IndexQuery's ring protocol:
+//         every thread waits for each stage and releases it, and thread 0 refills a slot at the
+//         top of the next iteration once all have released it (no math).
 // Every launch is PDL-chained (launch_dependents first) in a CUDA graph of 20 launches that
 // rotate over 5 copies of the weights (120 MiB > L2), as bench/ab_index_query.py times
 // IndexQuery; the time is the graph's per launch, best of 10 replays.
@@ -92,6 +95,44 @@ __global__ void stream_bulk(const uint8_t* __restrict__ src, int slots, int pre,
   if (ring[threadIdx.x] == 0x5b && ring[kChunk - 1] == 0x5b) sink[blockIdx.x] = 1;  // the ring holds 0x5a bytes
 }
 
+// IndexQuery's ring protocol with no math: every thread waits for each stage and releases it
+// (an empty mbarrier of blockDim.x arrivals); thread 0 refills stage i - 1's slot at the top of
+// iteration i, once every thread has released it (so a slot waits for the slowest reader).
+__global__ void stream_ring(const uint8_t* __restrict__ src, int slots, unsigned* __restrict__ sink) {
+  extern __shared__ __align__(1024) uint8_t ring[];
+  __shared__ __align__(8) uint64_t full[16], empty[16];
+  pdl_trigger();
+  const int first = int(int64_t(blockIdx.x) * kChunks / gridDim.x);
+  const int last = int(int64_t(blockIdx.x + 1) * kChunks / gridDim.x);
+  const uint32_t ring_at = uint32_t(__cvta_generic_to_shared(ring));
+  const uint32_t full_at = uint32_t(__cvta_generic_to_shared(full));
+  const uint32_t empty_at = uint32_t(__cvta_generic_to_shared(empty));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full_at + 8 * s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty_at + 8 * s), "r"(blockDim.x));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int c = first; c < last && c - first < slots; ++c)
+      bulk_copy(ring_at + (c - first) * kChunk, src + size_t(c) * kChunk, full_at + 8 * (c - first));
+  pdl_wait();
+  for (int c = first; c < last; ++c) {
+    const int i = c - first, s = i % slots;
+    if (threadIdx.x == 0 && i >= 1 && c - 1 + slots < last) {
+      const int prev = (i - 1) % slots;
+      wait_parity(empty_at + 8 * prev, ((i - 1) / slots) & 1);
+      bulk_copy(ring_at + prev * kChunk, src + size_t(c - 1 + slots) * kChunk, full_at + 8 * prev);
+    }
+    wait_parity(full_at + 8 * s, (i / slots) & 1);
+    if (c + slots < last) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty_at + 8 * s) : "memory");
+  }
+  __syncthreads();
+  if (ring[threadIdx.x] == 0x5b && ring[kChunk - 1] == 0x5b) sink[blockIdx.x] = 1;
+}
+
 int main() {
   uint8_t* weights;
   unsigned* sink;
@@ -101,6 +142,7 @@ int main() {
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaFuncSetAttribute(stream_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 13 * kChunk));
+  CHECK(cudaFuncSetAttribute(stream_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, 13 * kChunk));
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t t0, t1;
@@ -159,6 +201,22 @@ int main() {
         CHECK(cudaLaunchKernelEx(&cfg, stream_bulk, static_cast<const uint8_t*>(src), b.slots, pre, sink));
       });
       row("bulk 16 KB", b.ctas, b.slots * kChunk, pre ? "first S before" : "after", us);
+    }
+  }
+  for (int cluster : {1, 2}) {
+    for (int threads : {32, 256}) {
+      const double us = time([&](uint8_t* src, cudaLaunchAttribute attr) {
+        cudaLaunchAttribute attrs[2] = {attr, {}};
+        attrs[1].id = cudaLaunchAttributeClusterDimension;
+        attrs[1].val.clusterDim.x = cluster;
+        attrs[1].val.clusterDim.y = 1;
+        attrs[1].val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg{dim3(128), dim3(threads), size_t(6) * kChunk, stream, attrs, 2};
+        CHECK(cudaLaunchKernelEx(&cfg, stream_ring, static_cast<const uint8_t*>(src), 6, sink));
+      });
+      char name[64];
+      std::snprintf(name, sizeof name, "ring, %d threads, cluster %d", threads, cluster);
+      row(name, 128, 6 * kChunk, "first S before", us);
     }
   }
   CHECK(cudaDeviceSynchronize());
