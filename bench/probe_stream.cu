@@ -1,16 +1,16 @@
 // How fast one launch can stream IndexQuery's 24 MiB of wq_b: the ceiling to set beside it.
 //
 // IndexQuery reads wq_b (64 x 128 rows of 1536 bf16, 24 MiB) once a step on 128 CTAs, one an
-// SM, through a ring of 16 KB TMA stages (6 slots before its PDL wait, refilled after it), and
-// takes ~10-11 us a launch (cuBLAS's bare GEMM 9.1), 55-60% of 4.3 TB/s. Its no-math probe took
-// as long (RESULTS session 23), so the stream itself is the bound. This probe asks the memory
-// system alone, with nothing but loads, what a launch of the same bytes costs by shape:
+// SM, through a ring of 16 KB TMA stages (6 slots before its PDL wait, refilled after it): ~10-11
+// us a launch on the H200 (cuBLAS's bare GEMM 9.1), 12.2-13.0 on an H100 (cuBLAS 11.3-11.7). Its
+// no-math probe took as long (RESULTS session 23). This probe asks the memory system alone, with
+// nothing but loads, what a launch of the same bytes costs by shape (session 45, H100: 8.2 us):
 //   ld    G CTAs of 256 threads, 16-byte loads in a grid-stride loop (U in flight a thread);
 //   bulk  G CTAs, one thread each streaming its contiguous share by 16 KB cp.async.bulk copies
-//         into a ring of S slots, refilled as each lands (IndexQuery's ring without its math);
-//         "pre" issues the first S copies before griddepcontrol.wait (IndexQuery's order),
-//         "post" after it (cuBLAS's and DeepGEMM's).
-//   ring  128 CTAs of 32 or 256 threads, in clusters of 1 or 2, 6 slots, IndexQuery's ring protocol:
+//         into a ring of S slots, each refilled as it lands (no reader to wait for); "first S
+//         before" issues the first S copies before griddepcontrol.wait (IndexQuery's order),
+//         "after" all of them after it (cuBLAS's and DeepGEMM's).
+//   ring  128 CTAs of 32 or 256 threads, in clusters of 1 or 2, 6 slots, IndexQuery's protocol:
 //         every thread waits for each stage and releases it, and thread 0 refills a slot at the
 //         top of the next iteration once all have released it (no math).
 // Every launch is PDL-chained (launch_dependents first) in a CUDA graph of 20 launches that
