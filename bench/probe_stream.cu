@@ -65,14 +65,16 @@ __device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
       " @!p bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// This CTA's contiguous share of the chunks is [first_chunk(cta), first_chunk(cta + 1)).
+__device__ __forceinline__ int first_chunk(unsigned cta) { return int(int64_t(cta) * kChunks / gridDim.x); }
+
 // One thread a CTA streams chunks [first, last) through `slots` 16 KB slots.
 __global__ void stream_bulk(const uint8_t* __restrict__ src, int slots, int pre, unsigned* __restrict__ sink) {
   extern __shared__ __align__(1024) uint8_t ring[];
   __shared__ __align__(8) uint64_t full[16];
   pdl_trigger();
   if (threadIdx.x != 0) return;
-  const int first = int(int64_t(blockIdx.x) * kChunks / gridDim.x);
-  const int last = int(int64_t(blockIdx.x + 1) * kChunks / gridDim.x);
+  const int first = first_chunk(blockIdx.x), last = first_chunk(blockIdx.x + 1);
   const uint32_t ring_at = uint32_t(__cvta_generic_to_shared(ring));
   const uint32_t bar_at = uint32_t(__cvta_generic_to_shared(full));
   for (int s = 0; s < slots; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_at + 8 * s));
@@ -102,8 +104,7 @@ __global__ void stream_ring(const uint8_t* __restrict__ src, int slots, unsigned
   extern __shared__ __align__(1024) uint8_t ring[];
   __shared__ __align__(8) uint64_t full[16], empty[16];
   pdl_trigger();
-  const int first = int(int64_t(blockIdx.x) * kChunks / gridDim.x);
-  const int last = int(int64_t(blockIdx.x + 1) * kChunks / gridDim.x);
+  const int first = first_chunk(blockIdx.x), last = first_chunk(blockIdx.x + 1);
   const uint32_t ring_at = uint32_t(__cvta_generic_to_shared(ring));
   const uint32_t full_at = uint32_t(__cvta_generic_to_shared(full));
   const uint32_t empty_at = uint32_t(__cvta_generic_to_shared(empty));
