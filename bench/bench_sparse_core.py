@@ -3,7 +3,7 @@ against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's fig
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16,tp2-bf16,tp2-fp8]
         [--sweep]
-        [--paths ws,wsx,wsh,wsr,wsxh,wsxr,nows,mws,mws10,msync,t]
+        [--paths ws,wsx,wsh,wsr,wsxv,nows,mws,mws10,msync,t]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
         [--trace --configs tp1-fp8 --probe-batch 64]
 
@@ -22,10 +22,8 @@ warpgroup (partial_wgmma_ws) with the module's consumers for the CTA's blocks
 in FlashMLA's shape at every split, wsx = the crossover with the module's constants
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
 loading half of every block, bf16 rows as raw chunks), and wsx + a letter = wsx with the
-constants CROSSOVER_PATHS lists: h / r half-block / FlashMLA's consumers at every split, v the
-values warpgroup's P @ V with P from registers, b the pushes by bulk copies, o one full waiter a
-consumer warpgroup, c / g the remote empty arrive at CTA / cluster scope, p / q the fp8 producer's
-loads a block ahead or not, s / a the rescales skipped where no row max moved or all done
+constants CROSSOVER_PATHS lists: v the values warpgroup's P @ V with P from registers, p / q the
+fp8 producer's loads a block ahead or not, s / a the rescales skipped where no row max moved or all done
 (ws / wsh / wsr: without it, whatever the module's default), nows = every thread loads
 (partial_wgmma); and the 16-row
 CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
@@ -76,13 +74,7 @@ CONFIGS = {
 # default).
 CROSSOVER_PATHS = {
     "wsx": {},
-    "wsxh": {"XOVER_RESHAPE_BLOCKS": 0},
-    "wsxr": {"XOVER_RESHAPE_BLOCKS": 1 << 30},
-    "wsxv": {"XOVER_RESHAPE_BLOCKS": 1 << 30, "VALUES_RS": True},
-    "wsxb": {"XOVER_PUSH": "bulk"},
-    "wsxo": {"XOVER_FULL_WAIT": "one"},
-    "wsxc": {"XOVER_RELEASE": "cta"},
-    "wsxg": {"XOVER_RELEASE": "cluster"},
+    "wsxv": {"VALUES_RS": True},
     "wsxp": {"XOVER_PREFETCH": True},
     "wsxq": {"XOVER_PREFETCH": False},
     "wsxs": {"SKIP_UNMOVED": True},

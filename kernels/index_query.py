@@ -80,16 +80,6 @@ SUPPORTED = {"index_heads": (HEADS,), "index_dim": (DIM,), "index_rope_dim": (RO
 RINGS = {16: (6, 4), 32: (5, 4), 64: (4, 3)}
 TOKENS = tuple(sorted(RINGS))
 EARLY_READS = 32  # the variants up to this many tokens read the epilogue's inputs before the rings
-# The scope of the release with which thread 0 tells the peer CTA (the Hadamard exchange) that
-# this CTA's tile is read and may be overwritten: "cluster" (ptxas fences it with MEMBAR.ALL.GPU
-# and ERRBAR, ~1,000 cycles on the epilogue's path) or "cta" (CUTLASS's consumer release: the
-# tile's reads are complete, their values in registers, before the CTA barrier ahead of it).
-# Session 30 (H100, bench_indexer.py --rotation): "cta" took the rotated IndexQuery from
-# 13.0 / 13.2 / 12.8 / 15.6 to 12.7 / 12.8 / 12.4 / 15.1 us at B = 1 / 4 / 16 / 64.
-SWAP_RELEASE = "cta"
-SWAP_RELEASES = ("cluster", "cta")
-# The constants above a run may change (graphstep's --knob), and the types each takes.
-KNOBS = {"SWAP_RELEASE": str}
 
 
 def shared_bytes(tokens: int, hadamard: bool, rings: tuple[int, int] | None = None) -> int:
@@ -133,9 +123,6 @@ class IndexQuery:
             raise ValueError(f"tokens must be one of {TOKENS}, got {tokens}")
         self.row_stride, self.weights_column, self.tokens, self.pdl = row_stride, weights_column, tokens, pdl
         self.hadamard, self.ue8m0, self.rings = hadamard, ue8m0, rings or RINGS[tokens]
-        if SWAP_RELEASE not in SWAP_RELEASES:
-            raise ValueError(f"index_query.SWAP_RELEASE must be one of {SWAP_RELEASES}, got {SWAP_RELEASE!r}")
-        self.swap_release = SWAP_RELEASE
 
     @cute.jit
     def __call__(
@@ -292,7 +279,10 @@ class IndexQuery:
             cute.arch.sync_threads()  # this CTA's tile is read (into values)
             cute.arch.cluster_wait()  # the peer's swap mbarriers are initialized
             if tid == 0:
-                P.mbar_arrive_remote(free, 1 - rank, self.swap_release)  # the peer may overwrite this CTA's tile
+                # the peer may overwrite this CTA's tile: release at CTA scope (the tile's reads are
+                # complete, their values in registers, before the CTA barrier above); at cluster scope
+                # the rotated IndexQuery took 0.3-0.5 us more (session 30, H100)
+                P.mbar_arrive_remote(free, 1 - rank)
             P.mbar_wait(free, 0, cluster=True)  # the peer's tile is read
             for p in cutlass.range_constexpr(tokens // 16):
                 at = out + (row0 + 16 * p) * J.OUT_PITCH + 16 * j

@@ -795,18 +795,16 @@ def dsmem_push_u32x4(address, cta, words, bar):
     st_async_u32x4(mapa(address, cta), words, mapa(bar, cta))
 
 
-def mbar_arrive_remote(addr, cta, scope: str = "cluster"):
+def mbar_arrive_remote(addr, cta):
     """Arrive once on the mbarrier at shared address `addr` in CTA `cta` of the cluster, with
-    release at `scope`. "cluster": what this CTA read or wrote before (ordered by a CTA
-    barrier) happens before whatever the receiver does once its wait (cluster=True) sees the
-    phase; ptxas puts MEMBAR.ALL.GPU and ERRBAR before the arrive (~1,000 cycles). "cta":
-    CUTLASS's consumer-release form, with no such fence: enough where the arriving thread
+    release at CTA scope: CUTLASS's consumer-release form, enough where the arriving thread
     only hands back shared memory whose reads have completed (their values used, their
-    wgmmas waited) for the receiver to overwrite."""
-    if scope not in ("cluster", "cta"):
-        raise ValueError(f"mbar_arrive_remote: scope must be 'cluster' or 'cta', got {scope!r}")
+    wgmmas waited) for the receiver to overwrite. (Release at cluster scope would order
+    everything this CTA wrote before, but ptxas puts MEMBAR.ALL.GPU and ERRBAR before it,
+    ~1,000 cycles: it lost in IndexQuery's exchange and SparseCore's crossover, docs/levers.md
+    S.10.)"""
     cute.arch.inline_ptx(
-        f"mbarrier.arrive.release.{scope}.shared::cluster.b64 _, [{{$r0}}];", read_only_args=[mapa(addr, cta)]
+        "mbarrier.arrive.release.cta.shared::cluster.b64 _, [{$r0}];", read_only_args=[mapa(addr, cta)]
     )
 
 
@@ -950,17 +948,6 @@ def bulk_copy_g2s(dst, src, nbytes, bar):
     bytes completing on the mbarrier at `bar`."""
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst, src, nbytes, bar],
-    )
-
-
-def bulk_copy_s2cluster(dst, src, nbytes, bar):
-    """This CTA's shared memory -> shared::cluster address `dst` (another CTA of the cluster),
-    a bulk copy of `nbytes` (a multiple of 16, both ends 16-byte aligned) by the SM's copy
-    engine, its bytes completing on the mbarrier at shared::cluster address `bar` (in dst's
-    CTA). The source's generic-proxy writes must be fenced (fence_proxy_async) before it."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[dst, src, nbytes, bar],
     )
 

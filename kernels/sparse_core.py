@@ -107,29 +107,19 @@ PRODUCER = {"fp8": True, "bf16": True}
 RESHAPE_BLOCKS = 2
 # The crossover per cache (a token's two head groups' CTAs as a cluster of 2, each producer loading
 # half of every block; produce_blocks in kernels/sparse_core_wgmma.py has the protocol), with
-# FlashMLA's consumer shape at every block count (S.7).
+# FlashMLA's consumer shape at every block count (with the half-block scorers past RESHAPE_BLOCKS
+# the crossover was no faster than without it: 117.9 against 115.3 us at TP 1 fp8 B = 64, S.7).
 CROSSOVER = {"fp8": True, "bf16": True}
-XOVER_RESHAPE_BLOCKS = 1 << 30  # under the crossover: FlashMLA's consumer shape at every block count
 # True: the values warpgroup loads P into registers and takes it as its P @ V's A operand (wgmma
 # RS), False: it reads P from shared memory (SS). Alone a few percent either way, the step
 # unchanged (S.9; re-measured in session 39, bench/RESULTS.md).
 VALUES_RS = False
-# How the crossover's producer puts its half of a block into the peer's tile: "st_async" (each
-# 16-byte chunk as it is stored locally) or "bulk" (512-byte bulk copies after the producer's
-# barrier). "bulk" was slower (S.9-S.10).
-XOVER_PUSH = "st_async"
-XOVER_PUSHES = ("st_async", "bulk")
-# Who waits for the crossover's full barrier (a cluster-scope acquire, which ptxas follows with an
-# L1 invalidation): "all" the consumer warps, or "one" a warpgroup, passing it on by a named
-# barrier. "one" was no faster (S.9; bench/RESULTS.md session 30).
-XOVER_FULL_WAIT = "all"
-XOVER_FULL_WAITS = ("all", "one")
-# The scope of each consumer warp's remote release of a crossover buffer to the peer's producer:
-# "cta" (CUTLASS's consumer release: the warp's reads are complete before it arrives) or
-# "cluster" (ptxas adds MEMBAR.ALL.GPU and ERRBAR, which held ~a quarter of the consumers'
-# stalls): "cta" takes 7-9% less time at TP 1 B = 64 (S.10).
-XOVER_RELEASE = "cta"
-XOVER_RELEASES = ("cluster", "cta")
+# The crossover's shape, as measured (S.9-S.10; the variants are in git history): each producer
+# pushes its half of a block into the peer's tile by st.async as it stores it (512-byte bulk
+# copies after the producer's barrier were slower: 136.5 against 105.8 us at TP 1 fp8 B = 64);
+# every consumer warp waits for the full barrier itself (one warp a warpgroup passing it on by a
+# named barrier was no faster); and each consumer warp releases a buffer to the peer's producer
+# at CTA scope (at cluster scope ptxas adds MEMBAR.ALL.GPU and ERRBAR: 7-9% slower at TP 1 B = 64).
 # The crossover's fp8 producer issues block b + 1's loads before it dequantizes block b, so a
 # load's latency overlaps a whole block (two blocks' registers live): -4% at TP 1 fp8 B = 64 (S.10).
 XOVER_PREFETCH = True
@@ -200,11 +190,7 @@ KNOBS = {
     "PRODUCER": dict,
     "RESHAPE_BLOCKS": int,
     "CROSSOVER": dict,
-    "XOVER_RESHAPE_BLOCKS": int,
     "VALUES_RS": bool,
-    "XOVER_PUSH": str,
-    "XOVER_FULL_WAIT": str,
-    "XOVER_RELEASE": str,
     "XOVER_PREFETCH": bool,
     "FP8_ROW_LOADS": dict,
     "SKIP_UNMOVED": bool,
@@ -369,8 +355,9 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         want = CROSSOVER["fp8" if mla_fp8 else "bf16"] if crossover is None else crossover
         paired = self.wgmma and (q_heads // self.heads) % 2 == 0  # the head-group axis pairs up
         self.crossover = bool(want) and paired and self.producer and self.block == WG_ROWS
-        reshape_blocks = XOVER_RESHAPE_BLOCKS if self.crossover else RESHAPE_BLOCKS
-        self.reshape = self.wgmma and self.producer and slots_per_cta // self.block <= reshape_blocks
+        # FlashMLA's consumer shape: under the crossover always, else up to RESHAPE_BLOCKS blocks
+        reshaped = self.crossover or slots_per_cta // self.block <= RESHAPE_BLOCKS
+        self.reshape = self.wgmma and self.producer and reshaped
         self.values_rs = self.reshape and bool(VALUES_RS)
         self.probe = PROBE if self.producer else ""
         self.probes = frozenset(p for p in self.probe.split("+") if p)
@@ -382,19 +369,11 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         traced = self.crossover and self.reshape and self.splits == 1 and slots_per_cta // self.block <= TRACE_BLOCKS
         if self.probing("trace") and not traced:
             raise ValueError("sparse_core.PROBE 'trace' traces the crossover at one split only (its partial_o is free)")
-        self.bulk_push = self.crossover and XOVER_PUSH == "bulk"
         # (the transposed path's two producer warpgroups load one share each, as crossover CTAs)
         self.prefetch = (self.crossover or self.transposed) and mla_fp8 and bool(XOVER_PREFETCH)
         self.skip_unmoved = (self.reshape or self.transposed) and bool(SKIP_UNMOVED)
-        self.one_full_waiter = self.crossover and self.reshape and XOVER_FULL_WAIT == "one"
-        self.release_scope = XOVER_RELEASE
-        row_loads = [(f"FP8_ROW_LOADS[{p!r}]", FP8_ROW_LOADS.get(p), FP8_ROW_LOAD_FORMS) for p in FP8_ROW_LOAD_PATHS]
-        for name, value, allowed in (
-            ("XOVER_FULL_WAIT", XOVER_FULL_WAIT, XOVER_FULL_WAITS),
-            ("XOVER_RELEASE", XOVER_RELEASE, XOVER_RELEASES),
-            ("XOVER_PUSH", XOVER_PUSH, XOVER_PUSHES),
-            *row_loads,
-        ):
+        for path in FP8_ROW_LOAD_PATHS:
+            name, value, allowed = f"FP8_ROW_LOADS[{path!r}]", FP8_ROW_LOADS.get(path), FP8_ROW_LOAD_FORMS
             if value not in allowed:
                 raise ValueError(f"sparse_core.{name} must be one of {allowed}, got {value!r}")
         # the fp8 rows' loads of the wgmma paths' producers at 64-slot blocks (fetch_rows; the

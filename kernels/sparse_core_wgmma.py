@@ -21,7 +21,7 @@ crossover         CROSSOVER (with the producer): a token's two 64-row CTAs (head
                   (q_heads / 64 odd) or under 64-slot blocks: partial_wgmma_ws.
 
 `SparseCore` (kernels/sparse_core.py) takes these methods as a mixin and picks the path (its
-knobs, PRODUCER, CROSSOVER, RESHAPE_BLOCKS and XOVER_RESHAPE_BLOCKS, are its module's); what
+knobs, PRODUCER, CROSSOVER and RESHAPE_BLOCKS, are its module's); what
 bounds them and why each default is what it is: docs/levers.md Part S.5-S.8.
 """
 
@@ -53,11 +53,8 @@ SCORER_REGS, VALUES_REGS, RESHAPE_PRODUCER_REGS = 200, 160, 144
 VALUES_RS_REGS = (200, 176, 128)  # sparse_core.VALUES_RS: P's 16 words held through the P @ V
 LAUNCH_REGS = 168  # what ptxas gives each of the 384 threads; setmaxnreg re-deals that pool
 P_READY, P_FREE = 2, 3  # named barriers (256 threads): P and the factors written / read
-PUSH_BAR = 4  # the crossover's producer warpgroup (128 threads): its block stored (XOVER_PUSH "bulk")
-FULL_BAR = (5, 6)  # the scorer's / values' warpgroup (128 threads): full waited by its first warp (XOVER_FULL_WAIT)
 XOVER_ROWS = WG_ROWS // 2  # the rows of a block each CTA of the pair loads
 XOVER_BYTES = XOVER_ROWS * TILE_CHUNKS * 16  # what one producer pushes into the peer a block: 36,864
-XOVER_PIECE = XOVER_ROWS * 16  # a CTA's rows of one k chunk: 512 contiguous bytes of the tile
 # The trace probe (sparse_core.PROBE = "trace": the crossover at one split, B = 64 at TP 1;
 # bench_sparse_core.py --trace): one thread of each role stores its %clock at each step of each
 # block into int32 words of its CTA's first partial_o row (unused at one split), TRACE_BLOCKS
@@ -433,7 +430,7 @@ class WgmmaPaths:
           peer's bytes of block b may land before this CTA's expect: the tx-count goes below
           zero, and the phase cannot complete before the local arrivals anyway.
         - empty[s]: 16 arrivals, lane 0 of each consumer warp of both CTAs (the peer's by
-          mapa + mbarrier.arrive.release at XOVER_RELEASE's scope), so stage s is rewritten (here and, by the
+          mapa + mbarrier.arrive.release at CTA scope), so stage s is rewritten (here and, by the
           pushes, in the peer) only once both CTAs' consumers finished block b - 2 there;
           waited on with acquire at cluster scope, as full[s] is (the peer's data).
         - The consumers skip the remote arrive for a CTA's last two blocks (no producer waits
@@ -500,8 +497,8 @@ class WgmmaPaths:
                 if b >= 2:  # block b - 2's consumers (crossover: both CTAs') are done with the buffers
                     P.mbar_wait(empty0 + 8 * s, (b // 2 + 1) % 2, cluster=self.crossover)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 1, ptid == 0)
-                push = None  # (no_push: the peer's half never comes; bulk: copied below)
-                if cutlass.const_expr(self.crossover and not (self.probing("no_push") or self.bulk_push)):
+                push = None  # (no_push: the peer's half never comes)
+                if cutlass.const_expr(self.crossover and not self.probing("no_push")):
                     push = (peer_kv + s * TILE_BYTES, peer_full0 + 8 * s)
                 self.store_rows(staged, buf, half[0], half[1], half[2], push)
                 self.stamp(trace, TRACE_PRODUCER + 3 * b + 2, ptid == 0)
@@ -509,9 +506,7 @@ class WgmmaPaths:
                     self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
                 elif rank == 0:  # (two producer warpgroups: one records both shares' ids)
                     self.record_ids(ids_s, s, slot, maps, token, error, pool_slots)
-                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma (and the bulk copies)
-                if cutlass.const_expr(self.bulk_push and not self.probing("no_push")):
-                    self.push_half(buf, full0 + 8 * s, rank, ptid)
+                P.fence_proxy_async()  # generic-proxy shared writes -> the consumers' wgmma
                 if cutlass.const_expr(self.crossover and not self.probing("no_push")):
                     if ptid == 0:  # the peer's bytes, expected with this arrival
                         P.mbar_expect(full0 + 8 * s, Int32(XOVER_BYTES))
@@ -576,24 +571,6 @@ class WgmmaPaths:
                 P.store_i32(trace + word, cute.arch.clock())
 
     @cute.jit
-    def push_half(self, buf, full, rank, ptid):
-        """XOVER_PUSH "bulk": once every producer thread has stored (and fenced) its chunks of
-        this CTA's half of the block (tile buf, its full barrier full), warp 0 copies the half
-        into the same place of the peer's tile: rows 32 rank .. 32 rank + 31 of each of the 72
-        k chunks, 512 contiguous bytes a chunk, each a bulk copy completing on the peer's full
-        barrier (XOVER_BYTES in all, as the st.async pushes). The local tile is rewritten only
-        after the peer's consumers have released this block, so after every copy has completed
-        there. (The peer's addresses mapped here, so none stays live across the loop.)"""
-        P.named_sync(PUSH_BAR, 128)
-        if ptid < 32:
-            peer_full = P.mapa(full, 1 - rank)
-            for i in cutlass.range_constexpr((TILE_CHUNKS + 31) // 32):
-                chunk = ptid + 32 * i
-                if chunk < TILE_CHUNKS:
-                    src = buf + chunk * CHUNK + rank * XOVER_PIECE
-                    P.bulk_copy_s2cluster(P.mapa(src, 1 - rank), src, Int32(XOVER_PIECE), peer_full)
-
-    @cute.jit
     def record_ids(self, ids_s, s, slot, maps, token, error, pool_slots):
         """The block's slot ids beside buffer s (the consumers' -inf mask), each by its row's
         chunk-0 thread, which also records a slot outside the pool in the error word."""
@@ -646,7 +623,7 @@ class WgmmaPaths:
 
         crossover: full[s] is waited on with acquire at cluster scope (half the block is the
         peer's st.async), and lane 0 of each warp also releases the buffer to the peer's
-        producer (its empty[s], mapa + arrive.release at XOVER_RELEASE's scope) but for the CTA's last two
+        producer (its empty[s], mapa + arrive.release at CTA scope) but for the CTA's last two
         blocks (produce_blocks has the protocol); the thread passes the cluster barrier the
         kernel arrived on after initializing its mbarriers before its first remote arrive, and
         meets the peer at the closing one around finish_wgmma. trace: the trace probe's words."""
@@ -675,12 +652,7 @@ class WgmmaPaths:
             cur = kv_s + s * TILE_BYTES
             # (the cta_full probe: at CTA scope, without the L1 invalidation the cluster's acquire costs)
             acquire = self.crossover and not self.probing("cta_full")
-            if cutlass.const_expr(self.one_full_waiter):  # XOVER_FULL_WAIT "one": role is 0 or 1 here
-                if tid % 128 < 32:
-                    P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=acquire)
-                P.named_sync(FULL_BAR[role], 128)
-            else:
-                P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=acquire)
+            P.mbar_wait(full0 + 8 * s, (b // 2) % 2, cluster=acquire)
             if cutlass.const_expr(self.crossover):
                 P.fence_proxy_async()  # the peer's st.async rows (generic proxy) -> this thread's wgmma
             self.stamp(trace, TRACE_SCORER + 4 * b, tid == 0)
@@ -700,7 +672,7 @@ class WgmmaPaths:
                 P.mbar_arrive(empty0 + 8 * s)
                 if cutlass.const_expr(self.crossover):
                     if b < blocks - 2:  # the peer's producer waits for it (before block b + 2)
-                        P.mbar_arrive_remote(empty0 + 8 * s, peer, self.release_scope)
+                        P.mbar_arrive_remote(empty0 + 8 * s, peer)
 
         if cutlass.const_expr(self.crossover):  # this thread's last remote access is done
             cute.arch.cluster_arrive(aligned=True)

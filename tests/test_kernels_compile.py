@@ -688,22 +688,6 @@ def _tensor_copies(entry: str) -> list[tuple[int, int]]:
     return [(m.start(), int(generic[m.group(1)])) for m in copies]
 
 
-@pytest.mark.parametrize("release", index_query.SWAP_RELEASES)
-def test_index_query_tells_its_peer_the_tile_is_read_at_the_asked_scope(tmp_path, monkeypatch, release):
-    """index_query.SWAP_RELEASE: the Hadamard exchange's one remote arrive (thread 0, on the
-    peer's `free` mbarrier) is released at that scope and no other; refused values are named."""
-    monkeypatch.setattr(index_query, "SWAP_RELEASE", release)
-    variant = catalog.build(SHAPES["tp8"], "index_query", tokens=16)
-    assert variant.op.hadamard and variant.op.swap_release == release
-    catalog.compile_op(variant.op, variant.args, "sm_90a", str(tmp_path))
-    (text,) = [p.read_text() for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    remote = re.findall(r"mbarrier\.arrive\.release\.(\w+)\.shared::cluster\.b64", text)
-    assert remote == [release], remote
-    monkeypatch.setattr(index_query, "SWAP_RELEASE", "gpu")
-    with pytest.raises(ValueError, match="SWAP_RELEASE"):
-        catalog.build(SHAPES["tp8"], "index_query", tokens=16)
-
-
 @pytest.mark.parametrize("tokens", index_query.TOKENS)
 def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     from graphstep.kernels import projection as J
@@ -876,7 +860,9 @@ def test_index_query_rotation_spans_the_cluster(tmp_path, tokens):
     push = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
     assert plain.count("st.shared::cluster.f32") == groups and "st.shared::cluster.v4" not in plain
     assert rotated.count(push) == groups and "st.shared::cluster" not in rotated and push not in plain
-    assert rotated.count(f"mbarrier.arrive.release.{index_query.SWAP_RELEASE}.shared::cluster.b64") == 1
+    # thread 0 tells the peer its tile is read: released at CTA scope, never the cluster's
+    assert rotated.count("mbarrier.arrive.release.cta.shared::cluster.b64") == 1
+    assert "mbarrier.arrive.release.cluster" not in rotated
     assert rotated.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2 * 2  # free, ready (bounded)
     assert "barrier.cluster.arrive.relaxed" in plain and "barrier.cluster.arrive.relaxed" in rotated
     assert plain.count("barrier.cluster.arrive") == 2 and plain.count("barrier.cluster.wait") == 2
@@ -1533,7 +1519,7 @@ TP1 = {
 }
 
 
-@pytest.mark.parametrize("path", ["nows", "wsh", "wsr", "wsx", "wsxr"])
+@pytest.mark.parametrize("path", ["nows", "wsh", "wsr", "wsx"])
 @pytest.mark.parametrize("shape_name", TP1)
 @pytest.mark.parametrize("slots", [16, 32, 64, 128, 512, 2048])
 def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch, shape_name, slots, path):
@@ -1548,8 +1534,8 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
     few loop scalars (at most 64 B of stack, ptxas's choice at any producer count: the
-    RESHAPE_PRODUCER_REGS comment). wsx / wsxr: wsh / wsr with the crossover (either cache at
-    64-slot blocks; elsewhere today's kernel): the same registers, no stack but where the
+    RESHAPE_PRODUCER_REGS comment). wsx: wsr with the crossover (either cache at 64-slot
+    blocks; elsewhere today's kernel): the same registers, no stack but where the
     launch publishes bf16 query rows in FlashMLA's shape (XOVER_PUBLISH_FRAME), and
     _check_crossover's instructions."""
     import cutlass.cute as cute
@@ -1557,9 +1543,8 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     from cutlass.cute.runtime import make_fake_stream
 
     producer = path != "nows"
-    reshape = path in ("wsr", "wsxr")
+    reshape = path in ("wsr", "wsx")
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
-    monkeypatch.setattr(sparse_core, "XOVER_RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
     shape = TP1[shape_name]
     crossover = path.startswith("wsx")
     variant = catalog.build(
@@ -1659,14 +1644,17 @@ def _check_crossover(partial: str, op):
     each producer thread pushes its 18 chunks (st.async v4, 16 bytes each, 128 threads:
     XOVER_BYTES, which thread 0's arrival on full[s] expects); the peer's tile and full[0]
     mapped once (the producer's 2 mapa), each remote arrive with its own; empty[s] counts 16
-    warps; every mbarrier wait acquires at cluster scope; remote arrives
-    (arrive.release at XOVER_RELEASE's scope) only where a CTA has more than two blocks; one cluster barrier
+    warps; every mbarrier wait acquires at cluster scope (each consumer warp its own); remote
+    arrives (arrive.release at CTA scope, never the cluster's: no MEMBAR.ALL.GPU) only where a
+    CTA has more than two blocks; no bulk copies between the CTAs; one cluster barrier
     arrived on after the mbarriers' initialization and each role's two waits plus one
     closing arrive. The producer (_producer_ptx) issues every push and, over bf16 rows, loads
     each chunk it pushes by one predicated 16-byte ld.global, all of a block's before its
     first push: no cp.async, no e4m3 widened."""
     pushes = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32 \[%r\d+\]", partial)
-    remote_arrive = f"mbarrier.arrive.release.{op.release_scope}.shared::cluster.b64"
+    remote_arrive = "mbarrier.arrive.release.cta.shared::cluster.b64"
+    assert "mbarrier.arrive.release.cluster" not in partial
+    assert "cp.async.bulk.shared::cluster.shared::cta" not in partial
     if not op.crossover:
         assert not pushes and "mapa" not in partial and "barrier.cluster" not in partial
         assert remote_arrive not in partial and ".acquire.cluster" not in partial
@@ -1815,74 +1803,6 @@ def test_the_values_warpgroup_takes_p_from_registers_when_asked(tmp_path, monkey
     # every m64n256 wgmma RS, at least the two warpgroups' k steps a block (LLVM may copy a
     # peeled block's)
     assert partial.count("m64n256k16") == len(rs) >= 2 * (op.block // 16) and len(rs) % (op.block // 16) == 0
-
-
-@pytest.mark.parametrize("slots", [128, 2048])
-@pytest.mark.parametrize("shape_name", TP1)
-def test_the_crossover_pushes_by_bulk_copies_when_asked(tmp_path, monkeypatch, shape_name, slots):
-    """sparse_core.XOVER_PUSH = "bulk" (bench_sparse_core.py --paths wsxb): no st.async; the
-    producer warpgroup meets at PUSH_BAR (its 128 threads) after storing and fencing its half,
-    then copies it into the peer by shared::cta -> shared::cluster bulk copies (72 of 512 bytes
-    a block, at most 3 a lane of warp 0), thread 0 still expecting the peer's XOVER_BYTES on
-    full[s]; 168 registers, at most 16 bytes of stack (ptxas keeps four of the fp8 producer's
-    loop scalars in local memory at its 144 registers)."""
-    monkeypatch.setattr(sparse_core, "XOVER_PUSH", "bulk")
-    variant = catalog.build(TP1[shape_name], "sparse_core", slots=slots, publish=False)
-    op = variant.op
-    assert op.crossover and op.bulk_push
-    assert sparse_core_wgmma.XOVER_PIECE * sparse_core_wgmma.TILE_CHUNKS == sparse_core_wgmma.XOVER_BYTES
-    partial, found = _compile_partial(tmp_path, variant)
-    assert found["regs"] == 168 and found["frame"] <= 16, found
-    assert "st.async" not in partial
-    copies = partial.count("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes")
-    assert copies >= -(-sparse_core_wgmma.TILE_CHUNKS // 32), copies
-    assert f"barrier.sync {sparse_core_wgmma.PUSH_BAR}, 128;" in partial
-    expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);", partial)
-    assert expects and set(expects) == {str(sparse_core_wgmma.XOVER_BYTES)}, expects
-    monkeypatch.setattr(sparse_core, "XOVER_PUSH", "dsmem")
-    with pytest.raises(ValueError, match="XOVER_PUSH"):
-        catalog.build(TP1[shape_name], "sparse_core", slots=slots)
-
-
-@pytest.mark.parametrize("shape_name", TP1)
-def test_one_warp_of_each_consumer_warpgroup_waits_for_full_when_asked(tmp_path, monkeypatch, shape_name):
-    """sparse_core.XOVER_FULL_WAIT = "one" (bench_sparse_core.py --paths wsxo): each consumer
-    warpgroup meets at its own named barrier (FULL_BAR, 128 threads) after its first warp's
-    cluster-scope wait for full, so the consumers' waits (each followed by an L1 invalidation)
-    are two a block, not eight; 168 registers, no stack; refused values are named."""
-    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", "one")
-    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
-    op = variant.op
-    assert op.crossover and op.reshape and op.one_full_waiter
-    partial, found = _compile_partial(tmp_path, variant)
-    assert found == {"regs": 168, "frame": 0}, found
-    for barrier in sparse_core_wgmma.FULL_BAR:
-        assert f"barrier.sync {barrier}, 128;" in partial
-    waits = re.findall(r"mbarrier\.try_wait\.parity(\S*)\.shared::cta", partial)
-    assert waits and set(waits) == {".acquire.cluster"}, waits
-    monkeypatch.setattr(sparse_core, "XOVER_FULL_WAIT", "some")
-    with pytest.raises(ValueError, match="XOVER_FULL_WAIT"):
-        catalog.build(TP1[shape_name], "sparse_core", slots=2048)
-
-
-@pytest.mark.parametrize("release", sparse_core.XOVER_RELEASES)
-@pytest.mark.parametrize("shape_name", TP1)
-def test_the_crossover_releases_the_peer_buffer_at_the_asked_scope(tmp_path, monkeypatch, shape_name, release):
-    """sparse_core.XOVER_RELEASE (bench_sparse_core.py --paths wsxc / wsxg): each consumer warp's
-    remote empty arrive (mapa, then mbarrier.arrive on the peer's barrier) is released at that
-    scope and no other -- "cta" is CUTLASS's consumer release, without the GPU-scope fence ptxas
-    puts before a cluster-scope one; 168 registers, no stack; refused values are named."""
-    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", release)
-    variant = catalog.build(TP1[shape_name], "sparse_core", slots=2048, publish=False)
-    op = variant.op
-    assert op.crossover and op.release_scope == release
-    partial, found = _compile_partial(tmp_path, variant)
-    assert found == {"regs": 168, "frame": 0}, found
-    remote = re.findall(r"mbarrier\.arrive\.release\.(\w+)\.shared::cluster\.b64", partial)
-    assert remote and set(remote) == {release}, remote
-    monkeypatch.setattr(sparse_core, "XOVER_RELEASE", "gpu")
-    with pytest.raises(ValueError, match="XOVER_RELEASE"):
-        catalog.build(TP1[shape_name], "sparse_core", slots=2048)
 
 
 @pytest.mark.parametrize("shape_name", TP1)
@@ -2096,8 +2016,8 @@ def test_sparse_core_64_row_ctas_default_to_the_producer_path():
     cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at 1-2 blocks, slower
     at 8 and 32: B = 1 and bf16's B = 4, not fp8's B = 4 at half a wave's 4 blocks) -- under
-    the fp8 cache's crossover (a head-group pair) at every block count (XOVER_RESHAPE_BLOCKS:
-    measured faster at every B, session 18); 16-row CTAs
+    the fp8 cache's crossover (a head-group pair) at every block count (measured faster at
+    every B, session 18); 16-row CTAs
     take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache] blocks per CTA, else (and 32-row
     CTAs) partial_mma_sync."""
     assert sparse_core.PRODUCER == {"fp8": True, "bf16": True}  # as measured (bench/RESULTS.md)

@@ -208,11 +208,9 @@ def _crossover(monkeypatch, knobs):
 
 
 # The crossover's variants run here, by bench_sparse_core.py path (its CROSSOVER_PATHS: the
-# constants each sets): wsx the module's; wsxh / wsxr the half-block / FlashMLA's consumers at
-# every split, wsxv P from registers, wsxb bulk pushes, wsxo one full waiter, wsxg the
-# cluster-scope release, wsxq no prefetch, wsxa every rescale (wsxc / wsxp / wsxs are the
-# defaults today, so wsx runs them).
-CONSUMERS = {p: CROSSOVER_PATHS[p] for p in ("wsx", "wsxh", "wsxr", "wsxv", "wsxb", "wsxo", "wsxg", "wsxq", "wsxa")}
+# constants each sets): wsx the module's; wsxv P from registers, wsxq no prefetch, wsxa every
+# rescale (wsxp / wsxs are the defaults today, so wsx runs them).
+CONSUMERS = {p: CROSSOVER_PATHS[p] for p in ("wsx", "wsxv", "wsxq", "wsxa")}
 
 
 @pytest.mark.parametrize("path", CONSUMERS)
@@ -233,9 +231,6 @@ def test_the_crossover_matches_the_reference(monkeypatch, case, batch, path):
         slots=sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache),
     ).op
     assert op.crossover == (shape.q_heads == 128) and op.values_rs == (path == "wsxv" and op.reshape)
-    assert op.bulk_push == (path == "wsxb" and op.crossover)
-    assert op.one_full_waiter == (path == "wsxo" and op.crossover)
-    assert op.release_scope == ("cluster" if path == "wsxg" else "cta")
     assert op.prefetch == (path != "wsxq" and op.crossover and op.mla_fp8)
     assert op.skip_unmoved == (path != "wsxa" and op.reshape)
     _check(case, batch)
