@@ -3,7 +3,7 @@ against its bytes floor at 4.3 TB/s, its FLOPs at 800 TFLOP/s and FlashMLA's fig
 
     python bench/bench_sparse_core.py [--batch 1,4,16,64] [--configs tp8-bf16,tp8-fp8,tp1-fp8,tp1-bf16,tp2-bf16,tp2-fp8]
         [--sweep]
-        [--paths ws,wsx,wsh,wsr,wsxv,nows,mws,mws10,msync,t]
+        [--paths ws,wsx,wsh,wsr,wsxv,mws,mws10,msync,t]
         [--probes no_loads,no_math,no_math:0 --probe-batch 64 --probe-paths ws,wsx]
         [--trace --configs tp1-fp8 --probe-batch 64]
 
@@ -23,15 +23,14 @@ in FlashMLA's shape at every split, wsx = the crossover with the module's consta
 (sparse_core.CROSSOVER: the two head groups' CTAs of a token as a cluster of 2, each producer
 loading half of every block, bf16 rows as raw chunks), and wsx + a letter = wsx with the
 constants CROSSOVER_PATHS lists: v the values warpgroup's P @ V with P from registers, p / q the
-fp8 producer's loads a block ahead or not, s / a the rescales skipped where no row max moved or all done
-(ws / wsh / wsr: without it, whatever the module's default), nows = every thread loads
-(partial_wgmma); and the 16-row
-CTAs' (TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared
-between bulk copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
+fp8 producer's loads a block ahead or not, s / a the rescales skipped where no row max moved or
+all done (ws / wsh / wsr: without it, whatever the module's default); and the 16-row CTAs'
+(TP 8): mws = the producer warpgroup (partial_mma_ws) at every split, its rows shared between bulk
+copies and cp.async as sparse_core.MMA_BULK_SIXTEENTHS says, mwsN = with N / 16
 of each block's rows bulk-copied (either cache; mws16: bulk copies only, mws0: cp.async only),
 msync = every thread copies (partial_mma_sync), t = the transposed path (partial_transposed_ws:
 wgmma at N = 16, two producer warpgroups) wherever a CTA has 64-slot blocks; default: the
-module's choice (sparse_core.PRODUCER per cache, MMA_PRODUCER_BLOCKS, TRANSPOSED_BLOCKS).
+module's choice (sparse_core.CROSSOVER per cache, MMA_PRODUCER_BLOCKS, TRANSPOSED_BLOCKS).
 --probes: the producer paths' device probes (sparse_core.PROBES: wrong results, times only;
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
@@ -262,7 +261,7 @@ def main() -> int:
     parser.add_argument(
         "--paths",
         default="",
-        help=f"paths to compare: 64-row CTAs ws,wsh,wsr,{','.join(CROSSOVER_PATHS)},nows; 16/32-row mws,mwsN,msync,t "
+        help=f"paths to compare: 64-row CTAs ws,wsh,wsr,{','.join(CROSSOVER_PATHS)}; 16/32-row mws,mwsN,msync,t "
         "(default: the module's)",
     )
     parser.add_argument(
@@ -319,7 +318,7 @@ def main() -> int:
             bulk = path[3:] if path.startswith("mws") else probe_bulk
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
-            known = ("", "ws", "wsh", "wsr", "nows", "mws", "msync", "t", *CROSSOVER_PATHS)
+            known = ("", "ws", "wsh", "wsr", "mws", "msync", "t", *CROSSOVER_PATHS)
             probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
@@ -335,7 +334,6 @@ def main() -> int:
             elif path == "t":
                 sparse_core.TRANSPOSED_BLOCKS = dict.fromkeys(saved["TRANSPOSED_BLOCKS"], 1 << 30)
             elif path:
-                sparse_core.PRODUCER = dict.fromkeys(sparse_core.PRODUCER, path != "nows")
                 if path in ("ws", "wsx"):  # (the probes' paths) 16-row CTAs' producer too
                     sparse_core.MMA_PRODUCER_BLOCKS = dict.fromkeys(saved["MMA_PRODUCER_BLOCKS"], 1)
                 # the crossover only on wsx*, so ws* is the path without it whatever CROSSOVER says

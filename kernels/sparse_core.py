@@ -28,10 +28,9 @@ The partial kernel's paths (the constructor picks one from the rows per CTA and 
               scores and P @ V transposed, two producer warpgroups dequantizing each 64-slot
               block once (1 .. TRANSPOSED_BLOCKS[cache] blocks a CTA: the fp8 cache, as at TP 8
               B = 2 .. 32).
-64 rows       two warpgroups of wgmma (kernels/sparse_core_wgmma.py): partial_wgmma, or
-              partial_wgmma_ws, a producer warpgroup loading (and dequantizing) behind
-              mbarriers (PRODUCER), its head-group pairs sharing each block as a cluster of 2
-              (CROSSOVER).
+64 rows       two warpgroups of wgmma (kernels/sparse_core_wgmma.py): partial_wgmma_ws, a
+              producer warpgroup loading (and dequantizing) behind mbarriers, its head-group
+              pairs sharing each block as a cluster of 2 (CROSSOVER).
 Why each default is what it is (the alternatives as measured): docs/levers.md Part S.
 
 poll (the step's fork_poll mode on one rank): before its PDL wait each partial CTA spins until
@@ -75,7 +74,7 @@ from . import primitives as P
 from .sparse_core_layout import FP8_ROW, LATENT, PRODUCER_THREADS, ROW, STRIDE
 from .sparse_core_mma import COLS, MmaPaths, ring_stages, ws_stages
 from .sparse_core_transposed import T_ROWS, TransposedPaths
-from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WG_THREADS, WS_THREADS, WgmmaPaths
+from .sparse_core_wgmma import TRACE_BLOCKS, WG_ROWS, WS_THREADS, WgmmaPaths
 
 # The ModelShape sizes this kernel is written for (kernels/catalog.py rejects others).
 SUPPORTED = {"kv_lora_rank": (LATENT,), "qk_rope_dim": (ROW - LATENT,)}
@@ -97,10 +96,6 @@ PLAN_HALF_WAVE_TOKENS = {
     (64, "bf16"): 0,
     (64, "fp8"): 4,
 }
-# The 64-row CTAs' path by cache: True = partial_wgmma_ws (a producer warpgroup loads and
-# dequantizes), False = partial_wgmma. Faster over fp8; over bf16 a tie, on because the crossover
-# needs it (S.5).
-PRODUCER = {"fp8": True, "bf16": True}
 # partial_wgmma_ws's consumers in FlashMLA's shape (consume_blocks' roles 0 and 1) up to this many
 # blocks a CTA, else the half-block scorers (role None): FlashMLA's keeps every row max in one
 # warpgroup but overlaps the producer less, so it wins only at 1-2 blocks (S.6).
@@ -187,7 +182,6 @@ MMA_BULK_SIXTEENTHS = {"bf16": 10, "fp8": 9}
 # The constants above a run may change, and the types each takes (graphstep's --knob; the
 # probes PROBE and COMBINE give wrong results and stay for the benchmarks' own flags).
 KNOBS = {
-    "PRODUCER": dict,
     "RESHAPE_BLOCKS": int,
     "CROSSOVER": dict,
     "VALUES_RS": bool,
@@ -295,10 +289,10 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         poll: each partial CTA first waits, before its PDL wait, until the query rows it
         reads are published (the module docstring): its rows below `gathered` (the padding
         rows above are never published), so gathered must fit one CTA or fill every CTA.
-        producer: a producer loads the rows (64 rows: partial_wgmma_ws; 16 rows:
-        partial_mma_ws), or every thread does (partial_wgmma, partial_mma_sync); None: the
-        module's PRODUCER for the cache (64 rows), or partial_mma_ws from
-        MMA_PRODUCER_BLOCKS[cache] blocks per CTA.
+        producer: 16 rows: a producer warpgroup loads the rows (partial_mma_ws), or every warp
+        does (partial_mma_sync); None: partial_mma_ws from MMA_PRODUCER_BLOCKS[cache] blocks
+        per CTA. 64-row CTAs always have a producer warpgroup (partial_wgmma_ws; the kernel
+        without it was slower over fp8 and tied over bf16, docs/levers.md S.5 and Part X).
         crossover: partial_wgmma_ws's two head-group CTAs of a (split, token) as a cluster of 2,
         each producer loading half of every block (None: the module's CROSSOVER for the
         cache); only where it applies (64-row CTAs in pairs with a producer, 64-slot blocks),
@@ -317,16 +311,16 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.cols = COLS
         self.block = block_for(slots_per_cta)
         self.splits = k // slots_per_cta
-        # 64-row CTAs: two warpgroups of wgmma (partial_wgmma); 16 / 32 rows: mma.sync warps
+        # 64-row CTAs: two warpgroups of wgmma and a producer (partial_wgmma_ws); 16 / 32 rows: mma.sync warps
         self.wgmma = self.heads == WG_ROWS
+        if self.wgmma and producer is False:
+            raise ValueError("SparseCore's 64-row CTAs always have a producer warpgroup (producer=False: 16 rows only)")
         most = TRANSPOSED_BLOCKS["fp8" if mla_fp8 else "bf16"]
         by_default = producer is None and 1 <= slots_per_cta // self.block <= most  # (producer=True: partial_mma_ws)
         wanted = by_default if transposed is None else transposed
         self.transposed = bool(wanted) and self.heads == T_ROWS and self.block == WG_ROWS and producer is not False
-        if self.transposed:
+        if self.transposed or self.wgmma:
             self.producer = True
-        elif self.wgmma:
-            self.producer = PRODUCER["fp8" if mla_fp8 else "bf16"] if producer is None else producer
         else:  # partial_mma_ws: 16 rows only
             if producer and self.heads != 16:
                 raise ValueError("SparseCore's mma.sync producer path needs 16 rows per CTA")
@@ -354,10 +348,10 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
             self.stages = ring_stages(self.heads, self.block, slots_per_cta, mla_fp8)
         want = CROSSOVER["fp8" if mla_fp8 else "bf16"] if crossover is None else crossover
         paired = self.wgmma and (q_heads // self.heads) % 2 == 0  # the head-group axis pairs up
-        self.crossover = bool(want) and paired and self.producer and self.block == WG_ROWS
+        self.crossover = bool(want) and paired and self.block == WG_ROWS
         # FlashMLA's consumer shape: under the crossover always, else up to RESHAPE_BLOCKS blocks
         reshaped = self.crossover or slots_per_cta // self.block <= RESHAPE_BLOCKS
-        self.reshape = self.wgmma and self.producer and reshaped
+        self.reshape = self.wgmma and reshaped
         self.values_rs = self.reshape and bool(VALUES_RS)
         self.probe = PROBE if self.producer else ""
         self.probes = frozenset(p for p in self.probe.split("+") if p)
@@ -386,7 +380,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
             if self.probing(probe) and not self.crossover:
                 raise ValueError(f"sparse_core.PROBE {probe!r} probes the crossover only")
         if self.wgmma or self.transposed:
-            self.threads = WS_THREADS if self.producer else WG_THREADS
+            self.threads = WS_THREADS
         else:
             self.threads = self.consumers + (PRODUCER_THREADS if self.mma_ws else 0)
         # the combine: warps per (quarter, head), and heads per CTA
@@ -462,10 +456,8 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
     ):
         if cutlass.const_expr(self.poll):
             self.await_query_rows(q_rows, error, budget_ns)
-        if cutlass.const_expr(self.wgmma and self.producer):
+        if cutlass.const_expr(self.wgmma):
             self.partial_wgmma_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
-        elif cutlass.const_expr(self.wgmma):
-            self.partial_wgmma(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.transposed):
             self.partial_transposed_ws(q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots)
         elif cutlass.const_expr(self.mma_ws):

@@ -3,14 +3,15 @@
 The operands are in shared memory in the no-swizzle canonical layout; P @ V at m64n256k16
 (each warpgroup 256 of the 512 latent dims).
 
-partial_wgmma     256 threads that copy and compute (PRODUCER off); each warpgroup scores
-                  half the block (m64n(block / 2)k16).
-partial_wgmma_ws  PRODUCER: a third warpgroup loads (and dequantizes) the blocks behind full /
-                  empty mbarriers (384 threads, setmaxnreg). Past RESHAPE_BLOCKS blocks a CTA
-                  the consumers score half-blocks as partial_wgmma does; up to it they take
-                  FlashMLA's shape: warpgroup 0 scores whole blocks (m64n(block)k16) and does
-                  P @ V on dims 0 .. 255 with P from registers, warpgroup 1 dims 256 .. 511.
-crossover         CROSSOVER (with the producer): a token's two 64-row CTAs (head groups 2 i,
+partial_wgmma_ws  two consumer warpgroups and a third, the producer, that loads (and
+                  dequantizes) the blocks behind full / empty mbarriers (384 threads,
+                  setmaxnreg). Past RESHAPE_BLOCKS blocks a CTA each consumer warpgroup scores
+                  half of every block (m64n(block / 2)k16); up to it they take FlashMLA's
+                  shape: warpgroup 0 scores whole blocks (m64n(block)k16) and does P @ V on
+                  dims 0 .. 255 with P from registers, warpgroup 1 dims 256 .. 511. (The kernel
+                  without the producer, every thread loading, was slower over fp8 and tied
+                  over bf16: removed in session 46, docs/levers.md Part X.)
+crossover         CROSSOVER: a token's two 64-row CTAs (head groups 2 i,
                   2 i + 1) of a split launch as a cluster of 2; each producer loads half of
                   every block's rows (XOVER_ROWS) into its own tile and, by st.async completing
                   on the peer's full mbarrier, into the peer's, so each SM moves and
@@ -21,7 +22,7 @@ crossover         CROSSOVER (with the producer): a token's two 64-row CTAs (head
                   (q_heads / 64 odd) or under 64-slot blocks: partial_wgmma_ws.
 
 `SparseCore` (kernels/sparse_core.py) takes these methods as a mixin and picks the path (its
-knobs, PRODUCER, CROSSOVER and RESHAPE_BLOCKS, are its module's); what
+knobs, CROSSOVER and RESHAPE_BLOCKS, are its module's); what
 bounds them and why each default is what it is: docs/levers.md Part S.5-S.8.
 """
 
@@ -71,8 +72,8 @@ TRACE_WORDS = TRACE_START + 1
 
 def producer_map(ptid, v, block: int) -> tuple:
     """(row r of the block, first chunk group cg0, quarter q4) of partial_wgmma_ws's producer
-    thread ptid (0 .. 127), share v (0 or 1: the shares of partial_wgmma's threads ptid and
-    ptid + 128): its 16-byte chunks 4 (cg0 + step j) + q4 of row r, step = 8 / (block / 8).
+    thread ptid (0 .. 127), share v (0 or 1: the thread does the work of two, virtual threads
+    ptid and ptid + 128 of 256): its 16-byte chunks 4 (cg0 + step j) + q4 of row r, step = 8 / (block / 8).
     At 64-slot blocks share v is rows 32 v .. 32 v + 31: the crossover's CTA rank v loads
     that share alone. (Python ints on the host, the kernel's Int32 on the device.)"""
     groups = block // 8
@@ -111,15 +112,7 @@ def wgmma_scores(q_addr, k_addr, n: int, b_layout: int = DESC_K, b_chunk: int = 
     )
 
 
-def wgmma_wait(acc) -> list:
-    """Wait for this warpgroup's wgmmas in flight (wgmma_values(..., wait=False)); the
-    accumulators pass through, so nothing reads them before the wait."""
-    count = len(acc)
-    lines = ["wgmma.wait_group.sync.aligned 0;"] + [f"mov.f32 {{$w{i}}}, {{$r{i}}};" for i in range(count)]
-    return list(cute.arch.inline_ptx("\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc)))
-
-
-def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
+def wgmma_values(acc, p_addr, v_addr, k_steps: int) -> list:
     """O[64 rows, 256 dims] += P (shared bf16, K-major: rows x slots) x V (the same shared
     cache rows read MN-major: slots x dims, transposed B), k_steps steps of 16 slots.
     acc: 128 FP32 in the accumulator layout (acc[4 j + 2 r + e]: row 16 w + g + 8 r, dim
@@ -135,7 +128,7 @@ def wgmma_values(acc, p_addr, v_addr, k_steps: int, wait: bool = True) -> list:
         lines.append(f"add.s64 a, a0, {2 * CHUNK * s >> 4};")
         lines.append(f"add.s64 b, b0, {16 * 16 * s >> 4};")
         lines.append(f"wgmma.mma_async.sync.aligned.m64n{2 * count}k16.f32.bf16.bf16 {{{d}}}, a, b, more, 1, 1, 0, 1;")
-    lines += ["wgmma.commit_group.sync.aligned;"] + (["wgmma.wait_group.sync.aligned 0;"] if wait else []) + ["}"]
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     return list(
         cute.arch.inline_ptx(
             "\n\t".join(lines), write_only_types=[Float32] * count, read_only_args=list(acc) + [p_addr, v_addr]
@@ -172,107 +165,10 @@ class WgmmaPaths:
     (SparseCore's mixin: the configuration they read is SparseCore's, set in its constructor)."""
 
     @cute.jit
-    def partial_wgmma(self, q_rows, slots, cache, partial_o, partial_ml, out, lse, q_out, error, pool_slots):
-        """64-row CTAs: two warpgroups (256 threads). Shared memory: the query rows (bf16, K-major
-        canonical), two buffers of `block` cache rows as bf16 (block b in buffer b % 2: bf16
-        rows by cp.async, fp8 rows loaded to registers and dequantized into it -- while P @ V
-        runs -- block b + 1's copies or loads in flight while block b is computed), P (bf16,
-        K-major), the two blocks' slot ids and the row maxima the warpgroups exchange (the
-        whole 227 KB but 1.5 KB). Each thread copies chunks of one row per block, so it
-        loads one slot id per block, a block ahead. Per block:
-        - warpgroup h: S = Q x K^T over the block's slots h x block / 2 .. (wgmma m64n(block/2)k16,
-          both operands in shared memory), holes -inf, scaled to log2 units;
-        - the row max over both warpgroups (shared memory, one CTA barrier), P = 2^(s - max)
-          as bf16 into shared memory (the whole block's P after a second barrier);
-        - warpgroup h: O[:, 256 h .. 256 h + 255] += P x V (wgmma m64n256k16, V = the same
-          shared rows' first 512 dims read MN-major), rescaled first when the max moved."""
-        tid, _, _ = cute.arch.thread_idx()
-        split, group, token = cute.arch.block_idx()
-        lane, warp = tid % 32, tid // 32
-        wg, w4 = warp // 4, warp % 4
-        g, t = lane // 4, lane % 4
-        block = self.block
-        half = block // 2  # the slots of a block whose scores one warpgroup computes
-        smem = cutlass.memory.SmemAllocator()
-        q_s = smem.allocate_tensor(Uint8, cute.make_layout(TILE_BYTES), byte_alignment=128).iterator.toint()
-        kv_s = smem.allocate_tensor(Uint8, cute.make_layout(2 * TILE_BYTES), byte_alignment=128).iterator.toint()
-        p_s = smem.allocate_tensor(Uint8, cute.make_layout(block // 8 * CHUNK), byte_alignment=128).iterator.toint()
-        ids_s = smem.allocate_tensor(Int32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
-        sums = smem.allocate_tensor(Float32, cute.make_layout(2 * WG_ROWS), byte_alignment=16)
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-
-        # This thread's cache row of every block (r) and its 16-byte chunks 4 cg + q4: the
-        # 8 lanes of a quarter-warp take 8 rows of one chunk (128 contiguous shared bytes).
-        groups = block // 8
-        r = 8 * (warp % groups) + lane % 8
-        cg0, q4 = warp // groups, lane // 8
-        writer = (cg0 == 0) & (q4 == 0)  # the thread of chunk 0: records the row's slot id
-        ids_row = slots + token * self.k + split * self.slots_per_cta + r
-        head0 = group * WG_ROWS
-        slot = P.load_i32(ids_row)
-        self.load_query_tile(q_rows + (token * self.q_heads + head0) * self.q_bytes, head0, q_s, tid)
-        blocks = self.slots_per_cta // block
-        staged = self.fetch_rows(cache, slot, kv_s, r, cg0, q4, pool_slots)
-        if cutlass.const_expr(self.mla_fp8):
-            self.store_rows(staged, kv_s, r, cg0, q4)
-        if writer:
-            ids_s[r] = slot
-            if slot != -1 and not P.in_range(slot, pool_slots):
-                P.record_range(error, guards.SPARSE_CORE_SLOT, token, slot)
-        # the next block's slot of this row, loaded a block ahead of its use (past the CTA's
-        # last block it reads as -1: the "copy" is zeros into the free buffer, read by no one)
-        upcoming = P.load_i32(ids_row + cutlass.min(1, blocks - 1) * block)
-        P.cp_async_commit()
-        P.cp_async_wait(0)
-        P.fence_proxy_async()  # generic-proxy shared writes (and cp.async data) -> wgmma
-        cute.arch.sync_threads()
-        if cutlass.const_expr(self.publish and self.splits == 1):  # this CTA is its rows' only reader
-            self.publish_rows(q_rows, q_out, token, head0, WG_ROWS, tid, WG_THREADS)
-
-        neg_inf = Float32(-math.inf)
-        acc_o = [Float32(0)] * 128
-        row_max = [neg_inf, neg_inf]  # rows 16 w4 + g (+ 8), log2 units
-        row_sum = [Float32(0), Float32(0)]  # this thread's share
-        row0 = 16 * w4 + g
-        for b in range(blocks):
-            cur = kv_s + (b % 2) * TILE_BYTES
-            ahead = b + 1
-            # block b + 1 into the other buffer (free: every thread passed the barrier that
-            # ended block b - 1, the last reader of it)
-            coming = P.select_i32(ahead < blocks, upcoming, -1)
-            nxt = self.fetch_rows(cache, coming, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4, pool_slots)
-            P.cp_async_commit()
-            if writer:
-                ids_s[(ahead % 2) * WG_ROWS + r] = coming
-                if coming != -1 and not P.in_range(coming, pool_slots):
-                    P.record_range(error, guards.SPARSE_CORE_SLOT, token, coming)
-            # (not used before the next block: its load latency hides behind this block)
-            upcoming = P.load_i32(ids_row + cutlass.min(b + 2, blocks - 1) * block)
-
-            # scores of this warpgroup's half of the block, then P (both halves) in shared memory
-            s = wgmma_scores(q_s, cur + wg * half * 16, half)
-            row_max, row_sum, acc_o = self.block_softmax(
-                s, ids_s, b % 2, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, False
-            )
-
-            # P @ V in flight while this thread dequantizes its share of the next block (fp8)
-            acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16, False)
-            if cutlass.const_expr(self.mla_fp8):
-                self.store_rows(nxt, kv_s + (ahead % 2) * TILE_BYTES, r, cg0, q4)
-            acc_o = wgmma_wait(acc_o)
-            P.cp_async_wait(0)
-            P.fence_proxy_async()
-            cute.arch.sync_threads()  # block b + 1 is in shared memory; P, red and buffer b are free
-
-        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, False)
-
-    @cute.jit
-    def finish_wgmma(self, acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, named: bool):
-        """The end of a 64-row CTA (256 computing threads): its rows' sums over both
-        warpgroups, then out and lse (one split: normalized here) or the split's partials.
-        named: the computing threads meet at their named barrier, not the CTA's."""
+    def finish_wgmma(self, acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid):
+        """The end of a 64-row CTA (its 256 consumer threads): its rows' sums over both
+        warpgroups (meeting at the consumers' named barrier), then out and lse (one split:
+        normalized here) or the split's partials."""
         split, group, token = cute.arch.block_idx()
         lane, warp = tid % 32, tid // 32
         wg, w4 = warp // 4, warp % 4
@@ -286,10 +182,7 @@ class WgmmaPaths:
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             if t == 0:
                 store_row_sum(sums_at + 4 * (wg * WG_ROWS + row0 + 8 * rr), total)
-        if cutlass.const_expr(named):
-            P.named_sync(CONSUMER_BAR, WG_THREADS)
-        else:
-            cute.arch.sync_threads()
+        P.named_sync(CONSUMER_BAR, WG_THREADS)
         item = token * self.splits + split
         for rr in cutlass.range_constexpr(2):
             head = head0 + row0 + 8 * rr
@@ -317,10 +210,12 @@ class WgmmaPaths:
         (fp8 rows: loads issued, then the buffer's empty barrier, then dequantized into it;
         bf16 rows: cp.async into it once empty, signalled a block later so two blocks are in
         flight), its slot ids beside it, then it arrives on the buffer's full mbarrier.
-        Warpgroups 0 and 1 wait on full, compute the block as partial_wgmma does with named
+        Warpgroups 0 and 1 wait on full, compute the block (consume_blocks) with named
         barriers of their 256 threads (no CTA barrier in the loop) and release the buffer on
-        its empty mbarrier after their P @ V has completed. Shared memory as partial_wgmma,
-        plus the four mbarriers.
+        its empty mbarrier after their P @ V has completed. Shared memory: the query rows
+        (bf16, K-major canonical), the two buffers of `block` cache rows as bf16, P (bf16,
+        K-major), the two blocks' slot ids, the row maxima the warpgroups exchange, their row
+        sums and the four mbarriers.
         crossover: the CTA and its peer (the other head group of the same split and token,
         a cluster of 2) share the blocks' rows: each producer loads (fp8: and dequantizes) its
         half into both CTAs' buffers (bf16 rows through registers, not by cp.async), full[s]
@@ -406,9 +301,9 @@ class WgmmaPaths:
     def produce_blocks(
         self, slots, cache, kv_s, ids_s, full0, empty0, ptid, split, token, error, pool_slots, trace=None, share=None
     ):
-        """The producer warpgroup (ptid 0 .. 127): each thread does the share of two of
-        partial_wgmma's 256 threads (fetch_rows / store_rows, v = ptid and ptid + 128), so
-        the row and chunk maps are the same; the next block's slot ids load a block ahead.
+        """The producer warpgroup (ptid 0 .. 127): each thread does two shares of a block's
+        chunks (fetch_rows / store_rows, v = 0 and 1: producer_map's virtual threads ptid
+        and ptid + 128); the next block's slot ids load a block ahead.
 
         share (the transposed path, kernels/sparse_core_transposed.py: two producer warpgroups
         in one CTA): this warpgroup loads share v = `share` of every block alone -- fp8 rows as
@@ -606,8 +501,9 @@ class WgmmaPaths:
         """The consumer warpgroups (tid 0 .. 255) between each buffer's full and empty
         mbarriers, in one of two shapes (RESHAPE_BLOCKS):
 
-        role None: partial_wgmma's math per block (consume_block), each warpgroup scoring half
-        the block, the row max and P exchanged over two named barriers of the 256 threads.
+        role None: consume_block, each warpgroup scoring half the block (its slots
+        wg x block / 2 ..), the row max and P exchanged over two named barriers of the 256
+        threads, then its P @ V on dims 256 wg .. 256 wg + 255 over the whole block.
         The next block needs no third barrier: a warpgroup writes its next row maxima (`red`)
         after this block's second barrier, which the other reaches only once it has read this
         block's; and its next P after the next block's first barrier, which the other reaches
@@ -676,7 +572,7 @@ class WgmmaPaths:
 
         if cutlass.const_expr(self.crossover):  # this thread's last remote access is done
             cute.arch.cluster_arrive(aligned=True)
-        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid, True)
+        self.finish_wgmma(acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid)
         if cutlass.const_expr(self.crossover):
             cute.arch.cluster_wait()
 
@@ -791,19 +687,19 @@ class WgmmaPaths:
         row0 = 16 * w4 + g
         sc = wgmma_scores(q_s, cur + wg * half * 16, half)
         row_max, row_sum, acc_o = self.block_softmax(
-            sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, True
+            sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots
         )
         acc_o = wgmma_values(acc_o, p_s, cur + wg * (LATENT // 2 // 8) * CHUNK, block // 16)
         return row_max, row_sum, acc_o
 
     @cute.jit
-    def block_softmax(self, sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots, named: bool):
+    def block_softmax(self, sc, ids_s, s, red, p_s, row_max, row_sum, acc_o, wg, row0, t, pool_slots):
         """The online softmax of one block in the 64-row paths, from this warpgroup's half of
         the scores (sc, wgmma_scores) to P in shared memory: slots outside the pool scored
         -inf (the block's ids beside buffer s), each row's max over both halves exchanged
         through `red`, the running max and sum and the output accumulators rescaled, P
         stored as bf16 for P @ V. The two exchanges meet at the consumers' named barrier
-        (named: partial_wgmma_ws) or the CTA's (partial_wgmma). wg: this thread's
+        (CONSUMER_BAR: the producer warpgroup runs on). wg: this thread's
         warpgroup, row0: its first row (16 w4 + g), t: its lane in the quad. Returns
         (row_max, row_sum, acc_o)."""
         half = self.block // 2
@@ -822,7 +718,7 @@ class WgmmaPaths:
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             if t == 0:
                 red[wg * WG_ROWS + row0 + 8 * rr] = top
-        self.consumers_meet(named)  # both halves' maxima
+        P.named_sync(CONSUMER_BAR, WG_THREADS)  # both halves' maxima
         alpha = [Float32(0), Float32(0)]
         use = [Float32(0), Float32(0)]
         for rr in cutlass.range_constexpr(2):
@@ -841,15 +737,8 @@ class WgmmaPaths:
         for i in cutlass.range_constexpr(128):
             acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         P.fence_proxy_async()
-        self.consumers_meet(named)  # the block's P (both halves) is in shared memory
+        P.named_sync(CONSUMER_BAR, WG_THREADS)  # the block's P (both halves) is in shared memory
         return row_max, row_sum, acc_o
-
-    @cute.jit
-    def consumers_meet(self, named: bool):
-        if cutlass.const_expr(named):
-            P.named_sync(CONSUMER_BAR, WG_THREADS)
-        else:
-            cute.arch.sync_threads()
 
     @cute.jit
     def fetch_rows(self, cache, slot, dst, r, cg0, q4, pool_slots, raw: bool = False) -> list:

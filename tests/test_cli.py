@@ -344,13 +344,13 @@ def test_bench_checks_every_dcp_size_and_the_group_flag_before_the_gpu(capsys):
         ("sparse_core.CLUSTER_SPLITS=True", "sparse_core.CLUSTER_SPLITS takes an int (now 2)"),
         ("sparse_core.RESHAPE_BLOCKS=None", "sparse_core.RESHAPE_BLOCKS takes an int"),
         ("mla_query.STREAM_FROM_HEADS=2.0", "mla_query.STREAM_FROM_HEADS takes an int or None (now 128)"),
-        ("sparse_core.PRODUCER=True", "sparse_core.PRODUCER takes a dict"),
-        ("sparse_core.PRODUCER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
+        ("sparse_core.CROSSOVER=True", "sparse_core.CROSSOVER takes a dict"),
+        ("sparse_core.CROSSOVER={'fp8': False}", "takes the keys ['bf16', 'fp8']"),
         (
             "sparse_core.FP8_ROW_LOADS={'transposed': '16B', 'wgmma': '8B', 'wgmm': '16B'}",
             "takes the keys ['transposed', 'wgmma']",
         ),
-        ("sparse_core.PRODUCER={'fp8': 'no', 'bf16': True}", "sparse_core.PRODUCER['fp8'] takes a bool (now True)"),
+        ("sparse_core.CROSSOVER={'fp8': 'no', 'bf16': True}", "sparse_core.CROSSOVER['fp8'] takes a bool (now True)"),
         ("sparse_core.MMA_BULK_SIXTEENTHS={'fp8': 9, 'bf16': 10.5}", "MMA_BULK_SIXTEENTHS['bf16'] takes an int"),
         ("sparse_core.MMA_PRODUCER_BLOCKS={'fp8': None, 'bf16': 1}", "MMA_PRODUCER_BLOCKS['fp8'] takes an int"),
     ],
@@ -359,12 +359,12 @@ def test_knob_errors_name_what_is_wrong(capsys, monkeypatch, knob, error):
     """--knob is checked with the other flags: a bad one exits 2 with its reason, touching nothing."""
     from graphstep.kernels import mla_query, sparse_core
 
-    for module, name in ((mla_query, "STREAM_FROM_HEADS"), (sparse_core, "CLUSTER_SPLITS"), (sparse_core, "PRODUCER")):
+    for module, name in ((mla_query, "STREAM_FROM_HEADS"), (sparse_core, "CLUSTER_SPLITS"), (sparse_core, "CROSSOVER")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored whatever this test does
-    before = (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, dict(sparse_core.PRODUCER))
+    before = (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, dict(sparse_core.CROSSOVER))
     assert main(["info", "--knob", "mla_query.STREAM_FROM_HEADS=64", "--knob", knob]) == 2
     assert error in capsys.readouterr().err
-    assert (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, sparse_core.PRODUCER) == before
+    assert (mla_query.STREAM_FROM_HEADS, sparse_core.CLUSTER_SPLITS, sparse_core.PROBE, sparse_core.CROSSOVER) == before
 
 
 def test_knob_sets_the_constant_the_variants_follow(tmp_path, monkeypatch, capsys):
@@ -375,11 +375,11 @@ def test_knob_sets_the_constant_the_variants_follow(tmp_path, monkeypatch, capsy
     from graphstep.cli import apply_knobs
 
     monkeypatch.setattr(mla_query, "STREAM_FROM_HEADS", None)  # restored after the test
-    monkeypatch.setattr(sparse_core, "PRODUCER", dict(sparse_core.PRODUCER))
-    assert apply_knobs(["sparse_core.PRODUCER={'fp8': True, 'bf16': False}"]) == {
-        "sparse_core.PRODUCER": {"fp8": True, "bf16": False}
+    monkeypatch.setattr(sparse_core, "CROSSOVER", dict(sparse_core.CROSSOVER))
+    assert apply_knobs(["sparse_core.CROSSOVER={'fp8': True, 'bf16': False}"]) == {
+        "sparse_core.CROSSOVER": {"fp8": True, "bf16": False}
     }
-    assert sparse_core.PRODUCER == {"fp8": True, "bf16": False}
+    assert sparse_core.CROSSOVER == {"fp8": True, "bf16": False}
     out = tmp_path / "ptx"
     args = ["ptx", "--tp", "1", "--batch-size", "4", "--out", str(out), "--knob", "mla_query.STREAM_FROM_HEADS=1"]
     assert main(args) == 0

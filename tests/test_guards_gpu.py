@@ -343,7 +343,6 @@ def test_sparse_core_reads_a_bad_slot_as_a_hole_and_records_it(
     if crossover:
         if topology.tp != 1:
             pytest.skip("the crossover pairs 64-row CTAs (TP 1)")
-        monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
         monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     state = _state(topology, max_batch=2)
     s, m = state.shape, state.shape.model

@@ -1519,17 +1519,16 @@ TP1 = {
 }
 
 
-@pytest.mark.parametrize("path", ["nows", "wsh", "wsr", "wsx"])
+@pytest.mark.parametrize("path", ["wsh", "wsr", "wsx"])
 @pytest.mark.parametrize("shape_name", TP1)
 @pytest.mark.parametrize("slots", [16, 32, 64, 128, 512, 2048])
 def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch, shape_name, slots, path):
-    """64 query rows per CTA (TP 1) on wgmma: no mma.sync, PDL, no local memory. nows: two
-    warpgroups (36 k steps of scores over half a block each, then P @ V over the block's
-    slots in 16-slot steps, 256 dims each), no spills within the CTA's registers. With a
-    producer warpgroup (384 threads) setmaxnreg re-deals the launch's registers, the blocks
+    """64 query rows per CTA (TP 1) on wgmma: no mma.sync, PDL, no local memory. The producer
+    warpgroup (384 threads in all): setmaxnreg re-deals the launch's registers, the blocks
     pass by full / empty mbarriers and the loop has no CTA barrier: the one bar.sync 0 is
-    before it (the mbarriers' initialization). wsh: the consumers score half a block each
-    and meet at one 256-thread named barrier. wsr (FlashMLA's shape): warpgroup 0 scores
+    before it (the mbarriers' initialization). wsh: the two consumer warpgroups score half a
+    block each (36 k steps), then P @ V over the block's slots in 16-slot steps, 256 dims
+    each, meeting at one 256-thread named barrier. wsr (FlashMLA's shape): warpgroup 0 scores
     whole blocks (m64n(block)k16) and does P @ V on its dims with P from registers, warpgroup
     1 P @ V from shared memory; P_READY / P_FREE hand P over (bar.arrive one way, bar.sync
     the other); the scorer and the values warpgroup spill nothing, the producer at most a
@@ -1542,16 +1541,13 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     from cutlass.base_dsl.compiler import DumpDir
     from cutlass.cute.runtime import make_fake_stream
 
-    producer = path != "nows"
     reshape = path in ("wsr", "wsx")
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30 if reshape else 0)
     shape = TP1[shape_name]
     crossover = path.startswith("wsx")
-    variant = catalog.build(
-        shape, "sparse_core", slots=slots, publish=slots == 2048, producer=producer, crossover=crossover
-    )
-    threads = sparse_core.WS_THREADS if producer else sparse_core.WG_THREADS
-    assert variant.op.wgmma and variant.op.producer == producer and variant.op.threads == threads
+    variant = catalog.build(shape, "sparse_core", slots=slots, publish=slots == 2048, crossover=crossover)
+    threads = sparse_core.WS_THREADS
+    assert variant.op.wgmma and variant.op.producer and variant.op.threads == threads
     assert variant.op.reshape == reshape
     assert variant.op.crossover == (crossover and slots >= 64)
     cute.compile[cute.GPUArch("sm_90a"), cute.KeepCUBIN(), cute.KeepPTX(), DumpDir(str(tmp_path))](
@@ -1586,39 +1582,35 @@ def test_sparse_core_64_row_ctas_use_wgmma_without_spills(tmp_path, monkeypatch,
     assert found["regs"] * threads <= 65536, found
     barriers = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", partial)
     arrives = re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)?\s+(\d+),\s*(\d+);", partial)
-    if producer:
-        # the re-dealt registers are what the launch gives the CTA (per 128 threads): the
-        # most a 384-thread CTA may have, or the consumers' setmaxnreg.inc would never return
-        assert found["regs"] == 168, found
-        regs = (
-            (sparse_core_wgmma.SCORER_REGS, sparse_core_wgmma.VALUES_REGS, sparse_core_wgmma.RESHAPE_PRODUCER_REGS)
-            if reshape
-            else (sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.PRODUCER_REGS)
-        )
-        assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[0]};" in partial
-        assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[2]};" in partial
-        if reshape:
-            assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[1]};" in partial
-        assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
-        assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
-        assert "mbarrier.arrive.shared::cta.b64" in partial
-        assert barriers.count(("0", "")) == 1, barriers  # before the loop only
-        # P_FREE only where a CTA has a second block to wait for
-        handover = {("2", "256")} | ({("3", "256")} if slots > 64 else set())
-        named = {("1", "256")} | (handover if reshape else set())
-        assert set(barriers) - {("0", "")} == named, barriers
-        assert set(arrives) == (named - {("1", "256")}), arrives
-        # the named barriers are non-aligned: the roles reach them at different instructions
-        assert not re.search(r"\bbar\.(sync|arrive)\s+[1-3],", partial)
-        # and the cubin lists each of them as one (EIATTR 0x28), which synccheck reads
-        _check_named_barriers_marked(cubin, "sparse_core_partial", expect=len(named))
-        wait = partial.index("mbarrier.try_wait.parity")
-        assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < wait
-        _check_crossover(partial, variant.op)
-    else:
-        assert "setmaxnreg" not in partial and "mbarrier" not in partial and not arrives
-        assert barriers and all(b == ("0", "") for b in barriers), barriers
+    # the re-dealt registers are what the launch gives the CTA (per 128 threads): the
+    # most a 384-thread CTA may have, or the consumers' setmaxnreg.inc would never return
+    assert found["regs"] == 168, found
+    regs = (
+        (sparse_core_wgmma.SCORER_REGS, sparse_core_wgmma.VALUES_REGS, sparse_core_wgmma.RESHAPE_PRODUCER_REGS)
+        if reshape
+        else (sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.CONSUMER_REGS, sparse_core_wgmma.PRODUCER_REGS)
+    )
+    assert sum(regs) == 3 * 168 and all(r % 8 == 0 for r in regs)
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[0]};" in partial
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[2]};" in partial
+    if reshape:
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[1]};" in partial
+    assert ".reqntid 384, 1, 1" in partial and ".minnctapersm 1" in partial
+    assert partial.count("mbarrier.init.shared::cta.b64") == 4 and "mbarrier.try_wait.parity" in partial
+    assert "mbarrier.arrive.shared::cta.b64" in partial
+    assert barriers.count(("0", "")) == 1, barriers  # before the loop only
+    # P_FREE only where a CTA has a second block to wait for
+    handover = {("2", "256")} | ({("3", "256")} if slots > 64 else set())
+    named = {("1", "256")} | (handover if reshape else set())
+    assert set(barriers) - {("0", "")} == named, barriers
+    assert set(arrives) == (named - {("1", "256")}), arrives
+    # the named barriers are non-aligned: the roles reach them at different instructions
+    assert not re.search(r"\bbar\.(sync|arrive)\s+[1-3],", partial)
+    # and the cubin lists each of them as one (EIATTR 0x28), which synccheck reads
+    _check_named_barriers_marked(cubin, "sparse_core_partial", expect=len(named))
+    wait = partial.index("mbarrier.try_wait.parity")
+    assert partial.index("bar.sync \t0;") < partial.index("griddepcontrol.wait;") < wait
+    _check_crossover(partial, variant.op)
 
 
 # The crossover in FlashMLA's shape, publishing bf16 query rows (one split: B = 64 at TP 1):
@@ -1852,7 +1844,6 @@ TP1_FP8_CACHE = RankShape(preset("deepseek-v3.2"), Topology(tp=1, mla_cache="fp8
 FP8_ROW_PATHS = {
     "crossover": (TP1_FP8_CACHE, {"slots": 2048, "publish": False}),
     "producer": (TP1_FP8_CACHE, {"slots": 2048, "publish": False, "producer": True, "crossover": False}),
-    "plain": (TP1_FP8_CACHE, {"slots": 512, "producer": False}),
     "transposed": (
         RankShape(preset("deepseek-v3.2"), Topology(tp=8, mla_cache="fp8")),
         {"slots": 512, "transposed": True},
@@ -1864,13 +1855,13 @@ FP8_ROW_PATHS = {
 @pytest.mark.parametrize("path", FP8_ROW_PATHS)
 def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypatch, path, form):
     """sparse_core.FP8_ROW_LOADS: the wgmma paths' threads that dequantize fp8 rows (the
-    crossover's producer, partial_wgmma_ws's, partial_wgmma's, the transposed path's two
+    crossover's producer, partial_wgmma_ws's, the transposed path's two
     producer warpgroups) load a row share's latent by 16 8-byte loads ("8B", the default) or by
     8 16-byte loads of two chunks ("16B": FlashMLA's map; "16B_L2_256B" with the L2 prefetch
     sizes), beside its scales' and rope's 3 loads: for every scales load (a row share in the
     code: shares a thread, and the prefetch's copy before the loop) 16 + 2 or 10 row loads, 16
     or 0 of 8 bytes; every bf16 chunk still widened from e4m3 (64 conversions a row share);
-    registers within the CTA (168 and no stack for the producer paths, TRANSPOSED_FRAME for
+    registers within the CTA (168 and no stack for the 64-row paths, TRANSPOSED_FRAME for
     the transposed path). The bf16 cache and the mma.sync paths keep their loads."""
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, form))
     shape, choices = FP8_ROW_PATHS[path]
@@ -1879,7 +1870,6 @@ def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypat
     assert (op.crossover, op.producer, op.transposed) == {
         "crossover": (True, True, False),
         "producer": (False, True, False),
-        "plain": (False, False, False),
         "transposed": (False, True, True),
     }[path]
     assert op.fp8_row_loads == form and op.wide_fp8 == (form != "8B")
@@ -1893,13 +1883,11 @@ def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypat
     narrow = len(re.findall(r"ld\.global\.v2\.b32", code))
     scales = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.f32", code))
     hinted = {size: len(re.findall(rf"ld\.global\.L2::{size}B\.v4", code)) for size in (128, 256)}
-    copies = 2  # row shares in the code: two a producer thread, or the first block's and the loop's
+    copies = 2  # row shares in the code: two a producer thread, or the prefetch's and the loop's
     assert scales == copies, scales
     assert (wide, narrow) == ((2 * copies, 16 * copies) if form == "8B" else (10 * copies, 0)), (wide, narrow)
     assert hinted == ({128: 3 * copies, 256: 8 * copies} if form == "16B_L2_256B" else {128: 0, 256: 0}), hinted
-    assert code.count("cvt.rn.f16x2.e4m3x2") == 64 * (
-        copies if path == "plain" else copies // 2 if op.prefetch else copies
-    )
+    assert code.count("cvt.rn.f16x2.e4m3x2") == 64 * (copies // 2 if op.prefetch else copies)
     if op.producer and not op.transposed:
         assert found == {"regs": 168, "frame": 0}, found
     else:
@@ -1913,11 +1901,11 @@ def test_fp8_row_loads_default_to_16_bytes_on_the_transposed_path_only(monkeypat
     FP8_ROW_LOAD_FORMS, or a path left out, is refused by name (a key that is no path: --knob's
     check, tests/test_cli.py)."""
     assert sparse_core.FP8_ROW_LOADS == {"transposed": "16B", "wgmma": "8B"}
-    for path, form in (("transposed", "16B"), ("crossover", "8B"), ("producer", "8B"), ("plain", "8B")):
+    for path, form in (("transposed", "16B"), ("crossover", "8B"), ("producer", "8B")):
         shape, choices = FP8_ROW_PATHS[path]
         assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "8B", "wgmma": "16B_L2_256B"})
-    for path, form in (("transposed", "8B"), ("crossover", "16B_L2_256B"), ("plain", "16B_L2_256B")):
+    for path, form in (("transposed", "8B"), ("crossover", "16B_L2_256B"), ("producer", "16B_L2_256B")):
         shape, choices = FP8_ROW_PATHS[path]
         assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "32B", "wgmma": "8B"})
@@ -2012,20 +2000,19 @@ def test_the_transposed_path_runs_both_products_at_n16(tmp_path, shape_name, slo
 
 
 def test_sparse_core_64_row_ctas_default_to_the_producer_path():
-    """The plan's 64-row variants take sparse_core.PRODUCER's path for their cache (the fp8
-    cache's the producer's: measured faster at every batch), its consumers in FlashMLA's
+    """The plan's 64-row variants take the producer path (partial_wgmma_ws, the only one), its
+    consumers in FlashMLA's
     shape where a CTA has at most RESHAPE_BLOCKS blocks (measured faster at 1-2 blocks, slower
     at 8 and 32: B = 1 and bf16's B = 4, not fp8's B = 4 at half a wave's 4 blocks) -- under
     the fp8 cache's crossover (a head-group pair) at every block count (measured faster at
     every B, session 18); 16-row CTAs
     take partial_mma_ws from MMA_PRODUCER_BLOCKS[cache] blocks per CTA, else (and 32-row
     CTAs) partial_mma_sync."""
-    assert sparse_core.PRODUCER == {"fp8": True, "bf16": True}  # as measured (bench/RESULTS.md)
     assert sparse_core.RESHAPE_BLOCKS == 2  # as measured (bench/RESULTS.md, 2026-12-03)
     for shape in TP1.values():
         op = catalog.build(shape, "sparse_core", slots=2048).op
         assert op.producer and op.reshape and op.crossover
-        assert op.threads == (sparse_core.WS_THREADS if op.producer else sparse_core.WG_THREADS)
+        assert op.threads == sparse_core.WS_THREADS
         fp8 = shape.topology.mla_cache == "fp8"
         for batch in (1, 4, 16, 64):
             slots = sparse_core.plan(batch, shape.q_heads, shape.model.index_topk, shape.topology.mla_cache)

@@ -35,8 +35,8 @@ def test_the_crossover_is_the_fp8_caches_default_with_flashmlas_consumers():
 def test_the_crossover_runs_only_where_a_64_row_producer_cta_has_a_partner():
     """A pair of 64-head CTAs (q_heads / 64 even) with a producer warpgroup, over either cache
     (the bf16 cache's producer then loads raw chunks), and 64-slot blocks; elsewhere the op
-    is today's kernel (cluster 1) whatever was asked. Both caches' 64-row CTAs take the
-    producer by default (sparse_core.PRODUCER), so both cross over by default."""
+    is today's kernel (cluster 1) whatever was asked. Every 64-row CTA has the producer, so
+    both caches cross over by default; producer=False is refused there."""
     for shape in (TP1_FP8, TP1_BF16):
         for slots in (64, 128, 512, 2048):
             variant = catalog.build(shape, "sparse_core", slots=slots, producer=True, crossover=True)
@@ -44,7 +44,8 @@ def test_the_crossover_runs_only_where_a_64_row_producer_cta_has_a_partner():
             assert op.crossover and op.producer and op.wgmma and op.block == 64 and not op.clustered
             assert variant.name.endswith("_x")
         assert not catalog.build(shape, "sparse_core", slots=32, producer=True, crossover=True).op.crossover
-        assert not catalog.build(shape, "sparse_core", slots=2048, producer=False, crossover=True).op.crossover
+        with pytest.raises(ValueError, match="64-row CTAs always have a producer"):
+            catalog.build(shape, "sparse_core", slots=2048, producer=False, crossover=True)
     assert catalog.build(TP1_FP8, "sparse_core", slots=2048, crossover=True).op.crossover  # its default producer
     assert catalog.build(TP1_BF16, "sparse_core", slots=2048, crossover=True).op.crossover  # bf16's producer
     others = {

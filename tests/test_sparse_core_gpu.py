@@ -145,18 +145,6 @@ def test_sparse_core_plan_matches_the_reference(case, batch):
     _check(case, batch)
 
 
-@pytest.mark.parametrize("batch", [5, 64])
-@pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
-def test_the_64_row_path_a_cache_does_not_default_to_matches_the_reference(monkeypatch, case, batch):
-    """sparse_core.PRODUCER flipped: both caches' 64-row CTAs without the producer warpgroup
-    (partial_wgmma; both default to the producer, and it stays selectable for A/B runs:
-    bench_sparse_core.py --paths)."""
-    from graphstep.kernels import sparse_core
-
-    monkeypatch.setattr(sparse_core, "PRODUCER", {cache: not on for cache, on in sparse_core.PRODUCER.items()})
-    _check(case, batch)
-
-
 @pytest.mark.parametrize("slots_per_cta", [None, 64, 128])
 @pytest.mark.parametrize("batch", [5, 64])
 @pytest.mark.parametrize("case", ["q128-tp1-fp8", "q128-tp1-bf16"])
@@ -166,7 +154,6 @@ def test_the_producer_path_with_half_block_scorers_matches_the_reference(monkeyp
     bench_sparse_core.py --paths wsh)."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, False))
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 0)
     _check(case, batch, slots_per_cta)
@@ -183,7 +170,6 @@ def test_every_split_variant_of_the_producer_path_matches_the_reference(monkeypa
     from shared memory or, sparse_core.VALUES_RS, from registers."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "RESHAPE_BLOCKS", 1 << 30)
     monkeypatch.setattr(sparse_core, "VALUES_RS", values_rs)
     _check(case, 5, slots_per_cta)
@@ -201,7 +187,6 @@ def _crossover(monkeypatch, knobs):
     (a CONSUMERS entry: the constants its path sets)."""
     from graphstep.kernels import sparse_core
 
-    monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, True))
     monkeypatch.setattr(sparse_core, "CROSSOVER", dict.fromkeys(sparse_core.CROSSOVER, True))
     for name, value in knobs.items():
         monkeypatch.setattr(sparse_core, name, value)
@@ -275,19 +260,18 @@ def test_the_crossover_over_far_scaled_rows_matches_the_reference(monkeypatch, b
 
 @pytest.mark.parametrize("form", ["16B", "16B_L2_256B"])
 @pytest.mark.parametrize(
-    "case, slots_per_cta, producer",
+    "case, slots_per_cta",
     [
-        ("q128-tp1-fp8", None, None),  # the crossover
-        ("q128-tp1-fp8cache", 2048, None),
-        ("q128-tp1-fp8cache", 512, False),  # partial_wgmma
-        ("q64-kimi-tp1-fp8cache", None, None),  # partial_wgmma_ws, two shares a producer thread
-        ("q16-tp8-fp8cache", None, None),  # the transposed path
-        ("q16-tp8-fp8cache", 2048, None),
-        ("q16-kimi-dcp2-fp8", 64, None),
+        ("q128-tp1-fp8", None),  # the crossover
+        ("q128-tp1-fp8cache", 2048),
+        ("q64-kimi-tp1-fp8cache", None),  # partial_wgmma_ws, two shares a producer thread
+        ("q16-tp8-fp8cache", None),  # the transposed path
+        ("q16-tp8-fp8cache", 2048),
+        ("q16-kimi-dcp2-fp8", 64),
     ],
 )
 @pytest.mark.parametrize("batch", [5, 64])
-def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, producer, batch, form):
+def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, batch, form):
     """sparse_core.FP8_ROW_LOADS "16B" / "16B_L2_256B" (the wgmma paths' fp8 rows two chunks
     a load) dequantize the same e4m3 and scales into the same bf16 tiles as "8B": out and lse
     equal its bit for bit on the same inputs (and the reference, within _check's tolerance)."""
@@ -295,8 +279,6 @@ def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, prod
 
     _crossover(monkeypatch, CONSUMERS["wsx"])
     _transposed(monkeypatch)
-    if producer is not None:
-        monkeypatch.setattr(sparse_core, "PRODUCER", dict.fromkeys(sparse_core.PRODUCER, producer))
     results = []
     for loads in ("8B", form):
         monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, loads))
@@ -306,7 +288,6 @@ def test_wide_fp8_row_loads_change_no_bit(monkeypatch, case, slots_per_cta, prod
             shape, "sparse_core", slots=slots_per_cta or sparse_core.plan(batch, shape.q_heads, topk, cache)
         ).op
         assert op.wide_fp8 == (loads != "8B")  # (every case here is a wgmma path at 64-slot blocks)
-        assert producer is None or op.producer == producer
         torch.manual_seed(13)
         results.append(_check(case, batch, slots_per_cta))
     (out, lse), (wide_out, wide_lse) = results
