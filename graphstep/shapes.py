@@ -7,6 +7,7 @@ preset or topology change moves all of them together.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields, replace
 
 Q_FORMATS = ("bf16", "fp8")
@@ -48,10 +49,12 @@ class RopeScaling:
         if self.type != "yarn":
             raise ValueError(f"RopeScaling.type must be 'yarn', got {self.type!r}")
         _positive("RopeScaling", original_positions=self.original_positions)
-        if not self.factor > 1:
-            raise ValueError(f"RopeScaling.factor must be > 1 (YaRN stretches the context), got {self.factor}")
-        if not self.beta_fast >= self.beta_slow > 0:
-            raise ValueError(f"RopeScaling needs beta_fast >= beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+        if not 1 < self.factor < math.inf:
+            raise ValueError(f"RopeScaling.factor must be finite and > 1 (YaRN stretches context), got {self.factor}")
+        if not math.inf > self.beta_fast >= self.beta_slow > 0:
+            raise ValueError(
+                f"RopeScaling needs finite beta_fast >= beta_slow > 0, got {self.beta_fast}, {self.beta_slow}"
+            )
         if self.mscale != self.mscale_all_dim:
             # model.py scales the softmax by m(mscale)^2 and leaves cos/sin alone; Hugging Face
             # scales it by m(mscale_all_dim)^2 and cos/sin by m(mscale) / m(mscale_all_dim). The
@@ -232,6 +235,11 @@ class Topology:
 
     def __post_init__(self) -> None:
         _positive("Topology", tp=self.tp, dcp=self.dcp)
+        for name in ("wide", "split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Topology.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool):
+            raise ValueError(f"Topology.rank must be an int in [0, {self.dcp}), got {self.rank!r}")
         if self.q_format not in Q_FORMATS:
             raise ValueError(
                 f"Topology.q_format (query rows and mailbox) must be one of {Q_FORMATS}, got {self.q_format!r}"
@@ -268,6 +276,11 @@ class RankShape:
     topology: Topology
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelShape) or not isinstance(self.topology, Topology):
+            raise TypeError(
+                "RankShape(model, topology) takes a ModelShape (e.g. preset('deepseek-v3.2')) and a Topology, "
+                f"got {type(self.model).__name__} and {type(self.topology).__name__}"
+            )
         if self.model.heads % self.topology.tp:
             raise ValueError(
                 f"Topology.tp={self.topology.tp} must divide ModelShape.heads={self.model.heads} "
@@ -311,15 +324,20 @@ class RankShape:
 
 
 def check_batch(batch: int, what: str = "batch") -> int:
-    """Return `batch` if it is a positive int, else raise ValueError naming `what`."""
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+    """`batch` as an int if it is a positive integer (numpy's and torch's integers too), else
+    raise ValueError naming `what`."""
+    try:
+        value = None if isinstance(batch, bool) else operator.index(batch)
+    except TypeError:
+        value = None
+    if value is None or value <= 0:
         raise ValueError(f"{what} must be a positive int, got {batch!r}")
-    return batch
+    return value
 
 
 def check_capture_sizes(capture_sizes) -> list[int]:
     """The batch sizes of a list to capture, sorted and distinct; raise naming what is wrong."""
-    if isinstance(capture_sizes, int | str):
+    if isinstance(capture_sizes, int | str) or not hasattr(capture_sizes, "__iter__"):
         raise TypeError(f"capture_sizes must be a list of batch sizes, e.g. [1, 4], got {capture_sizes!r}")
     sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
     if not sizes:

@@ -178,6 +178,8 @@ class LayerState:
                 f"max_context {max_context}: more than {shape.model.name}'s max_seq_len {shape.model.max_seq_len}"
             )
         self.device = torch.device(device)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2^63) (torch.Generator's range), got {seed!r}")
         self.seed = seed
         model, topo = shape.model, shape.topology
         gen = torch.Generator(device=self.device)
@@ -243,7 +245,10 @@ class LayerState:
         elif isinstance(context_lens, int):
             lens = torch.full((batch,), context_lens, device=dev)
         else:
-            lens = torch.as_tensor(list(context_lens), device=dev)
+            given = list(context_lens)
+            lens = torch.as_tensor(given, device=dev)
+            if lens.is_floating_point() or lens.is_complex() or lens.dtype == torch.bool:
+                raise ValueError(f"context_lens must be ints, got {given}")
         if lens.shape != (batch,):
             raise ValueError(f"context_lens must give {batch} lengths, got shape {tuple(lens.shape)}")
         if int(lens.min()) < 1 or int(lens.max()) > self.max_context:

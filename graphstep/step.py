@@ -271,6 +271,8 @@ class DecodeStep:
 
     def plan(self, modes: tuple[str, ...] | None = None) -> list[tuple[int, str, int]]:
         """What capture() captures: (size, mode, parity) per graph, largest size first."""
+        if isinstance(modes, str):
+            raise TypeError(f"modes must be a tuple of mode names, e.g. ({modes!r},), got the string {modes!r}")
         for mode in modes or ():
             if mode not in MODES:
                 raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -344,6 +346,8 @@ class DecodeStep:
 
     def outputs(self, batch: int) -> StepOutputs:
         """Views of the last step's outputs for its `batch` real rows (valid until the next step)."""
+        if check_batch(batch) > self.sizes[-1]:
+            raise ValueError(f"batch {batch} exceeds the largest captured size {self.sizes[-1]}")
         b = self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
         return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])

@@ -82,6 +82,10 @@ def test_invalid_shapes():
         RopeScaling(factor=1.0)
     with pytest.raises(ValueError, match="beta_fast >= beta_slow"):
         RopeScaling(beta_fast=1.0, beta_slow=32.0)
+    with pytest.raises(ValueError, match="factor must be finite"):
+        RopeScaling(factor=float("inf"))
+    with pytest.raises(ValueError, match="finite beta_fast"):
+        RopeScaling(beta_fast=float("inf"))
     with pytest.raises(ValueError, match="mscale_all_dim"):
         RopeScaling(mscale=0.707)
     with pytest.raises(ValueError, match="ModelShape.max_seq_len"):
@@ -92,10 +96,40 @@ def test_invalid_shapes():
     ModelShape(name="x", rope_theta=50000)  # an int base is a number
 
 
-@pytest.mark.parametrize("batch", [0, -3, 1.5, True])
+@pytest.mark.parametrize("batch", [0, -3, 1.5, True, "4", None])
 def test_batch_must_be_positive_int(batch):
     with pytest.raises(ValueError, match="batch must be a positive int"):
         check_batch(batch)
+
+
+def test_batch_takes_numpy_and_torch_integers_as_ints():
+    import numpy as np
+    import torch
+
+    for batch in (np.int64(3), torch.tensor(3)):
+        assert check_batch(batch) == 3 and type(check_batch(batch)) is int
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dcp=2, rank=1.0), r"Topology.rank must be an int in \[0, 2\), got 1.0"),
+        (dict(dcp=2, rank=True), "Topology.rank must be an int"),
+        (dict(dcp=2, rank="0"), "Topology.rank must be an int"),
+        (dict(tp=1, wide="no"), "Topology.wide must be a bool, got 'no'"),
+        (dict(dcp=2, split=1), "Topology.split must be a bool, got 1"),
+    ],
+)
+def test_topology_fields_of_the_wrong_type_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Topology(**kwargs)
+
+
+def test_rank_shape_names_its_argument_types():
+    with pytest.raises(TypeError, match=r"takes a ModelShape \(e.g. preset\('deepseek-v3.2'\)\) and a Topology, got str"):
+        RankShape("deepseek-v3.2", Topology(tp=8))
+    with pytest.raises(TypeError, match="got ModelShape and NoneType"):
+        RankShape(preset("deepseek-v3.2"), None)
 
 
 def test_tiled_from():

@@ -66,6 +66,7 @@ def test_construction_errors(kwargs, message):
     "kwargs, message",
     [
         (dict(capture_sizes=4), r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got 4"),
+        (dict(capture_sizes=None), r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got None"),
         (dict(policy=3), "policy must be a mode or a 'rows:mode,...' table"),
     ],
 )
@@ -74,6 +75,27 @@ def test_construction_type_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(TypeError, match=message):
         DecodeStep(RankShape(SMALL, Topology(tp=4)), **args)
+
+
+def test_capture_sizes_take_numpy_and_torch_integers():
+    import numpy as np
+
+    assert _step(sizes=np.array([4, 1])).sizes == [1, 4]
+    assert _step(sizes=torch.tensor([2, 8])).sizes == [2, 8]
+    assert all(type(size) is int for size in _step(sizes=np.array([4, 1])).sizes)
+
+
+def test_outputs_and_plan_refuse_what_they_cannot_mean():
+    """outputs(batch) past the largest captured size would silently give fewer rows; plan()
+    with a bare string would read it as modes 'f', 'o', ..."""
+    step = _step(sizes=(1, 4))
+    assert step.outputs(4).out.shape[0] == 4
+    with pytest.raises(ValueError, match="batch 10 exceeds the largest captured size 4"):
+        step.outputs(10)
+    with pytest.raises(ValueError, match="batch must be a positive int, got -1"):
+        step.outputs(-1)
+    with pytest.raises(TypeError, match=r"modes must be a tuple of mode names, e.g. \('fork',\)"):
+        step.plan("fork")
 
 
 def test_qkv_of_the_wrong_rank_or_type_is_named():
@@ -263,3 +285,17 @@ def test_the_cute_stages_compile_the_sparse_cores_polling_variants_only_for_fork
         monkeypatch.setattr(stages.kernels, "warm", lambda sizes, width, p, group: asked.append(p))
         stages.warm((4,), modes)
         assert asked[-1] == polls, (topology, modes)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_a_state_refuses_a_seed_outside_torch_generators_range(seed):
+    """As the CLI's --seed does: [0, 2^63), an int."""
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^63\)"):
+        _step(seed=seed)
+
+
+def test_fractional_context_lengths_are_refused_not_truncated():
+    step = _step()
+    with pytest.raises(ValueError, match=r"context_lens must be ints, got \[1.5, 2.7\]"):
+        step.state.inputs(2, context_lens=[1.5, 2.7])
+    assert step.state.inputs(2, context_lens=[1, 2]).context_lens.tolist() == [1, 2]
