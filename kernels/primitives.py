@@ -63,10 +63,10 @@ def load_f32x4_nc(ptr) -> tuple:
     return _load_v4(ptr, "global.nc", Float32)
 
 
-def _load_if(ptr, live, count: int, dtype, zero: str, hint: str = ""):
+def _load_if(ptr, live, count: int, dtype, zero: str):
     """`count` words at ptr by one predicated global load, issued only where `live`
     (nothing is read otherwise, and the words are `zero`), so loads can be issued ahead
-    of the branch. hint: qualifiers after `ld.global` (an L2 prefetch size, `.L2::256B`)."""
+    of the branch."""
     kind = "f32" if dtype is Float32 else "b32"
     words = ", ".join(f"{{$w{i}}}" for i in range(count))
     target = f"{{{words}}}" if count > 1 else words
@@ -75,15 +75,15 @@ def _load_if(ptr, live, count: int, dtype, zero: str, hint: str = ""):
     return cute.arch.inline_ptx(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, {$r1}, 0;\n\t"
         + clear
-        + f"@p ld.global{hint}{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
+        + f"@p ld.global{vector}.{kind} {target}, [{{$r0}}];\n\t}}",
         write_only_types=[dtype] * count,
         read_only_args=[ptr, Int32(cutlass.select_(live, Int32(1), Int32(0)))],
     )
 
 
-def load_u32x4_if(ptr, live, hint: str = "") -> tuple:
-    """16-byte global load issued only where `live` (0 words otherwise); hint as _load_if's."""
-    return _load_if(ptr, live, 4, Uint32, "0", hint)
+def load_u32x4_if(ptr, live) -> tuple:
+    """16-byte global load issued only where `live` (0 words otherwise)."""
+    return _load_if(ptr, live, 4, Uint32, "0")
 
 
 def load_u32x2_if(ptr, live) -> tuple:
@@ -101,8 +101,8 @@ def load_i32_if(ptr, live) -> Int32:
     return _load_if(ptr, live, 1, Int32, "0")
 
 
-def load_f32x4_if(ptr, live, hint: str = "") -> tuple:
-    return _load_if(ptr, live, 4, Float32, "0f00000000", hint)
+def load_f32x4_if(ptr, live) -> tuple:
+    return _load_if(ptr, live, 4, Float32, "0f00000000")
 
 
 def load_f32x2_if(ptr, live) -> tuple:

@@ -120,11 +120,11 @@ VALUES_RS = False
 XOVER_PREFETCH = True
 # How the wgmma paths' fp8 dequantizing threads load a row's latent, by path ("transposed": TP 8's
 # two producer warpgroups; "wgmma": the 64-row CTAs' producers): "8B" one 8-byte load a bf16
-# chunk, "16B" FlashMLA's map (a 16-byte load of two chunks: half the requests), "16B_L2_256B" the
-# same with FlashMLA's L2 prefetch sizes. The same bits under every form; "16B" wins on the
-# transposed path (TP 8 fp8 B = 64 -9%) and loses a little on the crossover (S.12).
+# chunk, "16B" FlashMLA's map (a 16-byte load of two chunks: half the requests). The same bits
+# under either form; "16B" wins on the transposed path (TP 8 fp8 B = 64 -9%) and loses a little on
+# the crossover (S.12). (FlashMLA's L2 prefetch sizes on the 16-byte loads changed nothing: Part X.)
 FP8_ROW_LOADS = {"transposed": "16B", "wgmma": "8B"}
-FP8_ROW_LOAD_FORMS = ("8B", "16B", "16B_L2_256B")
+FP8_ROW_LOAD_FORMS = ("8B", "16B")
 FP8_ROW_LOAD_PATHS = ("transposed", "wgmma")  # FP8_ROW_LOADS' keys
 # FlashMLA's consumer shape rescales its 128 output accumulators a block only where some row max
 # of the warp moved (a warp vote; the factors are then exactly 1, so skipping is exact): -2% at

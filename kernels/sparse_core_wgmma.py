@@ -766,12 +766,11 @@ class WgmmaPaths:
             # FP8_ROW_LOADS "16B": pair j of the latent (chunks 8 j + 2 q4 and + 1: 16 e4m3 at
             # 64 j + 16 q4), then the rope's chunks 64 + q4 and 68 + q4 (cg0 is 0 at 64-slot blocks)
             src = cache + row
-            latent, rest = (".L2::256B", ".L2::128B") if self.fp8_row_loads == "16B_L2_256B" else ("", "")
-            staged.append(P.load_f32x4_if(src + LATENT, live, rest))  # the row's 4 fp32 scales
+            staged.append(P.load_f32x4_if(src + LATENT, live))  # the row's 4 fp32 scales
             for j in cutlass.range_constexpr(LATENT // 64):
-                staged.append(P.load_u32x4_if(src + 64 * j + 16 * q4, live, latent))
+                staged.append(P.load_u32x4_if(src + 64 * j + 16 * q4, live))
             for j in cutlass.range_constexpr(2):
-                staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * j + q4), live, rest))
+                staged.append(P.load_u32x4_if(src + LATENT + 16 + 16 * (4 * j + q4), live))
         else:
             src = cache + row
             if cutlass.const_expr(self.mla_fp8):

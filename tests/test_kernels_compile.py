@@ -1854,15 +1854,14 @@ FP8_ROW_PATHS = {
 @pytest.mark.parametrize("form", sparse_core.FP8_ROW_LOAD_FORMS)
 @pytest.mark.parametrize("path", FP8_ROW_PATHS)
 def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypatch, path, form):
-    """sparse_core.FP8_ROW_LOADS: the wgmma paths' threads that dequantize fp8 rows (the
-    crossover's producer, partial_wgmma_ws's, the transposed path's two
-    producer warpgroups) load a row share's latent by 16 8-byte loads ("8B", the default) or by
-    8 16-byte loads of two chunks ("16B": FlashMLA's map; "16B_L2_256B" with the L2 prefetch
-    sizes), beside its scales' and rope's 3 loads: for every scales load (a row share in the
-    code: shares a thread, and the prefetch's copy before the loop) 16 + 2 or 10 row loads, 16
+    """sparse_core.FP8_ROW_LOADS: the wgmma paths' threads that dequantize fp8 rows (the crossover's
+    producer, partial_wgmma_ws's, the transposed path's two producer warpgroups) load a row share's
+    latent by 16 8-byte loads ("8B") or by 8 16-byte loads of two chunks ("16B": FlashMLA's map; no
+    L2 prefetch size), beside its scales' and rope's 3 loads: for every scales load (a row share in
+    the code: shares a thread, and the prefetch's copy before the loop) 16 + 2 or 10 row loads, 16
     or 0 of 8 bytes; every bf16 chunk still widened from e4m3 (64 conversions a row share);
-    registers within the CTA (168 and no stack for the 64-row paths, TRANSPOSED_FRAME for
-    the transposed path). The bf16 cache and the mma.sync paths keep their loads."""
+    registers within the CTA (168 and no stack for the 64-row paths, TRANSPOSED_FRAME for the
+    transposed path). The bf16 cache and the mma.sync paths keep their loads."""
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", dict.fromkeys(sparse_core.FP8_ROW_LOADS, form))
     shape, choices = FP8_ROW_PATHS[path]
     variant = catalog.build(shape, "sparse_core", **choices)
@@ -1879,14 +1878,13 @@ def test_the_wgmma_paths_load_fp8_rows_as_fp8_row_loads_says(tmp_path, monkeypat
     assert mma is None or (not mma.transposed and mma.fp8_row_loads == "8B")
     partial, found = _compile_partial(tmp_path, variant)
     code = _producer_ptx(partial, op) if op.producer and not op.transposed else partial
-    wide = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.b32", code))
+    wide = len(re.findall(r"ld\.global\.v4\.b32", code))
     narrow = len(re.findall(r"ld\.global\.v2\.b32", code))
-    scales = len(re.findall(r"ld\.global(?:\.L2::\d+B)?\.v4\.f32", code))
-    hinted = {size: len(re.findall(rf"ld\.global\.L2::{size}B\.v4", code)) for size in (128, 256)}
+    scales = len(re.findall(r"ld\.global\.v4\.f32", code))
     copies = 2  # row shares in the code: two a producer thread, or the prefetch's and the loop's
     assert scales == copies, scales
     assert (wide, narrow) == ((2 * copies, 16 * copies) if form == "8B" else (10 * copies, 0)), (wide, narrow)
-    assert hinted == ({128: 3 * copies, 256: 8 * copies} if form == "16B_L2_256B" else {128: 0, 256: 0}), hinted
+    assert "ld.global.L2::" not in code
     assert code.count("cvt.rn.f16x2.e4m3x2") == 64 * (copies // 2 if op.prefetch else copies)
     if op.producer and not op.transposed:
         assert found == {"regs": 168, "frame": 0}, found
@@ -1904,8 +1902,8 @@ def test_fp8_row_loads_default_to_16_bytes_on_the_transposed_path_only(monkeypat
     for path, form in (("transposed", "16B"), ("crossover", "8B"), ("producer", "8B")):
         shape, choices = FP8_ROW_PATHS[path]
         assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
-    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "8B", "wgmma": "16B_L2_256B"})
-    for path, form in (("transposed", "8B"), ("crossover", "16B_L2_256B"), ("producer", "16B_L2_256B")):
+    monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "8B", "wgmma": "16B"})
+    for path, form in (("transposed", "8B"), ("crossover", "16B"), ("producer", "16B")):
         shape, choices = FP8_ROW_PATHS[path]
         assert catalog.build(shape, "sparse_core", **choices).op.fp8_row_loads == form, path
     monkeypatch.setattr(sparse_core, "FP8_ROW_LOADS", {"transposed": "32B", "wgmma": "8B"})

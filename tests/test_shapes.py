@@ -126,7 +126,8 @@ def test_topology_fields_of_the_wrong_type_are_named(kwargs, message):
 
 
 def test_rank_shape_names_its_argument_types():
-    with pytest.raises(TypeError, match=r"takes a ModelShape \(e.g. preset\('deepseek-v3.2'\)\) and a Topology, got str"):
+    expected = r"takes a ModelShape \(e.g. preset\('deepseek-v3.2'\)\) and a Topology, got str"
+    with pytest.raises(TypeError, match=expected):
         RankShape("deepseek-v3.2", Topology(tp=8))
     with pytest.raises(TypeError, match="got ModelShape and NoneType"):
         RankShape(preset("deepseek-v3.2"), None)
