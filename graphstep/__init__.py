@@ -10,7 +10,7 @@ graphstep` stays cheap (the command line's --help, shape arithmetic).
 from importlib import import_module
 from importlib.metadata import version
 
-from .policy import MODES, QUERY_OVERLAP, WIDE_MODES, batch_table, overlap_for, side_stream
+from .policy import MODES, QUERY_OVERLAP, WIDE_MODES, batch_table, modes_for, overlap_for, side_stream
 from .shapes import PRESETS, ModelShape, RankShape, Topology, preset, tiled_from
 
 __version__ = version("graphstep")
@@ -33,6 +33,7 @@ __all__ = [
     "WIDE_MODES",
     "QUERY_OVERLAP",
     "batch_table",
+    "modes_for",
     "overlap_for",
     "side_stream",
     "PRESETS",

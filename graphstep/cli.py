@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import floor
@@ -66,7 +67,8 @@ def parse_knob(text: str) -> tuple[str, str, object]:
     from .kernels import catalog
 
     name, sep, literal = text.partition("=")
-    kernel, dot, constant = name.strip().partition(".")
+    kernel, dot, constant = (part.strip() for part in name.partition("."))
+    literal = literal.strip()
     if not sep or not dot:
         raise ValueError(f"--knob {text!r}: expected KERNEL.NAME=VALUE")
     if kernel not in catalog.KERNELS:
@@ -79,9 +81,13 @@ def parse_knob(text: str) -> tuple[str, str, object]:
     current = getattr(module, constant)
     kinds = knobs[constant] if isinstance(knobs[constant], tuple) else (knobs[constant],)
     try:
-        value = ast.literal_eval(literal.strip())
+        value = ast.literal_eval(literal)
     except (ValueError, SyntaxError):
-        raise ValueError(f"--knob {text!r}: {literal.strip()!r} is not a Python literal") from None
+        hint = ""
+        if str in kinds or (isinstance(current, dict) and any(isinstance(item, str) for item in current.values())):
+            example = repr(current) if isinstance(current, dict) else repr(literal)
+            hint = f'; quote a str, and the whole flag for the shell: --knob "{kernel}.{constant}={example}"'
+        raise ValueError(f"--knob {text!r}: {literal!r} is not a Python literal{hint}") from None
     if type(value) not in kinds:  # (exact types: a bool is no int here)
         names = " or ".join(_a(kind) for kind in kinds)
         raise ValueError(f"--knob {text!r}: {kernel}.{constant} takes {names} (now {current!r})")
@@ -158,20 +164,26 @@ class Formatter(argparse.HelpFormatter):
         ):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).replace("%", "%%")
-        return f"{text} (default: {shown})"
+        return f"{text} (default: {shown})" if shown else text  # (--knob's []: nothing to show)
 
 
 ARCHS = ("sm_90a",)  # the kernels use wgmma, setmaxnreg and clusters: sm_90a only
 
 
 def writable_dir(path: str, flag: str) -> None:
-    """Create the folder `path` if missing and check a file can be written in it (before any work)."""
+    """Check, before any work, that the folder `path` can be written in or made: it, or its
+    nearest existing parent, is a folder a file can be written in. Creates nothing: the command
+    makes the folder when it writes (a run refused later, as without a GPU, leaves none)."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a folder")
+    existing = target.absolute()
+    while not existing.exists():
+        existing = existing.parent
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target):
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is not a folder")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         raise ValueError(f"{flag} {path}: not a writable folder ({error.strerror or error})") from None
@@ -194,22 +206,45 @@ def check_fits(
     context: int,
     available: int,
     where: str,
-    flag: str,
+    flags: str,
     reference: bool = False,
     states: int = 1,
+    group: bool = False,
 ) -> None:
-    """Refuse `states` states (built one after another, all kept) too large for `available`
-    bytes before allocating any (a clear error, not an OOM)."""
+    """Refuse `states` states (built one after another, all kept), or with group the CPU DCP
+    group of shape's dcp ranks (group_bytes), too large for `available` bytes before
+    allocating any (a clear error, not an OOM). flags: the flags and values that set batch and
+    context, which the error names (either can be the one to lower)."""
     from .state import state_bytes
 
-    need = state_bytes(shape, batch, context, reference=reference)
-    need += (states - 1) * state_bytes(shape, batch, context, building=False)
+    if group:
+        need = group_bytes(shape, batch, context)
+        what = f"the DCP group of {shape.topology.dcp} ranks for batch {batch} needs"
+    else:
+        need = state_bytes(shape, batch, context, reference=reference)
+        need += (states - 1) * state_bytes(shape, batch, context, building=False)
+        what = f"the state for batch {batch} needs" if states == 1 else f"the {states} states for batch {batch} need"
     if need > available:
-        what = "the state for batch {} needs" if states == 1 else f"the {states} states for batch {{}} need"
         raise ValueError(
-            f"{flag} {context}: {what.format(batch)} about {need / 1e9:,.1f} GB, more than "
-            f"the {available / 1e9:,.1f} GB of {where}"
+            f"{flags}: {what} about {need / 1e9:,.1f} GB, more than the {available / 1e9:,.1f} GB of {where}"
         )
+
+
+def group_bytes(shape: RankShape, batch: int, context: int) -> int:
+    """About the peak bytes of the DcpGroup `run --dcp` builds on the CPU (graphstep.dcp_group):
+    the unsharded layer (about dcp ranks' caches, heads of tp / dcp ranks) built first, then
+    every rank's state beside it, each with its fp32 draws while built, then all the ranks'
+    steps at once in threads (each a reference working set, state_bytes' reference=True). One
+    rank's state alone under-counts it several times over."""
+    from .state import state_bytes
+
+    topo, m = shape.topology, shape.model
+    unsharded = RankShape(m, replace(topo, tp=topo.tp // topo.dcp, dcp=1, rank=0, split=False))
+    shapes = [unsharded] + [shape.with_topology(rank=rank) for rank in range(topo.dcp)]
+    built = [state_bytes(s, batch, context, building=False) for s in shapes]
+    building = [sum(built[:i]) + state_bytes(s, batch, context) for i, s in enumerate(shapes)]
+    working = state_bytes(shape, batch, context, reference=True) - state_bytes(shape, batch, context)
+    return max(building + [sum(built) + topo.dcp * working])
 
 
 def positive_ints(what: str):
@@ -395,7 +430,7 @@ def cmd_run(args) -> int:
         from .timing import run_gpu, run_group
 
         return (run_group if args.dcp > 1 else run_gpu)(args, rank_shape(args))
-    given = _given(args, RUN_GPU_DEFAULTS)
+    given = _given(args, RUN_GPU_DEFAULTS) + (["--knob"] if args.knob else [])  # (it sets GPU kernels' constants)
     if given:
         why = "--cpu was given" if args.cpu else "no sm_90 GPU was found"
         raise ValueError(
@@ -410,26 +445,32 @@ def cmd_run(args) -> int:
         args.cpu_context,
         host_memory_bytes(),
         "memory available",
-        "--cpu-context",
+        f"--cpu-batch {args.cpu_batch} --cpu-context {args.cpu_context}",
         reference=True,
+        group=args.dcp > 1,  # run_cpu_group: the unsharded layer and every rank
     )
     return run_cpu(args)
 
 
 def check_policy(args, shape: RankShape) -> None:
-    """Refuse a --policy that gives some --batch size a mode this topology does not allow, before any GPU work."""
-    from .policy import overlap_for
+    """Refuse a --policy this topology does not allow (in any entry), an entry naming no --batch
+    size (it would change nothing) or '' (not the default: leave the flag out), before any GPU work."""
+    from .policy import modes_for
 
     topo = shape.topology
-    for batch in args.batch:
-        overlap_for(batch, getattr(args, "policy", None), dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+    policy = getattr(args, "policy", None)
+    try:
+        modes_for(args.batch, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+    except ValueError as error:
+        raise ValueError(f"--policy {policy!r}: {error}") from None
 
 
 def _check_device_memory(args, shape: RankShape, batch: int, states: int = 1) -> None:
     import torch
 
     free = torch.cuda.mem_get_info()[0]
-    check_fits(shape, batch, args.context, free, "free GPU memory", "--context", states=states)
+    sizes = f"--batch {','.join(map(str, args.batch))}" if hasattr(args, "batch") else f"--batch-size {batch}"
+    check_fits(shape, batch, args.context, free, "free GPU memory", f"{sizes} --context {args.context}", states=states)
 
 
 # the states a command keeps at once: bench's three steps and the step of its smallest size alone
@@ -780,14 +821,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# CandidateSync has one lane (and DcpGroup one flag word) per rank: kernels/candidate_sync.py,
+# graphstep.dcp_group.FLAG_WORDS
+MAX_DCP = 32
+
+
+def check_dcp(dcp: int, tp: int) -> None:
+    """Refuse a --dcp no DCP group of --tp ranks can have, for every command (a simulated rank
+    is one of such a group): more ranks than MAX_DCP, or a size that does not divide tp."""
+    if dcp > MAX_DCP:
+        raise ValueError(f"--dcp {dcp}: more than {MAX_DCP} ranks (CandidateSync has one lane per rank)")
+    if dcp > 1 and tp % dcp:
+        raise ValueError(f"--dcp {dcp}: --tp {tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
+
+
 def check_args(args) -> None:
     """Everything the flags alone decide, before any GPU check or allocation."""
     shape = rank_shape(args)  # topology errors (ValueError)
-    group = args.command in ("bench", "run")  # they run a DCP group of real ranks (graphstep.dcp_group)
     for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
-        if group and dcp > 1 and args.tp % dcp:
-            raise ValueError(f"--dcp {dcp}: --tp {args.tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
+        check_dcp(dcp, args.tp)
     for name in ("context", "cpu_context"):
         value = getattr(args, name, None)
         if value is not None and value > shape.model.max_seq_len:
@@ -805,10 +858,13 @@ def check_args(args) -> None:
     if args.command in ("ptx", "bench"):
         writable_dir(args.out, "--out")
     if args.command == "serve":
-        if args.trace:
+        if args.trace is not None:  # ('' too: an error, not the synthetic trace)
             from .timing import read_trace
 
-            trace = read_trace(args.trace)
+            try:
+                trace = read_trace(args.trace)
+            except ValueError as error:
+                raise ValueError(f"--trace {error}") from None
             if max(trace) > max(args.batch):
                 raise ValueError(
                     f"--trace {args.trace}: needs batch {max(trace)} but the largest captured size "
@@ -826,7 +882,10 @@ def check_args(args) -> None:
         from .policy import overlap_for
 
         topo = shape.topology
-        overlap_for(args.batch_size, args.mode, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+        try:
+            overlap_for(args.batch_size, args.mode, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+        except ValueError as error:
+            raise ValueError(f"--mode {args.mode}: {error}") from None
 
 
 def watchdog_seconds() -> float | None:

@@ -34,7 +34,7 @@ def batch_table(policy: str) -> dict[int, str]:
         rows, sep, mode = (part.strip() for part in entry.partition(":"))
         if not sep or not rows or not mode:
             raise ValueError(f"overlap policy entry {entry!r}: expected 'rows:mode' in {policy!r}")
-        if not rows.isdigit() or int(rows) <= 0:
+        if not (rows.isascii() and rows.isdigit()) or int(rows) <= 0:  # (not '²' nor '٤')
             raise ValueError(f"overlap policy entry {entry!r}: rows must be a positive int")
         if mode not in MODES:
             raise ValueError(f"overlap policy entry {entry!r}: mode {mode!r} not in {MODES}")
@@ -57,19 +57,39 @@ def overlap_for(
 ) -> str:
     """The query overlap mode of `batch` rows.
 
-    policy is a mode or a "rows:mode,..." table (default QUERY_OVERLAP of the topology;
-    rows missing from a table are "fork"). wide: the split query of TP1, WIDE_MODES only;
-    split: the split query of fewer heads, under DCP its own table.
+    policy is a mode or a "rows:mode,..." table (None: QUERY_OVERLAP of the topology; ""
+    raises); a size a table does not name takes the topology's default, as with no policy
+    (a size the default table does not name: "fork"). wide: the split query of TP1,
+    WIDE_MODES only, in every entry of a table; split: the split query of fewer heads, under
+    DCP its own table.
     """
-    policy = policy or QUERY_OVERLAP[topology_key(dcp, wide, split)]
-    if policy in MODES or (":" not in policy and "," not in policy):
-        mode = policy.strip()
-    else:
-        mode = batch_table(policy).get(batch, "fork")
     modes = WIDE_MODES if wide else MODES
-    if mode not in modes:
-        raise ValueError(f"DSA query overlap {mode!r}: expected one of {modes}")
-    return mode
+    given = QUERY_OVERLAP[topology_key(dcp, wide, split)] if policy is None else policy
+    if not given.strip():
+        raise ValueError(f"overlap policy {given!r}: expected one of {modes} or a 'rows:mode,...' table")
+    table = batch_table(given) if ":" in given or "," in given else {batch: given.strip()}
+    for mode in table.values():  # every entry, not only this size's: a wrong one is never silently unused
+        if mode not in modes:
+            raise ValueError(f"DSA query overlap {mode!r}: expected one of {modes}")
+    if batch in table:
+        return table[batch]
+    return "fork" if policy is None else overlap_for(batch, None, dcp=dcp, wide=wide, split=split)
+
+
+def modes_for(
+    sizes, policy: str | None = None, dcp: bool = False, wide: bool = False, split: bool = False
+) -> dict[int, str]:
+    """{size: overlap_for(size, ...)} of the captured `sizes`; a table entry naming no captured
+    size raises (it would change nothing). The default tables may name more sizes: `tune`
+    measures sizes a step need not capture."""
+    modes = {size: overlap_for(size, policy, dcp=dcp, wide=wide, split=split) for size in sizes}
+    if policy is not None and (":" in policy or "," in policy):
+        for rows, mode in batch_table(policy).items():
+            if rows not in modes:
+                raise ValueError(
+                    f"overlap policy entry '{rows}:{mode}': {rows} is not a captured size (captured: {sorted(modes)})"
+                )
+    return modes
 
 
 @cache

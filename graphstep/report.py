@@ -19,11 +19,16 @@ def table(headers: list[str], rows: list[list], markdown: bool = False) -> str:
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+BIG = 1e9  # floats from here on print as 1.23e+09: fixed-point would be 11+ digits wide
+
+
 def _fmt(value) -> str:
+    """A cell: floats to 3 significant digits below 10, one decimal up to BIG, scientific past
+    it (a 1e300 is not 300 digits wide)."""
     if isinstance(value, float):
         if value != value:
             return "-"
-        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) < 10 or abs(value) >= BIG else f"{value:.1f}"
     return str(value)
 
 

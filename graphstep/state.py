@@ -144,7 +144,7 @@ def state_bytes(
     """About how many bytes LayerState(shape, max_batch, max_context) takes while it is built
     (the caches, the fp32 draws they are made from, weights, RoPE tables, mailbox; building
     False: once built, without the draws); with reference=True, plus the working set of
-    reference_step over max_batch full contexts."""
+    reference_step over max_batch full contexts (and its fp32 copies of the bf16 weights)."""
     model, topo = shape.model, shape.topology
     page = model.page_size
     local_max = -(-(max_context - topo.rank) // topo.dcp)
@@ -158,7 +158,7 @@ def state_bytes(
     mailbox = max_batch * shape.q_heads * model.query_row * shape.q_bytes
     total = caches + (drawing if building else 0) + weights + rope + mailbox
     if reference:  # dequantized keys and per-head dots of every cached token, a few copies each
-        total += 3 * 4 * max_batch * local_max * (model.index_dim + model.index_heads)
+        total += 3 * 4 * max_batch * local_max * (model.index_dim + model.index_heads) + 2 * weights
     return total
 
 

@@ -46,7 +46,7 @@ import torch
 
 from . import formats
 from .launch import DEFAULT_BUDGET_NS, ErrorWord, MailboxTimeout, check_budget, guard_bounds
-from .policy import MODES, overlap_for, side_stream
+from .policy import MODES, modes_for, side_stream
 from .shapes import RankShape, check_batch, check_capture_sizes
 from .stages import Buffers, CuteStages, Stages, TorchStages
 from .state import LayerCaches, LayerState, PeerInputs, StepInputs, StepOutputs, check_tensors
@@ -125,9 +125,7 @@ class DecodeStep:
             raise ValueError(f"the cute backend needs an sm_90 CUDA device, got {self.device}")
         topo = shape.topology
         self.shape, self.backend, self.sizes, self.pdl, self.budget_ns = shape, backend, sizes, pdl, budget_ns
-        self.modes = {
-            size: overlap_for(size, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split) for size in sizes
-        }
+        self.modes = modes_for(sizes, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
         if state is None:
             state = LayerState(shape, max_batch=sizes[-1], max_context=max_context, seed=seed, device=self.device)
         elif (state.shape, state.device, state.max_batch, state.max_context) != (

@@ -151,8 +151,17 @@ def default_trace(max_batch: int, steps: int, seed: int = 0) -> list[int]:
 
 def read_trace(path: str) -> list[int]:
     """A file of batch sizes (separated by spaces, commas or newlines) for `graphstep serve
-    --trace`."""
-    text = Path(path).read_text().replace(",", " ").split()
+    --trace`. Raises ValueError naming the path: no path, a file it cannot read (missing, a
+    folder), one that is not text, one without positive sizes."""
+    if not path:
+        raise ValueError(f"{path!r}: expected the path of a file of batch sizes")
+    try:
+        text = Path(path).read_text().replace(",", " ").split()
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        what = "a trace is batch sizes separated by spaces, commas or newlines"
+        raise ValueError(f"{path}: not a text file ({what})") from None
     try:
         trace = [int(v) for v in text]
     except ValueError:
@@ -170,7 +179,7 @@ def serve(args, shape: RankShape) -> int:
     device idle while the host builds the copies, which would otherwise count as device time).
     args.unchecked: load without the value checks (check_values=False, as a serving loop that
     guarantees its inputs would); whatever the kernels' guards record is raised at the end."""
-    trace = read_trace(args.trace) if args.trace else default_trace(max(args.batch), args.steps, args.seed)
+    trace = read_trace(args.trace) if args.trace is not None else default_trace(max(args.batch), args.steps, args.seed)
     if max(trace) > max(args.batch):
         raise ValueError(f"the trace needs batch {max(trace)} but the largest captured size is {max(args.batch)}")
     step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
@@ -399,6 +408,7 @@ def trace(args, shape: RankShape) -> int:
     step.capture()
     load_batch(step, args.batch_size, args.context, args.seed)
     mode = step.modes[args.batch_size]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # checked writable, made only now (cli.writable_dir)
     summary = summarize(record(step.graph(args.batch_size), args.replays, Path(args.out)))
     if args.json:
         print(json.dumps(dict(batch=args.batch_size, mode=mode, context=args.context, **summary.as_dict()), indent=1))

@@ -1,3 +1,4 @@
+import argparse
 import json
 import subprocess
 import sys
@@ -95,7 +96,47 @@ def test_output_folders_are_checked_before_any_work(tmp_path, capsys):
 
 def test_a_context_that_does_not_fit_says_how_much_it_needs(capsys):
     err = _error(["run", "--cpu", "--cpu-batch", "10000", "--cpu-context", "163840"], capsys)
-    assert "--cpu-context 163840: the state for batch 10000 needs about" in err and "GB of memory available" in err
+    assert "--cpu-batch 10000 --cpu-context 163840: the state for batch 10000 needs about" in err
+    assert "GB of memory available" in err
+    # the batch is the flag to lower here: named, with the context it was not given (before: "--cpu-context 4096")
+    err = _error(["run", "--cpu", "--cpu-batch", "100000"], capsys)
+    assert "--cpu-batch 100000 --cpu-context 4096: the state" in err
+
+
+def test_the_gpu_memory_check_names_the_batch_and_context_flags(monkeypatch):
+    """The GPU verbs' check names --batch (or --batch-size) and --context, not --context alone."""
+    import torch
+
+    from graphstep.cli import _check_device_memory
+    from graphstep.shapes import RankShape, Topology, preset
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1, 1))
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    with pytest.raises(ValueError, match=r"^--batch 1,4 --context 4096: the state for batch 4 needs about"):
+        _check_device_memory(argparse.Namespace(batch=[1, 4], context=4096), shape, 4)
+    with pytest.raises(ValueError, match=r"^--batch-size 2 --context 4096: the 4 states for batch 2 need"):
+        _check_device_memory(argparse.Namespace(batch_size=2, context=4096), shape, 2, states=4)
+
+
+def test_the_cpu_dcp_groups_memory_check_counts_the_unsharded_layer_and_every_rank(monkeypatch, capsys):
+    """run --dcp d on the CPU builds the unsharded layer and d ranks (each stepping at once), not
+    one rank's state: memory for one rank's state is refused (before: the group was built)."""
+    from dataclasses import replace
+
+    from graphstep.cli import group_bytes
+    from graphstep.shapes import RankShape, Topology, preset
+    from graphstep.state import state_bytes
+
+    rank = RankShape(preset("deepseek-v3.2"), Topology(tp=8, dcp=4))
+    unsharded = RankShape(rank.model, replace(rank.topology, tp=2, dcp=1))
+    kept = state_bytes(unsharded, 1, 4096, building=False)
+    kept += sum(state_bytes(rank.with_topology(rank=r), 1, 4096, building=False) for r in range(4))
+    working = state_bytes(rank, 1, 4096, reference=True) - state_bytes(rank, 1, 4096)
+    assert group_bytes(rank, 1, 4096) >= kept + 4 * working
+    assert group_bytes(rank, 1, 4096) >= state_bytes(unsharded, 1, 4096)  # the unsharded layer's build
+    monkeypatch.setattr("graphstep.cli.host_memory_bytes", lambda: state_bytes(rank, 1, 4096, reference=True) + 1)
+    err = _error(["run", "--cpu", "--dcp", "4", "--cpu-batch", "1", "--cpu-context", "4096"], capsys)
+    assert "--cpu-batch 1 --cpu-context 4096: the DCP group of 4 ranks for batch 1 needs about" in err
 
 
 @pytest.mark.parametrize(
@@ -128,9 +169,10 @@ def test_the_memory_check_counts_every_state_a_command_keeps():
     one, built = state_bytes(shape, 64, 32768), state_bytes(shape, 64, 32768, building=False)
     assert 0 < built < one
     assert STATES["bench"] == 4
-    check_fits(shape, 64, 32768, one + 3 * built, "free GPU memory", "--context", states=4)  # fits exactly
-    with pytest.raises(ValueError, match=r"--context 32768: the 4 states for batch 64 need about .* free GPU memory"):
-        check_fits(shape, 64, 32768, one + 3 * built - 1, "free GPU memory", "--context", states=4)
+    flags = "--batch 64 --context 32768"
+    check_fits(shape, 64, 32768, one + 3 * built, "free GPU memory", flags, states=4)  # fits exactly
+    with pytest.raises(ValueError, match=rf"{flags}: the 4 states for batch 64 need about .* free GPU memory"):
+        check_fits(shape, 64, 32768, one + 3 * built - 1, "free GPU memory", flags, states=4)
 
 
 def test_cpu_run_rejects_the_gpu_runs_flags(capsys):
@@ -434,3 +476,109 @@ def test_every_knob_given_as_its_repr_is_recorded_as_json(monkeypatch):
     assert len(records) == len(texts)
     half = records["sparse_core.PLAN_HALF_WAVE_TOKENS"]
     assert {ast.literal_eval(key): value for key, value in half.items()} == sparse_core.PLAN_HALF_WAVE_TOKENS
+
+
+def test_the_cpu_run_refuses_knobs_as_the_gpu_runs_flag_they_are(monkeypatch, capsys):
+    """--knob sets GPU kernels' constants: the CPU run refuses it as it does --batch (before: ignored)."""
+    from graphstep.kernels import mla_query
+
+    monkeypatch.setattr(mla_query, "TARGET_CTAS", mla_query.TARGET_CTAS)  # restored after the test
+    monkeypatch.setattr("graphstep.cli.sm90_device", lambda: False)
+    err = _error(["run", "--cpu-batch", "1", "--cpu-context", "64", "--knob", "mla_query.TARGET_CTAS=5"], capsys)
+    assert "--knob: for the GPU run only (no sm_90 GPU was found); the CPU reference run takes --cpu-batch" in err
+
+
+def test_output_folders_are_made_only_when_written(tmp_path, monkeypatch, capsys):
+    """A refused run (here: no GPU) leaves no folder behind; a folder below a file is still refused."""
+    monkeypatch.setattr("graphstep.cli.sm90_device", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["trace", "--out", str(tmp_path / "new" / "dir" / "x.json")], ["bench", "--out", "b/c"], ["bench"]):
+        with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
+            main(argv)
+    assert list(tmp_path.iterdir()) == []  # no new/dir, b/c or bench-out
+    (tmp_path / "a-file").write_text("x")
+    assert "--out a-file/b/c: not a writable folder" in _error(["ptx", "--out", "a-file/b/c"], capsys)
+
+
+@pytest.mark.parametrize("verb", ["info", "serve", "tune", "trace", "graph", "ptx", "bench", "run"])
+@pytest.mark.parametrize(
+    "topology, error",
+    [
+        (["--tp", "8", "--dcp", "3"], "--dcp 3: --tp 8 must be a multiple of it"),
+        (["--dcp", "1000000"], "--dcp 1000000: more than 32 ranks"),
+        (["--tp", "64", "--dcp", "64"], "--dcp 64: more than 32 ranks"),
+    ],
+)
+def test_every_command_refuses_a_dcp_no_group_can_have(verb, topology, error, tmp_path, capsys):
+    """The tp % dcp rule and the 32-rank bound (CandidateSync's lanes) apply to every command,
+    at argument time (before: info, serve, tune, trace, graph and ptx took them)."""
+    from graphstep.cli import MAX_DCP
+    from graphstep.dcp_group import FLAG_WORDS
+
+    assert MAX_DCP == FLAG_WORDS
+    out = ["--out", str(tmp_path / "out")] if verb in ("ptx", "bench") else []
+    assert error in _error([verb, *topology, *out], capsys)
+
+
+def test_policy_errors_name_the_flag(capsys):
+    """An entry of a mode the topology does not allow, even at a size not captured, an entry naming
+    no captured size, and '' are refused naming --policy (before: all three were accepted)."""
+    err = _error(["serve", "--tp", "1", "--wide", "--policy", "3:fork_poll"], capsys)
+    assert "--policy '3:fork_poll': " in err and "'fork_poll'" in err
+    err = _error(["serve", "--policy", "64:serial"], capsys)
+    assert "--policy '64:serial': " in err and "64 is not a captured size (captured: [1, 2, 4, 8, 16, 24, 32])" in err
+    assert "--policy '': " in _error(["serve", "--policy", ""], capsys)
+    assert "--policy '1:bogus': " in _error(["run", "--policy", "1:bogus"], capsys)
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "binary", "empty path"])
+def test_a_bad_trace_file_names_the_flag_and_the_path(kind, tmp_path, capsys):
+    """Before: a raw errno, a codec error, or for '' the synthetic trace."""
+    path = {"missing": str(tmp_path / "nope"), "folder": str(tmp_path), "binary": str(tmp_path / "b"), "empty path": ""}
+    (tmp_path / "b").write_bytes(b"\x7fELF\xd0\xff\x00\x01")
+    expected = {
+        "missing": f"--trace {path['missing']}: cannot read it (No such file or directory)",
+        "folder": f"--trace {tmp_path}: cannot read it (Is a directory)",
+        "binary": f"--trace {path['binary']}: not a text file",
+        "empty path": "--trace '': expected the path of a file of batch sizes",
+    }
+    assert expected[kind] in _error(["serve", "--trace", path[kind]], capsys)
+
+
+def test_knob_parts_are_stripped_and_a_str_value_says_how_to_quote(monkeypatch):
+    from graphstep.kernels import sparse_core
+
+    from graphstep.cli import parse_knob
+
+    assert parse_knob(" mla_query . TARGET_CTAS = 5 ") == ("mla_query", "TARGET_CTAS", 5)
+    with pytest.raises(ValueError) as error:
+        parse_knob("sparse_core.FP8_ROW_LOADS={transposed: 16B, wgmma: 8B}")
+    quoted = f'--knob "sparse_core.FP8_ROW_LOADS={sparse_core.FP8_ROW_LOADS!r}"'
+    assert "is not a Python literal; quote a str" in str(error.value) and quoted in str(error.value)
+    with pytest.raises(ValueError) as error:
+        parse_knob("mla_query.TARGET_CTAS=five")  # an int knob: no quoting hint
+    assert str(error.value).endswith("'five' is not a Python literal")
+
+
+def test_help_prints_no_empty_default(capsys):
+    """--knob's default is [] (before: "(repeatable) (default: )" in every subcommand's --help)."""
+    for verb in ("info", "knobs", "run", "ptx", "serve", "bench", "tune", "trace", "graph"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "(repeatable)" in out and "(default: )" not in out, verb
+
+
+def test_tables_print_extreme_values_readably(capsys):
+    """Fixed-point above 1e9 would be hundreds of digits (info --bandwidth 1e-300); ordinary
+    values print as before."""
+    from graphstep.report import table
+
+    assert table(["a", "b", "c", "d"], [[1e-300, 2.4e300, 123.456, 0.01234]]).splitlines()[2].split() == [
+        "1e-300",
+        "2.4e+300",
+        "123.5",
+        "0.0123",
+    ]
+    assert main(["info", "--batch", "1", "--bandwidth", "1e-300"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) < 200

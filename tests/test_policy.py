@@ -1,7 +1,7 @@
 import pytest
 
 from graphstep import policy
-from graphstep.policy import MODES, WIDE_MODES, batch_table, overlap_for
+from graphstep.policy import MODES, WIDE_MODES, batch_table, modes_for, overlap_for
 
 
 def test_defaults_one_rank_polls_the_others_fork():
@@ -16,12 +16,31 @@ def test_a_mode_applies_to_every_batch():
     assert [overlap_for(b, "serial") for b in (1, 7, 128)] == ["serial"] * 3
 
 
-def test_table_rows_and_missing_rows_default_to_fork():
+def test_table_rows_and_missing_rows_take_the_topologys_default(monkeypatch):
+    """A size a table does not name runs as with no policy (before: "fork", not TP 8's fork_poll)."""
     table = "1:serial, 2:fork_poll,16:serial"
     assert overlap_for(1, table) == "serial"
     assert overlap_for(2, table) == "fork_poll"
     assert overlap_for(16, table) == "serial"
-    assert overlap_for(3, table) == "fork"
+    assert overlap_for(3, table) == "fork_poll"  # TP 8's default
+    assert overlap_for(3, table, dcp=True) == "fork"  # DCP's
+    monkeypatch.setattr(policy, "QUERY_OVERLAP", dict(policy.QUERY_OVERLAP, tp="3:serial"))
+    assert overlap_for(3, "1:fork") == "serial" and overlap_for(4, "1:fork") == "fork"  # not in either: fork
+
+
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_policy_is_an_error_not_the_default(empty):
+    with pytest.raises(ValueError, match="expected one of .* or a 'rows:mode,...' table"):
+        overlap_for(1, empty)
+
+
+def test_modes_for_refuses_an_entry_naming_no_captured_size(monkeypatch):
+    assert modes_for([1, 4], "1:serial") == {1: "serial", 4: "fork_poll"}
+    with pytest.raises(ValueError, match=r"'3:serial': 3 is not a captured size \(captured: \[1, 4\]\)"):
+        modes_for([1, 4], "3:serial")
+    # the default tables name the sizes tune measured: more than a step captures
+    monkeypatch.setattr(policy, "QUERY_OVERLAP", dict(policy.QUERY_OVERLAP, tp="1:serial,64:fork"))
+    assert modes_for([1, 4]) == {1: "serial", 4: "fork"}
 
 
 def test_batch_table_parses():
@@ -39,6 +58,8 @@ def test_batch_table_parses():
         ("2:warp", "'2:warp'"),
         (":fork", "':fork'"),
         ("1:fork,", "''"),
+        ("\u00b2:serial", "'\u00b2:serial'"),  # a superscript two is a digit to str.isdigit
+        ("\u0664:serial", "'\u0664:serial'"),  # an Arabic-Indic four is one to int()
     ],
 )
 def test_malformed_tables_quote_the_entry(bad, quoted):
@@ -60,6 +81,8 @@ def test_wide_allows_only_wide_modes():
     assert "'fork_poll'" in str(error.value) and str(WIDE_MODES) in str(error.value)
     with pytest.raises(ValueError):
         overlap_for(4, "4:fork_poll", wide=True)
+    with pytest.raises(ValueError, match="'fork_poll'"):  # any entry, not only the size asked (before: "fork")
+        overlap_for(4, "3:fork_poll", wide=True)
     assert overlap_for(5, "4:fork_poll", dcp=True) == "fork"
 
 

@@ -109,8 +109,12 @@ def test_qkv_of_the_wrong_rank_or_type_is_named():
 
 
 def test_modes_follow_the_policy_table():
-    step = _step(policy="1:serial,8:fork_poll")
-    assert step.modes == {1: "serial", 4: "fork", 8: "fork_poll"}
+    """A size the table does not name takes the topology's default (TP 4: fork_poll); an entry
+    naming no captured size is refused (it would change nothing)."""
+    step = _step(policy="1:serial,8:fork")
+    assert step.modes == {1: "serial", 4: "fork_poll", 8: "fork"}
+    with pytest.raises(ValueError, match=r"overlap policy entry '3:serial': 3 is not a captured size"):
+        _step(policy="3:serial")
 
 
 def test_step_before_capture_and_capture_on_cpu_fail_clearly():

@@ -148,3 +148,18 @@ def test_the_cold_l2_flush_reads_twice_the_l2():
     assert l2_flush_bytes(None) == l2_flush_bytes(0) == 2 * L2_BYTES == 120_000_000
     flush = l2_flusher("cpu", 1 << 12)  # the same ops as on the GPU
     flush()
+
+
+def test_read_trace_names_the_path_of_a_file_it_cannot_read(tmp_path):
+    """A missing file, a folder, a binary file, no path: a ValueError naming the path (before:
+    a raw OSError or UnicodeDecodeError, and '' read the current folder)."""
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\x7fELF\xd0\xff\x00\x01")
+    for path, message in (
+        (str(tmp_path / "missing"), "missing: cannot read it \\(No such file or directory\\)"),
+        (str(tmp_path), "cannot read it \\(Is a directory\\)"),
+        (str(binary), "binary: not a text file"),
+        ("", "'': expected the path of a file of batch sizes"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            read_trace(path)
