@@ -178,7 +178,7 @@ def writable_dir(path: str, flag: str) -> None:
     if target.exists() and not target.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a folder")
     existing = target.absolute()
-    while not existing.exists():
+    while not (existing.exists() or existing.is_symlink()):  # (a dangling link is no folder to make)
         existing = existing.parent
     try:
         if not existing.is_dir():
@@ -453,16 +453,24 @@ def cmd_run(args) -> int:
 
 
 def check_policy(args, shape: RankShape) -> None:
-    """Refuse a --policy this topology does not allow (in any entry), an entry naming no --batch
-    size (it would change nothing) or '' (not the default: leave the flag out), before any GPU work."""
+    """Refuse a --policy this topology does not allow (in any entry), a table naming no --batch
+    size (it would change nothing) or '' (not the default: leave the flag out), before any GPU
+    work; entries naming other sizes (tune's table) are noted once on stderr, then unused."""
+    import warnings
+
     from .policy import modes_for
 
     topo = shape.topology
     policy = getattr(args, "policy", None)
     try:
-        modes_for(args.batch, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            modes_for(args.batch, policy, dcp=topo.dcp > 1, wide=topo.wide, split=topo.split)
     except ValueError as error:
         raise ValueError(f"--policy {policy!r}: {error}") from None
+    for warning in caught:
+        print(f"graphstep {args.command}: note: --policy {policy!r}: {warning.message}", file=sys.stderr)
+    warnings.filterwarnings("ignore", message="overlap policy entries", category=UserWarning)  # (said once)
 
 
 def _check_device_memory(args, shape: RankShape, batch: int, states: int = 1) -> None:
@@ -826,12 +834,13 @@ def build_parser() -> argparse.ArgumentParser:
 MAX_DCP = 32
 
 
-def check_dcp(dcp: int, tp: int) -> None:
-    """Refuse a --dcp no DCP group of --tp ranks can have, for every command (a simulated rank
-    is one of such a group): more ranks than MAX_DCP, or a size that does not divide tp."""
+def check_dcp(dcp: int, tp: int, group: bool) -> None:
+    """Refuse a --dcp above MAX_DCP ranks (every command), and for a command that builds a DCP
+    group of real ranks (group: run, bench) one that does not divide --tp (the group's unsharded
+    layer has tp / dcp; a simulated rank, as info or ptx build, needs no such layer)."""
     if dcp > MAX_DCP:
         raise ValueError(f"--dcp {dcp}: more than {MAX_DCP} ranks (CandidateSync has one lane per rank)")
-    if dcp > 1 and tp % dcp:
+    if group and dcp > 1 and tp % dcp:
         raise ValueError(f"--dcp {dcp}: --tp {tp} must be a multiple of it (a DCP group's layer has tp / dcp)")
 
 
@@ -840,7 +849,7 @@ def check_args(args) -> None:
     shape = rank_shape(args)  # topology errors (ValueError)
     for dcp in args.dcp if isinstance(args.dcp, list) else [args.dcp]:  # bench: every size of the list
         rank_shape(argparse.Namespace(**dict(vars(args), dcp=dcp)))
-        check_dcp(dcp, args.tp)
+        check_dcp(dcp, args.tp, group=args.command in ("bench", "run"))
     for name in ("context", "cpu_context"):
         value = getattr(args, name, None)
         if value is not None and value > shape.model.max_seq_len:
@@ -873,7 +882,8 @@ def check_args(args) -> None:
     if args.command in ("serve", "tune"):
         check_policy(args, shape)
     if args.command == "run" and args.policy is not None:
-        check_policy(argparse.Namespace(batch=args.batch or RUN_GPU_DEFAULTS["batch"], policy=args.policy), shape)
+        batch = args.batch or RUN_GPU_DEFAULTS["batch"]
+        check_policy(argparse.Namespace(command="run", batch=batch, policy=args.policy), shape)
     if args.command == "trace":
         writable_dir(str(Path(args.out).resolve().parent), "--out")
         if Path(args.out).is_dir():

@@ -12,6 +12,7 @@ fork_poll: fork, the mailbox polled by its readers: under DCP MlaQuery polls the
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 
 MODES = ("serial", "fork", "fork_poll")
@@ -79,16 +80,24 @@ def overlap_for(
 def modes_for(
     sizes, policy: str | None = None, dcp: bool = False, wide: bool = False, split: bool = False
 ) -> dict[int, str]:
-    """{size: overlap_for(size, ...)} of the captured `sizes`; a table entry naming no captured
-    size raises (it would change nothing). The default tables may name more sizes: `tune`
-    measures sizes a step need not capture."""
+    """{size: overlap_for(size, ...)} of the captured `sizes`. A table's entries are captured
+    sizes (a batch runs at the size it pads to): a table none of whose entries names one raises
+    (it would change nothing); entries naming other sizes (`tune`'s table, measured at more
+    sizes than a step may capture) are unused, with a warning."""
     modes = {size: overlap_for(size, policy, dcp=dcp, wide=wide, split=split) for size in sizes}
     if policy is not None and (":" in policy or "," in policy):
-        for rows, mode in batch_table(policy).items():
-            if rows not in modes:
-                raise ValueError(
-                    f"overlap policy entry '{rows}:{mode}': {rows} is not a captured size (captured: {sorted(modes)})"
-                )
+        table = batch_table(policy)
+        unused = [f"{rows}:{mode}" for rows, mode in table.items() if rows not in modes]
+        if len(unused) == len(table):
+            raise ValueError(
+                f"overlap policy {policy!r}: no entry names a captured size (captured: {sorted(modes)}; an entry's "
+                "rows are the size a batch pads to)"
+            )
+        if unused:
+            warnings.warn(
+                f"overlap policy entries {', '.join(unused)} name no captured size (captured: {sorted(modes)}): unused",
+                stacklevel=2,
+            )
     return modes
 
 

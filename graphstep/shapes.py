@@ -326,8 +326,8 @@ class RankShape:
 def check_batch(batch: int, what: str = "batch") -> int:
     """`batch` as an int if it is a positive integer (numpy's and torch's integers too), else
     raise ValueError naming `what`."""
-    try:
-        value = None if isinstance(batch, bool) else operator.index(batch)
+    try:  # (a bool, numpy's or torch's too, is no batch size)
+        value = None if isinstance(batch, bool) or "bool" in str(getattr(batch, "dtype", "")) else operator.index(batch)
     except TypeError:
         value = None
     if value is None or value <= 0:
@@ -337,7 +337,8 @@ def check_batch(batch: int, what: str = "batch") -> int:
 
 def check_capture_sizes(capture_sizes) -> list[int]:
     """The batch sizes of a list to capture, sorted and distinct; raise naming what is wrong."""
-    if isinstance(capture_sizes, int | str) or not hasattr(capture_sizes, "__iter__"):
+    scalar = getattr(capture_sizes, "ndim", 1) == 0  # a 0-d numpy or torch array
+    if isinstance(capture_sizes, int | str) or scalar or not hasattr(capture_sizes, "__iter__"):
         raise TypeError(f"capture_sizes must be a list of batch sizes, e.g. [1, 4], got {capture_sizes!r}")
     sizes = sorted({check_batch(size, "capture size") for size in capture_sizes})
     if not sizes:

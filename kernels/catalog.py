@@ -210,7 +210,7 @@ def _sparse_core(
 ):
     """publish: the step's launch (copies the rows it read to q_out and re-arms them); the
     read-only variant is for callers outside the step (benchmarks, tests). producer: a
-    producer warpgroup or not; None: sparse_core.PRODUCER for the cache (64-row CTAs), or
+    producer warpgroup or not (64-row CTAs always have one: False is refused there); None:
     MMA_PRODUCER_BLOCKS per cache (16 rows; the name says only a choice other than None).
     poll: its CTAs wait for their query rows in the mailbox (the step's fork_poll on one rank).
     crossover: 64-row CTAs in head-group pairs sharing each block's loads (a cluster of 2;

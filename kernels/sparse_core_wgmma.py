@@ -161,8 +161,8 @@ def load_factor(address) -> Float32:
 
 
 class WgmmaPaths:
-    """partial_wgmma and partial_wgmma_ws (with the crossover) and what they call
-    (SparseCore's mixin: the configuration they read is SparseCore's, set in its constructor)."""
+    """partial_wgmma_ws (with or without the crossover) and what it calls (SparseCore's mixin:
+    the configuration it reads is SparseCore's, set in its constructor)."""
 
     @cute.jit
     def finish_wgmma(self, acc_o, row_max, row_sum, sums, out, lse, partial_o, partial_ml, tid):

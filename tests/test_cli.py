@@ -498,36 +498,53 @@ def test_output_folders_are_made_only_when_written(tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []  # no new/dir, b/c or bench-out
     (tmp_path / "a-file").write_text("x")
     assert "--out a-file/b/c: not a writable folder" in _error(["ptx", "--out", "a-file/b/c"], capsys)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # mkdir would raise FileExistsError after the work
+    assert "--out dangling: not a writable folder" in _error(["ptx", "--out", "dangling"], capsys)
 
 
 @pytest.mark.parametrize("verb", ["info", "serve", "tune", "trace", "graph", "ptx", "bench", "run"])
-@pytest.mark.parametrize(
-    "topology, error",
-    [
-        (["--tp", "8", "--dcp", "3"], "--dcp 3: --tp 8 must be a multiple of it"),
-        (["--dcp", "1000000"], "--dcp 1000000: more than 32 ranks"),
-        (["--tp", "64", "--dcp", "64"], "--dcp 64: more than 32 ranks"),
-    ],
-)
-def test_every_command_refuses_a_dcp_no_group_can_have(verb, topology, error, tmp_path, capsys):
-    """The tp % dcp rule and the 32-rank bound (CandidateSync's lanes) apply to every command,
-    at argument time (before: info, serve, tune, trace, graph and ptx took them)."""
+@pytest.mark.parametrize("topology", [["--dcp", "1000000"], ["--tp", "64", "--dcp", "64"]])
+def test_every_command_refuses_more_dcp_ranks_than_a_group_can_have(verb, topology, tmp_path, capsys):
+    """The 32-rank bound (CandidateSync's lanes) applies to every command, at argument time
+    (before: info, serve, tune, trace, graph and ptx took any)."""
     from graphstep.cli import MAX_DCP
     from graphstep.dcp_group import FLAG_WORDS
 
     assert MAX_DCP == FLAG_WORDS
     out = ["--out", str(tmp_path / "out")] if verb in ("ptx", "bench") else []
-    assert error in _error([verb, *topology, *out], capsys)
+    assert f"--dcp {topology[-1]}: more than 32 ranks" in _error([verb, *topology, *out], capsys)
+
+
+def test_only_the_commands_that_build_a_group_need_dcp_to_divide_tp(capsys):
+    """run and bench build a DCP group (its unsharded layer has tp / dcp); info and ptx simulate
+    one rank, which Topology allows at any tp (tests/test_ops.py uses tp 2, dcp 4)."""
+    for verb in ("run", "bench"):
+        assert "--dcp 3: --tp 8 must be a multiple of it" in _error([verb, "--tp", "8", "--dcp", "3"], capsys)
+    assert main(["info", "--tp", "1", "--dcp", "2"]) == 0
+    capsys.readouterr()
 
 
 def test_policy_errors_name_the_flag(capsys):
-    """An entry of a mode the topology does not allow, even at a size not captured, an entry naming
+    """An entry of a mode the topology does not allow, even at a size not captured, a table naming
     no captured size, and '' are refused naming --policy (before: all three were accepted)."""
     err = _error(["serve", "--tp", "1", "--wide", "--policy", "3:fork_poll"], capsys)
     assert "--policy '3:fork_poll': " in err and "'fork_poll'" in err
     err = _error(["serve", "--policy", "64:serial"], capsys)
-    assert "--policy '64:serial': " in err and "64 is not a captured size (captured: [1, 2, 4, 8, 16, 24, 32])" in err
+    assert (
+        "--policy '64:serial': " in err and "no entry names a captured size (captured: [1, 2, 4, 8, 16, 24, 32]" in err
+    )
     assert "--policy '': " in _error(["serve", "--policy", ""], capsys)
+
+
+def test_a_policy_entry_naming_no_captured_size_is_noted_not_refused(capsys, monkeypatch):
+    """tune's table names sizes serve need not capture: those entries are said once on stderr and
+    unused; the command goes on (here to its GPU check, made to find none)."""
+    monkeypatch.setattr("graphstep.cli.sm90_device", lambda: None)
+    with pytest.raises(SystemExit, match="needs an sm_90 GPU"):  # past every flag check
+        main(["serve", "--policy", "1:serial,64:fork"])
+    err = capsys.readouterr().err
+    assert "note: --policy '1:serial,64:fork': overlap policy entries 64:fork name no captured size" in err
+    assert err.count("note:") == 1
     assert "--policy '1:bogus': " in _error(["run", "--policy", "1:bogus"], capsys)
 
 

@@ -34,10 +34,12 @@ def test_an_empty_policy_is_an_error_not_the_default(empty):
         overlap_for(1, empty)
 
 
-def test_modes_for_refuses_an_entry_naming_no_captured_size(monkeypatch):
+def test_modes_for_refuses_a_table_naming_no_captured_size_and_warns_of_unused_entries(monkeypatch):
     assert modes_for([1, 4], "1:serial") == {1: "serial", 4: "fork_poll"}
-    with pytest.raises(ValueError, match=r"'3:serial': 3 is not a captured size \(captured: \[1, 4\]\)"):
+    with pytest.raises(ValueError, match=r"'3:serial': no entry names a captured size \(captured: \[1, 4\];"):
         modes_for([1, 4], "3:serial")
+    with pytest.warns(UserWarning, match=r"entries 2:fork, 64:serial name no captured size \(captured: \[1, 4\]\)"):
+        assert modes_for([1, 4], "1:serial,2:fork,4:fork,64:serial") == {1: "serial", 4: "fork"}
     # the default tables name the sizes tune measured: more than a step captures
     monkeypatch.setattr(policy, "QUERY_OVERLAP", dict(policy.QUERY_OVERLAP, tp="1:serial,64:fork"))
     assert modes_for([1, 4]) == {1: "serial", 4: "fork"}

@@ -108,6 +108,9 @@ def test_batch_takes_numpy_and_torch_integers_as_ints():
 
     for batch in (np.int64(3), torch.tensor(3)):
         assert check_batch(batch) == 3 and type(check_batch(batch)) is int
+    for batch in (np.bool_(True), torch.tensor(True)):
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            check_batch(batch)
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,7 @@ def test_construction_errors(kwargs, message):
     [
         (dict(capture_sizes=4), r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got 4"),
         (dict(capture_sizes=None), r"capture_sizes must be a list of batch sizes, e.g. \[1, 4\], got None"),
+        (dict(capture_sizes=torch.tensor(4)), r"capture_sizes must be a list of batch sizes, .* got tensor"),
         (dict(policy=3), "policy must be a mode or a 'rows:mode,...' table"),
     ],
 )
@@ -109,11 +110,11 @@ def test_qkv_of_the_wrong_rank_or_type_is_named():
 
 
 def test_modes_follow_the_policy_table():
-    """A size the table does not name takes the topology's default (TP 4: fork_poll); an entry
+    """A size the table does not name takes the topology's default (TP 4: fork_poll); a table
     naming no captured size is refused (it would change nothing)."""
     step = _step(policy="1:serial,8:fork")
     assert step.modes == {1: "serial", 4: "fork_poll", 8: "fork"}
-    with pytest.raises(ValueError, match=r"overlap policy entry '3:serial': 3 is not a captured size"):
+    with pytest.raises(ValueError, match=r"overlap policy '3:serial': no entry names a captured size"):
         _step(policy="3:serial")
 
 
