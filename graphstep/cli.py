@@ -881,6 +881,11 @@ def check_args(args) -> None:
                 )
     if args.command in ("serve", "tune"):
         check_policy(args, shape)
+    if args.command == "run" and args.policy is not None and args.dcp > 1:
+        raise ValueError(
+            f"--policy {args.policy!r}: run --dcp {args.dcp} times a group of real ranks, which runs its own fixed "
+            "policy (graphstep.dcp_group.GROUP_POLICY); leave --policy out"
+        )
     if args.command == "run" and args.policy is not None:
         batch = args.batch or RUN_GPU_DEFAULTS["batch"]
         check_policy(argparse.Namespace(command="run", batch=batch, policy=args.policy), shape)

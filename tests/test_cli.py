@@ -536,6 +536,11 @@ def test_policy_errors_name_the_flag(capsys):
     assert "--policy '': " in _error(["serve", "--policy", ""], capsys)
 
 
+def test_run_with_dcp_refuses_a_policy_its_group_would_ignore(capsys):
+    err = _error(["run", "--dcp", "2", "--policy", "serial"], capsys)
+    assert "--policy 'serial': run --dcp 2 times a group of real ranks, which runs its own fixed policy" in err
+
+
 def test_a_policy_entry_naming_no_captured_size_is_noted_not_refused(capsys, monkeypatch):
     """tune's table names sizes serve need not capture: those entries are said once on stderr and
     unused; the command goes on (here to its GPU check, made to find none)."""
