@@ -198,6 +198,16 @@ class ErrorWord:
             raise CandidatesTimeout(rank, [missing])
 
 
+def sm_count(device=None) -> int:
+    """The SMs of `device` if it is a CUDA device (a MIG slice's own), else the 132 of an H100
+    SXM / H200 the kernels are tuned on (sparse_core.SMS): what bounds a polling launch."""
+    from .kernels.sparse_core import SMS
+
+    if device is None or torch.device(device).type != "cuda":
+        return SMS
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
 def pool_slots(cache: torch.Tensor, page_size: int) -> int:
     """Slots of a paged cache [pages, ...] (the MLA or the indexer cache) as a kernel bound."""
     return min(cache.shape[0] * page_size, INT32_MAX)
@@ -308,14 +318,16 @@ class Kernels:
         s = self.shape
         return plan(batch, s.q_heads, s.model.index_topk, s.topology.mla_cache)
 
-    def sparse_core_polls(self, batch: int, slots_per_cta: int | None = None) -> bool:
-        """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) may poll
-        the mailbox (fork_poll): its partial CTAs, each of which may hold an SM while it spins,
-        leave some SMs to the rows' publisher (sparse_core.POLL_MAX_CTAS)."""
+    def sparse_core_polls(self, batch: int, slots_per_cta: int | None = None, device=None) -> bool:
+        """Whether a launch of `batch` tokens (at the plan's slots_per_cta unless given) on
+        `device` may poll the mailbox (fork_poll): its partial CTAs, each of which may hold an SM
+        while it spins, leave some of the device's SMs to the rows' publisher
+        (sparse_core.may_poll; device None or not CUDA: the 132 SMs the kernels are tuned on)."""
         from .kernels import sparse_core
 
         spc = slots_per_cta or self.sparse_core_plan(batch)
-        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, spc)
+        sms = sm_count(device)
+        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, spc, sms)
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,
@@ -818,10 +830,11 @@ class Kernels:
                 f"got {q_out.dtype} {tuple(q_out.shape)}"
             )
         poll = poll_budget_ns is not None
-        if poll and not self.sparse_core_polls(batch, spc):
+        if poll and not self.sparse_core_polls(batch, spc, q_rows.device):
             raise ValueError(
                 f"SparseCore: a polling launch of {batch} tokens at {spc} slots per CTA would have more partial "
-                f"CTAs than may spin beside the rows' publisher (sparse_core.POLL_MAX_CTAS)"
+                f"CTAs than may spin beside the rows' publisher on {sm_count(q_rows.device)} SMs "
+                "(sparse_core.may_poll)"
             )
         self.compiled("sparse_core", slots=spc, publish=q_out is not None, poll=poll)(
             self._ptr(q_rows),

@@ -255,8 +255,8 @@ class CuteStages(Stages):
         self.kernels.query_wait(self.state.caches.mailbox, self.error, size, self.budget_ns)
 
     def polls_query_rows(self, size: int) -> bool:
-        # where the partial launch leaves SMs to MlaQuery (sparse_core.POLL_MAX_CTAS)
-        return self.kernels.sparse_core_polls(size)
+        # where the partial launch leaves SMs of this device to MlaQuery (sparse_core.may_poll)
+        return self.kernels.sparse_core_polls(size, device=self.state.device)
 
     def sparse_core(self, size: int, poll: bool = False) -> None:
         b, caches = self.buffers, self.state.caches

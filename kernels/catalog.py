@@ -306,7 +306,7 @@ def variants(
     planned = {b: sparse_core.plan(b, shape.q_heads, k, shape.topology.mla_cache) for b in batches}
     for slots in sorted(set(planned.values())):
         out.append(build(shape, "sparse_core", pdl, slots=slots))
-    if not dcp and True in polls:  # fork_poll's, at the batches whose launch may poll (POLL_MAX_CTAS)
+    if not dcp and True in polls:  # fork_poll's, where a launch may poll on 132 SMs (fewer SMs: a subset)
         polling = {slots for b, slots in planned.items() if sparse_core.may_poll(b, shape.q_heads, k, slots)}
         for slots in sorted(polling):
             out.append(build(shape, "sparse_core", pdl, slots=slots, poll=True))

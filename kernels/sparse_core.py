@@ -41,7 +41,8 @@ rather than before it: a graph node with two predecessors is not launched early 
 (it started 1.4-1.7 us after TopK's end at TP 8 32K; bench/RESULTS.md, session 15). The rows'
 publisher ran after MlaQuery's KV insert, so rows seen published (then an acquire fence) mean
 the new tokens' cache rows are in place too. A launch polls only where its grid has at most
-POLL_MAX_CTAS CTAs (graphstep's launcher refuses more), so some SMs always stay free for
+POLL_MAX_CTAS CTAs and the device's SMs less POLL_FREE_SMS (graphstep's launcher refuses more),
+so some SMs always stay free for
 MlaQuery's kernels.
 
 publish (the step's launch): the kernel that reads the query rows last also copies them to
@@ -194,7 +195,6 @@ KNOBS = {
     "MMA_BULK_SIXTEENTHS": dict,
     "COMBINE_WARP_SPLITS": int,
     "PLAN_HALF_WAVE_TOKENS": dict,
-    "POLL_MAX_CTAS": int,
 }
 
 
@@ -234,14 +234,16 @@ def plan(batch: int, q_heads: int, k: int, mla_cache: str) -> int:
 
 
 # poll: the most partial CTAs one launch may have spinning on the mailbox before their PDL wait.
-# Each can hold a whole SM (its ring fills the shared memory), so at most this many leave 4 of
-# an H100 / H200's 132 SMs to MlaQuery's kernels, whatever the timing: the rows' publisher always
-# progresses. Larger launches (B = 24, 40, 48, 56 by `plan`) join the side stream instead.
-# A knob that can only lower the bound (may_poll caps it at POLL_SAFE_CTAS): with fewer, a
-# launch whose spinning CTAs would leave MlaQuery's absorb few SMs joins the side stream first.
-# 64 lost at TP 1 fp8 B = 8 / 16 (+2.5 / +3.6 us: the poll's gain, no starvation; session 34).
-POLL_SAFE_CTAS = 128
-POLL_MAX_CTAS = POLL_SAFE_CTAS
+# Each can hold a whole SM (its ring fills the shared memory), so at most the device's SMs less
+# POLL_FREE_SMS, and at most POLL_MAX_CTAS (4 of an H100 SXM / H200's 132 SMs free), leave SMs to
+# MlaQuery's kernels whatever the timing: the rows' publisher always progresses (on an sm_90 part
+# with fewer SMs, an H100 PCIe's 114 or an H20's 78, a full-wave poll would hold them all until
+# its budget ran out). Larger launches (B = 24, 40, 48, 56 by `plan` on 132 SMs) join the side
+# stream instead. A lower bound lost at TP 1 fp8 B = 8 / 16 (64: +2.5 / +3.6 us, the poll's gain,
+# no starvation; session 34).
+SMS = 132  # an H100 SXM / H200's: the part WAVE and POLL_MAX_CTAS are measured on
+POLL_MAX_CTAS = 128
+POLL_FREE_SMS = 4
 
 
 def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
@@ -249,10 +251,11 @@ def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
     return batch * (q_heads // heads_per_cta(q_heads)) * (k // slots_per_cta)
 
 
-def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int) -> bool:
-    """Whether a launch of `batch` tokens may poll the mailbox: its partial CTAs, each of which
-    may hold an SM while it spins, leave some SMs to the rows' publisher (POLL_MAX_CTAS)."""
-    return partial_ctas(batch, q_heads, k, slots_per_cta) <= min(POLL_MAX_CTAS, POLL_SAFE_CTAS)
+def may_poll(batch: int, q_heads: int, k: int, slots_per_cta: int, sms: int = SMS) -> bool:
+    """Whether a launch of `batch` tokens on a device of `sms` SMs may poll the mailbox: its
+    partial CTAs, each of which may hold an SM while it spins, leave some SMs to the rows'
+    publisher (POLL_MAX_CTAS, POLL_FREE_SMS)."""
+    return partial_ctas(batch, q_heads, k, slots_per_cta) <= min(POLL_MAX_CTAS, sms - POLL_FREE_SMS)
 
 
 def partial_rows(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:

@@ -475,8 +475,8 @@ def test_sparse_core_checks_its_publish_buffer(cpu_launches):
 
 def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publisher(cpu_launches):
     """fork_poll's polling launch: each partial CTA may hold an SM while it spins, so the
-    launcher polls only where the plan's grid has at most POLL_MAX_CTAS CTAs (every default
-    capture size but 24, 40, 48 and 56 tokens) and refuses a polling launch past that, at the
+    launcher polls only where the plan's grid has at most POLL_MAX_CTAS CTAs on the 132 SMs it is
+    tuned on (every default capture size but 24, 40, 48 and 56 tokens) and refuses a polling launch past that, at the
     plan's slots_per_cta or one given."""
     from graphstep.kernels import sparse_core
 
@@ -511,24 +511,31 @@ def test_sparse_core_polls_only_where_its_spinning_ctas_leave_sms_to_the_publish
     assert cpu_launches == ["SparseCore"] * 2
 
 
-@pytest.mark.parametrize("knob, polling", [(64, [1, 2, 4, 8, 16]), (10_000, None)])
-def test_the_poll_knob_only_lowers_the_spinning_ctas_bound(monkeypatch, knob, polling):
-    """sparse_core.POLL_MAX_CTAS as a knob: 64 leaves fork_poll's poll to the sizes whose plan
-    has at most 64 partial CTAs (TP 8 bf16: B <= 16, half a wave); a value past POLL_SAFE_CTAS
-    polls no more sizes than the default (the publisher keeps its SMs)."""
+@pytest.mark.parametrize("sms, polling", [(132, None), (114, [1, 2, 4, 8, 16]), (78, [1, 2, 4, 8, 16]), (60, [])])
+def test_a_device_with_fewer_sms_polls_only_where_its_spinning_ctas_leave_it_sms(monkeypatch, sms, polling):
+    """An sm_90 part with fewer SMs (H100 PCIe 114, H20 78): a polling launch keeps POLL_FREE_SMS
+    of the device's own SMs free, so TP 8 bf16's 128-CTA launches (B = 32, 64) join the side
+    stream first there; 132 polls as the tuned default (every size but 24 .. 56)."""
+    import types
+
     from graphstep.kernels import sparse_core
 
+    from graphstep.launch import sm_count
     from graphstep.step import DEFAULT_CAPTURE_SIZES
 
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=sms)
+    )
+    cuda = torch.device("cuda", 0)
+    assert sm_count(cuda) == sms and sm_count("cpu") == sm_count(None) == sparse_core.SMS == 132
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=64, max_context=256, seed=1)
     kernels = Kernels(state.shape, state.weights)
     default = [b for b in DEFAULT_CAPTURE_SIZES if kernels.sparse_core_polls(b)]
-    monkeypatch.setattr(sparse_core, "POLL_MAX_CTAS", knob)
-    polls = [b for b in DEFAULT_CAPTURE_SIZES if kernels.sparse_core_polls(b)]
-    assert polls == (polling if polling is not None else default)
+    polls = [b for b in DEFAULT_CAPTURE_SIZES if kernels.sparse_core_polls(b, device=cuda)]
+    assert polls == (polling if polling is not None else default) and set(polls) <= set(default)
     for b in DEFAULT_CAPTURE_SIZES:
         ctas = sparse_core.partial_ctas(b, 16, 2048, kernels.sparse_core_plan(b))
-        assert (b in polls) == (ctas <= min(knob, sparse_core.POLL_SAFE_CTAS))
+        assert (b in polls) == (ctas <= min(sparse_core.POLL_MAX_CTAS, sms - sparse_core.POLL_FREE_SMS))
 
 
 def test_mla_query_streamed_project_policy(monkeypatch):
