@@ -424,7 +424,7 @@ def cmd_run(args) -> int:
             )
         for name, value in RUN_GPU_DEFAULTS.items():
             setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-        check_policy(args, rank_shape(args))
+        # (check_args checked --policy against these sizes)
         # a DCP group: its unsharded layer (about d ranks' caches) and its d ranks
         _check_device_memory(args, rank_shape(args), max(args.batch), states=2 * args.dcp if args.dcp > 1 else 1)
         from .timing import run_gpu, run_group
@@ -455,7 +455,8 @@ def cmd_run(args) -> int:
 def check_policy(args, shape: RankShape) -> None:
     """Refuse a --policy this topology does not allow (in any entry), a table naming no --batch
     size (it would change nothing) or '' (not the default: leave the flag out), before any GPU
-    work; entries naming other sizes (tune's table) are noted once on stderr, then unused."""
+    work; entries naming other sizes (tune's table) are noted on stderr, then unused (the step
+    run and serve build does not warn of them again: timing.policy_step)."""
     import warnings
 
     from .policy import modes_for
@@ -470,7 +471,6 @@ def check_policy(args, shape: RankShape) -> None:
         raise ValueError(f"--policy {policy!r}: {error}") from None
     for warning in caught:
         print(f"graphstep {args.command}: note: --policy {policy!r}: {warning.message}", file=sys.stderr)
-    warnings.filterwarnings("ignore", message="overlap policy entries", category=UserWarning)  # (said once)
 
 
 def _check_device_memory(args, shape: RankShape, batch: int, states: int = 1) -> None:
@@ -886,7 +886,7 @@ def check_args(args) -> None:
             f"--policy {args.policy!r}: run --dcp {args.dcp} times a group of real ranks, which runs its own fixed "
             "policy (graphstep.dcp_group.GROUP_POLICY); leave --policy out"
         )
-    if args.command == "run" and args.policy is not None:
+    if args.command == "run" and args.policy is not None and not args.cpu:  # (--cpu: refused as GPU-only)
         batch = args.batch or RUN_GPU_DEFAULTS["batch"]
         check_policy(argparse.Namespace(command="run", batch=batch, policy=args.policy), shape)
     if args.command == "trace":

@@ -11,6 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,6 +84,14 @@ def _knobs(args) -> dict:
     return json_keys(getattr(args, "knobs", {}))
 
 
+def policy_step(shape: RankShape, args) -> DecodeStep:
+    """The step of `run` and `serve` at the user's --policy: its table's unused entries were
+    noted already (cli.check_policy), so DecodeStep's warning of them is not repeated."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="overlap policy entries", category=UserWarning)
+        return DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
+
+
 def run_gpu(args, shape: RankShape) -> int:
     """`graphstep run` on an sm_90 GPU: build, capture, replay, print latencies (args.json: as JSON,
     the narrative on stderr)."""
@@ -95,7 +104,7 @@ def run_gpu(args, shape: RankShape) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
+    step = policy_step(shape, args)
     step.capture()
     print(f"built and captured {len(step.graphs)} graphs in {time.perf_counter() - started:.1f} s", file=narrative)
     records = []
@@ -182,7 +191,7 @@ def serve(args, shape: RankShape) -> int:
     trace = read_trace(args.trace) if args.trace is not None else default_trace(max(args.batch), args.steps, args.seed)
     if max(trace) > max(args.batch):
         raise ValueError(f"the trace needs batch {max(trace)} but the largest captured size is {max(args.batch)}")
-    step = DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
+    step = policy_step(shape, args)
     step.capture()
     pool = {b: step.state.inputs(b, context_lens=args.context, seed=b) for b in sorted(set(trace))}
     peers = {b: step.state.peer_inputs(pool[b], seed=b) for b in pool} if shape.topology.dcp > 1 else {}

@@ -550,6 +550,13 @@ def test_a_policy_entry_naming_no_captured_size_is_noted_not_refused(capsys, mon
     err = capsys.readouterr().err
     assert "note: --policy '1:serial,64:fork': overlap policy entries 64:fork name no captured size" in err
     assert err.count("note:") == 1
+    assert main(["run", "--policy", "1:serial,2:fork"]) == 2  # (no GPU: the CPU run refuses --policy)
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "--policy: for the GPU run only" in err
+    from graphstep.policy import modes_for
+
+    with pytest.warns(UserWarning, match="entries 2:fork name no captured size"):  # no filter left behind
+        modes_for([1, 4], "1:serial,2:fork")
     assert "--policy '1:bogus': " in _error(["run", "--policy", "1:bogus"], capsys)
 
 
