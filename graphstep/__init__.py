@@ -10,7 +10,16 @@ graphstep` stays cheap (the command line's --help, shape arithmetic).
 from importlib import import_module
 from importlib.metadata import version
 
-from .policy import MODES, QUERY_OVERLAP, WIDE_MODES, batch_table, modes_for, overlap_for, side_stream
+from .policy import (
+    MODES,
+    QUERY_OVERLAP,
+    WIDE_MODES,
+    UnusedPolicyEntries,
+    batch_table,
+    modes_for,
+    overlap_for,
+    side_stream,
+)
 from .shapes import PRESETS, ModelShape, RankShape, Topology, preset, tiled_from
 
 __version__ = version("graphstep")
@@ -34,6 +43,7 @@ __all__ = [
     "QUERY_OVERLAP",
     "batch_table",
     "modes_for",
+    "UnusedPolicyEntries",
     "overlap_for",
     "side_stream",
     "PRESETS",

@@ -11,13 +11,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from . import floor
 from .policy import MODES
 from .report import mb, table
-from .shapes import PRESETS, RankShape, Topology, preset
+from .shapes import MAX_DCP, PRESETS, RankShape, Topology, preset
 
 
 def sm90_device() -> bool:
@@ -238,9 +237,8 @@ def group_bytes(shape: RankShape, batch: int, context: int) -> int:
     rank's state alone under-counts it several times over."""
     from .state import state_bytes
 
-    topo, m = shape.topology, shape.model
-    unsharded = RankShape(m, replace(topo, tp=topo.tp // topo.dcp, dcp=1, rank=0, split=False))
-    shapes = [unsharded] + [shape.with_topology(rank=rank) for rank in range(topo.dcp)]
+    topo = shape.topology
+    shapes = [shape.unsharded()] + [shape.with_topology(rank=rank) for rank in range(topo.dcp)]
     built = [state_bytes(s, batch, context, building=False) for s in shapes]
     building = [sum(built[:i]) + state_bytes(s, batch, context) for i, s in enumerate(shapes)]
     working = state_bytes(shape, batch, context, reference=True) - state_bytes(shape, batch, context)
@@ -827,11 +825,6 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence")
     graph.set_defaults(func=cmd_graph)
     return parser
-
-
-# CandidateSync has one lane (and DcpGroup one flag word) per rank: kernels/candidate_sync.py,
-# graphstep.dcp_group.FLAG_WORDS
-MAX_DCP = 32
 
 
 def check_dcp(dcp: int, tp: int, group: bool) -> None:

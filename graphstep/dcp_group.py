@@ -29,14 +29,13 @@ import threading
 import time
 from collections.abc import Collection
 from contextlib import ExitStack
-from dataclasses import replace
 
 import torch
 
 from . import formats
 from . import reference as ref
 from .launch import DEFAULT_BUDGET_NS, CandidatesTimeout, MailboxTimeout, check_budget
-from .shapes import RankShape, check_capture_sizes, check_positive_number
+from .shapes import MAX_DCP, RankShape, check_capture_sizes, check_positive_number
 from .state import LayerState, PeerInputs, StepInputs, StepOutputs
 from .step import DecodeStep
 from .transport import Exchange, PeerCandidates, Transport, ValueCheck
@@ -45,7 +44,7 @@ from .transport import Exchange, PeerCandidates, Transport, ValueCheck
 # stream while the indexer runs (serial and fork_poll would poll inside MlaQuery's grid, whose
 # many CTAs could hold the SMs a peer on the same GPU needs to publish)
 GROUP_POLICY = {"torch": "serial", "cute": "fork"}
-FLAG_WORDS = 32  # CandidateSync's flags per parity: one per rank (dcp <= 32)
+FLAG_WORDS = MAX_DCP  # CandidateSync's flags per parity: one per rank
 SPIN_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep's cycles per second at the H200's boost clock (delays)
 
 
@@ -306,7 +305,7 @@ class DcpGroup:
             raise ValueError(f"devices: one for every rank or one per rank ({dcp}), got {len(devices)}")
         self.devices = [self._device(d) for d in devices]
         self.dcp, self.backend = dcp, backend
-        unsharded = RankShape(shape.model, replace(topo, tp=topo.tp // dcp, dcp=1, rank=0, split=False))
+        unsharded = shape.with_topology(dcp=dcp, rank=0, split=False).unsharded()
         sizes = check_capture_sizes(capture_sizes)
         self.unsharded = LayerState(unsharded, sizes[-1], max_context, seed, self.devices[0])
         self.rendezvous = Rendezvous(dcp, wait_s)

@@ -267,6 +267,7 @@ class Kernels:
         self.eps = shape.model.rms_eps
         self._sinks: dict[torch.device, ErrorWord] = {}  # error words of launches given none
         self._stacked: dict[torch.device, torch.Tensor] = {}  # DcpMerge's offsets of stacked candidates
+        self._sms: dict[torch.device | None, int] = {}  # sm_count per device, asked once
 
     def _error(self, error: ErrorWord | None, like: torch.Tensor) -> ErrorWord:
         """`error`, or this launcher's own word on `like`'s device (created at its first
@@ -326,8 +327,9 @@ class Kernels:
         from .kernels import sparse_core
 
         spc = slots_per_cta or self.sparse_core_plan(batch)
-        sms = sm_count(device)
-        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, spc, sms)
+        if device not in self._sms:
+            self._sms[device] = sm_count(device)
+        return sparse_core.may_poll(batch, self.shape.q_heads, self.shape.model.index_topk, spc, self._sms[device])
 
     def sparse_core_buffers(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """SparseCore's split partials for launches of up to `rows` tokens: (out [n, q_heads,

@@ -16,6 +16,12 @@ import warnings
 from functools import cache
 
 MODES = ("serial", "fork", "fork_poll")
+
+
+class UnusedPolicyEntries(UserWarning):
+    """A policy table's entries that name no captured size (modes_for): unused."""
+
+
 # TP1's split query has no mailbox to poll.
 WIDE_MODES = ("serial", "fork")
 TOPOLOGIES = ("tp1", "tp", "dcp", "dcp_split")
@@ -96,6 +102,7 @@ def modes_for(
         if unused:
             warnings.warn(
                 f"overlap policy entries {', '.join(unused)} name no captured size (captured: {sorted(modes)}): unused",
+                UnusedPolicyEntries,
                 stacklevel=2,
             )
     return modes

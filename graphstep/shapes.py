@@ -216,6 +216,11 @@ def preset(name: str) -> ModelShape:
         raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}") from None
 
 
+# The most ranks a DCP group may have: CandidateSync has one lane, and DcpGroup one flag word, per
+# rank (kernels/candidate_sync.py holds the same bound on the kernel side).
+MAX_DCP = 32
+
+
 @dataclass(frozen=True)
 class Topology:
     """How one layer is spread: TP over heads, DCP over cached tokens.
@@ -238,7 +243,7 @@ class Topology:
         for name in ("wide", "split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Topology.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.dcp:
             raise ValueError(f"Topology.rank must be an int in [0, {self.dcp}), got {self.rank!r}")
         if self.q_format not in Q_FORMATS:
             raise ValueError(
@@ -252,8 +257,6 @@ class Topology:
             )
         if self.split and self.dcp == 1:
             raise ValueError("Topology.split is the split query under DCP: needs dcp > 1, got dcp=1")
-        if not 0 <= self.rank < self.dcp:
-            raise ValueError(f"Topology.rank must be in [0, {self.dcp}), got {self.rank}")
 
     @property
     def name(self) -> str:
@@ -317,6 +320,12 @@ class RankShape:
     def mla_token_bytes(self) -> int:
         """MLA cache bytes per token in this rank's cache format."""
         return self.model.mla_token_bytes(self.topology.mla_cache)
+
+    def unsharded(self) -> "RankShape":
+        """The layer a DCP group of this rank's topology shards: tp / dcp ranks' heads, no DCP
+        (graphstep.dcp_group builds it; its caches hold every rank's tokens)."""
+        topo = self.topology
+        return RankShape(self.model, replace(topo, tp=topo.tp // topo.dcp, dcp=1, rank=0, split=False))
 
     def with_topology(self, **changes) -> "RankShape":
         """The same model under a topology with `changes` (dataclasses.replace)."""

@@ -344,8 +344,11 @@ class DecodeStep:
 
     def outputs(self, batch: int) -> StepOutputs:
         """Views of the last step's outputs for its `batch` real rows (valid until the next step)."""
-        if check_batch(batch) > self.sizes[-1]:
-            raise ValueError(f"batch {batch} exceeds the largest captured size {self.sizes[-1]}")
+        self.padded(batch)  # a batch no captured size holds has no rows here
+        return self._outputs(batch)
+
+    def _outputs(self, batch: int) -> StepOutputs:
+        """outputs() for a batch step() has checked already."""
         b = self.buffers
         q = b.q_out[:batch].view(formats.q_dtype(self.shape.topology.q_format))  # a view: no work per step
         return StepOutputs(b.qc[:batch], b.slots[:batch], q, b.out[:batch], b.lse[:batch])
@@ -408,7 +411,7 @@ class DecodeStep:
             self.replay(size)  # checks the buffers' addresses once
         if self.shape.topology.dcp > 1:
             self._raise_recorded()
-        return self.outputs(inputs.batch)
+        return self._outputs(inputs.batch)
 
     def check(self) -> None:
         """Synchronize with the device and raise what the steps so far left in the error word:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import floor
-from .policy import overlap_for
+from .policy import UnusedPolicyEntries, overlap_for
 from .report import Progress, json_keys, table
 from .shapes import RankShape
 from .step import DecodeStep
@@ -88,7 +88,7 @@ def policy_step(shape: RankShape, args) -> DecodeStep:
     """The step of `run` and `serve` at the user's --policy: its table's unused entries were
     noted already (cli.check_policy), so DecodeStep's warning of them is not repeated."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="overlap policy entries", category=UserWarning)
+        warnings.simplefilter("ignore", UnusedPolicyEntries)
         return DecodeStep(shape, capture_sizes=args.batch, policy=args.policy, max_context=args.context, seed=args.seed)
 
 

@@ -84,7 +84,7 @@ CONSUMERS = 128  # one warpgroup
 THREADS = CONSUMERS + 32  # + the producer warp
 QUERY_BYTES = HEADS * DIM * 2  # the token's query rows as fp16 in shared memory
 NTILES = HEADS // 8
-SMS = 132  # H100 / H200 SXM
+SMS = P.SMS
 # The runs the host picks from (every one GPU-tested). A run longer than the ring reuses its
 # stages: each release is preceded by a proxy fence (see `consume`).
 CTA_PAGES = (2, 4, 8, 16, 32)

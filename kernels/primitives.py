@@ -27,6 +27,7 @@ from . import guards
 BUTTERFLY = (16, 8, 4, 2, 1)  # graphstep/order.py models this order
 NORM_COLUMNS = 1536
 SENTINEL_WORD = 0xFFFFFFFF  # graphstep/formats.py: no published word can be this
+SMS = 132  # an H100 SXM / H200's SMs: the part the kernels' waves are sized and measured on
 
 # -- global memory ------------------------------------------------------------
 

@@ -241,9 +241,9 @@ def plan(batch: int, q_heads: int, k: int, mla_cache: str) -> int:
 # its budget ran out). Larger launches (B = 24, 40, 48, 56 by `plan` on 132 SMs) join the side
 # stream instead. A lower bound lost at TP 1 fp8 B = 8 / 16 (64: +2.5 / +3.6 us, the poll's gain,
 # no starvation; session 34).
-SMS = 132  # an H100 SXM / H200's: the part WAVE and POLL_MAX_CTAS are measured on
-POLL_MAX_CTAS = 128
+SMS = P.SMS  # the part WAVE and POLL_MAX_CTAS are measured on
 POLL_FREE_SMS = 4
+POLL_MAX_CTAS = SMS - POLL_FREE_SMS  # 128
 
 
 def partial_ctas(batch: int, q_heads: int, k: int, slots_per_cta: int) -> int:
