@@ -22,8 +22,7 @@ finish   in the same CTA: the fp32 [token][64 rows] tile in shared memory; 16 th
          dim^-0.5 (DeepSeek-V3.2's folding). Its global reads (the lengths, their RoPE
          rows, the logits of w) go out right after the PDL wait at <= 32 tokens
          (`EARLY_READS`), so the dependent round trips (a length, then its row) pass under
-         the weight stream rather than after the last MMA; at 64 tokens only the lengths do
-         (4 registers), and the rows follow the last MMA: one round trip there, not two.
+         the weight stream rather than after the last MMA.
 rotation with `hadamard`, DeepSeek-V3.2's Hadamard rotation of the head after RoPE: the
          transform's stages over the CTA's 64 dims in the thread and across the token's
          16 threads (16 shuffles), then the last stage (dim i with i + 64) across the
@@ -241,19 +240,17 @@ class IndexQuery:
                 J.issue(queries, stage)
         # Up to 32 tokens the epilogue's global reads go out here (2 x 11 registers at most
         # held through the rings), so their dependent latencies (length, then its RoPE row)
-        # pass under the stream instead of after the last MMA; 64 tokens would need 44, so
-        # there only the lengths (4) go out here and their rows after the last MMA.
+        # pass under the stream instead of after the last MMA; 64 tokens would need 44.
         j, row0 = tid % 16, tid // 16
-        lengths = self.epilogue_lengths(row0, ntok, context_lens)
         if cutlass.const_expr(tokens <= EARLY_READS):
-            reads = self.epilogue_reads(lengths, j, head, qkv, cos, sin, rope_rows)
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
 
         acc = J.stream_stages(s, weights, queries, w_sync, q_sync, warp, lane)
         out = J.sum_khalves(s, acc, lane)
 
         # Epilogue: 16 threads per token, thread j holds rows 4 j .. 4 j + 3.
         if cutlass.const_expr(tokens > EARLY_READS):
-            reads = self.epilogue_reads(lengths, j, head, qkv, cos, sin, rope_rows)
+            reads = self.epilogue_reads(row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows)
         values, amaxes = [], []
         for p in cutlass.range_constexpr(tokens // 16):
             token = row0 + 16 * p
@@ -333,19 +330,15 @@ class IndexQuery:
                     proj = P.select(head % 2 == 0, raw[0], raw[1])
                     P.store_f32(w_out + item, proj * Float32(HEADS**-0.5) * scale * Float32(DIM**-0.5))
 
-    def epilogue_lengths(self, row0, ntok, context_lens) -> list:
-        """The (row, length) of each of this thread's tokens (row0 + 16 p; a token past the
-        batch reads the batch's last one's)."""
+    def epilogue_reads(self, row0, ntok, j, head, qkv, cos, sin, context_lens, rope_rows) -> list:
+        """What thread j of each of its tokens' 16 (row0 + 16 p) reads from global memory (a
+        token past the batch reads the batch's last one's), the lengths first: per token
+        (length, whether length - 1 is a RoPE row, the 4 cos and 4 sin of that row (row 0
+        where it is not) for its dims, the bf16 pair of head-weight logits holding the head's)."""
         rows = [cutlass.min(row0 + 16 * p, ntok - 1) for p in range(self.tokens // 16)]
-        return [(row, P.load_i32(context_lens + row)) for row in rows]
-
-    def epilogue_reads(self, lengths, j, head, qkv, cos, sin, rope_rows) -> list:
-        """What thread j of each of its tokens' 16 reads from global memory after its length
-        (`epilogue_lengths`): per token (length, whether length - 1 is a RoPE row, the 4 cos
-        and 4 sin of that row (row 0 where it is not) for its dims, the bf16 pair of
-        head-weight logits holding the head's)."""
+        lengths = [P.load_i32(context_lens + row) for row in rows]
         out = []
-        for row, length in lengths:
+        for row, length in zip(rows, lengths):
             row_ok = P.in_range(length - 1, rope_rows)
             pos = P.select_i32(row_ok, length - 1, 0)
             c = P.load_f32x4_nc(cos + pos * 32 + 4 * (j % 8))

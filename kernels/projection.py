@@ -22,17 +22,13 @@ operand's bytes) and an empty one (every thread arrives after its fragments of t
 are read, behind `fence.proxy.async`: the copy that refills the slot is an async-proxy
 write). Only warp 0 waits on an empty barrier, so the other warps run on through the
 stages already in the rings instead of meeting at a CTA barrier every stage (`refill`,
-`released`, `parity`: the schedule, the same function of each ring's depth). A weight slot
-is released as soon as a warp holds its A fragments in registers, before its MMAs, and
-refilled by warp 0 at once (`stream_stages`): the stages that landed before the PDL wait
-hand their slots back at the fragments' pace, not the MMAs' (docs/levers.md Part Y).
+`released`, `parity`: the schedule, the same function of each ring's depth).
 
 Compute: 8 warps = 4 m-tiles of 16 rows x 2 k-halves of each stage (a k-half is one
 column block of the box); `mma.sync m16n8k16` with the weights as A (ldmatrix.x4) and the
 tokens as the narrow N side (ldmatrix.x4 gives two k-steps of one 8-token n-tile). The two
 k-halves' fp32 sums add in a fixed order (half 0 + half 1) into an fp32 [token][row] tile
-in shared memory (reusing the weight ring), so results do not depend on scheduling; so do a
-warp's two accumulator chains (`CHAINS_UP_TO`).
+in shared memory (reusing the weight ring), so results do not depend on scheduling.
 """
 
 from __future__ import annotations
@@ -53,11 +49,6 @@ ROWS = 64  # weight rows per CTA
 BLOCK = 64  # k-columns per 128-byte swizzled row (the box's inner dimension)
 ROW_BYTES = BLOCK * 2
 OUT_PITCH = ROWS * 4 + 16  # bytes per token in the fp32 [token][row] result tile
-# Up to this many tokens a warp accumulates its two k-step pairs of a stage into two sets of
-# accumulators (summed after the loop), so a stage's MMAs are chains of 2 dependent mma.sync,
-# not 4: each warp gets through a landed stage, and so releases the next, sooner. (64 tokens
-# would need 32 more registers a thread than the two-CTA limit leaves.)
-CHAINS_UP_TO = 32
 
 
 def operand_bytes(rows: int) -> int:
@@ -148,7 +139,6 @@ class Stream:
         self.b_off = khalf * operand_bytes(tokens) // 2 + (lane % 8) * ROW_BYTES
         self.b_chunk = ((lane // 8) ^ (lane % 8)) * 16
         self.mtile, self.khalf = mtile, khalf
-        self.chains = 2 if tokens <= CHAINS_UP_TO else 1
 
     def weights_addr(self, stage: int):
         return self.w_base + (stage % self.w_ring) * operand_bytes(ROWS)
@@ -156,37 +146,20 @@ class Stream:
     def tokens_addr(self, stage: int):
         return self.q_base + (stage % self.q_ring) * operand_bytes(self.tokens)
 
-    def weight_fragments(self, stage: int) -> list:
-        """This warp's A fragments of `stage` (its k-half: two pairs of k-steps), read into
-        registers so the weight slot can be released before the MMAs that use them."""
-        w = self.weights_addr(stage) + self.a_off
-        return [
-            (P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp))), P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp + 32))))
-            for kp in range(2)
-        ]
-
-    def compute(self, stage: int, a: list, acc: list) -> list:
-        """This warp's k-half of `stage` from its A fragments `a`: 4 k-steps x (tokens / 8)
-        n-tiles of m16n8k16, k-step pair kp into chain kp % chains of the accumulators."""
-        q = self.tokens_addr(stage) + self.b_off
+    def compute(self, stage: int, acc: list) -> list:
+        """This warp's k-half of `stage`: 4 k-steps x (tokens / 8) n-tiles of m16n8k16."""
+        w, q = self.weights_addr(stage) + self.a_off, self.tokens_addr(stage) + self.b_off
         for kp in range(2):  # pairs of k-steps
-            a0, a1 = a[kp]
-            chain = acc[kp % self.chains]
+            a0 = P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp)))
+            a1 = P.ldmatrix_x4(w + (self.a_chunk ^ (64 * kp + 32)))
             for nt in range(self.tokens // 8):
                 b = P.ldmatrix_x4(q + 8 * nt * ROW_BYTES + (self.b_chunk ^ (64 * kp)))
-                chain[nt] = P.mma_bf16_16816(a0, (b[0], b[1]), chain[nt])
-                chain[nt] = P.mma_bf16_16816(a1, (b[2], b[3]), chain[nt])
+                acc[nt] = P.mma_bf16_16816(a0, (b[0], b[1]), acc[nt])
+                acc[nt] = P.mma_bf16_16816(a1, (b[2], b[3]), acc[nt])
         return acc
 
     def zero_acc(self) -> list:
-        """The accumulators: `chains` independent sets of (tokens / 8) n-tiles x 4 fp32."""
-        return [[[Float32(0)] * 4 for _ in range(self.tokens // 8)] for _ in range(self.chains)]
-
-    def fold(self, acc) -> list:
-        """The chains summed in a fixed order (chain 0 + chain 1): (tokens / 8) n-tiles x 4."""
-        if self.chains == 1:
-            return acc[0]
-        return [[P.add_rn(acc[0][nt][q], acc[1][nt][q]) for q in range(4)] for nt in range(self.tokens // 8)]
+        return [[Float32(0)] * 4 for _ in range(self.tokens // 8)]
 
     def acc_addrs(self, out, lane) -> list:
         """Shared addresses of this lane's accumulators in the [token][row] fp32 tile."""
@@ -238,48 +211,36 @@ def arm_rings(rings):
 
 
 @cute.jit
-def stream_stages(s, weights, queries, w_sync, q_sync, warp, lane) -> list:
+def stream_stages(s, weights: Copies, queries: Copies, w_sync, q_sync, warp, lane) -> list:
     """The CTA's K loop over both rings, after each ring's first `slots` stages were issued:
-    returns this warp's accumulators (Stream.fold's shape), every copy landed and every warp
-    done with the rings.
+    returns this warp's accumulators (Stream.zero_acc's shape), every copy landed and every
+    warp done with the rings.
 
     In each ring, stage `it` lives in slot it % slots, in the full barrier's phase
-    it // slots. Each warp reads its A fragments of stage `it` into registers and releases the
-    weight slot at once, before its MMAs; warp 0 then waits for every warp's release and
-    refills the slot with stage it + slots, so the weights' refill is gated by the fragments'
-    reads, not by the MMAs. q_c's slots are released after the MMAs, and warp 0 refills
-    stage it - 1's at the top of iteration it (`refill`). The other warps wait only for the
-    stage they compute."""
+    it // slots. Warp 0 refills the slots of stage it - 1 once every thread has released
+    them (their empty barriers' phase (it - 1) // slots), keeping slots - 1 stages of each
+    operand in flight; the other warps wait only for the stage they compute."""
     acc = s.zero_acc()
-    w_slots, w_full, w_empty, w_bytes = w_sync
-    q_slots, q_full, q_empty, q_bytes = q_sync
     for it in cutlass.range_constexpr(STAGES):
-        nxt = refill(it, q_slots)
-        if cutlass.const_expr(nxt is not None):
-            if warp == 0:
-                P.mbar_wait(q_empty + 8 * (nxt % q_slots), parity(it - 1, q_slots))
-                if lane == 0:
-                    P.mbar_expect(q_full + 8 * (nxt % q_slots), Int32(q_bytes))
-                cute.arch.sync_warp()
-                issue(queries, nxt)
-        P.mbar_wait(w_full + 8 * (it % w_slots), parity(it, w_slots))
-        a = s.weight_fragments(it)
-        if cutlass.const_expr(released(it, w_slots)):  # the slot is refilled: release it
-            P.fence_proxy_async()  # the fragments' reads before the copy's async-proxy writes
-            P.mbar_arrive(w_empty + 8 * (it % w_slots))
-            if warp == 0:
-                P.mbar_wait(w_empty + 8 * (it % w_slots), parity(it, w_slots))
-                if lane == 0:
-                    P.mbar_expect(w_full + 8 * (it % w_slots), Int32(w_bytes))
-                cute.arch.sync_warp()
-                issue(weights, it + w_slots)
-        P.mbar_wait(q_full + 8 * (it % q_slots), parity(it, q_slots))
-        acc = s.compute(it, a, acc)
-        if cutlass.const_expr(released(it, q_slots)):
-            P.fence_proxy_async()
-            P.mbar_arrive(q_empty + 8 * (it % q_slots))
+        for copies, (slots, full, empty, nbytes) in ((weights, w_sync), (queries, q_sync)):
+            nxt = refill(it, slots)
+            if cutlass.const_expr(nxt is not None):
+                if warp == 0:
+                    P.mbar_wait(empty + 8 * (nxt % slots), parity(it - 1, slots))
+                    if lane == 0:
+                        P.mbar_expect(full + 8 * (nxt % slots), Int32(nbytes))
+                    cute.arch.sync_warp()
+                    issue(copies, nxt)
+        for slots, full, _, _ in (w_sync, q_sync):
+            P.mbar_wait(full + 8 * (it % slots), parity(it, slots))
+        acc = s.compute(it, acc)
+        if cutlass.const_expr(released(it, s.w_ring) or released(it, s.q_ring)):
+            P.fence_proxy_async()  # the fragments' reads before the copies' async-proxy writes
+            for slots, _, empty, _ in (w_sync, q_sync):
+                if cutlass.const_expr(released(it, slots)):  # the slot is refilled: release it
+                    P.mbar_arrive(empty + 8 * (it % slots))
     cute.arch.sync_threads()  # every warp is done with the rings (every copy has landed)
-    return s.fold(acc)
+    return acc
 
 
 @cute.jit

@@ -726,18 +726,14 @@ def test_index_query_streams_once_in_one_fused_kernel(ptx, tokens):
     assert entry[:wait].count("bar.sync") == 1 and entry.count("bar.sync") == 5
     assert not re.search(r"ld\.global", entry[:wait])
     # the epilogue's reads per token (length, its RoPE row's cos and sin, the logits of w): at
-    # <= EARLY_READS tokens all between the wait and the first MMA, else the lengths there and
-    # the rest after the last MMA
-    reads = [(m.start(), m.group(1)) for m in re.finditer(r"ld\.global\.(s32|nc\.v4\.f32|b32) ", entry)]
+    # <= EARLY_READS tokens all between the wait and the first MMA, else after the last
+    reads = [m.start() for m in re.finditer(r"ld\.global\.(s32|nc\.v4\.f32|b32) ", entry)]
     assert len(reads) == 4 * tokens // 16
     first_mma, last_mma = entry.index("mma.sync"), entry.rindex("mma.sync")
-    lengths = [at for at, kind in reads if kind == "s32"]
-    assert len(lengths) == tokens // 16 and all(wait < at < first_mma for at in lengths)
-    rows = [at for at, kind in reads if kind != "s32"]
     if tokens <= index_query.EARLY_READS:
-        assert all(wait < at < first_mma for at in rows)
+        assert all(wait < at < first_mma for at in reads)
     else:
-        assert all(at > last_mma for at in rows)
+        assert all(at > last_mma for at in reads)
     # tensor cores fed by ldmatrix: 4 k-steps x tokens / 8 n-tiles per warp and stage
     assert entry.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == J.STAGES * 4 * tokens // 8
     assert entry.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == J.STAGES * 2 * (2 + tokens // 8)

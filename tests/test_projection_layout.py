@@ -70,7 +70,7 @@ def _warp_compute(streams, stage, smem, acc, monkeypatch):
 
         monkeypatch.setattr(J.P, "ldmatrix_x4", ldmatrix)
         monkeypatch.setattr(primitives, "mma_bf16_16816", mma)
-        s.compute(stage, s.weight_fragments(stage), [[None] * (s.tokens // 8)] * s.chains)
+        s.compute(stage, [None] * (s.tokens // 8))
         records.append(calls)
     words = {}
     for i, call in enumerate(records[0]):
@@ -157,7 +157,7 @@ def test_every_element_of_a_stage_reaches_its_fragment_once(tokens, monkeypatch)
 
             monkeypatch.setattr(J.P, "ldmatrix_x4", ldmatrix)
             monkeypatch.setattr(primitives, "mma_bf16_16816", mma)
-            s.compute(stage, s.weight_fragments(stage), [[None] * (tokens // 8)] * s.chains)
+            s.compute(stage, [None] * (tokens // 8))
             records.append((calls, mmas))
         for addr in (a for calls, _ in records for a in calls):  # each lane's row: 8 elements
             reads.update(range(addr // 2, addr // 2 + 8))
@@ -227,10 +227,8 @@ class Mbarrier:
 
 
 def _run_ring(tokens, rings, seed):
-    """The kernel's rings (projection.stream_stages: each warp releases a weight slot once it
-    holds its fragments, warp 0 refilling it then; q_c's slot after the MMAs, refilled at the
-    top of the next stage) with 8 warps, warp 0 also the producer, and copies landing in
-    random order at random times: every
+    """The kernel's rings (index_query.py's loop, projection's schedule per ring) with 8 warps,
+    warp 0 also the producer, and copies landing in random order at random times: every
     stage's weights and tokens must be read whole and current, no copy may land in a slot a
     warp is still reading, and all must end."""
     rng = random.Random(seed)
@@ -254,27 +252,24 @@ def _run_ring(tokens, rings, seed):
             in_flight.extend((stage, "w") for stage in range(slots["w"]))  # before the PDL wait
             in_flight.extend((stage, "q") for stage in range(slots["q"]))  # after it
         for it in range(J.STAGES):
-            nxt = J.refill(it, slots["q"])  # q_c: stage it - 1's slot at the top of iteration it
-            if nxt is not None and w == 0:
-                while not empty["q"][nxt % slots["q"]].done(J.parity(it - 1, slots["q"])):
-                    yield
-                full["q"][nxt % slots["q"]].arrive(expect=sizes["q"])
-                in_flight.append((nxt, "q"))
-            for op in "wq":  # the weights' fragments, released before the MMAs; then q_c's
-                n = slots[op]
+            for op, n in slots.items():
+                nxt = J.refill(it, n)
+                if nxt is not None and w == 0:
+                    while not empty[op][nxt % n].done(J.parity(it - 1, n)):
+                        yield
+                    full[op][nxt % n].arrive(expect=sizes[op])
+                    in_flight.append((nxt, op))
+            for op, n in slots.items():
                 while not full[op][it % n].done(J.parity(it, n)):
                     yield
+            for op, n in slots.items():
                 assert landed[op][it % n] == it, (w, it, op, landed[op][it % n])
-                reading[w] = {(op, it % n)}
-                yield  # the fragments' reads take a while
-                del reading[w]
+            reading[w] = {(op, it % n) for op, n in slots.items()}
+            yield  # the fragments' reads take a while
+            del reading[w]
+            for op, n in slots.items():
                 if J.released(it, n):
                     empty[op][it % n].arrive(32)
-                    if op == "w" and w == 0:  # the weights' slot refilled once every warp holds its fragments
-                        while not empty["w"][it % n].done(J.parity(it, n)):
-                            yield
-                        full["w"][it % n].arrive(expect=sizes["w"])
-                        in_flight.append((it + n, "w"))
 
     actors = {w: warp(w) for w in range(J.WARPS)}
     for _ in range(100_000):  # (a deadlock spins forever)
