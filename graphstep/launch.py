@@ -208,6 +208,70 @@ def sm_count(device=None) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
 
 
+# An empty kernel for the occupancy queries of `cluster_fits` (CUTLASS's hardware_info asks the
+# driver with one the same way).
+_EMPTY_PTX = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry cluster_probe()\n{\n\tret;\n}\n\0"
+_FITS: dict[tuple[int, int, int], bool] = {}
+
+
+def cluster_fits(device, ctas: int, per_sm: int) -> bool:
+    """Whether a cluster of `ctas` CTAs, `per_sm` of them an SM, can be resident at once on
+    `device` (cuOccupancyMaxActiveClusters >= 1 for an empty kernel whose shared memory
+    lets exactly per_sm CTAs share an SM; a cluster must fit in one GPC). True off CUDA.
+    Asked once per (device, ctas, per_sm). The H100 SXM's and H200's GPCs hold TopK's 16-CTA
+    clusters; an H20's or H100 PCIe's may not (top_k.split_for then picks a smaller split)."""
+    if device is None or torch.device(device).type != "cuda":
+        return True
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    key = (index, ctas, per_sm)
+    if key not in _FITS:
+        _FITS[key] = _max_active_clusters(index, ctas, per_sm) >= 1
+    return _FITS[key]
+
+
+def _max_active_clusters(index: int, ctas: int, per_sm: int) -> int:
+    """cuOccupancyMaxActiveClusters of clusters of `ctas` CTAs at `per_sm` CTAs an SM on
+    device `index`, in its primary context (torch's), pushed for the query (0 where the
+    driver refuses the cluster size)."""
+    from cuda.bindings import driver as cu
+
+    def checked(result):
+        error, *values = result
+        if error != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cluster_fits: {cu.cuGetErrorString(error)[1]}")
+        return values[0] if values else None
+
+    checked(cu.cuInit(0))
+    device = checked(cu.cuDeviceGet(index))
+    context = checked(cu.cuDevicePrimaryCtxRetain(device))
+    checked(cu.cuCtxPushCurrent(context))
+    try:
+        attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+        smem = checked(cu.cuDeviceGetAttribute(attribute, device)) // per_sm - 1024  # 1 KB a CTA is reserved
+        module = checked(cu.cuModuleLoadData(_EMPTY_PTX))
+        try:
+            function = checked(cu.cuModuleGetFunction(module, b"cluster_probe"))
+            attribute = cu.CUfunction_attribute
+            checked(cu.cuFuncSetAttribute(function, attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            checked(cu.cuFuncSetAttribute(function, attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            cluster = cu.CUlaunchAttribute()
+            cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = ctas, 1, 1
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = ctas, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = 128, 1, 1
+            config.sharedMemBytes = smem  # per_sm of these fill an SM's shared memory, per_sm + 1 do not
+            config.attrs, config.numAttrs = [cluster], 1
+            error, count = cu.cuOccupancyMaxActiveClusters(function, config)
+            return count if error == cu.CUresult.CUDA_SUCCESS else 0
+        finally:
+            checked(cu.cuModuleUnload(module))
+    finally:
+        checked(cu.cuCtxPopCurrent())
+        checked(cu.cuDevicePrimaryCtxRelease(device))
+
+
 def pool_slots(cache: torch.Tensor, page_size: int) -> int:
     """Slots of a paged cache [pages, ...] (the MLA or the indexer cache) as a kernel bound."""
     return min(cache.shape[0] * page_size, INT32_MAX)
@@ -306,11 +370,18 @@ class Kernels:
         variant = catalog.build(self.shape, kernel, self.pdl, **choice)
         return catalog.compile_op(variant.op, variant.args)
 
-    def top_k_split(self, width: int, batch: int):
-        """The TopK variant the launcher uses for rows of `width` scores at this batch."""
+    def top_k_split(self, width: int, batch: int, device=None):
+        """The TopK variant the launcher uses for rows of `width` scores at this batch on
+        `device` (its clusters resident there: `cluster_fits`; None: the H100 SXM / H200's)."""
         from .kernels.top_k import split_for
 
-        return split_for(width, batch)
+        return split_for(width, batch, self._fits(device))
+
+    def _fits(self, device):
+        """top_k.split_for's predicate on `device` (None where every split fits: off CUDA)."""
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        return lambda split: cluster_fits(device, split.ctas, split.per_sm)
 
     def sparse_core_plan(self, batch: int) -> int:
         """The slots per SparseCore CTA a launch of `batch` tokens uses."""
@@ -344,22 +415,26 @@ class Kernels:
             torch.empty(n, s.q_heads, 2, device=device),
         )
 
-    def variants(self, batches, width: int | None = None, polls=(False, True), group: bool = False) -> list:
+    def variants(
+        self, batches, width: int | None = None, polls=(False, True), group: bool = False, device=None
+    ) -> list:
         """The catalog's variants this rank launches for steps of these batch sizes over block
-        tables of `width` scores (None: every TopK split); group: as a rank of a DCP group
-        exchanging through peer memory."""
+        tables of `width` scores (None: every TopK split) on `device` (top_k_split); group: as a
+        rank of a DCP group exchanging through peer memory."""
         from .kernels import catalog
 
         norms = sorted({self.tiled(b) for b in batches})
         widths = None if width is None else (width,)
-        return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls, group)
+        return catalog.variants(self.shape, self.pdl, batches, norms, widths, polls, group, self._fits(device))
 
-    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False) -> None:
+    def warm(
+        self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False, device=None
+    ) -> None:
         """Compile every variant `variants` lists (no launches); by default those of batches
         1 .. 64 with every TopK split."""
         from .kernels import catalog
 
-        for variant in self.variants(batches, width, polls, group):
+        for variant in self.variants(batches, width, polls, group, device):
             catalog.compile_op(variant.op, variant.args)
 
     # -- how a launch passes its arguments: CuTe DSL values (TvmFfiKernels: plain ones) --
@@ -674,7 +749,7 @@ class Kernels:
         if isinstance(split, str):
             if split != "auto":
                 raise ValueError(f"split must be 'auto', a Split or None, got {split!r}")
-            split = self.top_k_split(width, batch)
+            split = self.top_k_split(width, batch, scores.device)
         elif split is not None and split.capacity < width:
             raise ValueError(f"TopK split {split.name} holds rows of up to {split.capacity} scores, not {width}")
         self.compiled("top_k", split=split)(
@@ -904,8 +979,10 @@ class TvmFfiKernels(Kernels):
             function = self._by_choice[key] = self._function(catalog.build(self.shape, kernel, self.pdl, **choice))
         return function
 
-    def warm(self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False) -> None:
-        for variant in self.variants(batches, width, polls, group):
+    def warm(
+        self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False, device=None
+    ) -> None:
+        for variant in self.variants(batches, width, polls, group, device):
             self._function(variant)
 
     def _ptr(self, tensor: torch.Tensor, align: int = 16) -> int:

@@ -177,7 +177,7 @@ class CuteStages(Stages):
         # rank in fork_poll only. A group runs fork only (dcp_group.GROUP_POLICY).
         dcp = shape.topology.dcp > 1
         polls = (False,) if group or not (dcp or "fork_poll" in modes) else (False, True)
-        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, polls, group)
+        self.kernels.warm(sizes, self.state.pages_per_seq * shape.model.page_size, polls, group, self.state.device)
         if shape.topology.dcp > 1:
             self.kernels.stacked_offsets(self.state.device)  # DcpMerge's, made before any capture
 

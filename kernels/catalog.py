@@ -273,13 +273,15 @@ def variants(
     widths=None,
     polls=(False, True),
     group: bool = False,
+    fits=None,
 ) -> list[Variant]:
     """The variants a step of `shape` can launch for these batch sizes. norms: the
     QueryNorm / MlaQuery variants (tiled or not: the caller's choice for these batches);
     widths: the block tables' widths in scores, for DsaIndex's ring and TopK's split (None:
     every ring, TopK and every split); polls: the polling variants of the fork_poll mode
     (MlaQuery's under DCP, SparseCore's on one rank); group: a rank of a DCP group
-    whose kernels exchange through peer memory (MlaQuery's remote stores, CandidateSync)."""
+    whose kernels exchange through peer memory (MlaQuery's remote stores, CandidateSync);
+    fits: whether a TopK split's cluster can be resident on the device (top_k.split_for)."""
     check(shape)
     dcp = shape.topology.dcp > 1
     out = []
@@ -297,7 +299,7 @@ def variants(
     else:
         pages = [width // dsa_index.PAGE for width in widths]
         rings = sorted({dsa_index.ring_for(b, n, dsa_index.pages_per_cta(b, n)) for n in pages for b in batches})
-        splits = dict.fromkeys(top_k.split_for(width, b) for width in widths for b in batches)
+        splits = dict.fromkeys(top_k.split_for(width, b, fits) for width in widths for b in batches)
     for stages in rings:
         out.append(build(shape, "dsa_index", pdl, stages=stages))
     for split in splits:

@@ -337,6 +337,12 @@ class Split:
         return self.ctas * self.per_cta
 
     @property
+    def per_sm(self) -> int:
+        """CTAs an SM holds (a thread's 64 registers: one at 1024 threads, two at 512): a
+        cluster needs ctas / per_sm SMs of one GPC free at once."""
+        return 65536 // (64 * self.threads)
+
+    @property
     def name(self) -> str:
         return f"c{self.ctas}x{self.threads}x{4 * self.loads}" + ("" if self.listed else "_masks")
 
@@ -405,13 +411,22 @@ PICKS = (
 )
 
 
-def split_for(width: int, batch: int) -> Split | None:
+def split_for(width: int, batch: int, fits=None) -> Split | None:
     """The split TopK uses for rows of `width` scores at this batch (PICKS); None: the
-    one-CTA-per-row kernel (TopK), for rows wider than every split."""
+    one-CTA-per-row kernel (TopK), for rows wider than every split. fits: whether a split's
+    cluster can be resident on the device (None: every one, as on the H100 SXM / H200). A
+    pick that does not fit gives way to the width's pick for the next larger batch that does
+    (128K, B <= 4: 16 CTAs of 8K -> 8 of 16K), then to any split that holds the row and
+    fits, then to the one-CTA kernel: on parts whose GPCs hold fewer SMs (an H20's, an H100
+    PCIe's) a 16-CTA cluster would fail at its first launch."""
+    fits = fits or (lambda split: True)
     for widest, picks in PICKS:
         if width <= widest:
-            return next(split for largest, split in picks if largest is None or batch <= largest)
-    return next((s for s in SPLITS if s.capacity >= width), None)
+            wanted = [split for largest, split in picks if largest is None or batch <= largest]
+            return next((split for split in wanted if fits(split)), None) or next(
+                (split for split in SPLITS if split.capacity >= width and fits(split)), None
+            )
+    return next((split for split in SPLITS if split.capacity >= width and fits(split)), None)
 
 
 # Shared words of the CTA's own histograms, zeroed each launch: rounds 1 and 2, the list's

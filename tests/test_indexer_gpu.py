@@ -598,6 +598,40 @@ def test_every_top_k_variant_equals_the_reference_exactly(split, kind):
         assert torch.equal(out[long], ref.to_slots(first, tables, 64)[long])
 
 
+def test_cluster_fits_asks_the_driver():
+    """launch.cluster_fits on this GPU: small clusters fit anywhere; an H100 SXM's or H200's GPCs
+    (132 SMs) hold TopK's 16-CTA clusters at one and at two CTAs an SM; 32 exceeds what the
+    driver allows (16, non-portable). Answers are cached per (device, ctas, per_sm)."""
+    from graphstep import launch
+
+    cuda = torch.device("cuda")
+    assert launch.cluster_fits(cuda, 2, 1) and launch.cluster_fits(cuda, 8, 2)
+    if torch.cuda.get_device_properties(cuda).multi_processor_count == 132:
+        assert launch.cluster_fits(cuda, 16, 1) and launch.cluster_fits(cuda, 16, 2)
+    assert not launch.cluster_fits(cuda, 32, 1)
+    assert (torch.cuda.current_device(), 32, 1) in launch._FITS
+
+
+def test_top_k_on_a_part_whose_gpcs_hold_8_ctas_takes_a_smaller_split(monkeypatch):
+    """With cluster_fits answering as a part whose GPCs hold 8 CTAs (an H20's), a 128K row at
+    B = 2 runs the 8-CTA split instead of the 16-CTA pick, and gives the reference's slots."""
+    from graphstep import launch
+
+    monkeypatch.setattr(launch, "cluster_fits", lambda device, ctas, per_sm: ctas <= 8)
+    width, lengths = 131072, [131072, 70001]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scores = _variant_scores("continuous", 2, width)
+    scores = scores.masked_fill(torch.arange(width, device="cuda")[None] >= lens[:, None].long(), float("-inf"))
+    tables = _tables(2, width, seed=41)
+    state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=2, max_context=256, device="cuda")
+    kernels = Kernels(state.shape, state.weights)
+    assert kernels.top_k_split(width, 2, scores.device) == top_k_kernels.Split(8, 512, 8, 4, listed=False)
+    out = torch.full((2, 2048), -7, dtype=torch.int32, device="cuda")
+    kernels.top_k(scores, tables, lens, out, torch.empty(2, 2048, device="cuda"), 2)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref.to_slots(ref.topk_indices(scores, 2048), tables, 64))
+
+
 def _assert_reference_top_k(out, out_scores, scores, tables, dcp: int, rank: int) -> None:
     """TopK's outputs against the reference: the slots of the top k (dcp 1), or this rank's
     candidates and their scores (DCP)."""

@@ -396,6 +396,52 @@ def test_split_for_covers_every_width():
     assert len({s.name for s in top_k.SPLITS}) == len(top_k.SPLITS)
 
 
+def test_a_split_whose_cluster_does_not_fit_gives_way():
+    """On a part whose GPCs hold fewer SMs (fits: a cluster of at most 8 or 4 CTAs), the pick
+    gives way to the width's pick for the next larger batch that fits, then to any split that
+    holds the row, then to the one-CTA kernel (None); with every cluster fitting, the picks."""
+    at_most = {n: (lambda split, n=n: split.ctas <= n) for n in (4, 8, 16)}
+    for width in (2048, 8192, 32768, 65536, 131072, 196608, 262144):
+        for batch in (1, 4, 12, 16, 32, 64):
+            assert top_k.split_for(width, batch, at_most[16]) == top_k.split_for(width, batch)
+            for n in (4, 8):
+                split = top_k.split_for(width, batch, at_most[n])
+                assert split is None or (split.ctas <= n and split.capacity >= width), (width, batch, n)
+    assert top_k.split_for(131072, 1) == top_k.Split(16, 512, 4)
+    assert top_k.split_for(131072, 1, at_most[8]) == top_k.Split(8, 512, 8, 4, listed=False)  # B <= 12's pick
+    assert top_k.split_for(131072, 1, at_most[4]) == top_k.Split(4, 1024, 8, 4, listed=False)  # B <= 24's
+    assert top_k.split_for(32768, 1, at_most[4]) == top_k.Split(4, 512, 4)
+    assert top_k.split_for(262144, 1) == top_k.Split(16, 1024, 4) and top_k.split_for(262144, 1, at_most[8]) is None
+    assert top_k.split_for(32768, 64, lambda split: False) is None
+    assert [s.per_sm for s in (top_k.Split(16, 1024, 2), top_k.Split(16, 512, 4))] == [1, 2]
+
+
+def test_the_launcher_picks_and_warms_splits_the_device_can_hold(monkeypatch):
+    """Kernels asks launch.cluster_fits of the launch's device (a CUDA one: off CUDA every split
+    fits) for the pick, and its variants for warm-up are the same picks."""
+    asked = []
+
+    def fits(device, ctas, per_sm):
+        asked.append((str(device), ctas, per_sm))
+        return ctas <= 8
+
+    monkeypatch.setattr(launch, "cluster_fits", fits)
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    kernels = Kernels(shape, None)
+    narrow = top_k.Split(8, 512, 8, 4, listed=False)
+    assert kernels.top_k_split(131072, 2) == top_k.Split(16, 512, 4) and not asked  # no device: the tuned picks
+    assert kernels.top_k_split(131072, 2, "cpu") == top_k.Split(16, 512, 4) and not asked
+    assert kernels.top_k_split(131072, 2, "cuda:0") == narrow and ("cuda:0", 16, 2) in asked
+    names = {v.name for v in kernels.variants((1, 2, 4), 131072, device="cuda:0") if v.name.startswith("top_k")}
+    assert names == {f"top_k_{narrow.name}"}, names
+    names = {v.name for v in kernels.variants((1, 2, 4), 131072) if v.name.startswith("top_k")}
+    assert names == {"top_k_c16x512x16"}, names
+
+
+def test_cluster_fits_off_cuda_asks_no_driver():
+    assert launch.cluster_fits("cpu", 16, 1) and launch.cluster_fits(None, 32, 1)
+
+
 def _dsa_index_args(batch: int, context: int) -> tuple:
     """A TP 8 launcher and DsaIndex's tensor arguments for `batch` tokens at `context`."""
     state = LayerState(RankShape(preset("deepseek-v3.2"), Topology(tp=8)), max_batch=batch, max_context=context, seed=1)

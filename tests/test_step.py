@@ -287,7 +287,7 @@ def test_the_cute_stages_compile_the_sparse_cores_polling_variants_only_for_fork
         shape = RankShape(dataclasses.replace(SMALL, index_heads=64), topology)  # the kernels' indexer geometry
         step = DecodeStep(shape, capture_sizes=(4,), backend="torch", device="cpu", max_context=200)
         stages = CuteStages(step.state, step.buffers, step.error, DEFAULT_BUDGET_NS)
-        monkeypatch.setattr(stages.kernels, "warm", lambda sizes, width, p, group: asked.append(p))
+        monkeypatch.setattr(stages.kernels, "warm", lambda sizes, width, p, group, device: asked.append(p))
         stages.warm((4,), modes)
         assert asked[-1] == polls, (topology, modes)
 
