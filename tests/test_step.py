@@ -42,6 +42,22 @@ def test_load_pads_the_rows_past_the_batch_after_a_full_batch_filled_them():
     assert torch.equal(b.slot_mapping[:3], short.slot_mapping)
 
 
+def test_load_reuses_its_copies_only_while_the_buffers_are_the_same_tensors():
+    """load() keeps its destination views and padding per batch; a buffer replaced since (a new
+    tensor) gets fresh ones, so no load writes into a tensor the step no longer reads."""
+    step = _step()
+    first, second = step.state.inputs(3, seed=3), step.state.inputs(3, seed=4)
+    step.load(first)
+    plan = step._load_plan(3, 4)
+    assert step._load_plan(3, 4)[0][0] is plan[0][0]  # reused
+    old = step.buffers.qkv
+    step.buffers.qkv = torch.full_like(old, 7)
+    step.load(second)
+    assert torch.equal(step.buffers.qkv[:3], second.qkv) and (step.buffers.qkv[3] == 0).all()
+    assert torch.equal(old[:3], first.qkv), "the replaced buffer is not written"
+    assert step.load(step.state.inputs(4, seed=5)) == 4 and step.load(step.state.inputs(1, seed=6)) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
