@@ -158,7 +158,7 @@ def bench_context(
         cost = {c.name: c for c in stage_costs(shape, batch, context)}
         wq_b_bytes = cost["index_query"].bytes
         score_bytes = cost["index_score"].bytes
-        split = k0.top_k_split(width, batch)
+        split = k0.top_k_split(width, batch, torch.device("cuda"))
         rows.append(
             dict(
                 context=context,
@@ -198,7 +198,7 @@ def bench_top_k_variants(
         slots = torch.empty(batch, m.index_topk, dtype=torch.int32, device="cuda")
         unused = torch.empty(batch, m.index_topk, device="cuda")
         expect = ref.to_slots(ref.topk_indices(scores, m.index_topk), tables, m.page_size)
-        picked = kernels.top_k_split(width, batch)
+        picked = kernels.top_k_split(width, batch, scores.device)
         row = dict(context=context, batch=batch, picked=picked.name if picked else "one-cta")
         for split in variants:
             name = split.name if split else "one-cta"
@@ -557,7 +557,7 @@ def main_top_k_trace_step(args, shape: RankShape, replays: int = 20) -> int:
         for size in sizes:
             load_batch(step, size, context)
             us = statistics.median(replay_us(step, size, replays=replays))
-            split = top_k_kernels.split_for(width, size)
+            split = step.stages.kernels.top_k_split(width, size, step.device)
             if split is None:
                 continue  # the one-CTA TopK has no trace
             timeline = top_k_timeline(step.buffers.slots[:size], split.ctas)

@@ -232,20 +232,24 @@ def cluster_fits(device, ctas: int, per_sm: int) -> bool:
 
 def _max_active_clusters(index: int, ctas: int, per_sm: int) -> int:
     """cuOccupancyMaxActiveClusters of clusters of `ctas` CTAs at `per_sm` CTAs an SM on
-    device `index`, in its primary context (torch's), pushed for the query (0 where the
-    driver refuses the cluster size)."""
+    device `index`, in its primary context (torch's), pushed for the query: 0 where the
+    driver refuses the cluster size (CUDA_ERROR_INVALID_CLUSTER_SIZE); any other error raises."""
     from cuda.bindings import driver as cu
 
     def checked(result):
         error, *values = result
         if error != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cluster_fits: {cu.cuGetErrorString(error)[1]}")
+            raise RuntimeError(f"cluster_fits: {error.name}")
         return values[0] if values else None
 
     checked(cu.cuInit(0))
     device = checked(cu.cuDeviceGet(index))
     context = checked(cu.cuDevicePrimaryCtxRetain(device))
-    checked(cu.cuCtxPushCurrent(context))
+    try:
+        checked(cu.cuCtxPushCurrent(context))
+    except RuntimeError:
+        cu.cuDevicePrimaryCtxRelease(device)
+        raise
     try:
         attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
         smem = checked(cu.cuDeviceGetAttribute(attribute, device)) // per_sm - 1024  # 1 KB a CTA is reserved
@@ -264,12 +268,14 @@ def _max_active_clusters(index: int, ctas: int, per_sm: int) -> int:
             config.sharedMemBytes = smem  # per_sm of these fill an SM's shared memory, per_sm + 1 do not
             config.attrs, config.numAttrs = [cluster], 1
             error, count = cu.cuOccupancyMaxActiveClusters(function, config)
-            return count if error == cu.CUresult.CUDA_SUCCESS else 0
+            if error == cu.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE:
+                return 0
+            return checked((error, count))
         finally:
-            checked(cu.cuModuleUnload(module))
+            cu.cuModuleUnload(module)
     finally:
-        checked(cu.cuCtxPopCurrent())
-        checked(cu.cuDevicePrimaryCtxRelease(device))
+        cu.cuCtxPopCurrent()
+        cu.cuDevicePrimaryCtxRelease(device)
 
 
 def pool_slots(cache: torch.Tensor, page_size: int) -> int:
@@ -332,6 +338,7 @@ class Kernels:
         self._sinks: dict[torch.device, ErrorWord] = {}  # error words of launches given none
         self._stacked: dict[torch.device, torch.Tensor] = {}  # DcpMerge's offsets of stacked candidates
         self._sms: dict[torch.device | None, int] = {}  # sm_count per device, asked once
+        self._splits: dict[tuple, object] = {}  # top_k_split's picks per (width, batch, device)
 
     def _error(self, error: ErrorWord | None, like: torch.Tensor) -> ErrorWord:
         """`error`, or this launcher's own word on `like`'s device (created at its first
@@ -375,7 +382,10 @@ class Kernels:
         `device` (its clusters resident there: `cluster_fits`; None: the H100 SXM / H200's)."""
         from .kernels.top_k import split_for
 
-        return split_for(width, batch, self._fits(device))
+        key = (width, batch, device)
+        if key not in self._splits:  # (an eager launch's host time: split_for and the probes once)
+            self._splits[key] = split_for(width, batch, self._fits(device))
+        return self._splits[key]
 
     def _fits(self, device):
         """top_k.split_for's predicate on `device` (None where every split fits: off CUDA)."""
@@ -431,11 +441,21 @@ class Kernels:
         self, batches=range(1, 65), width: int | None = None, polls=(False, True), group: bool = False, device=None
     ) -> None:
         """Compile every variant `variants` lists (no launches); by default those of batches
-        1 .. 64 with every TopK split."""
+        1 .. 64 with every TopK split. On a CUDA device also asks which TopK clusters it holds
+        (`cluster_fits`), so no launch asks the driver, inside a capture or out."""
         from .kernels import catalog
 
         for variant in self.variants(batches, width, polls, group, device):
             catalog.compile_op(variant.op, variant.args)
+        self._probe_clusters(device)
+
+    def _probe_clusters(self, device) -> None:
+        """cluster_fits for every TopK split on `device` (CUDA only), before any capture."""
+        from .kernels.top_k import SPLITS
+
+        if device is not None and torch.device(device).type == "cuda":
+            for split in SPLITS:
+                cluster_fits(device, split.ctas, split.per_sm)
 
     # -- how a launch passes its arguments: CuTe DSL values (TvmFfiKernels: plain ones) --
 
@@ -984,6 +1004,7 @@ class TvmFfiKernels(Kernels):
     ) -> None:
         for variant in self.variants(batches, width, polls, group, device):
             self._function(variant)
+        self._probe_clusters(device)
 
     def _ptr(self, tensor: torch.Tensor, align: int = 16) -> int:
         return checked_address(tensor, align)

@@ -131,12 +131,15 @@ def _op(name: str, mutates_args: tuple[str, ...]):
     return define
 
 
-def warm(shape: RankShape, batches=range(1, 65), width: int | None = None, pdl: bool = True) -> None:
+def warm(shape: RankShape, batches=range(1, 65), width: int | None = None, pdl: bool = True, device=None) -> None:
     """Compile every kernel variant the ops launch for these batch sizes over block tables of
-    `width` scores (None: every TopK split), so that a graph capture compiles nothing. Under
-    TVM-FFI a module still loads at its first launch: run each op once eagerly at every batch
-    size before capturing it (the module docstring)."""
-    _kernels(shape_key(shape), pdl).warm(batches, width)
+    `width` scores (None: every TopK split) on `device` (None: the current CUDA device, if
+    any: TopK's picks are the splits whose clusters it holds), so that a graph capture
+    compiles nothing. Under TVM-FFI a module still loads at its first launch: run each op once
+    eagerly at every batch size before capturing it (the module docstring)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    _kernels(shape_key(shape), pdl).warm(batches, width, device=device)
 
 
 def check_args(op: str, **args) -> None:

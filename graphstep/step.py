@@ -154,7 +154,7 @@ class DecodeStep:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
         self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
-        self._copies: dict[int, tuple] = {}  # load()'s destinations and padding per batch (_load_plan)
+        self._copies: dict = {}  # load()'s destinations and padding per batch, and what they view (_load_plan)
 
     @property
     def caches(self) -> LayerCaches:
@@ -388,21 +388,22 @@ class DecodeStep:
     def _load_plan(self, batch: int, size: int) -> tuple[list, list]:
         """load()'s copies for `batch` rows at captured size `size`: the four input buffers' first
         `batch` rows, then (size > batch) their padded rows, and the padding values for those
-        (qkv 0, context 1, slot -1, the spare page). Made once per batch, then reused while the
-        buffers are the same tensors (slicing and filling per step cost ~10 us of host time)."""
+        (qkv 0, context 1, slot -1, the spare page; slices of one max_batch-row tensor each).
+        Made once per batch, then reused while the buffers are the same tensors (slicing and
+        filling per step cost ~10 us of host time); a replaced buffer drops every plan."""
         b = self.buffers
         inputs = (b.qkv, b.context_lens, b.slot_mapping, b.block_tables)
-        cached = self._copies.get(batch)
-        if cached is not None and cached[0] == size and all(x is y for x, y in zip(cached[1], inputs)):
-            return cached[2], cached[3]
-        destinations = [t[:batch] for t in inputs]
-        padding = []
-        if size > batch:
-            destinations += [t[batch:size] for t in inputs]
+        if not all(x is y for x, y in zip(self._copies.get("buffers", ()), inputs)) or not self._copies:
             values = (0, 1, -1, self.state.trash_page)
-            padding = [torch.full_like(t[batch:size], value) for t, value in zip(inputs, values)]
-        self._copies[batch] = (size, inputs, destinations, padding)
-        return destinations, padding
+            self._copies = {"buffers": inputs, "padding": [torch.full_like(t, v) for t, v in zip(inputs, values)]}
+        if batch not in self._copies:
+            destinations = [t[:batch] for t in inputs]
+            padding = []
+            if size > batch:
+                destinations += [t[batch:size] for t in inputs]
+                padding = [p[: size - batch] for p in self._copies["padding"]]
+            self._copies[batch] = (destinations, padding)
+        return self._copies[batch]
 
     def step(
         self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False, check_values: bool = True

@@ -420,13 +420,11 @@ def split_for(width: int, batch: int, fits=None) -> Split | None:
     fits, then to the one-CTA kernel: on parts whose GPCs hold fewer SMs (an H20's, an H100
     PCIe's) a 16-CTA cluster would fail at its first launch."""
     fits = fits or (lambda split: True)
-    for widest, picks in PICKS:
-        if width <= widest:
-            wanted = [split for largest, split in picks if largest is None or batch <= largest]
-            return next((split for split in wanted if fits(split)), None) or next(
-                (split for split in SPLITS if split.capacity >= width and fits(split)), None
-            )
-    return next((split for split in SPLITS if split.capacity >= width and fits(split)), None)
+    wanted = next(
+        ([s for largest, s in picks if largest is None or batch <= largest] for w, picks in PICKS if width <= w), []
+    )
+    held = [split for split in SPLITS if split.capacity >= width]
+    return next((split for split in wanted + held if fits(split)), None)
 
 
 # Shared words of the CTA's own histograms, zeroed each launch: rounds 1 and 2, the list's
@@ -473,7 +471,7 @@ def list_entries(split: Split) -> int:
         + 16 * split.threads * split.stashed
         + ROW_SLACK
     )
-    budget = SMEM_PER_SM // (65536 // (64 * split.threads)) - 1024
+    budget = SMEM_PER_SM // split.per_sm - 1024
     own = 128 * split.loads
     entries = min(own, (budget - fixed) // (8 * warps) // 32 * 32)
     return entries if 4 * entries >= own else 0

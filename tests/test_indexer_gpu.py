@@ -610,6 +610,8 @@ def test_cluster_fits_asks_the_driver():
         assert launch.cluster_fits(cuda, 16, 1) and launch.cluster_fits(cuda, 16, 2)
     assert not launch.cluster_fits(cuda, 32, 1)
     assert (torch.cuda.current_device(), 32, 1) in launch._FITS
+    index = torch.cuda.current_device()  # the probe's shared memory sets the CTAs an SM holds
+    assert launch._max_active_clusters(index, 1, 2) > launch._max_active_clusters(index, 1, 1) > 0
 
 
 def test_top_k_on_a_part_whose_gpcs_hold_8_ctas_takes_a_smaller_split(monkeypatch):

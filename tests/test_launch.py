@@ -436,6 +436,14 @@ def test_the_launcher_picks_and_warms_splits_the_device_can_hold(monkeypatch):
     assert names == {f"top_k_{narrow.name}"}, names
     names = {v.name for v in kernels.variants((1, 2, 4), 131072) if v.name.startswith("top_k")}
     assert names == {"top_k_c16x512x16"}, names
+    asked.clear()
+    assert (
+        kernels.top_k_split(131072, 2, "cuda:0") == narrow and not asked
+    )  # the pick is kept per (width, batch, device)
+    kernels._probe_clusters("cpu")
+    assert not asked
+    kernels._probe_clusters("cuda:0")  # warm's: every split asked before any capture
+    assert asked == [("cuda:0", s.ctas, s.per_sm) for s in top_k.SPLITS]
 
 
 def test_cluster_fits_off_cuda_asks_no_driver():
