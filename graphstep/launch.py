@@ -233,7 +233,7 @@ def cluster_fits(device, ctas: int, per_sm: int) -> bool:
 def _max_active_clusters(index: int, ctas: int, per_sm: int) -> int:
     """cuOccupancyMaxActiveClusters of clusters of `ctas` CTAs at `per_sm` CTAs an SM on
     device `index`, in its primary context (torch's), pushed for the query: 0 where the
-    driver refuses the cluster size (CUDA_ERROR_INVALID_CLUSTER_SIZE); any other error raises."""
+    driver refuses the cluster size (an invalid cluster size or value); any other error raises."""
     from cuda.bindings import driver as cu
 
     def checked(result):
@@ -268,8 +268,8 @@ def _max_active_clusters(index: int, ctas: int, per_sm: int) -> int:
             config.sharedMemBytes = smem  # per_sm of these fill an SM's shared memory, per_sm + 1 do not
             config.attrs, config.numAttrs = [cluster], 1
             error, count = cu.cuOccupancyMaxActiveClusters(function, config)
-            if error == cu.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE:
-                return 0
+            if error in (cu.CUresult.CUDA_ERROR_INVALID_CLUSTER_SIZE, cu.CUresult.CUDA_ERROR_INVALID_VALUE):
+                return 0  # a cluster size the driver refuses (past 16, its non-portable limit)
             return checked((error, count))
         finally:
             cu.cuModuleUnload(module)
