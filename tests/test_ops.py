@@ -318,3 +318,24 @@ def test_tvm_ffi_arguments_are_plain_values_and_cpu_tensors_are_refused():
     assert (kernels._i32(7), kernels._i64(2**40), kernels._f32(1e-6)) == (7, 2**40, 1e-6)
     with pytest.raises(ValueError, match="kernel arguments must be CUDA tensors"):
         kernels._ptr(torch.zeros(4))
+
+
+def test_warm_compiles_for_the_device_the_ops_will_run_on(monkeypatch):
+    """ops.warm passes its device (the current CUDA one by default) to the launcher's warm, whose
+    TopK picks then are the splits that device's clusters fit (launch.cluster_fits); off CUDA
+    none."""
+    asked = []
+
+    class Launcher:
+        def warm(self, batches, width, device=None):
+            asked.append((tuple(batches), width, device))
+
+    monkeypatch.setattr(ops, "_kernels", lambda key, pdl: Launcher())
+    shape = RankShape(preset("deepseek-v3.2"), Topology(tp=8))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ops.warm(shape, (1, 4), 4096)
+    ops.warm(shape, (2,), None, device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    ops.warm(shape, (1,), 8192)
+    assert asked == [((1, 4), 4096, None), ((2,), None, "cuda:1"), ((1,), 8192, torch.device("cuda", 3))]
