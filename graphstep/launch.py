@@ -198,12 +198,18 @@ class ErrorWord:
             raise CandidatesTimeout(rank, [missing])
 
 
+def on_cuda(device) -> bool:
+    """Whether `device` (a torch.device, a string or None) is a CUDA device: what the device
+    queries below (SMs, resident clusters) ask; off CUDA they answer for the tuned part."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
 def sm_count(device=None) -> int:
     """The SMs of `device` if it is a CUDA device (a MIG slice's own), else the 132 of an H100
     SXM / H200 the kernels are tuned on (sparse_core.SMS): what bounds a polling launch."""
     from .kernels.sparse_core import SMS
 
-    if device is None or torch.device(device).type != "cuda":
+    if not on_cuda(device):
         return SMS
     return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
 
@@ -220,7 +226,7 @@ def cluster_fits(device, ctas: int, per_sm: int) -> bool:
     lets exactly per_sm CTAs share an SM; a cluster must fit in one GPC). True off CUDA.
     Asked once per (device, ctas, per_sm). The H100 SXM's and H200's GPCs hold TopK's 16-CTA
     clusters; an H20's or H100 PCIe's may not (top_k.split_for then picks a smaller split)."""
-    if device is None or torch.device(device).type != "cuda":
+    if not on_cuda(device):
         return True
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
@@ -389,7 +395,7 @@ class Kernels:
 
     def _fits(self, device):
         """top_k.split_for's predicate on `device` (None where every split fits: off CUDA)."""
-        if device is None or torch.device(device).type != "cuda":
+        if not on_cuda(device):
             return None
         return lambda split: cluster_fits(device, split.ctas, split.per_sm)
 
@@ -453,7 +459,7 @@ class Kernels:
         """cluster_fits for every TopK split on `device` (CUDA only), before any capture."""
         from .kernels.top_k import SPLITS
 
-        if device is not None and torch.device(device).type == "cuda":
+        if on_cuda(device):
             for split in SPLITS:
                 cluster_fits(device, split.ctas, split.per_sm)
 

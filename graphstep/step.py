@@ -154,7 +154,10 @@ class DecodeStep:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._captured_pointers: tuple[int, ...] | None = None
         self.nonfinite_rows: list[int] = []  # rows of the last checked step's qkv with NaN or inf
-        self._copies: dict = {}  # load()'s destinations and padding per batch, and what they view (_load_plan)
+        # load()'s copies (_load_plan): the buffers they view, their padding values, the plan per batch
+        self._load_views: tuple = ()
+        self._load_padding: list[torch.Tensor] = []
+        self._load_plans: dict[int, tuple[list, list]] = {}
 
     @property
     def caches(self) -> LayerCaches:
@@ -393,17 +396,17 @@ class DecodeStep:
         filling per step cost ~10 us of host time); a replaced buffer drops every plan."""
         b = self.buffers
         inputs = (b.qkv, b.context_lens, b.slot_mapping, b.block_tables)
-        if not all(x is y for x, y in zip(self._copies.get("buffers", ()), inputs)) or not self._copies:
+        if len(self._load_views) != len(inputs) or any(x is not y for x, y in zip(self._load_views, inputs)):
             values = (0, 1, -1, self.state.trash_page)
-            self._copies = {"buffers": inputs, "padding": [torch.full_like(t, v) for t, v in zip(inputs, values)]}
-        if batch not in self._copies:
-            destinations = [t[:batch] for t in inputs]
-            padding = []
+            self._load_views, self._load_plans = inputs, {}
+            self._load_padding = [torch.full_like(t, v) for t, v in zip(inputs, values)]
+        if batch not in self._load_plans:
+            destinations, padding = [t[:batch] for t in inputs], []
             if size > batch:
                 destinations += [t[batch:size] for t in inputs]
-                padding = [p[: size - batch] for p in self._copies["padding"]]
-            self._copies[batch] = (destinations, padding)
-        return self._copies[batch]
+                padding = [p[: size - batch] for p in self._load_padding]
+            self._load_plans[batch] = (destinations, padding)
+        return self._load_plans[batch]
 
     def step(
         self, inputs: StepInputs, peers: PeerInputs | None = None, eager: bool = False, check_values: bool = True
