@@ -42,6 +42,18 @@ def test_load_pads_the_rows_past_the_batch_after_a_full_batch_filled_them():
     assert torch.equal(b.slot_mapping[:3], short.slot_mapping)
 
 
+def test_outputs_view_the_buffers_the_step_holds_now():
+    """outputs() keeps its views per batch, in a new StepOutputs each call; a buffer replaced
+    since gets fresh views."""
+    step = _step()
+    first, again = step.outputs(3), step.outputs(3)
+    assert first is not again and first.out is again.out and first.out.shape[0] == 3
+    step.buffers.out = torch.full_like(step.buffers.out, 5)
+    fresh = step.outputs(3)
+    assert fresh.out is not first.out and (fresh.out == 5).all()
+    assert fresh.out.data_ptr() == step.buffers.out.data_ptr()
+
+
 def test_load_reuses_its_copies_only_while_the_buffers_are_the_same_tensors():
     """load() keeps its destination views and padding per batch; a buffer replaced since (a new
     tensor) gets fresh ones, so no load writes into a tensor the step no longer reads."""
