@@ -288,11 +288,8 @@ class DcpGroup:
         budget_ns: int = DEFAULT_BUDGET_NS,
         wait_s: float = 10.0,
     ):
-        topo = shape.topology
         if not isinstance(dcp, int) or not 2 <= dcp <= FLAG_WORDS:
             raise ValueError(f"a DCP group needs 2 <= dcp <= {FLAG_WORDS}, got {dcp!r}")
-        if topo.tp % dcp:
-            raise ValueError(f"tp {topo.tp} must be a multiple of dcp {dcp}: the unsharded layer has tp / dcp")
         if backend not in GROUP_POLICY:
             raise ValueError(f"backend {backend!r}: expected one of {tuple(GROUP_POLICY)}")
         check_budget(budget_ns)
@@ -305,7 +302,7 @@ class DcpGroup:
             raise ValueError(f"devices: one for every rank or one per rank ({dcp}), got {len(devices)}")
         self.devices = [self._device(d) for d in devices]
         self.dcp, self.backend = dcp, backend
-        unsharded = shape.with_topology(dcp=dcp, rank=0, split=False).unsharded()
+        unsharded = shape.with_topology(dcp=dcp, rank=0, split=False).unsharded()  # (raises unless dcp divides tp)
         sizes = check_capture_sizes(capture_sizes)
         self.unsharded = LayerState(unsharded, sizes[-1], max_context, seed, self.devices[0])
         self.rendezvous = Rendezvous(dcp, wait_s)

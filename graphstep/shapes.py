@@ -325,6 +325,8 @@ class RankShape:
         """The layer a DCP group of this rank's topology shards: tp / dcp ranks' heads, no DCP
         (graphstep.dcp_group builds it; its caches hold every rank's tokens)."""
         topo = self.topology
+        if topo.tp % topo.dcp:
+            raise ValueError(f"tp {topo.tp} must be a multiple of dcp {topo.dcp}: the unsharded layer has tp / dcp")
         return RankShape(self.model, replace(topo, tp=topo.tp // topo.dcp, dcp=1, rank=0, split=False))
 
     def with_topology(self, **changes) -> "RankShape":

@@ -371,3 +371,11 @@ def test_an_eager_group_step_issues_each_phase_for_every_rank_before_the_next(gr
     ranks = range(group.dcp)
     group._issue({rank: (4, "fork") for rank in ranks}, parity=1)
     assert issued == [(phase, rank, 4, "fork", 1) for phase in ("produce", "exchange", "consume") for rank in ranks]
+
+
+def test_the_unsharded_layer_needs_dcp_to_divide_tp():
+    """RankShape.unsharded() (the layer a group shards: tp / dcp ranks' heads) refuses a dcp
+    that does not divide tp instead of rounding the heads down."""
+    assert RankShape(SMALL, Topology(tp=4, dcp=2, rank=1)).unsharded().topology == Topology(tp=2)
+    with pytest.raises(ValueError, match="tp 4 must be a multiple of dcp 3"):
+        RankShape(SMALL, Topology(tp=4, dcp=3)).unsharded()
