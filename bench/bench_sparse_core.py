@@ -35,9 +35,11 @@ module's choice (sparse_core.CROSSOVER per cache, MMA_PRODUCER_BLOCKS, TRANSPOSE
 partial_wgmma_ws for 64-row CTAs, partial_mma_ws for 16-row ones) at --probe-batch; NAME:N
 with N / 16 of partial_mma_ws's rows bulk-copied (no_math:16 / no_math:0: the bulk-copy warp /
 the cp.async warps alone); no_combine: the module's path without its combine launch
-(sparse_core.COMBINE), the partial kernel's own time; no_dequant (tp1-fp8, ws / wsx): the
-producer stores the fp8 rows' raw words, no conversion. --probe-paths: the paths the probes run
-on (default ws; e.g. ws,wsx: each probe on the producer path without and with the crossover).
+(sparse_core.COMBINE), the partial kernel's own time; combine_early: the combine's
+griddepcontrol.wait at its end (sparse_core.COMBINE_EARLY), the partial grid's drain off its
+chain; no_dequant (tp1-fp8, ws / wsx): the producer stores the fp8 rows' raw words, no
+conversion. --probe-paths: the paths the probes run on (default ws; e.g. ws,wsx: each probe on
+the producer path without and with the crossover).
 FlashMLA: its sparse FP8-cache decode (SGLang kernel package 0.4.6 / vLLM 0.26), quoted as
 issue 9 gives it (measured on the same kind of H200, not run by this script), beside both of
 our caches; at TP 8 an engine pads 16 heads to 64, so the TP 8 rows compare with its h_q = 64
@@ -79,6 +81,8 @@ CROSSOVER_PATHS = {
     "wsxs": {"SKIP_UNMOVED": True},
     "wsxa": {"SKIP_UNMOVED": False},
 }
+# The probes of the combine launch (the module's path, not a producer path's): none, or early
+COMBINE_PROBES = ("no_combine", "combine_early")
 FLASH_MLA_US = {64: {1: 17.0, 4: 16.8, 16: 28.1, 64: 79.8}, 128: {1: 17.0, 4: 18.3, 16: 38.0, 64: 89.5}}
 
 
@@ -267,7 +271,8 @@ def main() -> int:
     parser.add_argument(
         "--probes",
         default="",
-        help="probes, each sparse_core.PROBES joined by + (producer paths; NAME:N: N sixteenths bulk), no_combine",
+        help="probes, each sparse_core.PROBES joined by + (producer paths; NAME:N: N sixteenths bulk), "
+        "no_combine, combine_early",
     )
     parser.add_argument(
         "--trace",
@@ -308,7 +313,7 @@ def main() -> int:
     paths = [(p, "") for p in args.paths.split(",")] if args.paths else [("", "")]
     probe_paths = args.probe_paths.split(",")
     for probe in (p for p in args.probes.split(",") if p):
-        paths += [("", probe)] if probe == "no_combine" else [(path, probe) for path in probe_paths]
+        paths += [("", probe)] if probe in COMBINE_PROBES else [(path, probe) for path in probe_paths]
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
@@ -319,11 +324,14 @@ def main() -> int:
             if bulk and not (bulk.isdigit() and int(bulk) <= 16):
                 parser.error(f"bulk-copied sixteenths must be 0 .. 16, got {bulk!r}")
             known = ("", "ws", "wsh", "wsr", "mws", "msync", "t", *CROSSOVER_PATHS)
-            probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, "no_combine"}
+            probes_ok = not probe or set(probe.split("+")) <= {*sparse_core.PROBES, *COMBINE_PROBES}
             if (path not in known and not path.startswith("mws")) or not probes_ok:
                 parser.error(f"unknown path {path!r} or probe {probe!r}")
             # the module's constants as they are, every one restored after this path's run
-            saved = {constant: getattr(sparse_core, constant) for constant in (*sparse_core.KNOBS, "PROBE", "COMBINE")}
+            saved = {
+                constant: getattr(sparse_core, constant)
+                for constant in (*sparse_core.KNOBS, "PROBE", "COMBINE", "COMBINE_EARLY")
+            }
             if bulk:
                 sparse_core.MMA_BULK_SIXTEENTHS = dict.fromkeys(saved["MMA_BULK_SIXTEENTHS"], int(bulk))
             if path.startswith("mws") or path == "msync":
@@ -342,8 +350,9 @@ def main() -> int:
                 sparse_core.RESHAPE_BLOCKS = 0 if path.endswith("h") else 1 << 30
             for constant, value in CROSSOVER_PATHS.get(path, {}).items():
                 setattr(sparse_core, constant, value)
-            sparse_core.PROBE = "" if probe == "no_combine" else probe
+            sparse_core.PROBE = "" if probe in COMBINE_PROBES else probe
             sparse_core.COMBINE = probe != "no_combine"
+            sparse_core.COMBINE_EARLY = probe == "combine_early"
             try:
                 probe_batches = [int(b) for b in args.probe_batch.split(",")] if probe else batches
                 found = bench_config(name, probe_batches, args.sweep, args.profile, args.reused_partials)

@@ -151,6 +151,11 @@ PROBE = ""
 # combine kernel, so a split token's out and lse are never written (wrong results): the
 # partial kernel's own time in a graph, against which the combine's share is judged.
 COMBINE = True
+# A device probe of the combine (bench_sparse_core.py --probes combine_early): True moves its
+# griddepcontrol.wait to its end (the publish after it), so it loads and combines partials while
+# the partial grid may still run (wrong results): the most a combine released token by token
+# (docs/levers.md Part Z) could take off the partial grid's drain.
+COMBINE_EARLY = False
 # 16-row CTAs take partial_mma_ws from this many blocks a CTA, per MLA cache, else
 # partial_mma_sync: with the bf16 cache always; with fp8 from 8 blocks (TP 8, B >= 32), below
 # which the two tie or the plain kernel wins (S.2; bench_sparse_core.py --paths msync,mws
@@ -359,6 +364,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         self.probe = PROBE if self.producer else ""
         self.probes = frozenset(p for p in self.probe.split("+") if p)
         self.combine = COMBINE
+        self.combine_early = bool(COMBINE_EARLY)
         if not self.probes <= set(PROBES):
             raise ValueError(f"sparse_core.PROBE must join some of {PROBES} by '+', got {self.probe!r}")
         if self.probing("no_dequant") and not ((self.wgmma or self.transposed) and mla_fp8):
@@ -576,10 +582,12 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         """One warp combines (quarter, head) of a token: no shared memory, no barrier."""
         live_head = head < self.gathered  # (the last CTA of four heads may have fewer)
         row = cutlass.min(head, self.gathered - 1)
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.combine_early):
+            cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        if cutlass.const_expr(self.publish):  # every partial CTA (the rows' readers) has finished
+        # every partial CTA (the rows' readers) has finished
+        if cutlass.const_expr(self.publish and not self.combine_early):
             if live_head:
                 self.publish_quarter(q_rows, q_out, token, row, quarter, lane)
         first = token * self.splits * self.q_heads + row  # split s at first + s x q_heads
@@ -602,6 +610,11 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
                 sums[d] = sums[d] + weight * outputs[s][d]
         if live_head:
             self.store_combined(sums, top, total, out, lse, token, row, quarter, lane)
+        if cutlass.const_expr(self.combine_early):
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.publish):
+                if live_head:
+                    self.publish_quarter(q_rows, q_out, token, row, quarter, lane)
 
     @cute.jit
     def combine_cta(
@@ -609,10 +622,12 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
     ):
         """The CTA's four warps combine (quarter, head) of a token, warp w splits w, w + 4, ...,
         meeting in shared memory (the splits' weights, the block reductions, the sums)."""
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.combine_early):
+            cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        if cutlass.const_expr(self.publish):  # every partial CTA (the rows' readers) has finished
+        # every partial CTA (the rows' readers) has finished
+        if cutlass.const_expr(self.publish and not self.combine_early):
             self.publish_quarter(q_rows, q_out, token, head, quarter, tid)
         first = token * self.splits * self.q_heads + head  # split s at first + s x q_heads
         # every load first: warp w's partial outputs (splits w, w + 4, ...; lane l dims
@@ -663,6 +678,10 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
                 for peer in cutlass.range_constexpr(1, 4):
                     sums[d] = sums[d] + red[128 * peer + 4 * lane + d]
             self.store_combined(sums, top, total, out, lse, token, head, quarter, lane)
+        if cutlass.const_expr(self.combine_early):
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.publish):
+                self.publish_quarter(q_rows, q_out, token, head, quarter, tid)
 
     @cute.jit
     def store_combined(self, sums, top, total, out, lse, token, head, quarter, lane):

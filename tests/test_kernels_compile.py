@@ -994,6 +994,40 @@ def test_sparse_core_no_combine_probe_drops_only_the_combine_launch(tmp_path, mo
     assert keys[True] != keys[False]
 
 
+@pytest.mark.parametrize("slots", [512, 64])  # 4 splits (combine_warp), 32 (combine_cta)
+def test_sparse_core_combine_early_probe_moves_only_the_combines_wait(tmp_path, monkeypatch, slots):
+    """bench_sparse_core.py --probes combine_early (sparse_core.COMBINE_EARLY): the combine loads
+    the partials before its griddepcontrol.wait (the default waits before any load); the partial
+    kernel's PTX is the default's and the probe is its own compile-cache entry."""
+    modules, keys = {}, {}
+    for early in (False, True):
+        monkeypatch.setattr(sparse_core, "COMBINE_EARLY", early)
+        variant = catalog.build(MMA_SHAPES["tp8"], "sparse_core", slots=slots)
+        assert variant.op.combine_early == early and variant.op.splits == 2048 // slots
+        keys[early] = catalog._key(variant.op, "sm_90a")
+        catalog.compile_op(variant.op, variant.args, "sm_90a", str(tmp_path / str(early)))
+        (ptx,) = [p.read_text() for p in (tmp_path / str(early)).iterdir() if p.suffix == ".ptx"]
+        modules[early] = {
+            short(re.match(r"\.entry (\w+)\(", e).group(1)): [
+                line.strip()
+                for line in e[: e.rindex("\n}") + 2].splitlines()
+                if not line.lstrip().startswith((".loc", ".file"))
+            ]
+            for e in _entries(ptx)
+        }
+    assert modules[True]["cute:sparse_core_partial"] == modules[False]["cute:sparse_core_partial"]
+    assert keys[True] != keys[False]
+    for early, module in modules.items():
+        combine = module["cute:sparse_core_combine"]
+        waits = [i for i, line in enumerate(combine) if line.startswith("griddepcontrol.wait")]
+        loads = [i for i, line in enumerate(combine) if re.match(r"(@!?%?\w+\s+)?ld\.global", line)]
+        assert len(waits) == 1 and loads
+        if early:  # the partials loaded before the wait
+            assert min(loads) < waits[0]
+        else:
+            assert waits[0] < min(loads)
+
+
 @pytest.mark.parametrize(
     "shape_name, slots, ways",
     [("tp1-fp8", 512, 1), ("tp1-fp8", 1024, 1), ("tp8", 512, 1), ("tp1-fp8", 128, 4), ("tp8", 64, 4)],
