@@ -536,6 +536,28 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
             P.store_u32x4(src, [Uint32(SENTINEL_WORD)] * 4)
 
     @cute.jit
+    def begin_combine(self, q_rows, q_out, token, head, quarter, thread, live):
+        """The combine's opening: its wait for the partial grid, its dependents launched, and,
+        every partial CTA (the query rows' readers) having finished, the rows' publish
+        (publish_quarter; `live`: a real head). Under the combine_early probe only the launch:
+        the wait and the publish move to end_combine."""
+        if cutlass.const_expr(not self.combine_early):
+            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.publish and not self.combine_early):
+            if live:
+                self.publish_quarter(q_rows, q_out, token, head, quarter, thread)
+
+    @cute.jit
+    def end_combine(self, q_rows, q_out, token, head, quarter, thread, live):
+        """Under the combine_early probe, the wait and the publish begin_combine left."""
+        if cutlass.const_expr(self.combine_early):
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.publish):
+                if live:
+                    self.publish_quarter(q_rows, q_out, token, head, quarter, thread)
+
+    @cute.jit
     def merge_max(self, top) -> Float32:
         """The max the splits' weights 2^(max_s - max) are taken against: 0 where every split
         is empty (max -inf), so each weight is 0, not NaN."""
@@ -582,14 +604,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
         """One warp combines (quarter, head) of a token: no shared memory, no barrier."""
         live_head = head < self.gathered  # (the last CTA of four heads may have fewer)
         row = cutlass.min(head, self.gathered - 1)
-        if cutlass.const_expr(not self.combine_early):
-            cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-
-        # every partial CTA (the rows' readers) has finished
-        if cutlass.const_expr(self.publish and not self.combine_early):
-            if live_head:
-                self.publish_quarter(q_rows, q_out, token, row, quarter, lane)
+        self.begin_combine(q_rows, q_out, token, row, quarter, lane, live_head)
         first = token * self.splits * self.q_heads + row  # split s at first + s x q_heads
         # every load first: each split's partial output (lane l: dims 4l .. 4l + 3 of the
         # quarter), then its (max, sum) in lane s
@@ -610,11 +625,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
                 sums[d] = sums[d] + weight * outputs[s][d]
         if live_head:
             self.store_combined(sums, top, total, out, lse, token, row, quarter, lane)
-        if cutlass.const_expr(self.combine_early):
-            cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.publish):
-                if live_head:
-                    self.publish_quarter(q_rows, q_out, token, row, quarter, lane)
+        self.end_combine(q_rows, q_out, token, row, quarter, lane, live_head)
 
     @cute.jit
     def combine_cta(
@@ -622,13 +633,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
     ):
         """The CTA's four warps combine (quarter, head) of a token, warp w splits w, w + 4, ...,
         meeting in shared memory (the splits' weights, the block reductions, the sums)."""
-        if cutlass.const_expr(not self.combine_early):
-            cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-
-        # every partial CTA (the rows' readers) has finished
-        if cutlass.const_expr(self.publish and not self.combine_early):
-            self.publish_quarter(q_rows, q_out, token, head, quarter, tid)
+        self.begin_combine(q_rows, q_out, token, head, quarter, tid, True)
         first = token * self.splits * self.q_heads + head  # split s at first + s x q_heads
         # every load first: warp w's partial outputs (splits w, w + 4, ...; lane l dims
         # 4l .. 4l + 3 of the quarter) and the splits' (max, sum) over the CTA's threads
@@ -678,10 +683,7 @@ class SparseCore(MmaPaths, WgmmaPaths, TransposedPaths):
                 for peer in cutlass.range_constexpr(1, 4):
                     sums[d] = sums[d] + red[128 * peer + 4 * lane + d]
             self.store_combined(sums, top, total, out, lse, token, head, quarter, lane)
-        if cutlass.const_expr(self.combine_early):
-            cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.publish):
-                self.publish_quarter(q_rows, q_out, token, head, quarter, tid)
+        self.end_combine(q_rows, q_out, token, head, quarter, tid, True)
 
     @cute.jit
     def store_combined(self, sums, top, total, out, lse, token, head, quarter, lane):
